@@ -1,0 +1,121 @@
+"""TT-SVD and random initialization of TT / TTM cores."""
+from __future__ import annotations
+
+from math import prod
+
+import torch
+
+from .layout import TTLayout, TTMLayout
+
+__all__ = ["tt_svd", "tt_from_linear_weight", "ttm_from_embedding_weight",
+           "random_cores", "tt_to_dense", "ttm_to_dense"]
+
+
+def tt_svd(tensor: torch.Tensor, ranks: tuple[int, ...]) -> list[torch.Tensor]:
+    """Sequential truncated SVD (Oseledets' TT-SVD).
+
+    Parameters
+    ----------
+    tensor : Tensor, shape ``(s_1, ..., s_K)``
+    ranks : tuple of int, length ``K - 1``
+        Internal ranks; each is clipped to what the unfolding allows.
+
+    Returns
+    -------
+    list of Tensor
+        ``K`` cores of shape ``(r_{k-1}, s_k, r_k)``. Exact when every rank is
+        at least the rank of the corresponding unfolding.
+    """
+    sizes = tensor.shape
+    work = tensor.reshape(1, -1)
+    cores = []
+    r_prev = 1
+    for k, s in enumerate(sizes[:-1]):
+        mat = work.reshape(r_prev * s, -1)
+        u, sv, vh = torch.linalg.svd(mat, full_matrices=False)
+        r = min(ranks[k], sv.numel())
+        cores.append(u[:, :r].reshape(r_prev, s, r))
+        work = sv[:r, None] * vh[:r]
+        r_prev = r
+    cores.append(work.reshape(r_prev, sizes[-1], 1))
+    return cores
+
+
+def _pad2(w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    out = w.new_zeros(rows, cols)
+    out[: w.shape[0], : w.shape[1]] = w
+    return out
+
+
+def _fit_ranks(cores: list[torch.Tensor], ranks: tuple[int, ...]) -> list[torch.Tensor]:
+    """Zero-pad cores whose SVD rank came out below the requested rank."""
+    full = (1, *ranks, 1)
+    fitted = []
+    for k, c in enumerate(cores):
+        shape = (full[k], *c.shape[1:-1], full[k + 1])
+        if tuple(c.shape) == shape:
+            fitted.append(c)
+            continue
+        z = c.new_zeros(shape)
+        z[: c.shape[0], ..., : c.shape[-1]] = c
+        fitted.append(z)
+    return fitted
+
+
+def tt_from_linear_weight(weight: torch.Tensor, layout: TTLayout) -> list[torch.Tensor]:
+    """TT cores for ``weight`` of shape ``[out, in]`` (input modes first)."""
+    w = _pad2(weight.detach().t().to(torch.float64), layout.padded_in, layout.padded_out)
+    cores = tt_svd(w.reshape(layout.site_sizes), layout.ranks)
+    return _fit_ranks(cores, layout.ranks)
+
+
+def ttm_from_embedding_weight(weight: torch.Tensor, layout: TTMLayout) -> list[torch.Tensor]:
+    """TTM cores ``(r, m_k, n_k, r)`` for a table of shape ``[V, D]``."""
+    d = len(layout.row_modes)
+    w = _pad2(weight.detach().to(torch.float64), layout.padded_rows, layout.padded_cols)
+    t = w.reshape(*layout.row_modes, *layout.col_modes)
+    perm = [i for k in range(d) for i in (k, d + k)]  # (m1, n1, m2, n2, ...)
+    t = t.permute(perm).reshape(layout.site_sizes)
+    cores = tt_svd(t, layout.ranks)
+    cores = [c.reshape(c.shape[0], m, n, c.shape[-1])
+             for c, m, n in zip(cores, layout.row_modes, layout.col_modes)]
+    return _fit_ranks(cores, layout.ranks)
+
+
+def random_cores(layout: TTLayout | TTMLayout, variance: float,
+                 generator: torch.Generator | None = None) -> list[torch.Tensor]:
+    """Gaussian cores whose product has entries of variance ``variance``.
+
+    An entry of the product is a sum over ``prod(r_1..r_{K-1})`` products of
+    ``K`` independent core entries, so each core gets variance
+    ``(variance / prod(ranks)) ** (1 / K)``.
+    """
+    shapes = layout.core_shapes()
+    per_core = (variance / prod(layout.ranks)) ** (1.0 / len(shapes))
+    return [torch.randn(s, generator=generator, dtype=torch.float64) * per_core ** 0.5
+            for s in shapes]
+
+
+def _chain(cores: list[torch.Tensor]) -> torch.Tensor:
+    """Contract cores along their bonds: returns ``(s_1 ... s_K)`` flattened per core."""
+    out = cores[0].reshape(-1, cores[0].shape[-1])  # (s1, r1)
+    for c in cores[1:]:
+        out = out @ c.reshape(c.shape[0], -1)  # (..., s_k * r_k)
+        out = out.reshape(-1, c.shape[-1])
+    return out.reshape(-1)
+
+
+def tt_to_dense(cores: list[torch.Tensor], layout: TTLayout) -> torch.Tensor:
+    """Dense weight ``[out, in]`` (unpadded) from TT cores."""
+    full = _chain(cores).reshape(layout.padded_in, layout.padded_out)
+    return full[: layout.in_features, : layout.out_features].t()
+
+
+def ttm_to_dense(cores: list[torch.Tensor], layout: TTMLayout) -> torch.Tensor:
+    """Dense table ``[V, D]`` (unpadded) from TTM cores."""
+    d = len(layout.row_modes)
+    flat = [c.reshape(c.shape[0], -1, c.shape[-1]) for c in cores]
+    t = _chain(flat).reshape([s for m, n in zip(layout.row_modes, layout.col_modes) for s in (m, n)])
+    perm = list(range(0, 2 * d, 2)) + list(range(1, 2 * d, 2))
+    full = t.permute(perm).reshape(layout.padded_rows, layout.padded_cols)
+    return full[: layout.num_embeddings, : layout.embedding_dim]

@@ -1,0 +1,178 @@
+"""Frontend: capture a model as a ``torch.fx.GraphModule``.
+
+First ``torch.fx`` symbolic tracing with every compressible layer kept as a
+leaf (``call_module``). Models fx cannot trace (HuggingFace transformers 5.x,
+data-dependent Python) go through ``torch.export.export(strict=False)`` with
+every input dimension dynamic where the model allows (``Dim.AUTO``); the
+exported ATen graph is then *outlined*: the nodes of each compressible layer
+(``aten.linear``, ``aten.embedding``, HF ``Conv1D``'s ``view/addmm/view``) and
+of each ``nn.Dropout`` are folded back into one ``call_module`` node on the
+model's own module, found through ``node.meta["nn_module_stack"]``. Both paths
+therefore hand the passes the same kind of graph.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.fx.passes.shape_prop import ShapeProp
+from torch.utils import _pytree as pytree
+
+from .errors import TraceError
+from .ir.program import InputSpec
+from .layers import is_compressible
+
+__all__ = ["trace", "split_example_inputs"]
+
+
+class LeafTracer(fx.Tracer):
+    """fx tracer that keeps compressible layers as leaves."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return is_compressible(m) or super().is_leaf_module(m, qualname)
+
+
+def split_example_inputs(example_inputs: Any) -> tuple[tuple, dict] | None:
+    """Normalize ``example_inputs`` (tuple of args, dict of kwargs, or one tensor)."""
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, dict):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return tuple(example_inputs), {}
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,), {}
+    raise TypeError("example_inputs must be a tuple of positional inputs, a dict of keyword "
+                    f"inputs or a single tensor, got {type(example_inputs).__name__}")
+
+
+def trace(model: nn.Module, example_inputs: Any = None) -> tuple[fx.GraphModule, InputSpec]:
+    """Capture ``model``; see the module docstring.
+
+    Raises
+    ------
+    TraceError
+        When fx fails and there are no ``example_inputs`` for export, or both fail.
+    ValueError
+        When ``example_inputs`` do not fit the model.
+    """
+    example = split_example_inputs(example_inputs)
+    name = type(model).__name__
+    try:
+        graph = LeafTracer().trace(model)
+        gm = fx.GraphModule(model, graph, class_name=name)
+    except Exception as fx_err:  # fx raises many kinds
+        if example is None:
+            raise TraceError(
+                f"torch.fx could not trace {name} ({type(fx_err).__name__}: {fx_err}). "
+                f"Pass example_inputs=(...) (a tuple of positional inputs or a dict of keyword "
+                f"inputs, e.g. {{'input_ids': ids}}) so tncompile can use torch.export instead."
+            ) from fx_err
+        return _trace_export(model, *example, fx_err)
+    if example is not None:
+        _propagate_shapes(gm, model, *example)
+    return gm, InputSpec("fx", described=_describe(example))
+
+
+def _describe(example) -> dict[str, str]:
+    if example is None:
+        return {}
+    return InputSpec.from_example("fx", *example).described
+
+
+def _propagate_shapes(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    except TypeError as e:
+        raise ValueError(f"example_inputs do not fit {type(model).__name__}.forward: {e}") from e
+    bound.apply_defaults()
+    values = [bound.arguments.get(p.target, p.args[0] if p.args else None) for p in placeholders]
+    try:
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*values)
+    except Exception as e:
+        raise ValueError(f"example_inputs do not fit {type(model).__name__}: running the model "
+                         f"on them failed with {type(e).__name__}: {e}") from e
+
+
+# ----------------------------------------------------------------- export path
+def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict):
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+
+    def spec(v):
+        if isinstance(v, torch.Tensor):
+            return {i: torch.export.Dim.AUTO for i in range(v.dim())}
+        return None
+
+    return {k: pytree.tree_map(spec, v) for k, v in bound.arguments.items()}
+
+
+def _trace_export(model: nn.Module, args: tuple, kwargs: dict, fx_err: Exception
+                  ) -> tuple[fx.GraphModule, InputSpec]:
+    name = type(model).__name__
+    try:
+        dynamic = _dynamic_shapes(model, args, kwargs)
+    except TypeError as e:
+        raise ValueError(f"example_inputs do not fit {name}.forward: {e}") from e
+    try:
+        ep = torch.export.export(model, args, kwargs, dynamic_shapes=dynamic, strict=False)
+    except Exception as ex_err:
+        raise TraceError(
+            f"could not capture {name}: torch.fx failed ({type(fx_err).__name__}: {fx_err}) and "
+            f"torch.export(strict=False) on example_inputs failed ({type(ex_err).__name__}: "
+            f"{str(ex_err).splitlines()[0] if str(ex_err) else ''}). Check that the model runs on "
+            f"example_inputs; non-tensor outputs such as caches must be turned off "
+            f"(e.g. use_cache=False in example_inputs)."
+        ) from ex_err
+    stateful = ep.module()
+    graph = stateful.graph
+    for node in list(graph.nodes):  # shape guards live in an unpicklable submodule
+        if node.op == "call_module" and node.target == "_guards_fn":
+            graph.erase_node(node)
+    gm = fx.GraphModule(stateful, graph, class_name=name)
+    _outline_modules(gm, model)
+    return gm, InputSpec.from_example("export", args, kwargs)
+
+
+def _outline_target(module: nn.Module) -> bool:
+    return is_compressible(module) or isinstance(module, nn.Dropout)
+
+
+def _outline_modules(gm: fx.GraphModule, model: nn.Module) -> None:
+    """Fold each call of a compressible / dropout module back into a ``call_module`` node."""
+    groups: dict[str, tuple[str, list[fx.Node]]] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        stack = node.meta.get("nn_module_stack")
+        if not stack:
+            continue
+        key, (path, _) = next(reversed(stack.items()))
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if _outline_target(module):
+            groups.setdefault(key, (path, []))[1].append(node)
+    for path, nodes in groups.values():
+        members = set(nodes)
+        tensor_inputs = {a for n in nodes for a in n.all_input_nodes
+                         if a not in members and a.op != "get_attr"
+                         and isinstance(a.meta.get("val"), torch.Tensor)}
+        escaping = [n for n in nodes if any(u not in members for u in n.users)]
+        if len(tensor_inputs) != 1 or len(escaping) != 1:
+            continue  # not a clean single-input/single-output call: leave it as ATen ops
+        (inp,), out = tuple(tensor_inputs), escaping[0]
+        gm.set_submodule(path, model.get_submodule(path), strict=False)
+        with gm.graph.inserting_before(out):
+            new = gm.graph.call_module(path, (inp,))
+        new.meta = {k: v for k, v in out.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")}
+        out.replace_all_uses_with(new)
+        for n in reversed(nodes):
+            gm.graph.erase_node(n)
+    gm.graph.eliminate_dead_code()
+    gm.delete_all_unused_submodules()
+    gm.recompile()

@@ -1,0 +1,150 @@
+"""Graph-level IR: a ``torch.fx.GraphModule`` plus what tncompile knows about it."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import fx, nn
+
+__all__ = ["Program", "InputSpec", "PassRecord", "count_params"]
+
+
+def count_params(module: nn.Module) -> int:
+    """Number of distinct parameter elements (tied parameters counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def _describe_value(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{str(v.dtype).replace('torch.', '')}[{','.join(map(str, v.shape))}]"
+    return repr(v)
+
+
+@dataclass
+class InputSpec:
+    """How the traced graph is called.
+
+    Attributes
+    ----------
+    frontend : str
+        ``"fx"`` (the graph takes the model's own signature) or ``"export"``
+        (the graph takes exactly the structure of ``example_inputs``).
+    arg_count : int
+        Positional arguments the exported graph takes.
+    kwarg_names : tuple of str
+        Keyword arguments the exported graph takes.
+    constants : dict
+        Non-tensor keyword inputs specialized at trace time; callers may
+        omit them and may not change them.
+    described : dict
+        ``name -> "dtype[shape]"`` of the example inputs, for the dump.
+    """
+
+    frontend: str
+    arg_count: int = 0
+    kwarg_names: tuple[str, ...] = ()
+    constants: dict[str, Any] = field(default_factory=dict)
+    described: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_example(cls, frontend: str, args: tuple, kwargs: dict) -> "InputSpec":
+        described = {f"arg{i}": _describe_value(a) for i, a in enumerate(args)}
+        described.update({k: _describe_value(v) for k, v in kwargs.items()})
+        constants = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}
+        return cls(frontend, len(args), tuple(kwargs), constants, described)
+
+    def bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Check a call against the traced structure and fill in constants."""
+        if self.frontend != "export":
+            return args, kwargs
+        if len(args) != self.arg_count:
+            raise TypeError(f"compiled model was traced with {self.arg_count} positional "
+                            f"input(s), got {len(args)}; traced inputs: {self._traced()}")
+        unknown = [k for k in kwargs if k not in self.kwarg_names]
+        if unknown:
+            raise TypeError(f"compiled model got keyword input(s) {unknown} it was not traced with; "
+                            f"traced inputs: {self._traced()}. Recompile with example_inputs "
+                            f"that include them.")
+        bound = dict(kwargs)
+        for k in self.kwarg_names:
+            if k in self.constants:
+                if k in bound and bound[k] != self.constants[k]:
+                    raise ValueError(f"input {k!r} was specialized to {self.constants[k]!r} at "
+                                     f"trace time, got {bound[k]!r}; recompile with that value")
+                bound[k] = self.constants[k]
+            elif k not in bound:
+                raise TypeError(f"compiled model is missing input {k!r}; traced inputs: {self._traced()}")
+        return args, {k: bound[k] for k in self.kwarg_names}
+
+    def _traced(self) -> str:
+        return ", ".join(f"{k}: {v}" for k, v in self.described.items()) or "()"
+
+
+@dataclass
+class PassRecord:
+    """One entry of a program's pass history."""
+
+    name: str
+    seconds: float
+    params: int
+    ratio: float
+
+
+class Program:
+    """A model as tncompile sees it.
+
+    Attributes
+    ----------
+    graph_module : torch.fx.GraphModule
+        The dataflow. Compressible layers are ``call_module`` leaves; after
+        tensorization their modules are TT / TTM layers.
+    inputs : InputSpec
+        How the graph is called.
+    original_params : int
+        Parameters of the model before compilation (tied counted once).
+    options : CompileOptions
+        What the passes were asked to do.
+    notes : dict
+        ``module name -> reason`` for every compressible layer left dense.
+    history : list of PassRecord
+        Passes run so far, in order.
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, inputs: InputSpec, original_params: int,
+                 options: Any = None):
+        self.graph_module = graph_module
+        self.inputs = inputs
+        self.original_params = int(original_params)
+        self.options = options
+        self.notes: dict[str, str] = {}
+        self.history: list[PassRecord] = []
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    def modules(self) -> Iterator[tuple[fx.Node, nn.Module]]:
+        """``(node, module)`` for every ``call_module`` node."""
+        for node in self.graph.nodes:
+            if node.op == "call_module":
+                yield node, self.graph_module.get_submodule(node.target)
+
+    def num_params(self) -> int:
+        return count_params(self.graph_module)
+
+    @property
+    def ratio(self) -> float:
+        """``params(now) / params(original)``."""
+        return self.num_params() / self.original_params
+
+    def dump(self, fmt: str = "text") -> str:
+        """Render as ``"text"`` (for people), ``"json"`` (for tools) or ``"dot"`` (graphviz)."""
+        from . import printers
+        renderers = {"text": printers.to_text, "json": printers.to_json, "dot": printers.to_dot}
+        if fmt not in renderers:
+            raise ValueError(f"unknown dump format {fmt!r}; use one of {sorted(renderers)}")
+        return renderers[fmt](self)
+
+    def __str__(self) -> str:
+        return self.dump("text")

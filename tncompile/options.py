@@ -1,0 +1,50 @@
+"""Settings of one compilation, read by the passes."""
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+__all__ = ["CompileOptions", "check_target_ratio"]
+
+
+def check_target_ratio(target_ratio: Any, argument: str = "target_ratio") -> float:
+    """Validate a size ratio in ``(0, 1]`` and return it as a float."""
+    if isinstance(target_ratio, bool) or not isinstance(target_ratio, numbers.Real):
+        raise TypeError(f"{argument} must be a number in (0, 1], got {type(target_ratio).__name__} "
+                        f"{target_ratio!r}; e.g. {argument}=0.05 for a model 20x smaller")
+    value = float(target_ratio)
+    if math.isnan(value) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{argument} must be in (0, 1], got {target_ratio!r}; it is "
+                         f"params(compiled) / params(model), e.g. 0.05 for 20x smaller")
+    return value
+
+
+@dataclass
+class CompileOptions:
+    """What ``tncompile.compile`` was asked to do; see its docstring."""
+
+    target_ratio: float = 0.05
+    target_modules: str | Sequence[str] = "all"
+    exclude_modules: str | Sequence[str] | None = None
+    rank_pattern: dict[str, int] | None = None
+    init: str = "svd"
+    batch_sizes: Sequence[int] | None = None
+    linear_cores: int = 3
+    embedding_cores: int = 4
+    seed: int | None = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.target_ratio = check_target_ratio(self.target_ratio)
+        if self.init not in ("svd", "random"):
+            raise ValueError(f"init must be 'svd' or 'random', got {self.init!r}")
+        for name in ("linear_cores", "embedding_cores"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.rank_pattern is not None:
+            for k, v in self.rank_pattern.items():
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"rank_pattern[{k!r}] must be a positive int rank, got {v!r}")

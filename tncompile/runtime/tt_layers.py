@@ -1,0 +1,327 @@
+"""Trainable TT / TTM layers: ``TTLinear``, ``TTMEmbedding`` and ``TTMTiedLinear``.
+
+Each layer holds its cores, one rank-gate vector per internal bond (all ones
+until rank adaptation trains them) and, for linears, a bias. The gates scale
+the right-hand bond of their core, so the network computes exactly the matrix
+``tt_to_dense(scaled_cores())``. The forward pass is one ``torch.einsum`` over
+the layer's :class:`~tncompile.ir.TensorNetwork` (opt_einsum picks the pairwise
+order); the contraction-planning pass replaces it with planned kernels.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..formats.decompose import (random_cores, tt_from_linear_weight, tt_to_dense,
+                                 ttm_from_embedding_weight, ttm_to_dense)
+from ..formats.layout import TTLayout, TTMLayout
+from ..ir.network import TensorNetwork
+
+__all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of"]
+
+INITS = ("svd", "random")
+
+
+def linear_weight_of(module: nn.Module) -> torch.Tensor:
+    """The ``[out, in]`` weight of an ``nn.Linear`` or a HuggingFace ``Conv1D``."""
+    if isinstance(module, nn.Linear):
+        return module.weight
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
+        return module.weight.t()  # HF Conv1D stores [in, out]
+    raise TypeError(f"{type(module).__name__} is not a linear layer")
+
+
+def _check_init(init: str) -> None:
+    if init not in INITS:
+        raise ValueError(f"init must be one of {INITS}, got {init!r}")
+
+
+class TNModule(nn.Module):
+    """Shared behaviour of layers stored as a tensor network."""
+
+    layout: TTLayout | TTMLayout
+    cores: nn.ParameterList
+    gates: nn.ParameterList
+
+    def _init_params(self, layout, device, dtype) -> None:
+        if layout.ranks is None:
+            raise ValueError(f"{type(self).__name__} needs a layout with ranks; "
+                             "call layout.with_ranks(r) first")
+        self.layout = layout
+        kw = {"device": device, "dtype": dtype}
+        self.cores = nn.ParameterList(nn.Parameter(torch.zeros(s, **kw)) for s in layout.core_shapes())
+        self.gates = nn.ParameterList(nn.Parameter(torch.ones(r, **kw)) for r in layout.ranks)
+
+    def scaled_cores(self) -> list[torch.Tensor]:
+        """Cores with each gate multiplied into its left core's right bond."""
+        cores = list(self.cores)
+        return [c * g for c, g in zip(cores[:-1], self.gates)] + [cores[-1]]
+
+    def set_cores(self, cores: Sequence[torch.Tensor]) -> None:
+        """Copy ``cores`` in (shapes must match the layout); gates reset to one."""
+        with torch.no_grad():
+            for p, c in zip(self.cores, cores):
+                if tuple(p.shape) != tuple(c.shape):
+                    raise ValueError(f"core shape {tuple(c.shape)} != expected {tuple(p.shape)}")
+                p.copy_(c)
+            for g in self.gates:
+                g.fill_(1.0)
+
+    def network(self) -> TensorNetwork:
+        return TensorNetwork.from_layout(self.layout, transpose=isinstance(self, TTMTiedLinear))
+
+    def compressed_params(self) -> int:
+        """Parameters of the cores and gates (not the bias)."""
+        return self.layout.num_params()
+
+    def extra_repr(self) -> str:
+        return f"{self.layout.describe()}, params={self.compressed_params():,}"
+
+
+class TTLinear(TNModule):
+    """``y = x @ W.T + b`` with ``W`` stored in TT format (input modes first).
+
+    Parameters
+    ----------
+    layout : TTLayout
+        Modes and ranks; ``layout.ranks`` must be set.
+    bias : bool
+        Whether the layer has a bias of shape ``[out_features]``.
+
+    Shapes
+    ------
+    input ``(..., in_features)`` -> output ``(..., out_features)``.
+    """
+
+    def __init__(self, layout: TTLayout, bias: bool = True, *, device=None, dtype=None):
+        super().__init__()
+        if not isinstance(layout, TTLayout):
+            raise TypeError(f"TTLinear needs a TTLayout, got {type(layout).__name__}")
+        self._init_params(layout, device, dtype)
+        self.in_features, self.out_features = layout.in_features, layout.out_features
+        self.bias = nn.Parameter(torch.zeros(layout.out_features, device=device, dtype=dtype)) if bias else None
+        self._equation = self.network().equation(include_gates=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, rank: int | Sequence[int] = 16, num_cores: int = 3,
+                    init: str = "svd", layout: TTLayout | None = None) -> "TTLinear":
+        """Build from an ``nn.Linear`` (or HF ``Conv1D``).
+
+        ``init="svd"`` fits the cores to the weight by TT-SVD (exact at full
+        rank); ``init="random"`` draws cores whose product has the variance of
+        ``nn.Linear``'s default init (``1 / (3 in_features)``).
+        """
+        _check_init(init)
+        weight = linear_weight_of(linear)
+        out_f, in_f = weight.shape
+        if layout is None:
+            layout = TTLayout.for_shape(in_f, out_f, num_cores)
+        if layout.ranks is None or rank is not None:
+            layout = layout.with_ranks(rank)
+        if (layout.in_features, layout.out_features) != (in_f, out_f):
+            raise ValueError(f"layout is for {layout.in_features}->{layout.out_features}, "
+                             f"layer is {in_f}->{out_f}")
+        bias = getattr(linear, "bias", None)
+        mod = cls(layout, bias=bias is not None, device=weight.device, dtype=weight.dtype)
+        cores = (tt_from_linear_weight(weight, layout) if init == "svd"
+                 else random_cores(layout, 1.0 / (3 * in_f)))
+        mod.set_cores([c.to(weight.dtype) for c in cores])
+        if bias is not None:
+            with torch.no_grad():
+                mod.bias.copy_(bias)
+        return mod
+
+    def weight(self) -> torch.Tensor:
+        """The dense ``[out_features, in_features]`` matrix the network stands for."""
+        return tt_to_dense(self.scaled_cores(), self.layout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lay = self.layout
+        if x.shape[-1] != lay.in_features:
+            raise ValueError(f"TTLinear expected last dim {lay.in_features}, got shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        h = x.reshape(-1, lay.in_features)
+        if lay.padded_in != lay.in_features:
+            h = F.pad(h, (0, lay.padded_in - lay.in_features))
+        h = h.reshape(h.shape[0], *lay.in_modes)
+        y = torch.einsum(self._equation, h, *self.scaled_cores())
+        y = y.reshape(y.shape[0], lay.padded_out)
+        if lay.padded_out != lay.out_features:
+            y = y[:, : lay.out_features]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, lay.out_features)
+
+    def to_dense_module(self) -> nn.Linear:
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                        device=self.cores[0].device, dtype=self.cores[0].dtype)
+        with torch.no_grad():
+            lin.weight.copy_(self.weight())
+            if self.bias is not None:
+                lin.bias.copy_(self.bias)
+        return lin
+
+
+class TTMEmbedding(TNModule):
+    """Embedding lookup with the table stored in TTM format.
+
+    Each id is split into mode digits ``(i_1..i_d)`` (row-major over
+    ``row_modes``); the slices ``G_k[:, i_k]`` are gathered and contracted.
+    ``padding_idx`` keeps ``nn.Embedding``'s meaning: its output is zero and
+    it sends no gradient to the cores.
+
+    Shapes
+    ------
+    input ``(...)`` integer ids -> output ``(..., embedding_dim)``.
+    """
+
+    def __init__(self, layout: TTMLayout, padding_idx: int | None = None, *, device=None, dtype=None):
+        super().__init__()
+        if not isinstance(layout, TTMLayout):
+            raise TypeError(f"TTMEmbedding needs a TTMLayout, got {type(layout).__name__}")
+        self._init_params(layout, device, dtype)
+        self.num_embeddings, self.embedding_dim = layout.num_embeddings, layout.embedding_dim
+        if padding_idx is not None:
+            if not -self.num_embeddings <= padding_idx < self.num_embeddings:
+                raise ValueError(f"padding_idx {padding_idx} out of range for {self.num_embeddings} rows")
+            padding_idx %= self.num_embeddings
+        self.padding_idx = padding_idx
+        d = len(layout.row_modes)
+        sym = "abcdefghijklmnopqrstuvwxyz"
+        bonds, cols = sym[:d + 1], sym[d + 1: 2 * d + 1]
+        # gathered core k: (r_k, T, n_k, r_{k+1}); token index is 'T' (upper case)
+        lhs = ",".join(f"{bonds[k]}T{cols[k]}{bonds[k + 1]}" for k in range(d))
+        self._equation = f"{lhs}->T{cols}"
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, rank: int | Sequence[int] = 16,
+                       num_cores: int = 4, init: str = "svd",
+                       layout: TTMLayout | None = None) -> "TTMEmbedding":
+        """Build from an ``nn.Embedding``.
+
+        ``init="svd"`` fits the cores by TT-SVD; ``init="random"`` matches the
+        variance of ``nn.Embedding``'s default ``N(0, 1)`` init.
+        ``max_norm`` and ``sparse=True`` are not supported (``ValueError``).
+        """
+        _check_init(init)
+        if embedding.max_norm is not None:
+            raise ValueError("TTMEmbedding does not support max_norm (it renormalizes rows in "
+                             "place); leave this embedding dense")
+        if embedding.sparse:
+            raise ValueError("TTMEmbedding does not support sparse=True gradients; leave this "
+                             "embedding dense")
+        weight = embedding.weight
+        V, D = weight.shape
+        if layout is None:
+            layout = TTMLayout.for_shape(V, D, num_cores)
+        if layout.ranks is None or rank is not None:
+            layout = layout.with_ranks(rank)
+        if (layout.num_embeddings, layout.embedding_dim) != (V, D):
+            raise ValueError(f"layout is for {layout.num_embeddings}x{layout.embedding_dim}, table is {V}x{D}")
+        mod = cls(layout, padding_idx=embedding.padding_idx, device=weight.device, dtype=weight.dtype)
+        cores = ttm_from_embedding_weight(weight, layout) if init == "svd" else random_cores(layout, 1.0)
+        mod.set_cores([c.to(weight.dtype) for c in cores])
+        return mod
+
+    def weight(self) -> torch.Tensor:
+        """The dense ``[num_embeddings, embedding_dim]`` table (padding row as stored)."""
+        return ttm_to_dense(self.scaled_cores(), self.layout)
+
+    def _check_ids(self, ids: torch.Tensor) -> None:
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"TTMEmbedding expects integer ids, got {ids.dtype}")
+        if torch.compiler.is_compiling() or ids.numel() == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.num_embeddings:
+            bad = lo if lo < 0 else hi
+            raise IndexError(f"TTMEmbedding: id {bad} out of range [0, {self.num_embeddings})")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        self._check_ids(ids)
+        lay = self.layout
+        flat = ids.reshape(-1).long()
+        digits = []
+        rest = flat
+        for m in reversed(lay.row_modes):
+            digits.append(rest % m)
+            rest = torch.div(rest, m, rounding_mode="floor")
+        digits.reverse()
+        gathered = [c.index_select(1, i) for c, i in zip(self.scaled_cores(), digits)]
+        out = torch.einsum(self._equation, *gathered)
+        out = out.reshape(flat.shape[0], lay.padded_cols)
+        if lay.padded_cols != lay.embedding_dim:
+            out = out[:, : lay.embedding_dim]
+        if self.padding_idx is not None:
+            out = out * (flat != self.padding_idx).unsqueeze(-1).to(out.dtype)
+        return out.reshape(*ids.shape, lay.embedding_dim)
+
+    def to_dense_module(self) -> nn.Embedding:
+        emb = nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx,
+                           device=self.cores[0].device, dtype=self.cores[0].dtype)
+        with torch.no_grad():
+            emb.weight.copy_(self.weight())
+            if self.padding_idx is not None:
+                emb.weight[self.padding_idx].zero_()
+        return emb
+
+    def extra_repr(self) -> str:
+        pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""
+        return super().extra_repr() + pad
+
+
+class TTMTiedLinear(TNModule):
+    """Output head tied to a :class:`TTMEmbedding`: ``y = x @ E.T + b``.
+
+    The cores and gates *are* the embedding's (one set of parameters serves
+    both, as ``lm_head.weight is wte.weight`` in the dense model); only the
+    bias, if any, is the head's own.
+
+    Shapes
+    ------
+    input ``(..., embedding_dim)`` -> output ``(..., num_embeddings)``.
+    """
+
+    def __init__(self, embedding: TTMEmbedding, bias: bool = False):
+        super().__init__()
+        self.embedding = embedding
+        self.in_features, self.out_features = embedding.embedding_dim, embedding.num_embeddings
+        self.bias = nn.Parameter(torch.zeros(self.out_features, device=embedding.cores[0].device,
+                                             dtype=embedding.cores[0].dtype)) if bias else None
+        self._equation = TensorNetwork.from_layout(embedding.layout, transpose=True).equation(False)
+
+    @property
+    def layout(self) -> TTMLayout:  # type: ignore[override]
+        return self.embedding.layout
+
+    @property
+    def cores(self) -> nn.ParameterList:  # type: ignore[override]
+        return self.embedding.cores
+
+    @property
+    def gates(self) -> nn.ParameterList:  # type: ignore[override]
+        return self.embedding.gates
+
+    def compressed_params(self) -> int:
+        return 0  # shared with the embedding
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lay = self.layout
+        if x.shape[-1] != lay.embedding_dim:
+            raise ValueError(f"TTMTiedLinear expected last dim {lay.embedding_dim}, got {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        h = x.reshape(-1, lay.embedding_dim)
+        if lay.padded_cols != lay.embedding_dim:
+            h = F.pad(h, (0, lay.padded_cols - lay.embedding_dim))
+        h = h.reshape(h.shape[0], *lay.col_modes)
+        y = torch.einsum(self._equation, h, *self.embedding.scaled_cores())
+        y = y.reshape(y.shape[0], lay.padded_rows)[:, : lay.num_embeddings]
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*lead, lay.num_embeddings)
+
+    def extra_repr(self) -> str:
+        return f"tied to embedding {self.layout.describe()}, bias={self.bias is not None}"
