@@ -71,9 +71,19 @@ def trace(model: nn.Module, example_inputs: Any = None) -> tuple[fx.GraphModule,
                 f"inputs, e.g. {{'input_ids': ids}}) so tncompile can use torch.export instead."
             ) from fx_err
         return _trace_export(model, *example, fx_err)
+    gm.training = model.training
+    _drop_annotations(gm)
     if example is not None:
         _propagate_shapes(gm, model, *example)
     return gm, InputSpec("fx", described=_describe(example))
+
+
+def _drop_annotations(gm: fx.GraphModule) -> None:
+    """Forget Python type annotations of graph values: they are cosmetic, and
+    fx cannot pickle the generated code that refers to them."""
+    for node in gm.graph.nodes:
+        node.type = None
+    gm.recompile()
 
 
 def _describe(example) -> dict[str, str]:
@@ -132,8 +142,11 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict, fx_err: Exception
     for node in list(graph.nodes):  # shape guards live in an unpicklable submodule
         if node.op == "call_module" and node.target == "_guards_fn":
             graph.erase_node(node)
+    graph._tracer_cls = None  # export's tracer cannot re-trace the code when unpickling
     gm = fx.GraphModule(stateful, graph, class_name=name)
+    gm._tracer_cls, gm._tracer_extras = None, {}
     _outline_modules(gm, model)
+    gm.training = model.training
     return gm, InputSpec.from_example("export", args, kwargs)
 
 

@@ -131,7 +131,14 @@ class Program:
                 yield node, self.graph_module.get_submodule(node.target)
 
     def num_params(self) -> int:
-        return count_params(self.graph_module)
+        """Parameters of the program; a layer awaiting decomposition counts as
+        the network it will become once its ranks are assigned."""
+        pending = {id(m): m for _, m in self.modules() if getattr(m, "is_pending", False)}
+        if not pending:
+            return count_params(self.graph_module)
+        skip = {id(m.weight) for m in pending.values()}
+        rest = {id(p): p for p in self.graph_module.parameters() if id(p) not in skip}
+        return sum(p.numel() for p in rest.values()) + sum(m.projected_params() for m in pending.values())
 
     @property
     def ratio(self) -> float:

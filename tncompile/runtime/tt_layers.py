@@ -107,7 +107,8 @@ class TTLinear(TNModule):
 
     @classmethod
     def from_linear(cls, linear: nn.Module, rank: int | Sequence[int] = 16, num_cores: int = 3,
-                    init: str = "svd", layout: TTLayout | None = None) -> "TTLinear":
+                    init: str = "svd", layout: TTLayout | None = None,
+                    generator: torch.Generator | None = None) -> "TTLinear":
         """Build from an ``nn.Linear`` (or HF ``Conv1D``).
 
         ``init="svd"`` fits the cores to the weight by TT-SVD (exact at full
@@ -127,7 +128,7 @@ class TTLinear(TNModule):
         bias = getattr(linear, "bias", None)
         mod = cls(layout, bias=bias is not None, device=weight.device, dtype=weight.dtype)
         cores = (tt_from_linear_weight(weight, layout) if init == "svd"
-                 else random_cores(layout, 1.0 / (3 * in_f)))
+                 else random_cores(layout, 1.0 / (3 * in_f), generator))
         mod.set_cores([c.to(weight.dtype) for c in cores])
         if bias is not None:
             with torch.no_grad():
@@ -199,7 +200,8 @@ class TTMEmbedding(TNModule):
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, rank: int | Sequence[int] = 16,
                        num_cores: int = 4, init: str = "svd",
-                       layout: TTMLayout | None = None) -> "TTMEmbedding":
+                       layout: TTMLayout | None = None,
+                       generator: torch.Generator | None = None) -> "TTMEmbedding":
         """Build from an ``nn.Embedding``.
 
         ``init="svd"`` fits the cores by TT-SVD; ``init="random"`` matches the
@@ -222,7 +224,7 @@ class TTMEmbedding(TNModule):
         if (layout.num_embeddings, layout.embedding_dim) != (V, D):
             raise ValueError(f"layout is for {layout.num_embeddings}x{layout.embedding_dim}, table is {V}x{D}")
         mod = cls(layout, padding_idx=embedding.padding_idx, device=weight.device, dtype=weight.dtype)
-        cores = ttm_from_embedding_weight(weight, layout) if init == "svd" else random_cores(layout, 1.0)
+        cores = ttm_from_embedding_weight(weight, layout) if init == "svd" else random_cores(layout, 1.0, generator)
         mod.set_cores([c.to(weight.dtype) for c in cores])
         return mod
 

@@ -1,0 +1,112 @@
+"""``tncompile.compile``: frontend -> pipeline -> CompiledModel."""
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Sequence
+
+from torch import nn
+
+from . import frontend
+from .compiled import CompiledModel
+from .ir.program import Program, count_params
+from .options import CompileOptions, check_target_ratio
+from .passes import Pass, Pipeline, default_pipeline
+
+__all__ = ["compile"]
+
+DUMP_ENV = "TNCOMPILE_DUMP"
+
+
+def _pipeline(passes: Pipeline | Sequence[Pass | str] | None) -> Pipeline:
+    if passes is None:
+        return default_pipeline()
+    if isinstance(passes, Pipeline):
+        return Pipeline(passes.passes)  # a copy: running never edits the caller's pipeline
+    if isinstance(passes, (str, Pass)):
+        passes = [passes]
+    return Pipeline(passes)
+
+
+def compile(
+    model: nn.Module,
+    target_ratio: float = 0.05,
+    example_inputs: Any = None,
+    target_modules: str | Sequence[str] = "all",
+    exclude_modules: str | Sequence[str] | None = None,
+    rank_pattern: dict[str, int] | None = None,
+    init: str = "svd",
+    batch_sizes: Sequence[int] | None = None,
+    passes: Pipeline | Sequence[Pass | str] | None = None,
+    dump_dir: str | os.PathLike | None = None,
+    inplace: bool = False,
+    *,
+    linear_cores: int = 3,
+    embedding_cores: int = 4,
+    seed: int | None = 0,
+) -> CompiledModel:
+    """Compile ``model`` into rank-adaptive TT / TTM form.
+
+    Parameters
+    ----------
+    model : nn.Module
+        Never mutated unless ``inplace=True``.
+    target_ratio : float in (0, 1]
+        ``params(compiled) / params(model)`` for the whole model; the result is
+        never above it and, when the layouts allow, within 10% below.
+    example_inputs : tuple, dict or Tensor, optional
+        Inputs to trace with; required when torch.fx cannot trace the model
+        (tncompile then uses ``torch.export`` and the compiled model takes
+        exactly this structure of inputs).
+    target_modules, exclude_modules : "all", list of name suffixes, or "re:<regex>"
+        Which ``nn.Linear`` / ``nn.Embedding`` / HF ``Conv1D`` layers to compress.
+    rank_pattern : dict, optional
+        ``{name suffix or "re:<regex>": rank}`` fixed ranks for some layers.
+    init : {"svd", "random"}
+        TT-SVD of the dense weights, or a fresh variance-matched init.
+    batch_sizes : sequence of int, optional
+        Batch sizes to plan contractions for ahead of time.
+    passes : Pipeline or list of pass names / Pass objects, optional
+        Defaults to :func:`tncompile.default_pipeline`.
+    dump_dir : path, optional
+        Write ``NN-<pass>.txt`` / ``.json`` after every pass (also set by the
+        ``TNCOMPILE_DUMP`` environment variable).
+    inplace : bool
+        Swap the compressed layers into ``model`` itself (saves a copy).
+    linear_cores, embedding_cores : int
+        Cores per side of a TT linear (default 3) and cores of a TTM embedding (4).
+    seed : int or None
+        Seed of ``init="random"``.
+
+    Returns
+    -------
+    CompiledModel
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tncompile.compile expects an nn.Module, got {type(model).__name__}")
+    check_target_ratio(target_ratio)
+    options = CompileOptions(target_ratio=target_ratio, target_modules=target_modules,
+                             exclude_modules=exclude_modules, rank_pattern=rank_pattern, init=init,
+                             batch_sizes=batch_sizes, linear_cores=linear_cores,
+                             embedding_cores=embedding_cores, seed=seed)
+    pipeline = _pipeline(passes)
+    dump_dir = dump_dir if dump_dir is not None else os.environ.get(DUMP_ENV) or None
+    work = model if inplace else copy.deepcopy(model)
+    gm, inputs = frontend.trace(work, example_inputs)
+    program = Program(gm, inputs, count_params(model), options)
+    program = pipeline.run(program, dump_dir=dump_dir)
+    compiled = CompiledModel(program)
+    if inplace:
+        _swap_into(model, program)
+    return compiled
+
+
+def _swap_into(model: nn.Module, program: Program) -> None:
+    """Put the compiled layers into the user's own module tree."""
+    for node, mod in program.modules():
+        try:
+            current = model.get_submodule(node.target)
+        except AttributeError:
+            continue
+        if current is not mod:
+            model.set_submodule(node.target, mod)

@@ -1,0 +1,83 @@
+"""``CompiledModel``: the trainable result of ``tncompile.compile``."""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import fx, nn
+
+from .ir.program import Program
+from .report import Report, build_report
+from .runtime.tt_layers import TNModule, TTMTiedLinear
+
+__all__ = ["CompiledModel"]
+
+
+class CompiledModel(nn.Module):
+    """A compiled model: call it like the original, train it like any module.
+
+    Attributes
+    ----------
+    model : torch.fx.GraphModule
+        The rewritten graph (its parameters are the compiled model's).
+    program : Program
+        The IR, with pass history and notes.
+    """
+
+    def __init__(self, program: Program):
+        super().__init__()
+        self.model = program.graph_module
+        self._program = program
+        self.training = program.graph_module.training
+
+    @property
+    def program(self) -> Program:
+        return self._program
+
+    def forward(self, *args, **kwargs):
+        args, kwargs = self._program.inputs.bind(args, kwargs)
+        return self.model(*args, **kwargs)
+
+    @property
+    def ratio(self) -> float:
+        """``params(compiled) / params(original)``, tied parameters counted once."""
+        return self._program.ratio
+
+    def report(self) -> Report:
+        """Per layer: format, modes, ranks, params dense -> compiled, ratio, FLOPs per token."""
+        return build_report(self._program)
+
+    def tensorized_modules(self) -> dict[str, TNModule]:
+        """``name -> TT/TTM layer`` for every tensorized node."""
+        return {node.target: m for node, m in self._program.modules() if isinstance(m, TNModule)}
+
+    def to_dense(self) -> fx.GraphModule:
+        """A plain module with every network multiplied back into a dense layer.
+
+        Tied heads stay tied to the rebuilt embedding. The result takes the
+        same inputs as the compiled graph.
+        """
+        gm = copy.deepcopy(self.model)
+        dense: dict[int, nn.Module] = {}
+        targets = [n.target for n in gm.graph.nodes if n.op == "call_module"]
+        tn = {t: gm.get_submodule(t) for t in dict.fromkeys(targets)
+              if isinstance(gm.get_submodule(t), TNModule)}
+        for t, m in tn.items():
+            if not isinstance(m, TTMTiedLinear):
+                dense[id(m)] = m.to_dense_module()
+                gm.set_submodule(t, dense[id(m)])
+        for t, m in tn.items():
+            if isinstance(m, TTMTiedLinear):
+                emb = dense.get(id(m.embedding)) or m.embedding.to_dense_module()
+                head = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None,
+                                 device=emb.weight.device, dtype=emb.weight.dtype)
+                head.weight = emb.weight
+                if m.bias is not None:
+                    with torch.no_grad():
+                        head.bias.copy_(m.bias)
+                gm.set_submodule(t, head)
+        gm.recompile()
+        return gm
+
+    def extra_repr(self) -> str:
+        return f"ratio={self.ratio:.4f}, frontend={self._program.inputs.frontend}"

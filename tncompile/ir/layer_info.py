@@ -1,0 +1,72 @@
+"""One dictionary describing a layer, shared by the dumps and the report."""
+from __future__ import annotations
+
+from typing import Any
+
+import opt_einsum
+from torch import nn
+
+__all__ = ["layer_info", "fmt_count", "ranks_str"]
+
+
+def fmt_count(n: float) -> str:
+    """``1234567 -> '1.23M'``."""
+    n = float(n)
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.3g}{unit}"
+    return f"{n:.0f}"
+
+
+def ranks_str(ranks) -> str:
+    if ranks is None:
+        return "pending"
+    if len(set(ranks)) == 1:
+        return f"{ranks[0]}" if len(ranks) == 1 else f"{ranks[0]} (x{len(ranks)})"
+    return ",".join(map(str, ranks))
+
+
+def _lookup_flops(layout) -> int:
+    """FLOPs of contracting the gathered TTM slices for one id."""
+    r = layout.full_ranks
+    shapes = [(r[k], n, r[k + 1]) for k, n in enumerate(layout.col_modes)]
+    sym = opt_einsum.get_symbol
+    d = len(shapes)
+    eq = ",".join(f"{sym(k)}{sym(d + 1 + k)}{sym(k + 1)}" for k in range(d))
+    eq += "->" + "".join(sym(d + 1 + k) for k in range(d))
+    _, info = opt_einsum.contract_path(eq, *shapes, shapes=True)
+    return int(info.opt_cost)
+
+
+def layer_info(module: nn.Module) -> dict[str, Any] | None:
+    """Format, layout, sizes and per-token FLOPs of a tensorized or pending layer;
+    ``None`` for any other module."""
+    layout = getattr(module, "layout", None)
+    if layout is None or not hasattr(layout, "format"):
+        return None
+    pending = getattr(module, "is_pending", False)
+    tied = getattr(module, "tied_to", None) if pending else (
+        type(module).__name__ == "TTMTiedLinear")
+    info: dict[str, Any] = {
+        "format": layout.format + ("-tied" if tied else ""),
+        "modes": layout.modes_str(),
+        "ranks": list(layout.ranks) if layout.ranks is not None else None,
+        "pending": bool(pending),
+        "dense_params": layout.dense_params,
+        "tn_params": layout.num_params() if layout.ranks is not None else None,
+    }
+    if tied:
+        info["tn_params"] = 0
+        if pending:
+            info["tied_to"] = module.tied_to
+    if layout.ranks is not None:
+        info["ratio"] = layout.num_params() / layout.dense_params
+        if layout.format == "TTM" and not tied:
+            info["dense_flops_per_token"] = 0
+            info["tn_flops_per_token"] = _lookup_flops(layout)
+        else:
+            from .network import TensorNetwork
+            net = TensorNetwork.from_layout(layout, transpose=bool(tied))
+            info["dense_flops_per_token"] = layout.dense_flops(1)
+            info["tn_flops_per_token"] = net.contraction_cost(1).flops
+    return info

@@ -1,0 +1,13 @@
+"""Passes over a :class:`~tncompile.ir.Program` and the default pipeline."""
+from .base import FunctionPass, Pass, Pipeline, get_pass, register_pass, registered_passes
+from .tensorize import Tensorize
+from .assign_ranks import AssignRanks
+from .decompose import Decompose
+
+__all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes",
+           "default_pipeline", "Tensorize", "AssignRanks", "Decompose"]
+
+
+def default_pipeline() -> Pipeline:
+    """``tensorize -> assign_ranks -> decompose``, a fresh, editable copy."""
+    return Pipeline(["tensorize", "assign_ranks", "decompose"])

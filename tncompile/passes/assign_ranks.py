@@ -1,0 +1,105 @@
+"""``assign_ranks``: size every network so the whole model meets ``target_ratio``."""
+from __future__ import annotations
+
+from ..ir.program import Program
+from ..runtime.pending import PendingLayer
+from .base import Pass, register_pass
+from .selection import pattern_lookup
+
+__all__ = ["AssignRanks"]
+
+
+@register_pass
+class AssignRanks(Pass):
+    """Give every pending network a rank so that
+    ``params(compiled) <= target_ratio * params(model)``, as close below it as
+    the layouts allow.
+
+    Ranks are uniform per layer (every internal bond gets the layer's rank,
+    clipped to its bound). Layers named in ``rank_pattern`` get that rank;
+    the others share one rank ``r`` found by bisection, then single layers are
+    raised one step at a time (largest first) while the budget allows. No
+    layer gets a rank at which its network is not smaller than its dense
+    weight.
+
+    Raises
+    ------
+    ValueError
+        If rank 1 everywhere (and ``rank_pattern``) is already above the
+        target; the message gives the smallest reachable ratio.
+    """
+
+    name = "assign_ranks"
+
+    def run(self, program: Program) -> Program:
+        opts = program.options
+        owners: dict[str, PendingLayer] = {}
+        for node, mod in program.modules():
+            if isinstance(mod, PendingLayer) and mod.tied_to is None:
+                owners.setdefault(node.target, mod)
+        if not owners:
+            return program
+        weights = {id(m.weight) for m in owners.values()}
+        unique = {id(p): p for p in program.graph_module.parameters() if id(p) not in weights}
+        base = sum(p.numel() for p in unique.values())
+        budget = opts.target_ratio * program.original_params
+
+        fixed = {n: r for n in owners if (r := pattern_lookup(n, opts.rank_pattern)) is not None}
+        caps = {n: self._break_even(m) for n, m in owners.items()}
+        size = {n: (lambda r, lay=m.layout: lay.with_ranks(r).num_params()) for n, m in owners.items()}
+
+        def total(ranks: dict[str, int]) -> int:
+            return base + sum(size[n](ranks[n]) for n in owners)
+
+        def uniform(r: int) -> dict[str, int]:
+            return {n: fixed.get(n, min(r, caps[n])) for n in owners}
+
+        smallest = total(uniform(1))
+        if smallest > budget:
+            hint = " with the ranks fixed by rank_pattern" if fixed else ""
+            raise ValueError(
+                f"target_ratio={opts.target_ratio:g} cannot be reached: the smallest possible ratio "
+                f"is {smallest / program.original_params:.4g} (every tensorized layer at rank 1{hint}; "
+                f"{base:,} parameters stay dense). Raise target_ratio to at least that, or compress "
+                f"more layers (target_modules) or use more cores per layer.")
+        lo, hi = 1, max(caps.values())
+        while lo < hi:  # largest uniform rank within budget
+            mid = (lo + hi + 1) // 2
+            if total(uniform(mid)) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        ranks = uniform(lo)
+        used = total(ranks)
+        order = sorted((n for n in owners if n not in fixed),
+                       key=lambda n: owners[n].layout.dense_params, reverse=True)
+        grew = True
+        while grew:
+            grew = False
+            for n in order:
+                if ranks[n] >= caps[n]:
+                    continue
+                delta = size[n](ranks[n] + 1) - size[n](ranks[n])
+                if used + delta <= budget:
+                    ranks[n] += 1
+                    used += delta
+                    grew = True
+        for n, mod in owners.items():
+            mod.layout = mod.layout.with_ranks(ranks[n])
+        for _, mod in program.modules():  # tied heads share their embedding's layout
+            if isinstance(mod, PendingLayer) and mod.tied_to is not None:
+                mod.layout = owners[mod.tied_to].layout
+        return program
+
+    @staticmethod
+    def _break_even(mod: PendingLayer) -> int:
+        """Largest rank whose network is still smaller than the dense weight."""
+        lay = mod.layout
+        lo, hi = 1, max(lay.rank_bounds())
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if lay.with_ranks(mid).num_params() < lay.dense_params:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

@@ -1,0 +1,200 @@
+"""Pass infrastructure: ``Pass``, a registry, and an ordered, editable ``Pipeline``."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from time import perf_counter
+from typing import Callable, Iterable, Iterator
+
+from tqdm.auto import tqdm
+
+from ..errors import PassError, TNCompileError
+from ..ir.program import PassRecord, Program
+
+__all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes",
+           "normalize_name"]
+
+
+def normalize_name(name: str) -> str:
+    """Pass names compare with ``-`` and ``_`` alike (``assign-ranks == assign_ranks``)."""
+    return name.strip().replace("-", "_")
+
+
+class Pass:
+    """A rewrite of a :class:`~tncompile.ir.Program`.
+
+    Subclasses set ``name`` and implement :meth:`run`, which may rewrite
+    ``program.graph_module`` in place with ordinary fx tools (and return
+    ``None`` or the program) or return a new program.
+    """
+
+    name: str = ""
+
+    def run(self, program: Program) -> Program | None:  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__}.run")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class FunctionPass(Pass):
+    """A pass made from a function ``program -> program | None``."""
+
+    def __init__(self, fn: Callable[[Program], Program | None], name: str | None = None):
+        self.fn = fn
+        self.name = name or fn.__name__
+
+    def run(self, program: Program) -> Program | None:
+        return self.fn(program)
+
+
+_REGISTRY: dict[str, Callable[[], Pass]] = {}
+
+
+def register_pass(obj=None, *, name: str | None = None, overwrite: bool = False):
+    """Register a pass class (or a function) under its name.
+
+    Use as ``@register_pass`` on a ``Pass`` subclass or a function
+    ``program -> program``, or call ``register_pass(MyPass)``. Registered
+    names can be used in ``compile(passes=[...])`` and pipeline edits.
+    """
+
+    def do(target):
+        if isinstance(target, type) and issubclass(target, Pass):
+            key, factory = name or target.name, target
+        elif isinstance(target, Pass):
+            key, factory = name or target.name, (lambda t=target: t)
+        elif callable(target):
+            key = name or target.__name__
+            factory = (lambda f=target, k=key: FunctionPass(f, k))
+        else:
+            raise TypeError(f"register_pass takes a Pass subclass, a Pass or a function, got {target!r}")
+        if not key:
+            raise ValueError(f"{target!r} has no name; set a class attribute name = '...'")
+        key = normalize_name(key)
+        if key in _REGISTRY and not overwrite:
+            raise ValueError(f"a pass named {key!r} is already registered; pass overwrite=True to replace it")
+        _REGISTRY[key] = factory
+        return target
+
+    return do if obj is None else do(obj)
+
+
+def registered_passes() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_pass(name: str) -> Pass:
+    """A new instance of the registered pass ``name``."""
+    key = normalize_name(name)
+    if key not in _REGISTRY:
+        raise ValueError(f"unknown pass {name!r}; registered passes: {', '.join(registered_passes())}. "
+                         f"Register your own with tncompile.register_pass.")
+    return _REGISTRY[key]()
+
+
+def _as_pass(p: Pass | str | Callable) -> Pass:
+    if isinstance(p, Pass):
+        if not p.name:
+            raise ValueError(f"{p!r} has no name; set a class attribute name = '...'")
+        return p
+    if isinstance(p, str):
+        return get_pass(p)
+    if isinstance(p, type) and issubclass(p, Pass):
+        return p()
+    if callable(p):
+        return FunctionPass(p)
+    raise TypeError(f"a pipeline entry must be a Pass, a registered pass name or a function, got {p!r}")
+
+
+class Pipeline:
+    """An ordered list of passes, edited by name.
+
+    Every edit returns the pipeline, so edits chain:
+    ``default_pipeline().insert_after("tensorize", MyPass()).remove("...")``.
+    """
+
+    def __init__(self, passes: Iterable[Pass | str | Callable] = ()):
+        self.passes: list[Pass] = [_as_pass(p) for p in passes]
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.passes]
+
+    def index(self, name: str) -> int:
+        key = normalize_name(name)
+        for i, p in enumerate(self.passes):
+            if normalize_name(p.name) == key:
+                return i
+        raise ValueError(f"no pass named {name!r} in the pipeline; it has: {', '.join(self.names)}")
+
+    def insert_before(self, name: str, p: Pass | str | Callable) -> "Pipeline":
+        self.passes.insert(self.index(name), _as_pass(p))
+        return self
+
+    def insert_after(self, name: str, p: Pass | str | Callable) -> "Pipeline":
+        self.passes.insert(self.index(name) + 1, _as_pass(p))
+        return self
+
+    def replace(self, name: str, p: Pass | str | Callable) -> "Pipeline":
+        self.passes[self.index(name)] = _as_pass(p)
+        return self
+
+    def remove(self, name: str) -> "Pipeline":
+        del self.passes[self.index(name)]
+        return self
+
+    def append(self, p: Pass | str | Callable) -> "Pipeline":
+        self.passes.append(_as_pass(p))
+        return self
+
+    def __iter__(self) -> Iterator[Pass]:
+        return iter(self.passes)
+
+    def __len__(self) -> int:
+        return len(self.passes)
+
+    def __repr__(self) -> str:
+        return f"Pipeline([{', '.join(self.names)}])"
+
+    def run(self, program: Program, dump_dir: str | os.PathLike | None = None) -> Program:
+        """Run every pass in order, recording history and dumping the IR.
+
+        With ``dump_dir`` the IR is written as ``NN-<pass>.txt`` and ``.json``
+        after every pass (``00-trace`` is the program before any pass).
+        Exceptions name the pass that raised.
+        """
+        out = Path(dump_dir) if dump_dir is not None else None
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            _write_dump(program, out, "00-trace")
+        for i, p in enumerate(tqdm(self.passes, desc="tncompile passes", disable=None, leave=False), 1):
+            start = perf_counter()
+            try:
+                result = p.run(program)
+            except (TNCompileError, KeyboardInterrupt):
+                raise
+            except (ValueError, TypeError) as e:  # user-facing input errors keep their type
+                raise type(e)(f"pass {p.name!r}: {e}") from e
+            except Exception as e:
+                raise PassError(p.name, e) from e
+            if result is not None:
+                if not isinstance(result, Program):
+                    raise PassError(p.name, TypeError(
+                        f"run() must return a Program or None, got {type(result).__name__}"))
+                program = result
+            try:
+                program.graph.lint()
+                program.graph_module.recompile()
+            except Exception as e:
+                raise PassError(p.name, RuntimeError(f"left an invalid graph: {e}")) from e
+            program.history.append(PassRecord(p.name, perf_counter() - start,
+                                              program.num_params(), program.ratio))
+            if out is not None:
+                _write_dump(program, out, f"{i:02d}-{p.name}")
+        return program
+
+
+def _write_dump(program: Program, out: Path, stem: str) -> None:
+    (out / f"{stem}.txt").write_text(program.dump("text"))
+    (out / f"{stem}.json").write_text(program.dump("json"))

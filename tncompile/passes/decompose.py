@@ -1,0 +1,56 @@
+"""``decompose``: turn pending layers into trainable TT / TTM layers."""
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from ..ir.program import Program
+from ..runtime.pending import PendingLayer
+from ..runtime.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
+from .base import Pass, register_pass
+
+__all__ = ["Decompose"]
+
+
+@register_pass
+class Decompose(Pass):
+    """Build the cores of every pending layer at its assigned ranks:
+    TT-SVD of the dense weight (``init="svd"``) or a variance-matched random
+    draw (``init="random"``). Tied heads then share their embedding's cores."""
+
+    name = "decompose"
+
+    def run(self, program: Program) -> Program:
+        opts = program.options
+        gm = program.graph_module
+        pending: dict[str, PendingLayer] = {}
+        for node, mod in program.modules():
+            if isinstance(mod, PendingLayer):
+                pending.setdefault(node.target, mod)
+        missing = [n for n, m in pending.items() if m.layout.ranks is None]
+        if missing:
+            raise ValueError(f"layers {missing} have no ranks; run assign_ranks before decompose")
+        gen = torch.Generator().manual_seed(opts.seed) if opts.seed is not None else None
+        built: dict[str, torch.nn.Module] = {}
+        owners = [(n, m) for n, m in pending.items() if m.tied_to is None]
+        for name, mod in tqdm(owners, desc="decompose", disable=None, leave=False):
+            if mod.kind == "embedding":
+                new = TTMEmbedding.from_embedding(mod.dense, rank=None, layout=mod.layout, init=opts.init,
+                                                  generator=gen)
+            else:
+                new = TTLinear.from_linear(mod.dense, rank=None, layout=mod.layout, init=opts.init,
+                                           generator=gen)
+            new.train(mod.training)
+            built[name] = new
+            gm.set_submodule(name, new)
+        for name, mod in pending.items():
+            if mod.tied_to is None:
+                continue
+            if mod.tied_to not in built:
+                raise ValueError(f"{name} is tied to {mod.tied_to}, which is not being decomposed")
+            head = TTMTiedLinear(built[mod.tied_to], bias=mod.dense.bias is not None)
+            if mod.dense.bias is not None:
+                with torch.no_grad():
+                    head.bias.copy_(mod.dense.bias)
+            gm.set_submodule(name, head)
+        return program

@@ -1,0 +1,119 @@
+"""``tensorize``: choose the layers to compress and their TT / TTM layouts."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+from torch import nn
+
+from ..formats.layout import TTLayout, TTMLayout
+from ..ir.program import Program
+from ..layers import is_compressible, is_embedding, is_linear
+from ..runtime.pending import PendingLayer
+from ..runtime.tt_layers import linear_weight_of
+from .base import Pass, register_pass
+from .selection import select_modules
+
+__all__ = ["Tensorize"]
+
+
+@register_pass
+class Tensorize(Pass):
+    """Replace every selected ``nn.Linear`` / HF ``Conv1D`` / ``nn.Embedding``
+    with a :class:`PendingLayer` carrying a balanced TT (linears) or TTM
+    (embeddings) layout. Ranks are left for ``assign_ranks``.
+
+    A layer stays dense, with the reason in ``program.notes``, when it is
+    excluded, too small to gain (fewer than ``min_params`` weights, or a side
+    that cannot be split into the configured number of modes), uses an
+    unsupported feature (``max_norm``, ``sparse=True``), or shares its weight
+    in a way other than an output head tied to an embedding.
+
+    Parameters
+    ----------
+    min_params : int
+        Layers with fewer weights than this are left dense.
+    """
+
+    name = "tensorize"
+
+    def __init__(self, min_params: int = 4096):
+        self.min_params = min_params
+
+    def run(self, program: Program) -> Program:
+        opts = program.options
+        modules: dict[str, nn.Module] = {}
+        for node, mod in program.modules():
+            if is_compressible(mod):
+                modules.setdefault(node.target, mod)
+        if not modules and not any(getattr(m, "is_pending", False) for _, m in program.modules()):
+            raise ValueError("the model has no nn.Linear, nn.Embedding or HF Conv1D layer in its "
+                             "traced graph: there is nothing to compress")
+        selected, excluded = select_modules(modules, opts.target_modules, opts.exclude_modules)
+        for name in modules:
+            if name in excluded:
+                program.notes[name] = "excluded by exclude_modules"
+            elif name not in selected:
+                program.notes[name] = "not in target_modules"
+
+        layouts: dict[str, TTLayout | TTMLayout] = {}
+        for name in selected:
+            layout, reason = self._layout(modules[name], opts)
+            if reason:
+                program.notes[name] = reason
+            else:
+                layouts[name] = layout
+
+        tied_to: dict[str, str] = {}
+        by_weight: dict[int, list[str]] = defaultdict(list)
+        for name, mod in modules.items():
+            by_weight[id(mod.weight)].append(name)
+        for group in by_weight.values():
+            if len(group) == 1:
+                continue
+            embeddings = [n for n in group if is_embedding(modules[n])]
+            heads = [n for n in group if isinstance(modules[n], nn.Linear)]
+            ok = (len(embeddings) == 1 and len(heads) == len(group) - 1
+                  and all(n in selected for n in group) and embeddings[0] in layouts)
+            if ok:
+                for h in heads:
+                    tied_to[h] = embeddings[0]
+                    program.notes.pop(h, None)
+                continue
+            for n in group:
+                layouts.pop(n, None)
+                others = ", ".join(o for o in group if o != n)
+                program.notes.setdefault(n, f"weight tied with {others}; kept dense because not "
+                                            f"every module of the tie can be tensorized")
+
+        gm = program.graph_module
+        for name, layout in layouts.items():
+            gm.set_submodule(name, PendingLayer(modules[name], layout))
+        for head, emb in tied_to.items():
+            gm.set_submodule(head, PendingLayer(modules[head], layouts[emb], tied_to=emb))
+        return program
+
+    def _layout(self, mod: nn.Module, opts) -> tuple[TTLayout | TTMLayout | None, str | None]:
+        if is_embedding(mod):
+            if mod.max_norm is not None:
+                return None, "max_norm is set (TTM rows cannot be renormalized in place)"
+            if mod.sparse:
+                return None, "sparse=True gradients are not supported"
+            rows, cols, cores = mod.num_embeddings, mod.embedding_dim, opts.embedding_cores
+            make = TTMLayout.for_shape
+        elif is_linear(mod):
+            cols, rows = linear_weight_of(mod).shape  # rows=in, cols=out
+            cores = opts.linear_cores
+            make = TTLayout.for_shape
+        else:  # pragma: no cover - filtered by the caller
+            return None, "not a compressible layer"
+        if not mod.weight.is_floating_point():
+            return None, f"weight dtype {mod.weight.dtype} is not floating point"
+        if mod.weight.numel() < self.min_params:
+            return None, f"too small to gain ({mod.weight.numel():,} weights < {self.min_params:,})"
+        try:
+            layout = make(rows, cols, cores)
+        except ValueError as e:
+            return None, f"too small to gain: {e}"
+        if layout.with_ranks(1).num_params() >= layout.dense_params:
+            return None, "too small to gain: even rank 1 is not smaller than the dense weight"
+        return layout, None

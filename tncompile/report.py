@@ -1,0 +1,98 @@
+"""``CompiledModel.report()``: per-layer sizes and costs as a table."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .ir.layer_info import fmt_count, layer_info, ranks_str
+
+__all__ = ["Report", "LayerRow", "build_report"]
+
+
+@dataclass
+class LayerRow:
+    """One compressible layer of the model."""
+
+    name: str
+    format: str            # "TT", "TTM", "TTM-tied" or "dense"
+    modes: str
+    ranks: list[int] | None
+    dense_params: int
+    params: int            # parameters it holds now (0 for a tied head)
+    flops_dense: int | None = None   # per token
+    flops_now: int | None = None
+    note: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.params / self.dense_params if self.dense_params else 1.0
+
+
+@dataclass
+class Report:
+    """What compilation did. ``str(report)`` is a table; fields are data."""
+
+    rows: list[LayerRow]
+    original_params: int
+    params: int
+    other_params: int = 0
+    history: list = field(default_factory=list)
+
+    @property
+    def ratio(self) -> float:
+        return self.params / self.original_params
+
+    def as_dicts(self) -> list[dict]:
+        return [dict(vars(r), ratio=r.ratio) for r in self.rows]
+
+    def __str__(self) -> str:
+        head = ("layer", "format", "modes", "ranks", "dense", "compiled", "ratio", "flops/tok", "note")
+        body = []
+        for r in self.rows:
+            flops = (f"{fmt_count(r.flops_dense)}->{fmt_count(r.flops_now)}"
+                     if r.flops_dense and r.flops_now is not None else
+                     (f"lookup {fmt_count(r.flops_now)}" if r.flops_now else ""))
+            body.append((r.name, r.format, r.modes, ranks_str(r.ranks) if r.ranks else "",
+                         f"{r.dense_params:,}", f"{r.params:,}", f"{r.ratio:.2%}", flops, r.note))
+        body.append(("(rest: norms, biases, dense layers)", "", "", "", "", f"{self.other_params:,}", "", "", ""))
+        widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+
+        def line(cells):
+            return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+        sep = "-" * min(sum(widths) + 2 * len(widths), 160)
+        out = [line(head), sep, *map(line, body), sep,
+               f"total: {self.original_params:,} -> {self.params:,} params  "
+               f"ratio {self.ratio:.4f}  ({self.original_params / max(self.params, 1):.1f}x smaller)"]
+        return "\n".join(out)
+
+    def _repr_pretty_(self, p, cycle):  # IPython
+        p.text(str(self))
+
+
+def build_report(program) -> Report:
+    """Rows for every tensorized, pending or deliberately dense compressible layer."""
+    rows: list[LayerRow] = []
+    seen = set()
+    counted: set[int] = set()
+    for node, mod in program.modules():
+        if node.target in seen:
+            continue
+        seen.add(node.target)
+        info = layer_info(mod)
+        if info is not None:
+            tn = info["tn_params"] if info["tn_params"] is not None else info["dense_params"]
+            rows.append(LayerRow(node.target, info["format"], info["modes"], info["ranks"],
+                                 info["dense_params"], tn,
+                                 info.get("dense_flops_per_token"), info.get("tn_flops_per_token"),
+                                 "pending" if info["pending"] else
+                                 ("shares cores with its embedding" if "tied" in info["format"] else "")))
+        elif node.target in program.notes:
+            w = getattr(mod, "weight", None)
+            n = w.numel() if w is not None else 0
+            held = 0 if id(w) in counted else n  # a tied weight is counted once
+            counted.add(id(w))
+            rows.append(LayerRow(node.target, "dense", "", None, n, held, note=program.notes[node.target]))
+    total = program.num_params()
+    in_rows = sum(r.params for r in rows)
+    return Report(rows, program.original_params, total, other_params=total - in_rows,
+                  history=list(program.history))
