@@ -1,0 +1,149 @@
+"""Every TT / TTM op against the dense matrix it stands for."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+import cotengra as ctg
+from tncompile.formats import TTLayout, TTMLayout
+from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
+
+f64 = torch.float64
+
+
+def _randomize(mod):
+    with torch.no_grad():
+        for c in mod.cores:
+            c.normal_()
+        for g in mod.gates:
+            g.uniform_(0.5, 1.5)  # non-trivial gates must be part of the function
+    return mod
+
+
+@given(in_f=st.integers(2, 40), out_f=st.integers(2, 40), d=st.integers(1, 3),
+       rank=st.integers(1, 6), lead=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+       bias=st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_tt_linear_forward_and_grads_match_dense(in_f, out_f, d, rank, lead, bias):
+    try:
+        lay = TTLayout.for_shape(in_f, out_f, d, ranks=rank)
+    except ValueError:
+        return  # too small for d modes
+    tt = _randomize(TTLinear(lay, bias=bias, dtype=f64))
+    x = torch.randn(*lead, in_f, dtype=f64, requires_grad=True)
+    y = tt(x)
+    w = tt.weight()
+    ref = x @ w.t() + (tt.bias if bias else 0)
+    assert y.shape == (*lead, out_f)
+    assert torch.allclose(y, ref, atol=1e-10)
+    g = torch.randn_like(y)
+    grads = torch.autograd.grad(y, [x, *tt.cores, *tt.gates], g)
+    ref_grads = torch.autograd.grad(ref, [x, *tt.cores, *tt.gates], g)
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b, atol=1e-9)
+
+
+def test_tt_linear_gradcheck():
+    tt = _randomize(TTLinear(TTLayout.for_shape(6, 10, 2, ranks=3), dtype=f64))
+    x = torch.randn(4, 6, dtype=f64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, *p: tt(x), (x, *tt.cores, *tt.gates))
+
+
+def test_tt_linear_from_linear_exact_at_full_rank():
+    lin = nn.Linear(30, 20).double()
+    tt = TTLinear.from_linear(lin, rank=10 ** 6, num_cores=2)
+    x = torch.randn(7, 30, dtype=f64)
+    assert torch.allclose(tt(x), lin(x), atol=1e-10)
+    assert torch.allclose(tt.to_dense_module()(x), lin(x), atol=1e-10)
+
+
+def test_tt_linear_network_contracts_to_weight_with_cotengra():
+    tt = _randomize(TTLinear(TTLayout.for_shape(12, 20, 2, ranks=3), bias=False, dtype=f64))
+    net = tt.network()
+    x = torch.randn(5, 12, dtype=f64)
+    inputs, output, size = net.to_cotengra(5)
+    arrays = {"x": x.reshape(5, *tt.layout.in_modes)}
+    arrays.update({f"G{k}": c for k, c in enumerate(tt.cores)})
+    arrays.update({f"g{k + 1}": g for k, g in enumerate(tt.gates)})
+    y = ctg.array_contract([arrays[n] for n in net.tensor_names()], inputs, output)
+    assert torch.allclose(y.reshape(5, -1)[:, :20], tt(x), atol=1e-10)
+    assert net.graph.number_of_nodes() == 1 + 4 + 3  # input, cores, gates
+
+
+@given(V=st.integers(8, 300), D=st.integers(4, 40), d=st.integers(1, 3), rank=st.integers(1, 5),
+       pad=st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_ttm_embedding_matches_dense_table(V, D, d, rank, pad):
+    try:
+        lay = TTMLayout.for_shape(V, D, d, ranks=rank)
+    except ValueError:
+        return
+    emb = _randomize(TTMEmbedding(lay, padding_idx=1 if pad else None, dtype=f64))
+    ids = torch.randint(0, V, (3, 5))
+    ids[0, 0] = 1
+    out = emb(ids)
+    table = emb.weight()
+    ref = table[ids]
+    if pad:
+        ref = ref * (ids != 1).unsqueeze(-1)
+    assert out.shape == (3, 5, D)
+    assert torch.allclose(out, ref, atol=1e-10)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [*emb.cores, *emb.gates], g)
+    ref_grads = torch.autograd.grad(ref, [*emb.cores, *emb.gates], g)
+    for a, b in zip(grads, ref_grads):
+        assert torch.allclose(a, b, atol=1e-9)
+
+
+def test_ttm_gradcheck_and_tied_head_gradcheck():
+    emb = _randomize(TTMEmbedding(TTMLayout.for_shape(20, 6, 2, ranks=3), dtype=f64))
+    ids = torch.tensor([[0, 3, 19], [7, 7, 2]])
+    assert torch.autograd.gradcheck(lambda *p: emb(ids), tuple(emb.cores) + tuple(emb.gates))
+    head = TTMTiedLinear(emb, bias=True).double()
+    x = torch.randn(3, 6, dtype=f64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, *p: head(x), (x, *emb.cores, head.bias))
+    assert torch.allclose(head(x), x @ emb.weight().t() + head.bias, atol=1e-10)
+
+
+def test_padding_idx_row_is_zero_and_gets_no_gradient():
+    dense = nn.Embedding(50, 8, padding_idx=0).double()
+    emb = TTMEmbedding.from_embedding(dense, rank=10 ** 6, num_cores=2)
+    only_pad = torch.zeros(4, dtype=torch.long)
+    out = emb(only_pad)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert all(c.grad is None or torch.count_nonzero(c.grad) == 0 for c in emb.cores)
+    ids = torch.tensor([0, 5, 49])
+    assert torch.allclose(emb(ids), dense(ids), atol=1e-10)
+
+
+def test_embedding_errors():
+    emb = TTMEmbedding(TTMLayout.for_shape(50, 8, 2, ranks=2))
+    with pytest.raises(IndexError, match="id 50 out of range"):
+        emb(torch.tensor([1, 50]))
+    with pytest.raises(IndexError, match="id -1"):
+        emb(torch.tensor([-1]))
+    with pytest.raises(TypeError, match="integer ids"):
+        emb(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="max_norm"):
+        TTMEmbedding.from_embedding(nn.Embedding(50, 8, max_norm=1.0))
+    with pytest.raises(ValueError, match="sparse"):
+        TTMEmbedding.from_embedding(nn.Embedding(50, 8, sparse=True))
+    with pytest.raises(ValueError, match="expected last dim"):
+        TTLinear(TTLayout.for_shape(8, 8, 2, ranks=2))(torch.randn(3, 9))
+
+
+def test_layer_to_device_dtype_and_state_dict():
+    tt = TTLinear.from_linear(nn.Linear(16, 24), rank=4, num_cores=2)
+    tt2 = tt.to(torch.float64)
+    assert all(c.dtype == f64 for c in tt2.cores)
+    fresh = TTLinear(tt.layout, bias=True, dtype=f64)
+    fresh.load_state_dict(tt2.state_dict())
+    x = torch.randn(2, 16, dtype=f64)
+    assert torch.equal(fresh(x), tt2(x))
+
+
+def test_bfloat16_forward_runs():
+    tt = TTLinear.from_linear(nn.Linear(16, 24), rank=4, num_cores=2).to(torch.bfloat16)
+    y = tt(torch.randn(3, 16, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
