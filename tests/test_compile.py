@@ -1,0 +1,175 @@
+"""compile() end to end on plain PyTorch models."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import tncompile
+from tncompile.runtime import TTLinear, TTMEmbedding
+from tncompile.zoo import mlp, small_encoder, six_encoder
+
+
+def _snapshot(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _same(model, snap):
+    sd = model.state_dict()
+    return sd.keys() == snap.keys() and all(torch.equal(sd[k], snap[k]) for k in sd)
+
+
+def test_mlp_compile_forward_backward_and_untouched():
+    model = mlp((256, 512, 512, 10))
+    snap = _snapshot(model)
+    compiled = tncompile.compile(model, target_ratio=0.1)
+    assert compiled.ratio <= 0.1 and compiled.ratio >= 0.09
+    x = torch.randn(8, 256)
+    y = compiled(x)
+    assert y.shape == (8, 10)
+    y.sum().backward()
+    assert all(p.grad is not None for p in compiled.parameters() if p.requires_grad)
+    assert _same(model, snap) and isinstance(model[0], nn.Linear)
+    assert isinstance(compiled.model.get_submodule("0"), TTLinear)
+
+
+@pytest.mark.parametrize("target", [0.02, 0.05, 0.1, 0.3, 0.6])
+def test_ratio_honoured_across_targets(target):
+    model = small_encoder(vocab_size=3000, d_model=96, d_ff=384, n_heads=4)
+    compiled = tncompile.compile(model, target_ratio=target)
+    assert compiled.ratio <= target
+    assert compiled.ratio >= 0.9 * target
+    assert compiled.report().ratio == pytest.approx(compiled.ratio)
+
+
+def test_full_rank_compile_is_exact():
+    model = mlp((64, 96, 10)).double()
+    compiled = tncompile.compile(model, target_ratio=1.0)
+    x = torch.randn(5, 64, dtype=torch.float64)
+    # at the largest rank that still gains, SVD error is small but may be non-zero
+    assert compiled.ratio <= 1.0
+    rebuilt = compiled.to_dense()
+    assert torch.allclose(rebuilt(x), compiled(x), atol=1e-10)
+
+
+def test_six_encoder_paper_config_compiles_trains_and_reports():
+    model = six_encoder()
+    compiled = tncompile.compile(model, target_ratio=1 / 44.9)
+    assert 0.9 / 44.9 <= compiled.ratio <= 1 / 44.9
+    rep = compiled.report()
+    text = str(rep)
+    assert "token_embedding" in text and "TTM" in text and "layers.5.ff2" in text
+    assert "classifier" in text and "too small" in text  # the 3-class head stays dense, with its reason
+    ids = torch.randint(1, 30522, (2, 128))
+    compiled.train()
+    loss = nn.functional.cross_entropy(compiled(ids), torch.tensor([0, 2]))
+    loss.backward()
+    grads = [p.grad for p in compiled.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_to_dense_matches_and_save_load_identical(tmp_path):
+    model = small_encoder().eval()
+    compiled = tncompile.compile(model, target_ratio=0.2).eval()
+    ids = torch.randint(1, 1000, (3, 12))
+    dense = compiled.to_dense()
+    assert not any(isinstance(m, (TTLinear, TTMEmbedding)) for m in dense.modules())
+    assert torch.allclose(dense(ids), compiled(ids), atol=1e-5)
+    path = tmp_path / "model.tnc"
+    tncompile.save(compiled, path)
+    loaded = tncompile.load(path)
+    assert torch.equal(loaded(ids), compiled(ids))
+    assert loaded.ratio == compiled.ratio
+    assert [r.name for r in loaded.program.history] == ["tensorize", "assign_ranks", "decompose"]
+    # state_dict round trip into a fresh load
+    with torch.no_grad():
+        for p in compiled.parameters():
+            p.add_(0.01)
+    loaded.load_state_dict(compiled.state_dict())
+    assert torch.equal(loaded(ids), compiled(ids))
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+    compiled = tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3)
+    path = tmp_path / "m.tnc"
+    tncompile.save(compiled, path)
+    before = path.read_bytes()
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", boom)
+    with pytest.raises(OSError):
+        tncompile.save(compiled, path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["m.tnc"]
+
+
+def test_inplace_swaps_layers_into_the_model():
+    model = mlp((64, 128, 10))
+    compiled = tncompile.compile(model, target_ratio=0.3, inplace=True)
+    assert isinstance(model[0], TTLinear)
+    x = torch.randn(2, 64)
+    assert torch.equal(model(x), compiled(x))
+
+
+def test_dumps_written_for_every_pass(tmp_path, monkeypatch):
+    monkeypatch.setenv("TNCOMPILE_DUMP", str(tmp_path / "env"))
+    tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3)
+    names = sorted(p.name for p in (tmp_path / "env").iterdir())
+    assert names == ["00-trace.json", "00-trace.txt", "01-tensorize.json", "01-tensorize.txt",
+                     "02-assign_ranks.json", "02-assign_ranks.txt", "03-decompose.json",
+                     "03-decompose.txt"]
+    text = (tmp_path / "env" / "03-decompose.txt").read_text()
+    assert "TT 4x4x4->4x8x4" in text or "TT " in text
+    doc = json.loads((tmp_path / "env" / "03-decompose.json").read_text())
+    layers = [n["layer"] for n in doc["nodes"] if "layer" in n]
+    assert layers and all(l["ranks"] for l in layers)
+    explicit = tmp_path / "explicit"
+    tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3, dump_dir=explicit)
+    assert (explicit / "02-assign_ranks.txt").exists()
+    assert "pending TT" in (explicit / "02-assign_ranks.txt").read_text()
+
+
+def test_dump_formats():
+    compiled = tncompile.compile(small_encoder(), target_ratio=0.2,
+                                 example_inputs=(torch.randint(1, 1000, (2, 8)),))
+    text = compiled.program.dump("text")
+    assert "int64[2,8]" in text and "TTM" in text and "ranks=" in text and "->" in text
+    dot = compiled.program.dump("dot")
+    assert dot.startswith("digraph") and "fillcolor" in dot
+    with pytest.raises(ValueError, match="unknown dump format"):
+        compiled.program.dump("yaml")
+
+
+def test_target_and_exclude_modules_and_rank_pattern():
+    model = small_encoder()
+    c = tncompile.compile(model, target_ratio=0.75, target_modules=["ff1", "ff2"],
+                          rank_pattern={"re:layers\\.0\\..*": 3})
+    tn = c.tensorized_modules()
+    assert set(tn) == {f"layers.{i}.ff{j}" for i in range(2) for j in (1, 2)}
+    assert max(tn["layers.0.ff1"].layout.ranks) == 3
+    assert max(tn["layers.1.ff1"].layout.ranks) > 3
+    c2 = tncompile.compile(model, target_ratio=0.3, exclude_modules="re:.*attention.*")
+    assert not any("attention" in n for n in c2.tensorized_modules())
+    assert c2.program.notes["layers.0.attention.query"] == "excluded by exclude_modules"
+
+
+def test_to_device_dtype_and_torch_compile():
+    compiled = tncompile.compile(small_encoder(), target_ratio=0.2).eval()
+    ids = torch.randint(1, 1000, (2, 8))
+    c64 = compiled.to(torch.float64)
+    assert c64(ids).dtype == torch.float64
+    c32 = compiled.to("cpu", torch.float32)
+    assert c32(ids).dtype == torch.float32
+
+
+def test_torch_compile_runs_forward_and_backward():
+    compiled = tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3)
+    x = torch.randn(4, 64)
+    ref = compiled(x)
+    opt = torch.compile(compiled)
+    out = opt(x)
+    assert torch.allclose(out, ref, atol=1e-5)
+    out.sum().backward()
+    assert compiled.model.get_submodule("0").cores[0].grad is not None

@@ -1,0 +1,162 @@
+"""Bad input: a clear error naming the argument or module, and the user's model untouched."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import tncompile
+from tncompile.zoo import mlp, small_encoder
+
+
+@pytest.fixture
+def model():
+    m = mlp((64, 128, 10))
+    m._snap = {k: v.clone() for k, v in m.state_dict().items()}
+    yield m
+    sd = m.state_dict()
+    assert all(torch.equal(sd[k], m._snap[k]) for k in sd), "user's model was mutated"
+    assert isinstance(m[0], nn.Linear)
+
+
+@pytest.mark.parametrize("bad", [0, -0.1, 1.5, math.nan])
+def test_bad_ratio_values(model, bad):
+    with pytest.raises(ValueError, match="target_ratio must be in"):
+        tncompile.compile(model, target_ratio=bad)
+
+
+@pytest.mark.parametrize("bad", ["0.1", None, True])
+def test_ratio_not_a_number(model, bad):
+    with pytest.raises(TypeError, match="target_ratio must be a number"):
+        tncompile.compile(model, target_ratio=bad)
+
+
+def test_infeasible_ratio_names_smallest(model):
+    with pytest.raises(ValueError, match=r"smallest possible ratio is 0\.\d+"):
+        tncompile.compile(model, target_ratio=1e-5)
+
+
+def test_target_modules_entry_matching_nothing(model):
+    with pytest.raises(ValueError, match="target_modules entry 'attn' matches no compressible module"):
+        tncompile.compile(model, target_ratio=0.3, target_modules=["attn"])
+    with pytest.raises(ValueError, match="exclude_modules entry 're:foo.*'"):
+        tncompile.compile(model, target_ratio=0.3, exclude_modules="re:foo.*")
+
+
+def test_unknown_pass_name(model):
+    with pytest.raises(ValueError, match="unknown pass 'tensorise'.*registered passes: .*tensorize"):
+        tncompile.compile(model, target_ratio=0.3, passes=["tensorise"])
+
+
+def test_pass_that_raises_is_named(model):
+    class Broken(tncompile.Pass):
+        name = "broken-pass"
+
+        def run(self, program):
+            raise RuntimeError("kaboom")
+
+    pipe = tncompile.default_pipeline().insert_after("tensorize", Broken())
+    with pytest.raises(tncompile.PassError, match="pass 'broken-pass' failed: RuntimeError: kaboom"):
+        tncompile.compile(model, target_ratio=0.3, passes=pipe)
+
+
+class Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: fx cannot trace it
+            return self.lin(x)
+        return -self.lin(x)
+
+
+def test_untraceable_without_example_inputs():
+    m = Untraceable()
+    with pytest.raises(tncompile.TraceError, match="torch.fx could not trace Untraceable.*Pass example_inputs"):
+        tncompile.compile(m, target_ratio=0.5)
+    assert isinstance(m.lin, nn.Linear)
+
+
+class ShapeBranch(nn.Module):
+    """fx cannot branch on a shape; torch.export can (it guards on it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        if x.shape[-1] == 64:
+            return self.lin(x)
+        return x
+
+
+def test_untraceable_with_example_inputs_uses_export():
+    m = ShapeBranch()
+    c = tncompile.compile(m, target_ratio=0.5, example_inputs=(torch.randn(3, 64),))
+    assert c.program.inputs.frontend == "export"
+    assert c(torch.randn(5, 64)).shape == (5, 64)
+
+
+def test_example_inputs_that_do_not_fit(model):
+    with pytest.raises(ValueError, match="example_inputs do not fit Sequential"):
+        tncompile.compile(model, target_ratio=0.3, example_inputs=(torch.randn(2, 65),))
+    with pytest.raises(TypeError, match="example_inputs must be"):
+        tncompile.compile(model, target_ratio=0.3, example_inputs="x")
+
+
+def test_neither_tracer_works():
+    with pytest.raises(tncompile.TraceError, match="torch.fx failed .* and torch.export"):
+        tncompile.compile(Untraceable(), target_ratio=0.5, example_inputs=(torch.randn(3, 64),))
+
+
+def test_nothing_to_compress():
+    m = nn.Sequential(nn.ReLU(), nn.LayerNorm(8))
+    with pytest.raises(ValueError, match="nothing to compress"):
+        tncompile.compile(m, target_ratio=0.5)
+
+
+def test_not_a_module():
+    with pytest.raises(TypeError, match="expects an nn.Module"):
+        tncompile.compile(lambda x: x, target_ratio=0.5)
+
+
+class WithEmbeddings(nn.Module):
+    def __init__(self, **emb_kwargs):
+        super().__init__()
+        self.emb = nn.Embedding(2000, 64, **emb_kwargs)
+        self.lin = nn.Linear(64, 256)
+
+    def forward(self, ids):
+        return self.lin(self.emb(ids))
+
+
+@pytest.mark.parametrize("kw,reason", [({"max_norm": 1.0}, "max_norm"), ({"sparse": True}, "sparse=True")])
+def test_embedding_max_norm_or_sparse_left_dense_with_reason(kw, reason):
+    c = tncompile.compile(WithEmbeddings(**kw), target_ratio=0.95)
+    assert isinstance(c.model.emb, nn.Embedding)
+    assert reason in c.program.notes["emb"]
+    assert reason in str(c.report())
+
+
+def test_wrong_call_structure_after_export():
+    m = ShapeBranch()
+    c = tncompile.compile(m, target_ratio=0.5, example_inputs=(torch.randn(3, 64),))
+    with pytest.raises(TypeError, match="traced with 1 positional input"):
+        c(torch.randn(3, 64), torch.randn(3, 64))
+
+
+def test_bad_init_and_rank_pattern(model):
+    with pytest.raises(ValueError, match="init must be"):
+        tncompile.compile(model, target_ratio=0.3, init="zeros")
+    with pytest.raises(ValueError, match="rank_pattern"):
+        tncompile.compile(model, target_ratio=0.3, rank_pattern={"0": 0})
+
+
+def test_save_rejects_non_compiled(tmp_path):
+    with pytest.raises(TypeError, match="expects a CompiledModel"):
+        tncompile.save(small_encoder(), tmp_path / "x")
+    (tmp_path / "junk").write_bytes(b"")
+    torch.save({"a": 1}, tmp_path / "junk")
+    with pytest.raises(ValueError, match="not a tncompile file"):
+        tncompile.load(tmp_path / "junk")
