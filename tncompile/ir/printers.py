@@ -43,7 +43,7 @@ def _arg(a: Any) -> str:
 
 def _layer_text(info: dict) -> str:
     if info["tn_params"] is None:
-        return f"{info['format']} {info['modes']} ranks=pending dense {fmt_count(info['dense_params'])}"
+        return f"pending {info['format']} {info['modes']} ranks=pending, dense {fmt_count(info['dense_params'])}"
     s = (f"{info['format']} {info['modes']} ranks={ranks_str(info['ranks'])} "
          f"params {fmt_count(info['dense_params'])}->{fmt_count(info['tn_params'])} "
          f"({info['ratio']:.2%})")
