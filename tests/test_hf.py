@@ -1,0 +1,94 @@
+"""HuggingFace transformers 5.x models built from configs (no downloads), via torch.export."""
+import pytest
+import torch
+
+import tncompile
+from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture
+def bert():
+    cfg = transformers.BertConfig(vocab_size=2000, hidden_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=256,
+                                  max_position_embeddings=64, num_labels=3)
+    return transformers.BertForSequenceClassification(cfg).eval()
+
+
+@pytest.fixture
+def gpt2():
+    cfg = transformers.GPT2Config(vocab_size=2000, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def test_bert_compile_forward_backward(bert):
+    ids = torch.randint(0, 2000, (2, 16))
+    snap = {k: v.clone() for k, v in bert.state_dict().items()}
+    c = tncompile.compile(bert, target_ratio=0.3, example_inputs={"input_ids": ids})
+    assert c.program.inputs.frontend == "export"
+    assert c.ratio <= 0.3
+    tn = c.tensorized_modules()
+    assert isinstance(tn["bert.embeddings.word_embeddings"], TTMEmbedding)
+    assert isinstance(tn["bert.encoder.layer.0.attention.self.query"], TTLinear)
+    out = c(input_ids=torch.randint(0, 2000, (3, 10)))  # other batch and sequence sizes
+    assert type(out).__name__ == "SequenceClassifierOutput" and out.logits.shape == (3, 3)
+    c.train()
+    loss = torch.nn.functional.cross_entropy(c(input_ids=ids).logits, torch.tensor([0, 1]))
+    loss.backward()
+    assert tn["bert.encoder.layer.0.intermediate.dense"].cores[0].grad is not None
+    assert all(torch.equal(v, snap[k]) for k, v in bert.state_dict().items())
+
+
+def test_bert_full_rank_matches_original(bert):
+    bert = bert.double()
+    ids = torch.randint(0, 2000, (2, 12))
+    c = tncompile.compile(bert, target_ratio=1.0, example_inputs={"input_ids": ids},
+                          target_modules=["query", "key", "value"])
+    ref = bert(input_ids=ids).logits
+    # at the break-even rank the error is TT-SVD's truncation error, small but not zero
+    rel = (c(input_ids=ids).logits - ref).norm() / ref.norm()
+    assert rel < 0.5
+    dense = c.to_dense()
+    assert torch.allclose(dense(input_ids=ids).logits, c(input_ids=ids).logits, atol=1e-10)
+
+
+def test_gpt2_tied_weights_stay_tied_through_compile_save_load(gpt2, tmp_path):
+    assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
+    ids = torch.randint(0, 2000, (2, 16))
+    c = tncompile.compile(gpt2, target_ratio=0.3, example_inputs={"input_ids": ids, "use_cache": False})
+    head, wte = c.model.lm_head, c.model.transformer.wte
+    assert isinstance(head, TTMTiedLinear) and head.embedding is wte
+    assert {id(p) for p in head.parameters()} <= {id(p) for p in wte.parameters()}
+    assert isinstance(c.model.get_submodule("transformer.h.0.attn.c_attn"), TTLinear)  # HF Conv1D
+    out = c(input_ids=ids)  # use_cache was specialized: callers may omit it
+    assert out.logits.shape == (2, 16, 2000)
+    c.train()
+    out = c(input_ids=ids)
+    out.logits.logsumexp(-1).mean().backward()
+    assert wte.cores[1].grad is not None
+    c.eval()
+    path = tmp_path / "gpt2.tnc"
+    tncompile.save(c, path)
+    loaded = tncompile.load(path)
+    assert loaded.model.lm_head.embedding is loaded.model.transformer.wte
+    assert torch.equal(loaded(input_ids=ids).logits, c(input_ids=ids).logits)
+    dense = c.to_dense()
+    assert dense.lm_head.weight is dense.transformer.wte.weight
+    with pytest.raises(ValueError, match="specialized to False"):
+        c(input_ids=ids, use_cache=True)
+
+
+def test_hf_missing_example_inputs_explains(bert):
+    with pytest.raises(tncompile.TraceError, match="Pass example_inputs"):
+        tncompile.compile(bert, target_ratio=0.3)
+
+
+def test_dropout_follows_train_eval_after_export(gpt2):
+    ids = torch.randint(0, 2000, (2, 16))
+    c = tncompile.compile(gpt2, target_ratio=0.5, example_inputs={"input_ids": ids, "use_cache": False})
+    c.eval()
+    assert torch.equal(c(input_ids=ids).logits, c(input_ids=ids).logits)
+    c.train()
+    assert not torch.equal(c(input_ids=ids).logits, c(input_ids=ids).logits)
