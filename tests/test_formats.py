@@ -92,3 +92,15 @@ def test_random_init_matches_dense_variance(layout, var):
     to_dense = tt_to_dense if isinstance(layout, TTLayout) else ttm_to_dense
     ms = [to_dense(random_cores(layout, var, gen), layout).pow(2).mean().item() for _ in range(40)]
     assert 0.75 * var < sum(ms) / len(ms) < 1.25 * var
+
+
+def test_randomized_truncation_close_to_exact_and_rng_untouched(monkeypatch):
+    import tncompile.formats.decompose as dec
+    w = torch.randn(256, 48, dtype=torch.float64) @ torch.randn(48, 512, dtype=torch.float64)
+    lay = TTLayout.for_shape(512, 256, 2).with_ranks(6)  # bond bound 512: randomized path
+    state = torch.random.get_rng_state()
+    fast = (tt_to_dense(tt_from_linear_weight(w, lay), lay) - w).norm()
+    assert torch.equal(state, torch.random.get_rng_state())
+    monkeypatch.setattr(dec, "_truncated_svd", lambda m, r: torch.linalg.svd(m, full_matrices=False))
+    exact = (tt_to_dense(tt_from_linear_weight(w, lay), lay) - w).norm()
+    assert exact <= fast <= 1.02 * exact
