@@ -9,6 +9,7 @@ order); the contraction-planning pass replaces it with planned kernels.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -37,6 +38,29 @@ def linear_weight_of(module: nn.Module) -> torch.Tensor:
 def _check_init(init: str) -> None:
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
+
+
+def _apply_matrix(x: torch.Tensor, equation: str, cores: list[torch.Tensor], bias, owner: str,
+                  in_dim: int, in_modes: tuple[int, ...], out_dim: int, padded_out: int) -> torch.Tensor:
+    """``x @ W.T + bias`` for a network ``W``: pad the feature dim to the modes'
+    product, contract, crop the output padding.
+
+    ``x``: ``(..., in_dim)`` -> ``(..., out_dim)``.
+    """
+    if x.shape[-1] != in_dim:
+        raise ValueError(f"{owner} expected last dim {in_dim}, got shape {tuple(x.shape)}")
+    lead = x.shape[:-1]
+    h = x.reshape(-1, in_dim)
+    padded_in = math.prod(in_modes)
+    if padded_in != in_dim:
+        h = F.pad(h, (0, padded_in - in_dim))
+    y = torch.einsum(equation, h.reshape(h.shape[0], *in_modes), *cores)
+    y = y.reshape(y.shape[0], padded_out)
+    if padded_out != out_dim:
+        y = y[:, :out_dim]
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*lead, out_dim)
 
 
 class TNModule(nn.Module):
@@ -141,20 +165,8 @@ class TTLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        if x.shape[-1] != lay.in_features:
-            raise ValueError(f"TTLinear expected last dim {lay.in_features}, got shape {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        h = x.reshape(-1, lay.in_features)
-        if lay.padded_in != lay.in_features:
-            h = F.pad(h, (0, lay.padded_in - lay.in_features))
-        h = h.reshape(h.shape[0], *lay.in_modes)
-        y = torch.einsum(self._equation, h, *self.scaled_cores())
-        y = y.reshape(y.shape[0], lay.padded_out)
-        if lay.padded_out != lay.out_features:
-            y = y[:, : lay.out_features]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, lay.out_features)
+        return _apply_matrix(x, self._equation, self.scaled_cores(), self.bias, type(self).__name__,
+                             lay.in_features, lay.in_modes, lay.out_features, lay.padded_out)
 
     def to_dense_module(self) -> nn.Linear:
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
@@ -312,18 +324,9 @@ class TTMTiedLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        if x.shape[-1] != lay.embedding_dim:
-            raise ValueError(f"TTMTiedLinear expected last dim {lay.embedding_dim}, got {tuple(x.shape)}")
-        lead = x.shape[:-1]
-        h = x.reshape(-1, lay.embedding_dim)
-        if lay.padded_cols != lay.embedding_dim:
-            h = F.pad(h, (0, lay.padded_cols - lay.embedding_dim))
-        h = h.reshape(h.shape[0], *lay.col_modes)
-        y = torch.einsum(self._equation, h, *self.embedding.scaled_cores())
-        y = y.reshape(y.shape[0], lay.padded_rows)[:, : lay.num_embeddings]
-        if self.bias is not None:
-            y = y + self.bias
-        return y.reshape(*lead, lay.num_embeddings)
+        return _apply_matrix(x, self._equation, self.embedding.scaled_cores(), self.bias,
+                             type(self).__name__, lay.embedding_dim, lay.col_modes,
+                             lay.num_embeddings, lay.padded_rows)
 
     def extra_repr(self) -> str:
         return f"tied to embedding {self.layout.describe()}, bias={self.bias is not None}"
