@@ -1,0 +1,34 @@
+"""The demo's data helpers and one compiled training step on real SST-2 rows."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tncompile
+from tncompile.zoo import small_encoder
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+demo = pytest.importorskip("demo")
+
+
+def test_generated_task_is_consistent():
+    ids, labels = demo.generated_task(50, seed=3)
+    for seq, label in zip(ids, labels):
+        counts = [seq.count(m) for m in (1000, 2000, 3000)]
+        assert counts[label] == 3 and max(c for i, c in enumerate(counts) if i != label) <= 1
+    x, y = demo.collate(ids[:4], labels[:4])
+    assert x.shape[0] == 4 and x.shape[1] == max(len(s) for s in ids[:4]) and y.tolist() == labels[:4]
+
+
+def test_sst2_rows_tokenize_and_train_one_step(data_dir):
+    pytest.importorskip("tokenizers")
+    ids, labels = demo.load_sst2(data_dir / "sst2", "dev", max_rows=16)
+    assert ids[0][:3] == [101, 2009, 1005] and ids[0][-1] == 102  # "[CLS] it ' ..." ... [SEP]
+    assert set(labels) <= {0, 1}
+    model = tncompile.compile(small_encoder(vocab_size=30522, max_len=128), target_ratio=0.05, init="random")
+    x, y = demo.collate(ids, labels)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    assert torch.isfinite(loss)
