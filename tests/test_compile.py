@@ -33,13 +33,21 @@ def test_mlp_compile_forward_backward_and_untouched():
     assert isinstance(compiled.model.get_submodule("0"), TTLinear)
 
 
-@pytest.mark.parametrize("target", [0.02, 0.05, 0.1, 0.3, 0.6])
+@pytest.mark.parametrize("target", [0.02, 0.05, 0.1, 0.3, 0.45])
 def test_ratio_honoured_across_targets(target):
     model = small_encoder(vocab_size=3000, d_model=96, d_ff=384, n_heads=4)
     compiled = tncompile.compile(model, target_ratio=target)
     assert compiled.ratio <= target
     assert compiled.ratio >= 0.9 * target
     assert compiled.report().ratio == pytest.approx(compiled.ratio)
+
+
+def test_target_above_what_layouts_allow_stops_at_the_caps():
+    model = small_encoder(vocab_size=3000, d_model=96, d_ff=384, n_heads=4)
+    high = tncompile.compile(model, target_ratio=0.9)
+    top = tncompile.compile(model, target_ratio=1.0)
+    assert high.ratio <= 0.9 and high.ratio == top.ratio  # every network at half its dense size
+    assert all(r.ratio <= 0.5 for r in high.report().rows if r.format.startswith("TT"))
 
 
 def test_full_rank_compile_is_exact():

@@ -20,7 +20,8 @@ class AssignRanks(Pass):
     the others share one rank ``r`` found by bisection, then single layers are
     raised one step at a time (largest first) while the budget allows. No
     layer gets a rank at which its network is not smaller than its dense
-    weight.
+    weight, nor a rank at which it keeps more than ``max_layer_ratio`` of it
+    (there a dense layer is as small, exact and cheaper to run).
 
     Raises
     ------
@@ -30,6 +31,9 @@ class AssignRanks(Pass):
     """
 
     name = "assign_ranks"
+
+    def __init__(self, max_layer_ratio: float = 0.5):
+        self.max_layer_ratio = max_layer_ratio
 
     def run(self, program: Program) -> Program:
         opts = program.options
@@ -45,7 +49,7 @@ class AssignRanks(Pass):
         budget = opts.target_ratio * program.original_params
 
         fixed = {n: r for n in owners if (r := pattern_lookup(n, opts.rank_pattern)) is not None}
-        caps = {n: self._break_even(m) for n, m in owners.items()}
+        caps = {n: self._cap(m.layout) for n, m in owners.items()}
         size = {n: (lambda r, lay=m.layout: lay.with_ranks(r).num_params()) for n, m in owners.items()}
 
         def total(ranks: dict[str, int]) -> int:
@@ -91,14 +95,13 @@ class AssignRanks(Pass):
                 mod.layout = owners[mod.tied_to].layout
         return program
 
-    @staticmethod
-    def _break_even(mod: PendingLayer) -> int:
-        """Largest rank whose network is still smaller than the dense weight."""
-        lay = mod.layout
+    def _cap(self, lay) -> int:
+        """Largest rank whose network keeps at most ``max_layer_ratio`` of the dense weight."""
+        limit = self.max_layer_ratio * lay.dense_params
         lo, hi = 1, max(lay.rank_bounds())
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if lay.with_ranks(mid).num_params() < lay.dense_params:
+            if lay.with_ranks(mid).num_params() <= limit:
                 lo = mid
             else:
                 hi = mid - 1

@@ -32,12 +32,17 @@ class Tensorize(Pass):
     ----------
     min_params : int
         Layers with fewer weights than this are left dense.
+    max_layer_ratio : float
+        A layer whose rank-1 network is larger than this share of its dense
+        weight gains too little and is left dense (``assign_ranks`` caps the
+        others at the same share).
     """
 
     name = "tensorize"
 
-    def __init__(self, min_params: int = 4096):
+    def __init__(self, min_params: int = 4096, max_layer_ratio: float = 0.5):
         self.min_params = min_params
+        self.max_layer_ratio = max_layer_ratio
 
     def run(self, program: Program) -> Program:
         opts = program.options
@@ -114,6 +119,7 @@ class Tensorize(Pass):
             layout = make(rows, cols, cores)
         except ValueError as e:
             return None, f"too small to gain: {e}"
-        if layout.with_ranks(1).num_params() >= layout.dense_params:
-            return None, "too small to gain: even rank 1 is not smaller than the dense weight"
+        if layout.with_ranks(1).num_params() > self.max_layer_ratio * layout.dense_params:
+            return None, (f"too small to gain: even rank 1 keeps more than "
+                          f"{self.max_layer_ratio:.0%} of the dense weight")
         return layout, None
