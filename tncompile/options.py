@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 __all__ = ["CompileOptions", "check_target_ratio"]
@@ -34,7 +34,6 @@ class CompileOptions:
     linear_cores: int = 3
     embedding_cores: int = 4
     seed: int | None = 0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.target_ratio = check_target_ratio(self.target_ratio)
