@@ -19,7 +19,9 @@ from torch import nn
 from ..formats.decompose import (random_cores, tt_from_linear_weight, tt_to_dense,
                                  ttm_from_embedding_weight, ttm_to_dense)
 from ..formats.layout import TTLayout, TTMLayout
-from ..ir.network import TensorNetwork
+from ..ir.network import BATCH, TensorNetwork
+from ..ir.plan import ContractionPlan, bucket_of, plan_contraction
+from .executor import contract
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of"]
 
@@ -40,27 +42,38 @@ def _check_init(init: str) -> None:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
 
 
-def _apply_matrix(x: torch.Tensor, equation: str, cores: list[torch.Tensor], bias, owner: str,
+def _apply_matrix(module: "TNModule", x: torch.Tensor, cores: list[torch.Tensor], bias,
                   in_dim: int, in_modes: tuple[int, ...], out_dim: int, padded_out: int) -> torch.Tensor:
-    """``x @ W.T + bias`` for a network ``W``: pad the feature dim to the modes'
-    product, contract, crop the output padding.
+    """``x @ W.T + bias`` for the module's network ``W``: pad the feature dim
+    to the modes' product, contract along the planned order for this many
+    rows, crop the output padding.
 
     ``x``: ``(..., in_dim)`` -> ``(..., out_dim)``.
     """
     if x.shape[-1] != in_dim:
-        raise ValueError(f"{owner} expected last dim {in_dim}, got shape {tuple(x.shape)}")
+        raise ValueError(f"{type(module).__name__} expected last dim {in_dim}, got shape {tuple(x.shape)}")
     lead = x.shape[:-1]
     h = x.reshape(-1, in_dim)
     padded_in = math.prod(in_modes)
     if padded_in != in_dim:
         h = F.pad(h, (0, padded_in - in_dim))
-    y = torch.einsum(equation, h.reshape(h.shape[0], *in_modes), *cores)
-    y = y.reshape(y.shape[0], padded_out)
+    rows = h.shape[0]
+    plan = module.plan_for(rows)
+    y = contract(plan, [h.reshape(rows, *in_modes), *_drop_boundary(cores)])
+    y = y.reshape(rows, padded_out)
     if padded_out != out_dim:
         y = y[:, :out_dim]
     if bias is not None:
         y = y + bias
     return y.reshape(*lead, out_dim)
+
+
+def _drop_boundary(cores: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Cores without their size-1 boundary bonds (first core's left, last core's right)."""
+    cores = list(cores)
+    cores[0] = cores[0].squeeze(0)
+    cores[-1] = cores[-1].squeeze(-1)
+    return cores
 
 
 class TNModule(nn.Module):
@@ -97,6 +110,38 @@ class TNModule(nn.Module):
     def network(self) -> TensorNetwork:
         return TensorNetwork.from_layout(self.layout, transpose=isinstance(self, TTMTiedLinear))
 
+    # ------------------------------------------------------------ planning
+    @property
+    def plans(self) -> dict[int, ContractionPlan]:
+        """``bucket -> plan`` cache (saved with the module)."""
+        if "_plans" not in self.__dict__:
+            self._plans = {}
+        return self._plans
+
+    def planner_problem(self) -> tuple[list[tuple[str, ...]], tuple[str, ...], dict[str, int]]:
+        """The network the executor contracts: input + cores, gates folded into
+        the cores, size-1 boundary bonds dropped. The batch index's size is unset."""
+        inputs, output, sizes = self.network().to_cotengra(1, include_gates=False)
+        last = len(self.layout.full_ranks) - 1
+        boundary = {"r0", f"r{last}"}
+        inputs = [tuple(i for i in ix if i not in boundary) for ix in inputs]
+        return inputs, output, {k: v for k, v in sizes.items() if k not in boundary}
+
+    def plan_for(self, rows: int) -> ContractionPlan:
+        """The plan for ``rows`` rows: a dict lookup once its bucket is planned."""
+        bucket = bucket_of(rows)
+        plan = self.plans.get(bucket)
+        if plan is None:
+            plan = self.plan_bucket(bucket)
+        return plan
+
+    def plan_bucket(self, bucket: int) -> ContractionPlan:
+        """Plan (and cache) the contraction for a bucket of ``bucket`` rows."""
+        inputs, output, sizes = self.planner_problem()
+        plan = plan_contraction(inputs, output, {**sizes, BATCH: int(bucket)}, batch=BATCH)
+        self.plans[int(bucket)] = plan
+        return plan
+
     def compressed_params(self) -> int:
         """Parameters of the cores and gates (not the bias)."""
         return self.layout.num_params()
@@ -127,7 +172,6 @@ class TTLinear(TNModule):
         self._init_params(layout, device, dtype)
         self.in_features, self.out_features = layout.in_features, layout.out_features
         self.bias = nn.Parameter(torch.zeros(layout.out_features, device=device, dtype=dtype)) if bias else None
-        self._equation = self.network().equation(include_gates=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Module, rank: int | Sequence[int] = 16, num_cores: int = 3,
@@ -165,7 +209,7 @@ class TTLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        return _apply_matrix(x, self._equation, self.scaled_cores(), self.bias, type(self).__name__,
+        return _apply_matrix(self, x, self.scaled_cores(), self.bias,
                              lay.in_features, lay.in_modes, lay.out_features, lay.padded_out)
 
     def to_dense_module(self) -> nn.Linear:
@@ -305,7 +349,6 @@ class TTMTiedLinear(TNModule):
         self.in_features, self.out_features = embedding.embedding_dim, embedding.num_embeddings
         self.bias = nn.Parameter(torch.zeros(self.out_features, device=embedding.cores[0].device,
                                              dtype=embedding.cores[0].dtype)) if bias else None
-        self._equation = TensorNetwork.from_layout(embedding.layout, transpose=True).equation(False)
 
     @property
     def layout(self) -> TTMLayout:  # type: ignore[override]
@@ -324,9 +367,8 @@ class TTMTiedLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        return _apply_matrix(x, self._equation, self.embedding.scaled_cores(), self.bias,
-                             type(self).__name__, lay.embedding_dim, lay.col_modes,
-                             lay.num_embeddings, lay.padded_rows)
+        return _apply_matrix(self, x, self.embedding.scaled_cores(), self.bias,
+                             lay.embedding_dim, lay.col_modes, lay.num_embeddings, lay.padded_rows)
 
     def extra_repr(self) -> str:
         return f"tied to embedding {self.layout.describe()}, bias={self.bias is not None}"
