@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_default_pipeline_is_named_and_editable():
     pipe = tncompile.default_pipeline()
-    assert pipe.names == ["tensorize", "assign_ranks", "decompose"]
+    assert pipe.names == ["tensorize", "assign_ranks", "decompose", "plan_contractions"]
 
     class A(tncompile.Pass):
         name = "a"
@@ -26,12 +26,13 @@ def test_default_pipeline_is_named_and_editable():
             return program
 
     pipe.insert_before("assign-ranks", A()).insert_after("decompose", "tensorize")
-    assert pipe.names == ["tensorize", "a", "assign_ranks", "decompose", "tensorize"]
-    pipe.remove("a").replace("decompose", get_pass("decompose"))
+    assert pipe.names == ["tensorize", "a", "assign_ranks", "decompose", "tensorize", "plan_contractions"]
+    pipe.remove("a").replace("decompose", get_pass("decompose")).remove("plan-contractions")
     assert pipe.names == ["tensorize", "assign_ranks", "decompose", "tensorize"]
     with pytest.raises(ValueError, match="no pass named 'nope'"):
         pipe.remove("nope")
-    assert tncompile.default_pipeline().names == ["tensorize", "assign_ranks", "decompose"]
+    assert tncompile.default_pipeline().names == ["tensorize", "assign_ranks", "decompose",
+                                                  "plan_contractions"]
 
 
 def test_register_pass_function_and_duplicate():
@@ -43,6 +44,7 @@ def test_register_pass_function_and_duplicate():
     c = tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3,
                           passes=["tensorize", "test-noop", "assign_ranks", "decompose"])
     assert [r.name for r in c.program.history] == ["tensorize", "test-noop", "assign_ranks", "decompose"]
+    assert c(torch.randn(3, 64)).shape == (3, 10)  # unplanned buckets are planned on first use
     with pytest.raises(ValueError, match="already registered"):
         tncompile.register_pass(noop, name="test-noop")
 

@@ -57,6 +57,15 @@ def _layer_text(info: dict) -> str:
     return s
 
 
+def _plans_text(module) -> str:
+    """One indented line per planned bucket (order, flops, largest, speed-up)."""
+    plans = getattr(module, "__dict__", {}).get("_plans") or {}
+    if not plans:
+        return ""
+    names = ["x"] + [f"G{k}" for k in range(len(module.layout.site_sizes))]
+    return "".join(f"\n    #   plan {plans[b].describe(names)}" for b in sorted(plans))
+
+
 def _header(program) -> list[str]:
     p = program.num_params()
     passes = " > ".join(r.name for r in program.history) or "(none)"
@@ -88,7 +97,7 @@ def to_text(program) -> str:
             mod = gm.get_submodule(node.target)
             info = layer_info(mod)
             if info is not None:
-                extra = "  # " + _layer_text(info)
+                extra = "  # " + _layer_text(info) + _plans_text(mod)
             elif node.target in program.notes:
                 extra = f"  # dense {type(mod).__name__}: {program.notes[node.target]}"
             else:
@@ -110,6 +119,11 @@ def to_json(program) -> str:
             info = layer_info(mod)
             if info is not None:
                 entry["layer"] = info
+                plans = mod.__dict__.get("_plans") or {}
+                entry["plans"] = [{"rows": b, "order": p.order(), "strategy": p.strategy,
+                                   "fwd_flops": 2 * p.fwd_flops, "bwd_flops": 2 * p.bwd_flops,
+                                   "largest": p.largest, "speedup_vs_naive": p.speedup}
+                                  for b, p in sorted(plans.items())]
             if node.target in program.notes:
                 entry["note"] = program.notes[node.target]
         nodes.append(entry)

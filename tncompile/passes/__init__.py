@@ -3,11 +3,12 @@ from .base import FunctionPass, Pass, Pipeline, get_pass, register_pass, registe
 from .tensorize import Tensorize
 from .assign_ranks import AssignRanks
 from .decompose import Decompose
+from .plan_contractions import PlanContractions
 
 __all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes",
-           "default_pipeline", "Tensorize", "AssignRanks", "Decompose"]
+           "default_pipeline", "Tensorize", "AssignRanks", "Decompose", "PlanContractions"]
 
 
 def default_pipeline() -> Pipeline:
-    """``tensorize -> assign_ranks -> decompose``, a fresh, editable copy."""
-    return Pipeline(["tensorize", "assign_ranks", "decompose"])
+    """``tensorize -> assign_ranks -> decompose -> plan_contractions``, a fresh, editable copy."""
+    return Pipeline(["tensorize", "assign_ranks", "decompose", "plan_contractions"])

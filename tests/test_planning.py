@@ -1,0 +1,131 @@
+"""Contraction planning per bucket and the planned executor."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+import tncompile
+from tncompile.formats import TTLayout, TTMLayout
+from tncompile.ir.plan import bucket_of, plan_contraction
+from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
+from tncompile.runtime.executor import contract
+from tncompile.zoo import small_encoder
+
+f64 = torch.float64
+
+
+def test_bucket_of_powers_of_two():
+    assert [bucket_of(r) for r in (0, 1, 2, 3, 4, 5, 4096, 4097)] == [1, 1, 2, 4, 4, 8, 4096, 8192]
+
+
+def test_small_and_large_batches_get_different_orders():
+    tt = TTLinear(TTLayout.for_shape(768, 3072, 3, ranks=30))
+    one, many = tt.plan_bucket(1), tt.plan_bucket(4096)
+    names = ["x"] + [f"G{k}" for k in range(6)]
+    assert one.order(names) != many.order(names)
+    # one token: the input walks through the cores; 4096: cores merge first, then skinny products
+    assert one.order(names).startswith("((((((x.G0)")
+    assert "(G0.G1)" in many.order(names) and "(G4.G5)" in many.order(names)
+    dense_macs = 4096 * 768 * 3072
+    assert dense_macs / many.fwd_flops > 18  # near the 20.5x FLOP limit of rank 30
+    assert many.cost <= min(many.candidates.values()) + 1e-6
+
+
+@given(d=st.integers(1, 3), rank=st.integers(1, 5), rows=st.integers(1, 70), seed=st.integers(0, 99))
+@settings(max_examples=30, deadline=None)
+def test_every_plan_matches_the_dense_matrix_with_gradients(d, rank, rows, seed):
+    torch.manual_seed(seed)
+    try:
+        lay = TTLayout.for_shape(12, 20, d, ranks=rank)
+    except ValueError:
+        return
+    tt = TTLinear(lay, dtype=f64)
+    with torch.no_grad():
+        for c in tt.cores:
+            c.normal_()
+        for g in tt.gates:
+            g.uniform_(0.5, 1.5)
+    inputs, output, sizes = tt.planner_problem()
+    x = torch.randn(rows, 12, dtype=f64, requires_grad=True)
+    for strategy in ("left-to-right", "merge-cores-first", "cotengra-flops"):
+        plan = plan_contraction(inputs, output, {**sizes, "b": rows})
+        if strategy not in plan.candidates:
+            continue
+        tt.plans.clear()
+        y = tt(x)
+        ref = x @ tt.weight().t() + tt.bias
+        assert torch.allclose(y, ref, atol=1e-10)
+        g = torch.randn_like(y)
+        got = torch.autograd.grad(y, [x, *tt.cores, *tt.gates], g)
+        want = torch.autograd.grad(ref, [x, *tt.cores, *tt.gates], g)
+        assert all(torch.allclose(a, b, atol=1e-9) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 33])
+def test_planned_executor_gradcheck_linear_and_tied(rows):
+    tt = TTLinear(TTLayout.for_shape(6, 12, 2, ranks=3), dtype=f64)
+    with torch.no_grad():
+        for c in tt.cores:
+            c.normal_()
+    x = torch.randn(rows, 6, dtype=f64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, *p: tt(x), (x, *tt.cores, *tt.gates))
+    emb = TTMEmbedding(TTMLayout.for_shape(20, 6, 2, ranks=3), dtype=f64)
+    with torch.no_grad():
+        for c in emb.cores:
+            c.normal_()
+    head = TTMTiedLinear(emb)
+    assert torch.autograd.gradcheck(lambda x, *p: head(x), (x, *emb.cores))
+
+
+def test_plan_executor_on_every_candidate_order():
+    inputs = [("b", "i0", "i1"), ("i0", "r1"), ("r1", "i1", "r2"), ("r2", "j0", "r3"), ("r3", "j1")]
+    output = ("b", "j0", "j1")
+    sizes = dict(b=7, i0=2, i1=3, j0=3, j1=2, r1=2, r2=3, r3=2)
+    ts = [torch.randn(*[sizes[i] for i in ix], dtype=f64, requires_grad=True) for ix in inputs]
+    ref = torch.einsum("abc,bd,dce,efg,gh->afh", *ts)
+    plan = plan_contraction(inputs, output, sizes)
+    assert set(plan.candidates) >= {"left-to-right", "merge-cores-first", "cotengra-flops"}
+    assert torch.allclose(contract(plan, ts), ref)
+    assert torch.autograd.gradcheck(lambda *t: contract(plan, t), ts)
+
+
+def test_new_batch_size_planned_once_then_cached(monkeypatch):
+    tt = TTLinear(TTLayout.for_shape(64, 64, 2, ranks=4))
+    calls = []
+    original = TTLinear.plan_bucket
+
+    def counting(self, bucket):
+        calls.append(bucket)
+        return original(self, bucket)
+
+    monkeypatch.setattr(TTLinear, "plan_bucket", counting)
+    for rows in (5, 7, 8, 6, 5):
+        tt(torch.randn(rows, 64))
+    assert calls == [8]
+    tt(torch.randn(2, 9, 64))  # 18 rows -> bucket 32
+    assert calls == [8, 32]
+
+
+def test_compile_batch_sizes_plan_ahead_and_survive_save_load(tmp_path):
+    model = small_encoder().eval()
+    ids = torch.randint(1, 1000, (2, 16))  # 32 rows per linear at batch 2
+    c = tncompile.compile(model, target_ratio=0.2, example_inputs=(ids,), batch_sizes=[1, 64])
+    ff1 = c.model.get_submodule("layers.0.ff1")
+    assert set(ff1.plans) == {16, 32, 1024}  # batch 1 x 16, traced 2 x 16, batch 64 x 16
+    assert "plan rows<=1024" in c.program.dump()
+    assert c.program.history[-1].name == "plan_contractions"
+    path = tmp_path / "m.tnc"
+    tncompile.save(c, path)
+    loaded = tncompile.load(path)
+    lff1 = loaded.model.get_submodule("layers.0.ff1")
+    assert set(lff1.plans) == {16, 32, 1024}
+    assert lff1.plans[1024].order() == ff1.plans[1024].order()
+    assert torch.equal(loaded(ids), c(ids))
+
+
+def test_bfloat16_planned_forward_backward():
+    tt = TTLinear.from_linear(nn.Linear(64, 96), rank=8, num_cores=2).to(torch.bfloat16)
+    x = torch.randn(33, 64, dtype=torch.bfloat16, requires_grad=True)
+    y = tt(x)
+    y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and x.grad is not None and torch.isfinite(x.grad.float()).all()

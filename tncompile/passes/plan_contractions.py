@@ -1,0 +1,72 @@
+"""``plan_contractions``: pick a contraction order per layer and batch-size bucket."""
+from __future__ import annotations
+
+from math import prod
+
+from torch import fx
+from tqdm.auto import tqdm
+
+from ..ir.plan import bucket_of
+from ..ir.program import Program
+from ..runtime.tt_layers import TNModule, TTMEmbedding
+from .base import Pass, register_pass
+
+__all__ = ["PlanContractions"]
+
+
+def _example_rows(node: fx.Node) -> tuple[int, int] | None:
+    """``(batch, rows)`` the layer saw when traced: rows = batch x the other leading dims."""
+    arg = node.args[0] if node.args else None
+    meta = getattr(arg, "meta", {}) if isinstance(arg, fx.Node) else {}
+    val = meta.get("val", meta.get("tensor_meta"))
+    shape = getattr(val, "shape", None)
+    if not shape or len(shape) < 2:
+        return None
+    try:
+        dims = [int(d) for d in shape[:-1]]
+    except (TypeError, ValueError):  # symbolic sizes from torch.export
+        hints = [getattr(getattr(d, "node", None), "hint", None) for d in shape[:-1]]
+        if any(h is None for h in hints):
+            return None
+        dims = [int(h) for h in hints]
+    return dims[0], prod(dims)
+
+
+@register_pass
+class PlanContractions(Pass):
+    """Plan every TT network for the buckets it will see.
+
+    Buckets are powers of two of the number of rows a layer multiplies. From
+    ``compile(batch_sizes=...)``: each batch size times the non-batch leading
+    dims seen at trace time (e.g. the sequence length); plus the traced rows
+    themselves. Other sizes are planned on first use and cached. Plans live
+    on the layers (``layer.plans``), are saved with the model and shown in the
+    IR dump.
+    """
+
+    name = "plan_contractions"
+
+    def run(self, program: Program) -> Program:
+        batch_sizes = list(program.options.batch_sizes or [])
+        work: list[tuple[TNModule, int]] = []
+        seen: set[tuple[int, int]] = set()
+        for node, mod in program.modules():
+            if not isinstance(mod, TNModule) or isinstance(mod, TTMEmbedding):
+                continue
+            example = _example_rows(node)
+            rows = set()
+            if example is not None:
+                batch, traced = example
+                rows.add(traced)
+                rows.update(b * (traced // max(batch, 1)) for b in batch_sizes)
+            else:
+                rows.update(batch_sizes)
+            for r in rows:
+                key = (id(mod), bucket_of(r))
+                if key not in seen:
+                    seen.add(key)
+                    work.append((mod, bucket_of(r)))
+        for mod, bucket in tqdm(work, desc="plan", disable=None, leave=False):
+            if bucket not in mod.plans:
+                mod.plan_bucket(bucket)
+        return program
