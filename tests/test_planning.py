@@ -129,3 +129,38 @@ def test_bfloat16_planned_forward_backward():
     y = tt(x)
     y.float().sum().backward()
     assert y.dtype == torch.bfloat16 and x.grad is not None and torch.isfinite(x.grad.float()).all()
+
+
+@pytest.mark.parametrize("d", [1, 2, 3, 4])
+def test_ttm_lookup_with_repeated_ids_and_padding_matches_dense(d):
+    emb = TTMEmbedding(TTMLayout.for_shape(300, 24, d, ranks=4), padding_idx=7, dtype=f64)
+    with torch.no_grad():
+        for c in emb.cores:
+            c.normal_()
+        for g in emb.gates:
+            g.uniform_(0.5, 1.5)
+    ids = torch.randint(0, 12, (8, 40))  # 320 ids, at most 12 distinct: the dedup path
+    ids[0, :5] = 7
+    table = emb.weight()
+    ref = table[ids] * (ids != 7).unsqueeze(-1)
+    out = emb(ids)
+    assert torch.allclose(out, ref, atol=1e-10)
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, [*emb.cores, *emb.gates], g)
+    want = torch.autograd.grad(ref, [*emb.cores, *emb.gates], g)
+    assert all(torch.allclose(a, b, atol=1e-9) for a, b in zip(got, want))
+    few = torch.tensor([7, 7, 7])  # only padding: zero output and no gradient
+    emb.zero_grad()
+    emb(few).sum().backward()
+    assert all(c.grad is None or not c.grad.any() for c in emb.cores)
+
+
+def test_ttm_lookup_split_is_planned_and_cached():
+    emb = TTMEmbedding(TTMLayout.for_shape(30522, 768, 4, ranks=32))
+    plan = emb.plan_bucket(4096)
+    assert plan.split in (1, 2, 3) and plan.cost == min(plan.candidates.values())
+    assert plan.speedup > 2  # far cheaper than contracting every id's slices along the chain
+    emb(torch.randint(0, 30522, (4096,)))
+    assert 4096 in emb.plans
+    with pytest.raises(IndexError, match="out of range"):
+        emb(torch.tensor([30522]))

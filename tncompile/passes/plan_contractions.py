@@ -14,18 +14,23 @@ from .base import Pass, register_pass
 __all__ = ["PlanContractions"]
 
 
-def _example_rows(node: fx.Node) -> tuple[int, int] | None:
-    """``(batch, rows)`` the layer saw when traced: rows = batch x the other leading dims."""
+def _example_rows(node: fx.Node, lookup: bool) -> tuple[int, int] | None:
+    """``(batch, rows)`` the layer saw when traced: rows = batch x the other leading
+    dims (for an embedding lookup: x every dim of the ids)."""
     arg = node.args[0] if node.args else None
     meta = getattr(arg, "meta", {}) if isinstance(arg, fx.Node) else {}
     val = meta.get("val", meta.get("tensor_meta"))
     shape = getattr(val, "shape", None)
-    if not shape or len(shape) < 2:
+    if not shape or (len(shape) < 2 and not lookup):
         return None
     try:
-        dims = [int(d) for d in shape[:-1]]
+        lead = shape if lookup else shape[:-1]
+    except TypeError:
+        return None
+    try:
+        dims = [int(d) for d in lead]
     except (TypeError, ValueError):  # symbolic sizes from torch.export
-        hints = [getattr(getattr(d, "node", None), "hint", None) for d in shape[:-1]]
+        hints = [getattr(getattr(d, "node", None), "hint", None) for d in lead]
         if any(h is None for h in hints):
             return None
         dims = [int(h) for h in hints]
@@ -34,7 +39,7 @@ def _example_rows(node: fx.Node) -> tuple[int, int] | None:
 
 @register_pass
 class PlanContractions(Pass):
-    """Plan every TT network for the buckets it will see.
+    """Plan every TT network (and every TTM lookup) for the buckets it will see.
 
     Buckets are powers of two of the number of rows a layer multiplies. From
     ``compile(batch_sizes=...)``: each batch size times the non-batch leading
@@ -51,9 +56,9 @@ class PlanContractions(Pass):
         work: list[tuple[TNModule, int]] = []
         seen: set[tuple[int, int]] = set()
         for node, mod in program.modules():
-            if not isinstance(mod, TNModule) or isinstance(mod, TTMEmbedding):
+            if not isinstance(mod, TNModule):
                 continue
-            example = _example_rows(node)
+            example = _example_rows(node, lookup=isinstance(mod, TTMEmbedding))
             rows = set()
             if example is not None:
                 batch, traced = example

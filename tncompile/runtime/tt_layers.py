@@ -20,6 +20,7 @@ from ..formats.decompose import (random_cores, tt_from_linear_weight, tt_to_dens
                                  ttm_from_embedding_weight, ttm_to_dense)
 from ..formats.layout import TTLayout, TTMLayout
 from ..ir.network import BATCH, TensorNetwork
+from ..ir.lookup_plan import LookupPlan, plan_lookup
 from ..ir.plan import ContractionPlan, bucket_of, plan_contraction
 from .executor import contract
 
@@ -246,12 +247,6 @@ class TTMEmbedding(TNModule):
                 raise ValueError(f"padding_idx {padding_idx} out of range for {self.num_embeddings} rows")
             padding_idx %= self.num_embeddings
         self.padding_idx = padding_idx
-        d = len(layout.row_modes)
-        sym = "abcdefghijklmnopqrstuvwxyz"
-        bonds, cols = sym[:d + 1], sym[d + 1: 2 * d + 1]
-        # gathered core k: (r_k, T, n_k, r_{k+1}); token index is 'T' (upper case)
-        lhs = ",".join(f"{bonds[k]}T{cols[k]}{bonds[k + 1]}" for k in range(d))
-        self._equation = f"{lhs}->T{cols}"
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, rank: int | Sequence[int] = 16,
@@ -298,21 +293,51 @@ class TTMEmbedding(TNModule):
             bad = lo if lo < 0 else hi
             raise IndexError(f"TTMEmbedding: id {bad} out of range [0, {self.num_embeddings})")
 
+    DEDUP_BELOW = 0.8  # look up unique ids only when they are under this share of the batch
+
+    def plan_bucket(self, bucket: int) -> LookupPlan:  # type: ignore[override]
+        plan = plan_lookup(self.layout, int(bucket))
+        self.plans[int(bucket)] = plan
+        return plan
+
+    def half_tables(self, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``L[M_L, N_L, r]`` from cores ``[:split]`` and ``R[M_R, r, N_R]`` from the rest."""
+        cores = self.scaled_cores()
+        left = cores[0].squeeze(0)                                   # (m0, n0, r1)
+        for c in cores[1:split]:
+            M, N, _ = left.shape
+            left = torch.einsum("MNa,amnb->MmNnb", left, c).reshape(M * c.shape[1], N * c.shape[2], -1)
+        right = cores[-1].squeeze(-1)                                # (r, m, n)
+        for c in reversed(cores[split:-1]):
+            _, M, N = right.shape
+            right = torch.einsum("amnb,bMN->amMnN", c, right).reshape(c.shape[0], c.shape[1] * M, -1)
+        return left, right.transpose(0, 1)                           # R: (M_R, r, N_R)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self._check_ids(ids)
         lay = self.layout
         flat = ids.reshape(-1).long()
-        digits = []
-        rest = flat
-        for m in reversed(lay.row_modes):
-            digits.append(rest % m)
-            rest = torch.div(rest, m, rounding_mode="floor")
-        digits.reverse()
-        gathered = [c.index_select(1, i) for c, i in zip(self.scaled_cores(), digits)]
-        out = torch.einsum(self._equation, *gathered)
-        out = out.reshape(flat.shape[0], lay.padded_cols)
+        lookup, inverse = flat, None
+        if flat.numel() >= 64 and not torch.compiler.is_compiling():
+            unique, inv = torch.unique(flat, return_inverse=True)
+            if unique.numel() < self.DEDUP_BELOW * flat.numel():
+                lookup, inverse = unique, inv
+        rows = lookup.shape[0]
+        if len(lay.row_modes) == 1:
+            table = self.scaled_cores()[0].reshape(lay.row_modes[0], lay.col_modes[0])
+            out = table.index_select(0, lookup)
+        else:
+            split = self.plan_for(rows).split
+            left, right = self.half_tables(split)
+            m_right = math.prod(lay.row_modes[split:])
+            i_left = torch.div(lookup, m_right, rounding_mode="floor")
+            i_right = lookup - i_left * m_right
+            out = torch.bmm(left.index_select(0, i_left), right.index_select(0, i_right))
+            out = out.reshape(rows, lay.padded_cols)
         if lay.padded_cols != lay.embedding_dim:
             out = out[:, : lay.embedding_dim]
+        if inverse is not None:
+            out = out.index_select(0, inverse)
         if self.padding_idx is not None:
             out = out * (flat != self.padding_idx).unsqueeze(-1).to(out.dtype)
         return out.reshape(*ids.shape, lay.embedding_dim)
