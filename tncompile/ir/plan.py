@@ -195,13 +195,16 @@ def _merge_first(inputs: list[Indices], batch: str) -> list[tuple[int, int]] | N
 
 def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str, int],
                      needs_grad: Sequence[bool] | None = None, batch: str = "b",
-                     write_weight: float = WRITE_WEIGHT) -> ContractionPlan:
+                     write_weight: float = WRITE_WEIGHT,
+                     strategies: Sequence[str] | None = None) -> ContractionPlan:
     """Choose the cheapest pairwise order (forward + reverse-mode backward).
 
     Candidates: cotengra's exact search for flops and for ``flops + write``
     (``combo``) -- or its hyper-optimizer for networks too large for exact
     search -- the left-to-right order, and the merge-the-cores-first order.
-    Each is costed with the plan cost model; the cheapest wins.
+    Each is costed with the plan cost model; the cheapest wins. ``strategies``
+    restricts the candidates by name (e.g. ``["merge-cores-first"]`` to force
+    CoMERA's fixed order, as the benchmarks do).
     """
     inputs = [tuple(ix) for ix in inputs]
     output = tuple(output)
@@ -220,12 +223,17 @@ def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str
                 opt = ctg.HyperOptimizer(minimize=minimize, max_repeats=32, parallel=False, progbar=False)
                 ssa = opt.search(list(inputs), output, sizes).get_path()
             candidates[f"cotengra-{minimize.split('-')[0]}"] = [tuple(p) for p in ssa]
+    if strategies is not None:
+        unknown = set(strategies) - set(candidates)
+        if unknown:
+            raise ValueError(f"strategies {sorted(unknown)} not applicable here; candidates: {sorted(candidates)}")
+        candidates = {k: v for k, v in candidates.items() if k in strategies}
     scored = {}
     for name, path in candidates.items():
         scored[name] = (_build(inputs, output, sizes, path, needs_grad, write_weight), path)
     best = min(scored, key=lambda k: scored[k][0][-1])
     (steps, perm, cost, bwd, bwd_write, total), _ = scored[best]
-    naive_total = scored["left-to-right"][0][-1]
+    naive_total = _build(inputs, output, sizes, _left_to_right(n), needs_grad, write_weight)[-1]
     return ContractionPlan(
         rows=sizes.get(batch, 1), inputs=inputs, output=output, steps=steps, out_perm=perm,
         fwd_flops=cost.flops, bwd_flops=bwd, write=cost.write + bwd_write, largest=cost.largest,

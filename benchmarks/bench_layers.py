@@ -1,0 +1,192 @@
+"""TT linear / TTM embedding / six-encoder step: planned tncompile vs dense and vs fixed orders.
+
+    python benchmarks/bench_layers.py [--quick]
+
+Everything is measured in one process, interleaved, forward + backward, fp32,
+with tncompile's CPU allocator setting (freed memory is reused; it applies to
+every variant alike). Ratios, not absolute times, are the result: the
+machines are shared and noisy. Writes benchmarks/results/layers.json and
+layers_speedup.png.
+
+Variants for a TT linear ``in -> out`` at rank ``r`` over ``tokens`` rows:
+  dense        nn.Linear
+  planned      TTLinear with the plan tncompile picks for the bucket
+  one-einsum   torch.einsum over the whole network, opt_einsum's path
+               (what tensorly-torch does)
+  merge-first  the fixed merge-cores-then-two-matmuls order (CoMERA's code)
+  left-right   the fixed input-through-the-cores order
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from common import machine, median_ms, write_json
+from tncompile.formats import TTLayout, TTMLayout
+from tncompile.ir.plan import bucket_of, plan_contraction
+from tncompile.runtime import TTLinear, TTMEmbedding
+from tncompile.runtime.cpu_allocator import retain_freed_memory
+from tncompile.runtime.executor import contract
+from tncompile.runtime.tt_layers import _drop_boundary
+
+SHAPES = [(768, 768), (768, 3072), (3072, 768)]
+TOKENS = [1, 32, 512, 4096]
+RANKS = [8, 16, 30, 64]
+
+
+def tt_variants(tt: TTLinear, tokens: int):
+    lay = tt.layout
+    inputs, output, sizes = tt.planner_problem()
+    sizes = {**sizes, "b": bucket_of(tokens)}
+    eq = tt.network().equation(include_gates=False)
+
+    def fixed(strategy):
+        plan = plan_contraction(inputs, output, sizes, strategies=[strategy])
+
+        def run(x):
+            ops = [x.reshape(tokens, *lay.in_modes), *_drop_boundary(tt.scaled_cores())]
+            return contract(plan, ops).reshape(tokens, -1) + tt.bias
+        return run
+
+    def one_einsum(x):
+        return torch.einsum(eq, x.reshape(tokens, *lay.in_modes), *tt.scaled_cores()).reshape(tokens, -1) + tt.bias
+
+    return {"planned": tt, "one-einsum": one_einsum,
+            "merge-first": fixed("merge-cores-first"), "left-right": fixed("left-to-right")}
+
+
+def bench_linear(quick: bool) -> list[dict]:
+    rows = []
+    grid = [(s, r, t) for s in SHAPES for r in (RANKS if not quick else [8, 30]) for t in TOKENS]
+    for (fin, fout), rank, tokens in tqdm(grid, desc="TT linear"):
+        dense = nn.Linear(fin, fout)
+        lay = TTLayout.for_shape(fin, fout, 3).with_ranks(rank)
+        tt = TTLinear.from_linear(dense, layout=lay, rank=None, init="random")
+        plan = tt.plan_bucket(bucket_of(tokens))
+        x = torch.randn(tokens, fin, requires_grad=True)
+        g = torch.randn(tokens, fout)
+        reps = 5 if tokens >= 4096 else 15
+        fns = {"dense": dense, **tt_variants(tt, tokens)}
+        times = {}
+        for name, fn in fns.items():
+            def step(fn=fn):
+                fn(x).backward(g)
+            times[name] = median_ms(step, reps)
+        fixed_best = min(times["merge-first"], times["left-right"])
+        rows.append({
+            "in": fin, "out": fout, "rank": rank, "tokens": tokens, "ms": times,
+            "speedup_vs_dense": times["dense"] / times["planned"],
+            "flop_limit": (fin * fout * tokens) / plan.fwd_flops,
+            "planned_over_best_fixed": times["planned"] / fixed_best,
+            "plan": plan.order(["x"] + [f"G{k}" for k in range(6)]), "strategy": plan.strategy,
+        })
+    return rows
+
+
+def naive_ttm_lookup(emb: TTMEmbedding, ids: torch.Tensor) -> torch.Tensor:
+    """Gather every core's slice per id and contract the chain per id (one einsum)."""
+    lay = emb.layout
+    digits, rest = [], ids
+    for m in reversed(lay.row_modes):
+        digits.append(rest % m)
+        rest = torch.div(rest, m, rounding_mode="floor")
+    digits.reverse()
+    slices = [c.index_select(1, i) for c, i in zip(emb.scaled_cores(), digits)]
+    return torch.einsum("aTbc,cTde,eTfg,gThi->Tbdfh", *slices).reshape(ids.shape[0], -1)
+
+
+def bench_embedding() -> dict:
+    dense = nn.Embedding(30522, 768)
+    ttm = TTMEmbedding.from_embedding(dense, rank=32, init="random")  # 4+4 modes as in the paper
+    ids = torch.randint(0, 30522, (4096,))
+    times = {
+        "nn.Embedding": median_ms(lambda: dense(ids).sum().backward(), 7),
+        "planned TTM": median_ms(lambda: ttm(ids).sum().backward(), 7),
+        "naive TTM": median_ms(lambda: naive_ttm_lookup(ttm, ids).sum().backward(), 3),
+    }
+    params = {"nn.Embedding": dense.weight.numel(), "TTM": sum(p.numel() for p in ttm.parameters())}
+    return {"ids": 4096, "layout": ttm.layout.describe(), "ms": times,
+            "planned_over_dense_time": times["planned TTM"] / times["nn.Embedding"],
+            "naive_over_planned_time": times["naive TTM"] / times["planned TTM"],
+            "param_memory_ratio": params["nn.Embedding"] / params["TTM"], "params": params,
+            "plan": ttm.plans[4096].describe()}
+
+
+def bench_six_encoder(batch: int, reps: int) -> dict:
+    import tncompile
+    from tncompile.zoo import six_encoder
+    torch.manual_seed(0)
+    dense = six_encoder()
+    compiled = tncompile.compile(dense, target_ratio=1 / 44.9, init="random", batch_sizes=[batch],
+                                 example_inputs=(torch.randint(1, 30522, (2, 128)),))
+    x = torch.randint(1, 30522, (batch, 128))
+    y = torch.randint(0, 3, (batch,))
+    out = {}
+    for name, model in (("dense", dense), ("compiled", compiled)):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step(model=model, opt=opt):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+        out[name] = median_ms(step, reps) / 1000
+    return {"batch": batch, "seq": 128, "step_s": out, "speedup": out["dense"] / out["compiled"],
+            "ratio": compiled.ratio}
+
+
+def plot(rows: list[dict], path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(SHAPES), figsize=(5 * len(SHAPES), 4), sharey=True)
+    for ax, (fin, fout) in zip(axes, SHAPES):
+        for rank in sorted({r["rank"] for r in rows}):
+            pts = [r for r in rows if (r["in"], r["out"], r["rank"]) == (fin, fout, rank)]
+            ax.plot([p["tokens"] for p in pts], [p["speedup_vs_dense"] for p in pts], "o-", label=f"rank {rank}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"TT linear {fin}->{fout}, fwd+bwd")
+        ax.set_xlabel("tokens")
+    axes[0].set_ylabel("speed-up over nn.Linear")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="ranks 8 and 30 only, six-encoder at batch 8")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    allocator = retain_freed_memory()
+    linear = bench_linear(args.quick)
+    emb = bench_embedding()
+    six = bench_six_encoder(8 if args.quick else 32, 2)
+    result = {**machine(), "retain_freed_memory": allocator, "linear": linear, "embedding": emb,
+              "six_encoder": six}
+    path = write_json("layers.json", result)
+    plot(linear, path.with_name("layers_speedup.png"))
+
+    print(f"\n{'shape':>10s} {'rank':>4s} {'tokens':>6s} {'dense ms':>9s} {'planned':>8s} {'speed-up':>8s} "
+          f"{'FLOP lim':>8s} {'1-einsum':>8s} {'merge1st':>8s} {'L-to-R':>8s} {'plan/best fixed':>15s}")
+    for r in linear:
+        t = r["ms"]
+        print(f"{r['in']:>4d}->{r['out']:<5d} {r['rank']:>4d} {r['tokens']:>6d} {t['dense']:9.2f} {t['planned']:8.2f} "
+              f"{r['speedup_vs_dense']:7.1f}x {r['flop_limit']:7.1f}x {t['one-einsum']:8.2f} {t['merge-first']:8.2f} "
+              f"{t['left-right']:8.2f} {r['planned_over_best_fixed']:15.2f}")
+    print(f"\nTTM embedding 30522x768, {emb['layout']}, 4096 ids, fwd+bwd ms: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in emb["ms"].items()))
+    print(f"  planned TTM / nn.Embedding time {emb['planned_over_dense_time']:.2f}x, naive / planned "
+          f"{emb['naive_over_planned_time']:.1f}x, parameter memory {emb['param_memory_ratio']:.0f}x smaller")
+    print(f"\nsix-encoder train step, batch {six['batch']}x128: dense {six['step_s']['dense']:.2f}s, "
+          f"compiled {six['step_s']['compiled']:.2f}s -> {six['speedup']:.2f}x  (ratio {six['ratio']:.4f})")
+    print(f"\nwrote {path} and {path.with_name('layers_speedup.png')}")
+
+
+if __name__ == "__main__":
+    main()
