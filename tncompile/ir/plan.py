@@ -6,10 +6,12 @@ needs (which axes to contract, how to permute), and its cost: forward and
 reverse-mode backward FLOPs, elements written, the largest intermediate, and
 the same figures for the naive left-to-right order.
 
-Cost model: ``flops + write_weight * elements_written`` (forward plus
-backward), so orders that stream huge intermediates through memory lose to
-slightly more arithmetic on small ones -- which is what CPU and GPU timings
-reward.
+Cost model: ``flops + write_weight * elements_written + op_overhead *
+kernels`` (forward plus backward), where the writes include the permuted
+copies ``tensordot`` makes when the contracted axes are not already at the
+right end of an operand. So orders that stream huge intermediates through
+memory lose to slightly more arithmetic on small ones, and tiny batches
+prefer fewer copies -- which is what CPU and GPU timings reward.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import cotengra as ctg
 __all__ = ["ContractionPlan", "Step", "plan_contraction", "bucket_of", "WRITE_WEIGHT"]
 
 WRITE_WEIGHT = 32.0
+OP_OVERHEAD = 20_000.0  # multiply-add equivalents of launching one kernel (a few microseconds)
 
 Indices = tuple[str, ...]
 
@@ -51,6 +54,7 @@ class _Cost:
     flops: int = 0
     write: int = 0
     largest: int = 0
+    kernels: int = 0
 
 
 @dataclass
@@ -88,9 +92,12 @@ class ContractionPlan:
     write_weight: float = WRITE_WEIGHT
     candidates: dict[str, float] = field(default_factory=dict)
 
+    kernels: int = 0
+
     @property
     def cost(self) -> float:
-        return self.fwd_flops + self.bwd_flops + self.write_weight * self.write
+        return (self.fwd_flops + self.bwd_flops + self.write_weight * self.write
+                + OP_OVERHEAD * self.kernels)
 
     @property
     def speedup(self) -> float:
@@ -134,8 +141,15 @@ def _build(inputs: list[Indices], output: Indices, sizes: dict[str, int],
         ci = tuple(x for x in ai if x not in contracted) + tuple(x for x in bi if x not in contracted)
         flops = prod(sizes[x] for x in set(ai) | set(bi))
         size = prod(sizes[x] for x in ci)
-        steps.append(Step(a, b, tuple(ai.index(x) for x in contracted), tuple(bi.index(x) for x in contracted),
-                          ai, bi, ci, flops, size))
+        a_axes = tuple(ai.index(x) for x in contracted)
+        b_axes = tuple(bi.index(x) for x in contracted)
+        steps.append(Step(a, b, a_axes, b_axes, ai, bi, ci, flops, size))
+        # tensordot copies A unless its contracted axes are its last ones in order, B unless first
+        copies = [prod(sizes[x] for x in ai)] if a_axes != tuple(range(len(ai) - len(a_axes), len(ai))) else []
+        if b_axes != tuple(range(len(b_axes))):
+            copies.append(prod(sizes[x] for x in bi))
+        cost.write += sum(copies)
+        cost.kernels += 1 + len(copies)
         ops.append(ci)
         grads.append(grads[a] or grads[b])
         live = [k for k in live if k not in (a, b)] + [len(ops) - 1]
@@ -150,7 +164,8 @@ def _build(inputs: list[Indices], output: Indices, sizes: dict[str, int],
                 bwd_write += prod(sizes[x] for x in idx)
     final = ops[-1] if steps else inputs[0]
     perm = None if tuple(final) == tuple(output) else tuple(final.index(x) for x in output)
-    total = cost.flops + bwd + weight * (cost.write + bwd_write)
+    kernels = 3 * cost.kernels + (1 if perm is not None else 0)  # backward ~ two kernels a step
+    total = cost.flops + bwd + weight * (cost.write + bwd_write) + OP_OVERHEAD * kernels
     return steps, perm, cost, bwd, bwd_write, total
 
 
@@ -238,4 +253,5 @@ def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str
         rows=sizes.get(batch, 1), inputs=inputs, output=output, steps=steps, out_perm=perm,
         fwd_flops=cost.flops, bwd_flops=bwd, write=cost.write + bwd_write, largest=cost.largest,
         naive_cost=naive_total, strategy=best, write_weight=write_weight,
-        candidates={k: v[0][-1] for k, v in scored.items()})
+        candidates={k: v[0][-1] for k, v in scored.items()},
+        kernels=3 * cost.kernels + (1 if perm is not None else 0))

@@ -77,6 +77,35 @@ def _drop_boundary(cores: list[torch.Tensor]) -> list[torch.Tensor]:
     return cores
 
 
+class _GatheredProduct(torch.autograd.Function):
+    """``out[t] = L[i[t]] @ R[j[t]]`` with a backward that scatters into ``L`` and ``R``.
+
+    The gathered slices are rebuilt in backward rather than kept, and every
+    batched product gets contiguous operands (CPU ``bmm`` on transposed batch
+    views falls back to one small GEMM per id).
+
+    Shapes: ``L (M_L, N_L, r)``, ``R (M_R, r, N_R)``, ``i, j (T,)`` -> ``(T, N_L, N_R)``.
+    """
+
+    @staticmethod
+    def forward(ctx, left, right, i, j):
+        ctx.save_for_backward(left, right, i, j)
+        return torch.bmm(left.index_select(0, i), right.index_select(0, j))
+
+    @staticmethod
+    def backward(ctx, grad):
+        left, right, i, j = ctx.saved_tensors
+        grad = grad.contiguous()
+        g_left = g_right = None
+        if ctx.needs_input_grad[0]:
+            b_t = right.transpose(1, 2).contiguous().index_select(0, j)          # (T, N_R, r)
+            g_left = torch.zeros_like(left).index_add_(0, i, torch.bmm(grad, b_t))
+        if ctx.needs_input_grad[1]:
+            a_t = left.transpose(1, 2).contiguous().index_select(0, i)           # (T, r, N_L)
+            g_right = torch.zeros_like(right).index_add_(0, j, torch.bmm(a_t, grad))
+        return g_left, g_right, None, None
+
+
 class TNModule(nn.Module):
     """Shared behaviour of layers stored as a tensor network."""
 
@@ -332,8 +361,7 @@ class TTMEmbedding(TNModule):
             m_right = math.prod(lay.row_modes[split:])
             i_left = torch.div(lookup, m_right, rounding_mode="floor")
             i_right = lookup - i_left * m_right
-            out = torch.bmm(left.index_select(0, i_left), right.index_select(0, i_right))
-            out = out.reshape(rows, lay.padded_cols)
+            out = _GatheredProduct.apply(left, right, i_left, i_right).reshape(rows, lay.padded_cols)
         if lay.padded_cols != lay.embedding_dim:
             out = out[:, : lay.embedding_dim]
         if inverse is not None:
