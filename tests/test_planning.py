@@ -164,3 +164,20 @@ def test_ttm_lookup_split_is_planned_and_cached():
     assert 4096 in emb.plans
     with pytest.raises(IndexError, match="out of range"):
         emb(torch.tensor([30522]))
+
+
+@pytest.mark.parametrize("rows,strategy", [(64, "merge-cores-first"), (3, "left-to-right"),
+                                           (5, "cotengra-flops")])
+def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy):
+    from tncompile.runtime.executor import fuses_bias
+    inputs = [("b", "i0", "i1"), ("i0", "r1"), ("r1", "i1", "r2"), ("r2", "j0", "r3"), ("r3", "j1")]
+    output = ("b", "j0", "j1")
+    sizes = dict(b=rows, i0=2, i1=3, j0=3, j1=2, r1=2, r2=3, r3=2)
+    plan = plan_contraction(inputs, output, sizes, strategies=[strategy])
+    ts = [torch.randn(*[sizes[i] for i in ix], dtype=f64, requires_grad=True) for ix in inputs]
+    bias = torch.randn(6, dtype=f64, requires_grad=True)
+    ref = torch.einsum("abc,bd,dce,efg,gh->afh", *ts) + bias.reshape(3, 2)
+    assert torch.allclose(contract(plan, ts, bias), ref)
+    assert torch.autograd.gradcheck(lambda b, *t: contract(plan, t, b), (bias, *ts))
+    if strategy == "merge-cores-first":
+        assert fuses_bias(plan)

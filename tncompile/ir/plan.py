@@ -8,8 +8,8 @@ the same figures for the naive left-to-right order.
 
 Cost model: ``flops + write_weight * elements_written + op_overhead *
 kernels`` (forward plus backward), where the writes include the permuted
-copies ``tensordot`` makes when the contracted axes are not already at the
-right end of an operand. So orders that stream huge intermediates through
+copies the executor makes when an operand's contracted axes neither lead nor
+trail it in order. So orders that stream huge intermediates through
 memory lose to slightly more arithmetic on small ones, and tiny batches
 prefer fewer copies -- which is what CPU and GPU timings reward.
 """
@@ -122,15 +122,24 @@ def _build(inputs: list[Indices], output: Indices, sizes: dict[str, int],
     """Turn a linear (opt_einsum-style) path into SSA steps and cost them."""
     ops: list[Indices] = list(inputs)
     live = list(range(len(inputs)))  # positions in the shrinking list -> SSA ids
+    rank_of = {}
+    for ix in inputs:  # canonical index order: first appearance (input modes, then the chain)
+        for x in ix:
+            rank_of.setdefault(x, len(rank_of))
     grads = list(needs_grad)
     steps: list[Step] = []
     cost = _Cost()
     for i, j in path:
         i, j = sorted((i, j))
         a, b = live[i], live[j]
+        # operand order decides the result's index order: the batch-carrying operand goes
+        # first (results stay batch-major), otherwise the one whose indices come first
+        # canonically, so merged blocks keep the input's mode order and need no copies later
         if output and output[0] in ops[b] and output[0] not in ops[a]:
-            a, b = b, a  # the operand carrying the leading output index (the batch) goes first,
-            #              so results stay batch-major and the output needs no transpose
+            a, b = b, a
+        elif not (output and output[0] in ops[a]) and \
+                min(rank_of[x] for x in ops[b]) < min(rank_of[x] for x in ops[a]):
+            a, b = b, a
         ai, bi = ops[a], ops[b]
         others = [ops[k] for k in live if k not in (a, b)]
         keep = set(output).union(*others) if others else set(output)
@@ -144,10 +153,9 @@ def _build(inputs: list[Indices], output: Indices, sizes: dict[str, int],
         a_axes = tuple(ai.index(x) for x in contracted)
         b_axes = tuple(bi.index(x) for x in contracted)
         steps.append(Step(a, b, a_axes, b_axes, ai, bi, ci, flops, size))
-        # tensordot copies A unless its contracted axes are its last ones in order, B unless first
-        copies = [prod(sizes[x] for x in ai)] if a_axes != tuple(range(len(ai) - len(a_axes), len(ai))) else []
-        if b_axes != tuple(range(len(b_axes))):
-            copies.append(prod(sizes[x] for x in bi))
+        # the executor copies an operand unless its contracted axes lead or trail in order
+        copies = [prod(sizes[x] for x in ix) for ix, axes in ((ai, a_axes), (bi, b_axes))
+                  if axes not in (tuple(range(len(axes))), tuple(range(len(ix) - len(axes), len(ix))))]
         cost.write += sum(copies)
         cost.kernels += 1 + len(copies)
         ops.append(ci)

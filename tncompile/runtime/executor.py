@@ -15,13 +15,61 @@ import torch
 
 from ..ir.plan import ContractionPlan, Step
 
-__all__ = ["contract", "PlannedContraction"]
+__all__ = ["contract", "PlannedContraction", "pairwise"]
 
 
-def _forward(plan: ContractionPlan, operands: list[torch.Tensor]) -> list[torch.Tensor]:
+def _as_matrix(t: torch.Tensor, axes: Sequence[int], contracted_first: bool) -> torch.Tensor:
+    """``t`` as a 2-D matrix ``(contracted, free)`` if ``contracted_first`` else
+    ``(free, contracted)``, as a free view (possibly transposed) whenever the
+    contracted axes are already the leading or trailing axes of a contiguous
+    tensor; otherwise one permuted copy."""
+    nd, k = t.dim(), len(axes)
+    size_k = 1
+    for a in axes:
+        size_k *= t.shape[a]
+    size_f = t.numel() // size_k if size_k else 0
+    if t.is_contiguous():
+        if tuple(axes) == tuple(range(k)):                      # (contracted, free) in memory
+            m = t.reshape(size_k, size_f)
+            return m if contracted_first else m.t()
+        if tuple(axes) == tuple(range(nd - k, nd)):             # (free, contracted) in memory
+            m = t.reshape(size_f, size_k)
+            return m.t() if contracted_first else m
+    free = [d for d in range(nd) if d not in axes]
+    order = list(axes) + free if contracted_first else free + list(axes)
+    m = t.permute(order).reshape((size_k, size_f) if contracted_first else (size_f, size_k))
+    return m
+
+
+def pairwise(a: torch.Tensor, a_axes: Sequence[int], b: torch.Tensor, b_axes: Sequence[int],
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``tensordot(a, b, (a_axes, b_axes))`` -- result axes: a's free then b's free --
+    with one GEMM on views wherever the layouts allow (no operand copies).
+    ``bias`` (shape: b's free size) is added inside the GEMM (``addmm``)."""
+    a_free = [a.shape[d] for d in range(a.dim()) if d not in a_axes]
+    b_free = [b.shape[d] for d in range(b.dim()) if d not in b_axes]
+    left = _as_matrix(a, a_axes, contracted_first=False)
+    right = _as_matrix(b, b_axes, contracted_first=True)
+    out = left @ right if bias is None else torch.addmm(bias, left, right)
+    return out.reshape(*a_free, *b_free)
+
+
+def fuses_bias(plan: ContractionPlan) -> bool:
+    """Whether the last step yields ``(rows, outputs...)`` so a bias can ride in its GEMM."""
+    if not plan.steps or plan.out_perm is not None:
+        return False
+    last = plan.steps[-1]
+    a_free = [x for k, x in enumerate(last.a_idx) if k not in last.a_axes]
+    return tuple(a_free) == plan.output[:1]
+
+
+def _forward(plan: ContractionPlan, operands: list[torch.Tensor],
+             bias: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """All SSA values; ``bias`` (only when :func:`fuses_bias`) joins the last GEMM."""
     ops = list(operands)
-    for s in plan.steps:
-        ops.append(torch.tensordot(ops[s.a], ops[s.b], dims=(s.a_axes, s.b_axes)))
+    last = len(plan.steps) - 1
+    for k, s in enumerate(plan.steps):
+        ops.append(pairwise(ops[s.a], s.a_axes, ops[s.b], s.b_axes, bias if k == last else None))
     return ops
 
 
@@ -35,12 +83,12 @@ def _grad_of_operand(s: Step, g: torch.Tensor, other: torch.Tensor, which: str) 
     if which == "a":
         # contract g's B-free axes with B's free axes; result: A-free then B's contracted axes
         b_free = [k for k in range(len(s.b_idx)) if k not in s.b_axes]
-        out = torch.tensordot(g, other, dims=(list(range(n_a_free, g.dim())), b_free))
+        out = pairwise(g, list(range(n_a_free, g.dim())), other, b_free)
         got = [x for k, x in enumerate(s.a_idx) if k not in s.a_axes] + [s.b_idx[k] for k in sorted(s.b_axes)]
         target = s.a_idx
     else:
         a_free = [k for k in range(len(s.a_idx)) if k not in s.a_axes]
-        out = torch.tensordot(other, g, dims=(a_free, list(range(n_a_free))))
+        out = pairwise(other, a_free, g, list(range(n_a_free)))
         got = [s.a_idx[k] for k in sorted(s.a_axes)] + [x for k, x in enumerate(s.b_idx) if k not in s.b_axes]
         target = s.b_idx
     perm = [got.index(x) for x in target]
@@ -51,10 +99,11 @@ class PlannedContraction(torch.autograd.Function):
     """Contract ``operands`` along ``plan``; backward by reverse mode over the steps."""
 
     @staticmethod
-    def forward(ctx, plan: ContractionPlan, *operands: torch.Tensor) -> torch.Tensor:
-        ops = _forward(plan, list(operands))
+    def forward(ctx, plan: ContractionPlan, bias: torch.Tensor | None, *operands: torch.Tensor) -> torch.Tensor:
+        ops = _forward(plan, list(operands), bias)
         ctx.plan = plan
         ctx.n_inputs = len(operands)
+        ctx.has_bias = bias is not None
         ctx.save_for_backward(*ops[:-1])  # every step operand; the final result is not needed
         return _finish(plan, ops[-1])
 
@@ -62,7 +111,7 @@ class PlannedContraction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         plan: ContractionPlan = ctx.plan
         ops = ctx.saved_tensors
-        needs = list(ctx.needs_input_grad[1:])
+        needs = list(ctx.needs_input_grad[2:])
         n = ctx.n_inputs
         # which SSA values need gradients: inputs that require them, and results built from those
         want = needs + [False] * len(plan.steps)
@@ -84,15 +133,25 @@ class PlannedContraction(torch.autograd.Function):
                 grads[s.a] = _grad_of_operand(s, gc, ops[s.b], "a")
             if want[s.b]:
                 grads[s.b] = _grad_of_operand(s, gc, ops[s.a], "b")
-        return (None, *grads[:n])
+        g_bias = None
+        if ctx.has_bias and ctx.needs_input_grad[1]:
+            g_bias = grad_out.reshape(grad_out.shape[0], -1).sum(0)
+        return (None, g_bias, *grads[:n])
 
 
-def contract(plan: ContractionPlan, operands: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Run ``plan`` on ``operands`` (differentiable).
+def contract(plan: ContractionPlan, operands: Sequence[torch.Tensor],
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Run ``plan`` on ``operands`` (differentiable); ``bias`` is added to the
+    flattened output (inside the last GEMM when the plan allows).
 
     Under ``torch.compile`` the steps run as plain ops (autograd derives the
     same reverse-mode backward) so the compiler can trace them.
     """
+    fused = bias if bias is not None and fuses_bias(plan) else None
     if torch.compiler.is_compiling():
-        return _finish(plan, _forward(plan, list(operands))[-1])
-    return PlannedContraction.apply(plan, *operands)
+        out = _finish(plan, _forward(plan, list(operands), fused)[-1])
+    else:
+        out = PlannedContraction.apply(plan, fused, *operands)
+    if bias is not None and fused is None:
+        out = out + bias.reshape(out.shape[1:])
+    return out

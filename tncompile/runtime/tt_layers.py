@@ -60,12 +60,12 @@ def _apply_matrix(module: "TNModule", x: torch.Tensor, cores: list[torch.Tensor]
         h = F.pad(h, (0, padded_in - in_dim))
     rows = h.shape[0]
     plan = module.plan_for(rows)
-    y = contract(plan, [h.reshape(rows, *in_modes), *_drop_boundary(cores)])
+    if bias is not None and padded_out != out_dim:
+        bias = F.pad(bias, (0, padded_out - out_dim))
+    y = contract(plan, [h.reshape(rows, *in_modes), *_drop_boundary(cores)], bias)
     y = y.reshape(rows, padded_out)
     if padded_out != out_dim:
         y = y[:, :out_dim]
-    if bias is not None:
-        y = y + bias
     return y.reshape(*lead, out_dim)
 
 
