@@ -36,7 +36,12 @@ def bucket_of(rows: int) -> int:
 
 @dataclass(frozen=True)
 class Step:
-    """``C = tensordot(A, B, (a_axes, b_axes))``; C's indices are A's free then B's free."""
+    """``C = tensordot(A, B, (a_axes, b_axes))``; C's indices are A's free then B's free.
+
+    The ``grad_*`` fields are the backward's recipe, fixed at plan time:
+    ``dA = permute(tensordot(dC, B, (grad_a_c_axes, grad_a_b_axes)), grad_a_perm)``
+    and ``dB = permute(tensordot(A, dC, (grad_b_a_axes, grad_b_c_axes)), grad_b_perm)``.
+    """
 
     a: int
     b: int
@@ -47,6 +52,30 @@ class Step:
     c_idx: Indices
     flops: int           # multiply-adds
     size: int            # elements of C
+    grad_a_c_axes: tuple[int, ...] = ()
+    grad_a_b_axes: tuple[int, ...] = ()
+    grad_a_perm: tuple[int, ...] | None = None
+    grad_b_a_axes: tuple[int, ...] = ()
+    grad_b_c_axes: tuple[int, ...] = ()
+    grad_b_perm: tuple[int, ...] | None = None
+
+    @classmethod
+    def make(cls, a, b, a_axes, b_axes, ai, bi, ci, flops, size) -> "Step":
+        a_free = [k for k in range(len(ai)) if k not in a_axes]
+        b_free = [k for k in range(len(bi)) if k not in b_axes]
+        n_a_free = len(a_free)
+        got_a = [ai[k] for k in a_free] + [bi[k] for k in sorted(b_axes)]
+        got_b = [ai[k] for k in sorted(a_axes)] + [bi[k] for k in b_free]
+
+        def perm(got, target):
+            p = tuple(got.index(x) for x in target)
+            return None if p == tuple(range(len(p))) else p
+
+        return cls(a, b, tuple(a_axes), tuple(b_axes), ai, bi, ci, flops, size,
+                   grad_a_c_axes=tuple(range(n_a_free, len(ci))), grad_a_b_axes=tuple(b_free),
+                   grad_a_perm=perm(got_a, ai),
+                   grad_b_a_axes=tuple(a_free), grad_b_c_axes=tuple(range(n_a_free)),
+                   grad_b_perm=perm(got_b, bi))
 
 
 @dataclass
@@ -93,6 +122,7 @@ class ContractionPlan:
     candidates: dict[str, float] = field(default_factory=dict)
 
     kernels: int = 0
+    bias_fusable: bool = False   # the last step yields (rows, outputs...): a bias can join its GEMM
 
     @property
     def cost(self) -> float:
@@ -152,7 +182,7 @@ def _build(inputs: list[Indices], output: Indices, sizes: dict[str, int],
         size = prod(sizes[x] for x in ci)
         a_axes = tuple(ai.index(x) for x in contracted)
         b_axes = tuple(bi.index(x) for x in contracted)
-        steps.append(Step(a, b, a_axes, b_axes, ai, bi, ci, flops, size))
+        steps.append(Step.make(a, b, a_axes, b_axes, ai, bi, ci, flops, size))
         # the executor copies an operand unless its contracted axes lead or trail in order
         copies = [prod(sizes[x] for x in ix) for ix, axes in ((ai, a_axes), (bi, b_axes))
                   if axes not in (tuple(range(len(axes))), tuple(range(len(ix) - len(axes), len(ix))))]
@@ -262,4 +292,6 @@ def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str
         fwd_flops=cost.flops, bwd_flops=bwd, write=cost.write + bwd_write, largest=cost.largest,
         naive_cost=naive_total, strategy=best, write_weight=write_weight,
         candidates={k: v[0][-1] for k, v in scored.items()},
-        kernels=3 * cost.kernels + (1 if perm is not None else 0))
+        kernels=3 * cost.kernels + (1 if perm is not None else 0),
+        bias_fusable=bool(steps) and perm is None and tuple(
+            x for k, x in enumerate(steps[-1].a_idx) if k not in steps[-1].a_axes) == output[:1])

@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from ..ir.plan import ContractionPlan, Step
+from ..ir.plan import ContractionPlan
 
 __all__ = ["contract", "PlannedContraction", "pairwise"]
 
@@ -56,11 +56,7 @@ def pairwise(a: torch.Tensor, a_axes: Sequence[int], b: torch.Tensor, b_axes: Se
 
 def fuses_bias(plan: ContractionPlan) -> bool:
     """Whether the last step yields ``(rows, outputs...)`` so a bias can ride in its GEMM."""
-    if not plan.steps or plan.out_perm is not None:
-        return False
-    last = plan.steps[-1]
-    a_free = [x for k, x in enumerate(last.a_idx) if k not in last.a_axes]
-    return tuple(a_free) == plan.output[:1]
+    return plan.bias_fusable
 
 
 def _forward(plan: ContractionPlan, operands: list[torch.Tensor],
@@ -75,24 +71,6 @@ def _forward(plan: ContractionPlan, operands: list[torch.Tensor],
 
 def _finish(plan: ContractionPlan, result: torch.Tensor) -> torch.Tensor:
     return result if plan.out_perm is None else result.permute(plan.out_perm)
-
-
-def _grad_of_operand(s: Step, g: torch.Tensor, other: torch.Tensor, which: str) -> torch.Tensor:
-    """Gradient of operand ``which`` ('a' or 'b') of step ``s`` given ``g`` = dL/dC."""
-    n_a_free = len(s.a_idx) - len(s.a_axes)
-    if which == "a":
-        # contract g's B-free axes with B's free axes; result: A-free then B's contracted axes
-        b_free = [k for k in range(len(s.b_idx)) if k not in s.b_axes]
-        out = pairwise(g, list(range(n_a_free, g.dim())), other, b_free)
-        got = [x for k, x in enumerate(s.a_idx) if k not in s.a_axes] + [s.b_idx[k] for k in sorted(s.b_axes)]
-        target = s.a_idx
-    else:
-        a_free = [k for k in range(len(s.a_idx)) if k not in s.a_axes]
-        out = pairwise(other, a_free, g, list(range(n_a_free)))
-        got = [s.a_idx[k] for k in sorted(s.a_axes)] + [x for k, x in enumerate(s.b_idx) if k not in s.b_axes]
-        target = s.b_idx
-    perm = [got.index(x) for x in target]
-    return out if perm == list(range(len(perm))) else out.permute(perm)
 
 
 class PlannedContraction(torch.autograd.Function):
@@ -111,10 +89,9 @@ class PlannedContraction(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         plan: ContractionPlan = ctx.plan
         ops = ctx.saved_tensors
-        needs = list(ctx.needs_input_grad[2:])
         n = ctx.n_inputs
         # which SSA values need gradients: inputs that require them, and results built from those
-        want = needs + [False] * len(plan.steps)
+        want = list(ctx.needs_input_grad[2:]) + [False] * len(plan.steps)
         for k, s in enumerate(plan.steps):
             want[n + k] = want[s.a] or want[s.b]
         grads: list[torch.Tensor | None] = [None] * (n + len(plan.steps))
@@ -130,9 +107,11 @@ class PlannedContraction(torch.autograd.Function):
                 continue
             grads[n + k] = None  # free as we go
             if want[s.a]:
-                grads[s.a] = _grad_of_operand(s, gc, ops[s.b], "a")
+                g_a = pairwise(gc, s.grad_a_c_axes, ops[s.b], s.grad_a_b_axes)
+                grads[s.a] = g_a if s.grad_a_perm is None else g_a.permute(s.grad_a_perm)
             if want[s.b]:
-                grads[s.b] = _grad_of_operand(s, gc, ops[s.a], "b")
+                g_b = pairwise(ops[s.a], s.grad_b_a_axes, gc, s.grad_b_c_axes)
+                grads[s.b] = g_b if s.grad_b_perm is None else g_b.permute(s.grad_b_perm)
         g_bias = None
         if ctx.has_bias and ctx.needs_input_grad[1]:
             g_bias = grad_out.reshape(grad_out.shape[0], -1).sum(0)
