@@ -2,7 +2,8 @@
 
     python benchmarks/bench_layers.py [--quick]
 
-Everything is measured in one process, interleaved, forward + backward, fp32,
+Everything is measured in one process, round-robin interleaved (each round
+calls every variant once; medians per variant), forward + backward, fp32,
 with tncompile's CPU allocator setting (freed memory is reused; it applies to
 every variant alike). Ratios, not absolute times, are the result: the
 machines are shared and noisy. Writes benchmarks/results/layers.json and
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from common import machine, median_ms, write_json
+from common import interleaved_ms, machine, median_ms, write_json
 from tncompile.formats import TTLayout, TTMLayout
 from tncompile.ir.plan import bucket_of, plan_contraction
 from tncompile.runtime import TTLinear, TTMEmbedding
@@ -68,13 +69,9 @@ def bench_linear(quick: bool) -> list[dict]:
         plan = tt.plan_bucket(bucket_of(tokens))
         x = torch.randn(tokens, fin, requires_grad=True)
         g = torch.randn(tokens, fout)
-        reps = 5 if tokens >= 4096 else 15
+        reps = 5 if tokens >= 4096 else 21
         fns = {"dense": dense, **tt_variants(tt, tokens)}
-        times = {}
-        for name, fn in fns.items():
-            def step(fn=fn):
-                fn(x).backward(g)
-            times[name] = median_ms(step, reps)
+        times = interleaved_ms({name: (lambda fn=fn: fn(x).backward(g)) for name, fn in fns.items()}, reps)
         fixed_best = min(times["merge-first"], times["left-right"])
         rows.append({
             "in": fin, "out": fout, "rank": rank, "tokens": tokens, "ms": times,
@@ -102,11 +99,11 @@ def bench_embedding() -> dict:
     dense = nn.Embedding(30522, 768)
     ttm = TTMEmbedding.from_embedding(dense, rank=32, init="random")  # 4+4 modes as in the paper
     ids = torch.randint(0, 30522, (4096,))
-    times = {
-        "nn.Embedding": median_ms(lambda: dense(ids).sum().backward(), 7),
-        "planned TTM": median_ms(lambda: ttm(ids).sum().backward(), 7),
-        "naive TTM": median_ms(lambda: naive_ttm_lookup(ttm, ids).sum().backward(), 3),
-    }
+    times = interleaved_ms({
+        "nn.Embedding": lambda: dense(ids).sum().backward(),
+        "planned TTM": lambda: ttm(ids).sum().backward(),
+        "naive TTM": lambda: naive_ttm_lookup(ttm, ids).sum().backward(),
+    }, 7)
     params = {"nn.Embedding": dense.weight.numel(), "TTM": sum(p.numel() for p in ttm.parameters())}
     return {"ids": 4096, "layout": ttm.layout.describe(), "ms": times,
             "planned_over_dense_time": times["planned TTM"] / times["nn.Embedding"],

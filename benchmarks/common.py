@@ -25,6 +25,21 @@ def median_ms(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
     return 1000 * statistics.median(times)
 
 
+def interleaved_ms(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1) -> dict[str, float]:
+    """Median ms of each function, measured round-robin (one call of each per
+    round) so that drift in a shared machine's speed hits every variant alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {k: 1000 * statistics.median(v) for k, v in samples.items()}
+
+
 def machine() -> dict:
     return {"machine": platform.machine(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version()}
