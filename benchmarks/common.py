@@ -27,13 +27,17 @@ def median_ms(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
 
 def interleaved_ms(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1) -> dict[str, float]:
     """Median ms of each function, measured round-robin (one call of each per
-    round) so that drift in a shared machine's speed hits every variant alike."""
+    round) so that drift in a shared machine's speed hits every variant alike.
+    The order rotates every round: the call after a big one (a dense layer's
+    weight gradient evicts the caches) must not always be the same variant."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
+    names = list(fns)
     samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    for r in range(reps):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn = fns[name]
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)

@@ -38,6 +38,18 @@ def linear_weight_of(module: nn.Module) -> torch.Tensor:
     raise TypeError(f"{type(module).__name__} is not a linear layer")
 
 
+def _resolve_layout(layout, make, rank, dense_shape):
+    """The given layout (or a balanced new one), with ``rank`` applied when given,
+    checked against the dense weight's shape."""
+    layout = make() if layout is None else layout
+    if layout.ranks is None or rank is not None:
+        layout = layout.with_ranks(rank)
+    if tuple(layout.dense_shape) != tuple(dense_shape):
+        raise ValueError(f"layout is for a {tuple(layout.dense_shape)} weight, the layer's is "
+                         f"{tuple(dense_shape)}")
+    return layout
+
+
 def _check_init(init: str) -> None:
     if init not in INITS:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
@@ -216,13 +228,8 @@ class TTLinear(TNModule):
         _check_init(init)
         weight = linear_weight_of(linear)
         out_f, in_f = weight.shape
-        if layout is None:
-            layout = TTLayout.for_shape(in_f, out_f, num_cores)
-        if layout.ranks is None or rank is not None:
-            layout = layout.with_ranks(rank)
-        if (layout.in_features, layout.out_features) != (in_f, out_f):
-            raise ValueError(f"layout is for {layout.in_features}->{layout.out_features}, "
-                             f"layer is {in_f}->{out_f}")
+        layout = _resolve_layout(layout, lambda: TTLayout.for_shape(in_f, out_f, num_cores),
+                                 rank, weight.shape)
         bias = getattr(linear, "bias", None)
         mod = cls(layout, bias=bias is not None, device=weight.device, dtype=weight.dtype)
         cores = (tt_from_linear_weight(weight, layout) if init == "svd"
@@ -297,12 +304,7 @@ class TTMEmbedding(TNModule):
                              "embedding dense")
         weight = embedding.weight
         V, D = weight.shape
-        if layout is None:
-            layout = TTMLayout.for_shape(V, D, num_cores)
-        if layout.ranks is None or rank is not None:
-            layout = layout.with_ranks(rank)
-        if (layout.num_embeddings, layout.embedding_dim) != (V, D):
-            raise ValueError(f"layout is for {layout.num_embeddings}x{layout.embedding_dim}, table is {V}x{D}")
+        layout = _resolve_layout(layout, lambda: TTMLayout.for_shape(V, D, num_cores), rank, weight.shape)
         mod = cls(layout, padding_idx=embedding.padding_idx, device=weight.device, dtype=weight.dtype)
         cores = ttm_from_embedding_weight(weight, layout) if init == "svd" else random_cores(layout, 1.0, generator)
         mod.set_cores([c.to(weight.dtype) for c in cores])
