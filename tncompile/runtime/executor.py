@@ -9,6 +9,7 @@ backward needs and nothing else.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Sequence
 
 import torch
@@ -18,27 +19,38 @@ from ..ir.plan import ContractionPlan
 __all__ = ["contract", "PlannedContraction", "pairwise"]
 
 
-def _as_matrix(t: torch.Tensor, axes: Sequence[int], contracted_first: bool) -> torch.Tensor:
+@lru_cache(maxsize=None)
+def _layout(ndim: int, axes: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+    """Where an operand's contracted ``axes`` sit: ``"lead"``, ``"trail"`` or
+    ``"other"`` (with the permutation that makes them lead)."""
+    k = len(axes)
+    if axes == tuple(range(k)):
+        return "lead", ()
+    if axes == tuple(range(ndim - k, ndim)):
+        return "trail", ()
+    return "other", tuple(axes) + tuple(d for d in range(ndim) if d not in axes)
+
+
+def _as_matrix(t: torch.Tensor, axes: tuple[int, ...], contracted_first: bool) -> torch.Tensor:
     """``t`` as a 2-D matrix ``(contracted, free)`` if ``contracted_first`` else
     ``(free, contracted)``, as a free view (possibly transposed) whenever the
     contracted axes are already the leading or trailing axes of a contiguous
     tensor; otherwise one permuted copy."""
-    nd, k = t.dim(), len(axes)
+    where, perm = _layout(t.dim(), axes)
+    shape = t.shape
     size_k = 1
     for a in axes:
-        size_k *= t.shape[a]
-    size_f = t.numel() // size_k if size_k else 0
-    if t.is_contiguous():
-        if tuple(axes) == tuple(range(k)):                      # (contracted, free) in memory
-            m = t.reshape(size_k, size_f)
-            return m if contracted_first else m.t()
-        if tuple(axes) == tuple(range(nd - k, nd)):             # (free, contracted) in memory
-            m = t.reshape(size_f, size_k)
-            return m.t() if contracted_first else m
-    free = [d for d in range(nd) if d not in axes]
-    order = list(axes) + free if contracted_first else free + list(axes)
-    m = t.permute(order).reshape((size_k, size_f) if contracted_first else (size_f, size_k))
-    return m
+        size_k *= shape[a]
+    if where == "other" or not t.is_contiguous():
+        if where != "other":
+            perm = tuple(axes) + tuple(d for d in range(t.dim()) if d not in axes)
+        m = t.permute(perm).reshape(size_k, -1)          # (contracted, free), one copy
+        return m if contracted_first else m.t()
+    if where == "lead":
+        m = t.reshape(size_k, -1)
+        return m if contracted_first else m.t()
+    m = t.reshape(-1, size_k)
+    return m.t() if contracted_first else m
 
 
 def pairwise(a: torch.Tensor, a_axes: Sequence[int], b: torch.Tensor, b_axes: Sequence[int],
@@ -46,8 +58,9 @@ def pairwise(a: torch.Tensor, a_axes: Sequence[int], b: torch.Tensor, b_axes: Se
     """``tensordot(a, b, (a_axes, b_axes))`` -- result axes: a's free then b's free --
     with one GEMM on views wherever the layouts allow (no operand copies).
     ``bias`` (shape: b's free size) is added inside the GEMM (``addmm``)."""
-    a_free = [a.shape[d] for d in range(a.dim()) if d not in a_axes]
-    b_free = [b.shape[d] for d in range(b.dim()) if d not in b_axes]
+    a_axes, b_axes = tuple(a_axes), tuple(b_axes)
+    a_free = [n for d, n in enumerate(a.shape) if d not in a_axes]
+    b_free = [n for d, n in enumerate(b.shape) if d not in b_axes]
     left = _as_matrix(a, a_axes, contracted_first=False)
     right = _as_matrix(b, b_axes, contracted_first=True)
     out = left @ right if bias is None else torch.addmm(bias, left, right)

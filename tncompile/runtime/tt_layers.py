@@ -136,8 +136,10 @@ class TNModule(nn.Module):
 
     def scaled_cores(self) -> list[torch.Tensor]:
         """Cores with each gate multiplied into its left core's right bond."""
-        cores = list(self.cores)
-        return [c * g for c, g in zip(cores[:-1], self.gates)] + [cores[-1]]
+        # read the lists' dicts directly: ParameterList indexing costs microseconds per item
+        cores = list(self.cores._parameters.values())
+        gates = self.gates._parameters.values()
+        return [c * g for c, g in zip(cores[:-1], gates)] + [cores[-1]]
 
     def set_cores(self, cores: Sequence[torch.Tensor]) -> None:
         """Copy ``cores`` in (shapes must match the layout); gates reset to one."""
