@@ -19,8 +19,7 @@ from ..ir.plan import ContractionPlan
 __all__ = ["contract", "PlannedContraction", "pairwise"]
 
 
-@lru_cache(maxsize=None)
-def _layout(ndim: int, axes: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
+def _compute_layout(ndim: int, axes: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
     """Where an operand's contracted ``axes`` sit: ``"lead"``, ``"trail"`` or
     ``"other"`` (with the permutation that makes them lead)."""
     k = len(axes)
@@ -31,12 +30,15 @@ def _layout(ndim: int, axes: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
     return "other", tuple(axes) + tuple(d for d in range(ndim) if d not in axes)
 
 
+_layout = lru_cache(maxsize=None)(_compute_layout)
+
+
 def _as_matrix(t: torch.Tensor, axes: tuple[int, ...], contracted_first: bool) -> torch.Tensor:
     """``t`` as a 2-D matrix ``(contracted, free)`` if ``contracted_first`` else
     ``(free, contracted)``, as a free view (possibly transposed) whenever the
     contracted axes are already the leading or trailing axes of a contiguous
     tensor; otherwise one permuted copy."""
-    where, perm = _layout(t.dim(), axes)
+    where, perm = (_compute_layout if torch.compiler.is_compiling() else _layout)(t.dim(), axes)
     shape = t.shape
     size_k = 1
     for a in axes:
