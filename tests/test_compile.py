@@ -181,3 +181,17 @@ def test_torch_compile_runs_forward_and_backward():
     assert torch.allclose(out, ref, atol=1e-5)
     out.sum().backward()
     assert compiled.model.get_submodule("0").cores[0].grad is not None
+
+
+def test_report_rows_as_data_match_the_planner():
+    from tncompile.ir.plan import plan_contraction
+    compiled = tncompile.compile(small_encoder(), target_ratio=0.2)
+    rows = {r["name"]: r for r in compiled.report().as_dicts()}
+    ff1 = rows["layers.0.ff1"]
+    assert ff1["format"] == "TT" and ff1["params"] < ff1["dense_params"]
+    assert ff1["ratio"] == pytest.approx(ff1["params"] / ff1["dense_params"])
+    layer = compiled.model.get_submodule("layers.0.ff1")
+    inputs, output, sizes = layer.planner_problem()
+    assert ff1["flops_now"] == 2 * plan_contraction(inputs, output, {**sizes, "b": 1}).fwd_flops
+    assert rows["token_embedding"]["format"] == "TTM" and rows["token_embedding"]["flops_now"] > 0
+    assert rows["classifier"]["format"] == "dense" and "too small" in rows["classifier"]["note"]

@@ -75,10 +75,6 @@ class _Base:
         return replace(self, ranks=normalize_ranks(ranks, self.rank_bounds()))
 
     @property
-    def max_rank(self) -> int:
-        return max(self.ranks) if self.ranks else 0
-
-    @property
     def dense_params(self) -> int:
         """Parameters of the dense weight this layout replaces (unpadded)."""
         a, b = self.dense_shape

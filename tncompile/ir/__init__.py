@@ -2,9 +2,9 @@
 plus the per-bucket plans: :class:`ContractionPlan` (TT contractions) and
 :class:`LookupPlan` (TTM lookups)."""
 from .lookup_plan import LookupPlan
-from .network import ContractionCost, TensorNetwork
+from .network import TensorNetwork
 from .plan import ContractionPlan
 from .program import InputSpec, PassRecord, Program
 
-__all__ = ["Program", "InputSpec", "PassRecord", "TensorNetwork", "ContractionCost",
+__all__ = ["Program", "InputSpec", "PassRecord", "TensorNetwork",
            "ContractionPlan", "LookupPlan"]

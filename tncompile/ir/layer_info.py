@@ -3,8 +3,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import opt_einsum
 from torch import nn
+
+from .lookup_plan import per_id_macs, plan_lookup
+from .network import BATCH, TensorNetwork
+from .plan import plan_contraction
 
 __all__ = ["layer_info", "fmt_count", "ranks_str"]
 
@@ -24,18 +27,6 @@ def ranks_str(ranks) -> str:
     if len(set(ranks)) == 1:
         return f"{ranks[0]}" if len(ranks) == 1 else f"{ranks[0]} (x{len(ranks)})"
     return ",".join(map(str, ranks))
-
-
-def _lookup_flops(layout) -> int:
-    """FLOPs of contracting the gathered TTM slices for one id."""
-    r = layout.full_ranks
-    shapes = [(r[k], n, r[k + 1]) for k, n in enumerate(layout.col_modes)]
-    sym = opt_einsum.get_symbol
-    d = len(shapes)
-    eq = ",".join(f"{sym(k)}{sym(d + 1 + k)}{sym(k + 1)}" for k in range(d))
-    eq += "->" + "".join(sym(d + 1 + k) for k in range(d))
-    _, info = opt_einsum.contract_path(eq, *shapes, shapes=True)
-    return int(info.opt_cost)
 
 
 def layer_info(module: nn.Module) -> dict[str, Any] | None:
@@ -62,11 +53,12 @@ def layer_info(module: nn.Module) -> dict[str, Any] | None:
     if layout.ranks is not None:
         info["ratio"] = layout.num_params() / layout.dense_params
         if layout.format == "TTM" and not tied:
+            # one id's product at the split planned for a large batch (table merges amortized)
             info["dense_flops_per_token"] = 0
-            info["tn_flops_per_token"] = _lookup_flops(layout)
+            info["tn_flops_per_token"] = 2 * per_id_macs(layout, plan_lookup(layout, 4096).split)
         else:
-            from .network import TensorNetwork
-            net = TensorNetwork.from_layout(layout, transpose=bool(tied))
+            # the order the executor runs for a single token
+            inputs, output, sizes = TensorNetwork.from_layout(layout, transpose=bool(tied)).planner_problem()
             info["dense_flops_per_token"] = layout.dense_flops(1)
-            info["tn_flops_per_token"] = net.contraction_cost(1).flops
+            info["tn_flops_per_token"] = 2 * plan_contraction(inputs, output, {**sizes, BATCH: 1}).fwd_flops
     return info

@@ -15,7 +15,7 @@ from math import prod
 
 from .plan import WRITE_WEIGHT
 
-__all__ = ["LookupPlan", "plan_lookup"]
+__all__ = ["LookupPlan", "plan_lookup", "per_id_macs"]
 
 
 @dataclass
@@ -62,6 +62,13 @@ def _split_cost(ranks, rows_m, cols_n, split: int, tokens: int, w: float) -> tup
     writes = gathered + out + ML * NL * r + MR * r * NR
     fwd = merge + tokens * per_id
     return 3 * fwd + w * 2 * writes, fwd, max(gathered, out)
+
+
+def per_id_macs(layout, split: int) -> int:
+    """Multiply-adds of one id's ``L[i_L] @ R[i_R]`` product at ``split``."""
+    if len(layout.row_modes) == 1:
+        return 0
+    return prod(layout.col_modes[:split]) * layout.full_ranks[split] * prod(layout.col_modes[split:])
 
 
 def plan_lookup(layout, rows: int, write_weight: float = WRITE_WEIGHT) -> LookupPlan:

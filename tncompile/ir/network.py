@@ -7,12 +7,11 @@ network's output (``graph.graph["output"]``). A rank gate is a vector on a bond
 index, so that bond is a hyper-index shared by two cores and a gate.
 
 The network converts to cotengra's ``(inputs, output, size_dict)`` and to an
-einsum equation; :meth:`TensorNetwork.contraction_cost` asks opt_einsum for the
-cost of contracting it for a given number of tokens.
+einsum equation; :meth:`TensorNetwork.planner_problem` is the form the
+contraction planner and executor work on.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 from itertools import combinations
 
@@ -21,19 +20,9 @@ import opt_einsum
 
 from ..formats.layout import TTLayout, TTMLayout
 
-__all__ = ["TensorNetwork", "ContractionCost", "BATCH"]
+__all__ = ["TensorNetwork", "BATCH"]
 
 BATCH = "b"
-
-
-@dataclass(frozen=True)
-class ContractionCost:
-    """Cost of contracting a network with opt_einsum's chosen path."""
-
-    tokens: int
-    flops: int
-    largest_intermediate: int
-    path: tuple[tuple[int, ...], ...]
 
 
 class TensorNetwork:
@@ -116,17 +105,15 @@ class TensorNetwork:
         inputs, output, _ = self.to_cotengra(1, include_gates)
         return _equation(tuple(inputs), output)
 
-    def contraction_cost(self, tokens: int, include_gates: bool = False) -> ContractionCost:
-        """FLOPs and largest intermediate of contracting the network for
-        ``tokens`` rows, along opt_einsum's ``"auto"`` path (what
-        ``torch.einsum`` uses)."""
-        inputs, output, size_dict = self.to_cotengra(tokens, include_gates)
-        eq = _equation(tuple(inputs), output)
-        shapes = [tuple(size_dict[i] for i in ix) for ix in inputs]
-        path, info = opt_einsum.contract_path(eq, *shapes, shapes=True, optimize="auto")
-        return ContractionCost(tokens=int(tokens), flops=int(info.opt_cost),
-                               largest_intermediate=int(info.largest_intermediate),
-                               path=tuple(tuple(p) for p in path))
+    def planner_problem(self) -> tuple[list[tuple[str, ...]], tuple[str, ...], dict[str, int]]:
+        """The network the executor contracts: input + cores (gates folded into
+        the cores), size-1 boundary bonds dropped; the batch index is unsized."""
+        inputs, output, sizes = self.to_cotengra(1, include_gates=False)
+        boundary = {k for k, v in sizes.items() if v == 1 and k != BATCH
+                    and sum(k in ix for ix in inputs) == 1 and k not in output}
+        inputs = [tuple(i for i in ix if i not in boundary) for ix in inputs]
+        sizes = {k: v for k, v in sizes.items() if k not in boundary and k != BATCH}
+        return inputs, output, sizes
 
     def summary(self) -> str:
         parts = []

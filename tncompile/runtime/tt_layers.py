@@ -124,6 +124,7 @@ class TNModule(nn.Module):
     layout: TTLayout | TTMLayout
     cores: nn.ParameterList
     gates: nn.ParameterList
+    transposed = False  # a tied head applies its embedding's matrix transposed
 
     def _init_params(self, layout, device, dtype) -> None:
         if layout.ranks is None:
@@ -152,7 +153,7 @@ class TNModule(nn.Module):
                 g.fill_(1.0)
 
     def network(self) -> TensorNetwork:
-        return TensorNetwork.from_layout(self.layout, transpose=isinstance(self, TTMTiedLinear))
+        return TensorNetwork.from_layout(self.layout, transpose=self.transposed)
 
     # ------------------------------------------------------------ planning
     @property
@@ -163,13 +164,8 @@ class TNModule(nn.Module):
         return self._plans
 
     def planner_problem(self) -> tuple[list[tuple[str, ...]], tuple[str, ...], dict[str, int]]:
-        """The network the executor contracts: input + cores, gates folded into
-        the cores, size-1 boundary bonds dropped. The batch index's size is unset."""
-        inputs, output, sizes = self.network().to_cotengra(1, include_gates=False)
-        last = len(self.layout.full_ranks) - 1
-        boundary = {"r0", f"r{last}"}
-        inputs = [tuple(i for i in ix if i not in boundary) for ix in inputs]
-        return inputs, output, {k: v for k, v in sizes.items() if k not in boundary}
+        """See :meth:`TensorNetwork.planner_problem`."""
+        return self.network().planner_problem()
 
     def plan_for(self, rows: int) -> ContractionPlan:
         """The plan for ``rows`` rows: a dict lookup once its bucket is planned."""
@@ -399,6 +395,8 @@ class TTMTiedLinear(TNModule):
     ------
     input ``(..., embedding_dim)`` -> output ``(..., num_embeddings)``.
     """
+
+    transposed = True
 
     def __init__(self, embedding: TTMEmbedding, bias: bool = False):
         super().__init__()
