@@ -86,6 +86,8 @@ def build_report(program) -> Report:
                                  info.get("dense_flops_per_token"), info.get("tn_flops_per_token"),
                                  "pending" if info["pending"] else
                                  ("shares cores with its embedding" if "tied" in info["format"] else "")))
+        elif node.target in program.notes and hasattr(mod, "dense_params"):  # collapsed by rank adaptation
+            rows.append(LayerRow(node.target, "removed", "", None, mod.dense_params, 0, note=program.notes[node.target]))
         elif node.target in program.notes:
             w = getattr(mod, "weight", None)
             n = w.numel() if w is not None else 0

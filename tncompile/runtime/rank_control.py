@@ -1,0 +1,456 @@
+"""``RankController``: CoMERA's two-stage rank-adaptive objective, with real truncation.
+
+Usage, in any training loop::
+
+    opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=1e-3, gate_lr=1e-2))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.01, early_steps=2000)
+    for x, y in loader:
+        task = loss_fn(compiled(x), y)
+        (task + ctl.penalty(task)).backward()
+        opt.step(); opt.zero_grad()
+        event = ctl.step()          # may cut ranks; event.shapes_changed says so
+
+Stages
+------
+*early*: ``rank_weight * sum|g| / #g + core_weight * sum ||G||^2`` -- an l1
+pull on every gate entry (normalized by their count, as in the paper) and an
+l2 pull on the cores, so that the gates cannot shrink by the cores growing.
+
+*late*: CoMERA's scalarized rule. With ``d_loss = (L - L*) / L*`` and
+``d_size = (S - S*) / S*`` (``S`` the model's ratio counting only gate
+entries at or above ``threshold``, ``S*`` the ``target_ratio``), each step
+optimizes the task loss when ``d_loss >= d_size`` and the size term
+``size_weight * S_soft / S*`` otherwise (``S_soft``: the same count with each
+rank weighted by ``|g|``, which is differentiable). The choice is a
+``torch.where`` on device tensors: no host sync, so it can be captured in a
+CUDA graph. The core l2 term stays on in both stages.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from .truncation import CollapsedLayer, Cut, check_optimizer, cut_ranks, remap_optimizer, replan
+from .tt_layers import TNModule, TTLinear, TTMEmbedding, TTMTiedLinear
+
+__all__ = ["RankController", "RankEvent", "param_groups"]
+
+STAGES = ("early", "late")
+
+
+def _owners(compiled) -> dict[str, TNModule]:
+    """``name -> layer`` for every TT/TTM layer that owns its cores (tied heads excluded)."""
+    out: dict[str, TNModule] = {}
+    seen: set[int] = set()
+    for name, mod in compiled.tensorized_modules().items():
+        if isinstance(mod, TTMTiedLinear) or id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        out[name] = mod
+    return out
+
+
+def param_groups(compiled: nn.Module, lr: float, *, core_lr: float | None = None,
+                 gate_lr: float | None = None, weight_decay: float = 0.0,
+                 core_weight_decay: float | None = None, gate_weight_decay: float = 0.0) -> list[dict]:
+    """Optimizer parameter groups ``cores``, ``gates`` and ``other``.
+
+    CoMERA trains the rank gates with their own learning rate and no weight
+    decay; this builds the groups so that any ``torch.optim`` optimizer takes
+    them directly: ``AdamW(param_groups(compiled, lr=1e-3, gate_lr=1e-2))``.
+    Each group carries a ``"name"`` key. Learning rates and weight decays
+    not given default to ``lr`` / ``weight_decay`` (gates: no decay).
+    """
+    if not hasattr(compiled, "tensorized_modules"):
+        raise TypeError(f"param_groups expects a CompiledModel, got {type(compiled).__name__}")
+    owners = _owners(compiled).values()
+    cores = {id(p): p for m in owners for p in m.cores._parameters.values()}
+    gates = {id(p): p for m in owners for p in m.gates._parameters.values()}
+    other = {id(p): p for p in compiled.parameters() if id(p) not in cores and id(p) not in gates}
+    groups = [
+        {"name": "cores", "params": list(cores.values()), "lr": core_lr if core_lr is not None else lr,
+         "weight_decay": core_weight_decay if core_weight_decay is not None else weight_decay},
+        {"name": "gates", "params": list(gates.values()), "lr": gate_lr if gate_lr is not None else lr,
+         "weight_decay": gate_weight_decay},
+        {"name": "other", "params": list(other.values()), "lr": lr, "weight_decay": weight_decay},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+@dataclass
+class RankEvent:
+    """What :meth:`RankController.step` did.
+
+    Attributes
+    ----------
+    step : int
+        Steps done so far (including this one).
+    stage : str
+        ``"early"`` or ``"late"`` after this step.
+    stage_changed : bool
+        The late stage started at this step.
+    truncated : dict
+        ``layer -> (old ranks, new ranks)`` for every layer that was cut.
+    removed : list of str
+        Layers that collapsed to their bias (``allow_layer_removal=True``).
+    """
+
+    step: int
+    stage: str
+    stage_changed: bool = False
+    truncated: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    removed: list[str] = field(default_factory=list)
+
+    @property
+    def shapes_changed(self) -> bool:
+        """Parameters were replaced: captured graphs and compiled code are stale."""
+        return bool(self.truncated or self.removed)
+
+    @property
+    def changed(self) -> bool:
+        """Anything a captured training step depends on changed (shapes or stage)."""
+        return self.shapes_changed or self.stage_changed
+
+    def __bool__(self) -> bool:
+        return self.changed
+
+
+class RankController:
+    """Drives a compiled model's ranks toward ``target_ratio`` while it trains.
+
+    Parameters
+    ----------
+    compiled : CompiledModel
+        The model whose TT / TTM layers carry rank gates.
+    optimizer : torch.optim.Optimizer or None
+        Updated in place when ranks are cut (parameters replaced, state
+        sliced). It must update the gates; build it with :func:`param_groups`.
+    target_ratio : float
+        Whole-model size to reach, ``params / params(original)``; must be
+        below the model's current ratio.
+    early_steps : int or None
+        Steps of the early stage; ``None`` stays early until
+        :meth:`start_late_stage` is called (``tncompile.fit`` does).
+    rank_weight : float
+        Early-stage l1 weight on the gates (paper: 0.01).
+    core_weight : float
+        l2 weight on the cores (sum of squares), both stages.
+    size_weight : float
+        Late-stage weight of the size term.
+    threshold : float
+        Gate entries with ``|g| < threshold`` are switched off (paper: 1e-2).
+    truncate_every : int
+        Cut switched-off ranks every this many steps (0: only when
+        :meth:`truncate` is called).
+    target_loss : float or None
+        Late-stage task-loss target; ``None`` takes the smoothed task loss at
+        the end of the early stage.
+    loss_smoothing : float
+        Decay of the task-loss moving average, in ``[0, 1)``.
+    allow_layer_removal : bool
+        When every rank of some bond is off, replace the layer by its bias
+        alone instead of keeping its strongest rank.
+    optimizer_state : {"slice", "reset"}
+        How truncation treats optimizer state: slice it (exact; per-element
+        optimizers only) or drop the state of the cut parameters.
+    """
+
+    def __init__(self, compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 target_ratio: float, early_steps: int | None = None, rank_weight: float = 0.01,
+                 core_weight: float = 1e-5, size_weight: float = 1.0, threshold: float = 1e-2,
+                 truncate_every: int = 100, target_loss: float | None = None,
+                 loss_smoothing: float = 0.98, allow_layer_removal: bool = False,
+                 optimizer_state: str = "slice"):
+        if not hasattr(compiled, "tensorized_modules") or not hasattr(compiled, "program"):
+            raise TypeError(f"RankController expects a CompiledModel, got {type(compiled).__name__}")
+        self.compiled = compiled
+        if not _owners(compiled):
+            raise ValueError("RankController: the model has no TT/TTM layers to adapt; compile it "
+                             "with a target_ratio that tensorizes some layers")
+        _check_positive("threshold", threshold)
+        for name, value in (("rank_weight", rank_weight), ("core_weight", core_weight),
+                            ("size_weight", size_weight)):
+            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                raise ValueError(f"RankController: {name} must be a finite number >= 0, got {value!r}")
+        if not (isinstance(truncate_every, int) and truncate_every >= 0):
+            raise ValueError(f"RankController: truncate_every must be an int >= 0, got {truncate_every!r}")
+        if early_steps is not None and not (isinstance(early_steps, int) and early_steps >= 0):
+            raise ValueError(f"RankController: early_steps must be an int >= 0 or None, got {early_steps!r}")
+        if not 0.0 <= loss_smoothing < 1.0:
+            raise ValueError(f"RankController: loss_smoothing must be in [0, 1), got {loss_smoothing!r}")
+        if target_loss is not None:
+            _check_positive("target_loss", target_loss)
+        current = compiled.ratio
+        if not (isinstance(target_ratio, (int, float)) and 0 < target_ratio < current):
+            raise ValueError(f"RankController: target_ratio must be in (0, current ratio {current:.6g}); "
+                             f"got {target_ratio!r}. Rank adaptation only shrinks the model: compile "
+                             f"at a larger ratio or aim lower.")
+        check_optimizer(optimizer, optimizer_state)
+        self.optimizer = optimizer
+        self.target_ratio = float(target_ratio)
+        self.early_steps = early_steps
+        self.rank_weight, self.core_weight, self.size_weight = float(rank_weight), float(core_weight), float(size_weight)
+        self.threshold = float(threshold)
+        self.truncate_every = truncate_every
+        self.loss_smoothing = float(loss_smoothing)
+        self.allow_layer_removal = allow_layer_removal
+        self.optimizer_state = optimizer_state
+        self.stage = "early"
+        self.steps_done = 0
+        self.version = 0   # bumped whenever shapes or the stage change
+        self._target_loss: torch.Tensor | None = None
+        self._user_target_loss = target_loss
+        self._ema: torch.Tensor | None = None
+        self._ema_n = 0
+        self.last_choice: torch.Tensor | None = None  # late stage: True where the task loss was chosen
+        self._refresh()
+        self._check_optimizer_covers_gates()
+
+    # ------------------------------------------------------------ bookkeeping
+    def _refresh(self) -> None:
+        self._layers = _owners(self.compiled)
+        owned = sum(m.layout.num_params() for m in self._layers.values())
+        self._other_params = self.compiled.program.num_params() - owned
+        self._original = self.compiled.program.original_params
+
+    def _check_optimizer_covers_gates(self) -> None:
+        if self.optimizer is None:
+            return
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        missing = [n for n, m in self._layers.items()
+                   if any(id(g) not in held for g in m.gates._parameters.values())]
+        if missing:
+            raise ValueError(f"RankController: the optimizer does not update the rank gates of "
+                             f"{missing[:3]}{'...' if len(missing) > 3 else ''}; build it with "
+                             f"tncompile.param_groups(compiled, lr=...)")
+
+    @property
+    def layers(self) -> dict[str, TNModule]:
+        """``name -> TT/TTM layer`` under control (tied heads share their embedding's)."""
+        return dict(self._layers)
+
+    def ranks(self) -> dict[str, tuple[int, ...]]:
+        """Current (truncated) ranks of every layer."""
+        return {n: tuple(m.layout.ranks) for n, m in self._layers.items()}
+
+    def active_ranks(self) -> dict[str, tuple[int, ...]]:
+        """Ranks that are switched on now (``|g| >= threshold``); reads the gates (host sync)."""
+        return {n: tuple(int((g.detach().abs() >= self.threshold).sum()) for g in m.gates._parameters.values())
+                for n, m in self._layers.items()}
+
+    @property
+    def ratio(self) -> float:
+        """The model's true current ratio (what truncation has cut so far)."""
+        return self.compiled.ratio
+
+    def active_ratio(self) -> float:
+        """The ratio the model would have if switched-off ranks were cut now (host sync)."""
+        return float(self._size_ratio(hard=True))
+
+    # ------------------------------------------------------------ objective
+    def _gates(self):
+        for m in self._layers.values():
+            yield from m.gates._parameters.values()
+
+    def _cores(self):
+        for m in self._layers.values():
+            yield from m.cores._parameters.values()
+
+    def _size_ratio(self, hard: bool) -> torch.Tensor:
+        """Model ratio with ranks counted from the gates: entries ``>= threshold`` (hard) or ``|g|`` (soft)."""
+        total = None
+        for m in self._layers.values():
+            gates = list(m.gates._parameters.values())
+            if hard:
+                widths = [(g.detach().abs() >= self.threshold).sum().to(g.dtype) for g in gates]
+            else:
+                widths = [g.abs().sum() for g in gates]
+            sites = m.layout.site_sizes
+            one = torch.ones((), dtype=gates[0].dtype, device=gates[0].device)
+            full = [one, *widths, one]
+            size = sum(full[k] * n * full[k + 1] for k, n in enumerate(sites)) + sum(widths)
+            total = size if total is None else total + size
+        return (total + self._other_params) / self._original
+
+    def early_penalty(self) -> torch.Tensor:
+        """``rank_weight * sum|g| / #g + core_weight * sum ||G||^2``."""
+        gates = list(self._gates())
+        count = sum(g.numel() for g in gates)
+        l1 = torch.stack([g.abs().sum() for g in gates]).sum() / count
+        return self.rank_weight * l1 + self._core_term()
+
+    def _core_term(self) -> torch.Tensor:
+        sq = torch.stack([c.pow(2).sum() for c in self._cores()]).sum()
+        return self.core_weight * sq
+
+    def penalty(self, task_loss: torch.Tensor) -> torch.Tensor:
+        """The stage's extra loss: train on ``task_loss + penalty(task_loss)``.
+
+        ``task_loss`` must be a scalar tensor. No host sync in either stage.
+        """
+        if not isinstance(task_loss, torch.Tensor) or task_loss.dim() != 0:
+            raise ValueError("RankController.penalty expects the scalar task-loss tensor")
+        if self.stage == "early":
+            self._track(task_loss)
+            return self.early_penalty()
+        return self.late_objective(task_loss) - task_loss
+
+    def _track(self, task_loss: torch.Tensor) -> None:
+        value = task_loss.detach().to(torch.float32)
+        if self._ema is None or self._ema.device != value.device:
+            self._ema = torch.zeros((), dtype=torch.float32, device=value.device)
+        self._ema.mul_(self.loss_smoothing).add_(value, alpha=1.0 - self.loss_smoothing)
+        self._ema_n += 1
+
+    def smoothed_loss(self) -> torch.Tensor | None:
+        """Bias-corrected moving average of the early-stage task loss (a device tensor)."""
+        if self._ema is None or self._ema_n == 0:
+            return None
+        return self._ema / (1.0 - self.loss_smoothing ** self._ema_n)
+
+    @property
+    def target_loss(self) -> torch.Tensor | None:
+        """The late stage's task-loss target (set when the late stage starts)."""
+        return self._target_loss
+
+    def late_objective(self, task_loss: torch.Tensor) -> torch.Tensor:
+        """The scalarized late-stage loss (replaces ``task_loss``); see the module doc."""
+        if self._target_loss is None:
+            raise RuntimeError("late stage has no target loss; call start_late_stage() first")
+        target = self._target_loss.to(device=task_loss.device, dtype=task_loss.dtype)
+        d_loss = (task_loss.detach() - target) / target.abs().clamp_min(1e-12)
+        hard = self._size_ratio(hard=True).to(task_loss.dtype)
+        d_size = (hard - self.target_ratio) / self.target_ratio
+        size_term = self.size_weight * self._size_ratio(hard=False).to(task_loss.dtype) / self.target_ratio
+        choose_task = d_loss >= d_size
+        self.last_choice = choose_task
+        return torch.where(choose_task, task_loss, size_term) + self._core_term()
+
+    def start_late_stage(self, target_loss: float | None = None) -> None:
+        """Switch to the late stage. The task-loss target is ``target_loss``, else
+        the one given at construction, else the smoothed early-stage loss."""
+        if self.stage == "late":
+            return
+        chosen = target_loss if target_loss is not None else self._user_target_loss
+        if chosen is not None:
+            _check_positive("target_loss", chosen)
+            self._target_loss = torch.tensor(float(chosen))
+        else:
+            smoothed = self.smoothed_loss()
+            if smoothed is None:
+                raise RuntimeError("no task loss seen in the early stage to set the late-stage target; "
+                                   "call penalty() during the early stage or pass target_loss=")
+            self._target_loss = smoothed.detach().clone()
+        self.stage = "late"
+        self.version += 1
+
+    # ------------------------------------------------------------ truncation
+    def step(self) -> RankEvent:
+        """Call after ``optimizer.step()``: advance the schedule; every
+        ``truncate_every`` steps cut switched-off ranks (host sync only then)."""
+        self.steps_done += 1
+        stage_changed = False
+        if self.stage == "early" and self.early_steps is not None and self.steps_done >= self.early_steps:
+            self.start_late_stage()
+            stage_changed = True
+        event = RankEvent(self.steps_done, self.stage, stage_changed)
+        if self.truncate_every and self.steps_done % self.truncate_every == 0:
+            cut = self.truncate()
+            event.truncated, event.removed = cut.truncated, cut.removed
+        return event
+
+    @torch.no_grad()
+    def truncate(self) -> RankEvent:
+        """Cut every switched-off rank now (cores, gates, optimizer state, plans)."""
+        event = RankEvent(self.steps_done, self.stage)
+        cuts: list[Cut] = []
+        for name, mod in list(self._layers.items()):
+            keep, dead_bond = [], None
+            for k, g in enumerate(mod.gates._parameters.values()):
+                on = (g.abs() >= self.threshold).nonzero().flatten()
+                if on.numel() == 0:
+                    if self.allow_layer_removal:
+                        dead_bond = k
+                        break
+                    on = g.abs().argmax().view(1)  # a bond keeps its strongest rank
+                keep.append(on)
+            old = tuple(mod.layout.ranks)
+            if dead_bond is not None:
+                cuts += self._collapse(name, mod, dead_bond)
+                event.removed.append(name)
+                continue
+            layer_cuts = cut_ranks(mod, keep)
+            if layer_cuts:
+                cuts += layer_cuts
+                event.truncated[name] = (old, tuple(mod.layout.ranks))
+                for head in self._heads_of(mod):
+                    replan(head)
+        if cuts:
+            remap_optimizer(self.optimizer, cuts, self.optimizer_state)
+            self.version += 1
+            self._refresh()
+        return event
+
+    def _heads_of(self, embedding: TNModule) -> list[TTMTiedLinear]:
+        return [m for m in self.compiled.tensorized_modules().values()
+                if isinstance(m, TTMTiedLinear) and m.embedding is embedding]
+
+    def _collapse(self, name: str, mod: TNModule, bond: int) -> list[Cut]:
+        """Replace ``mod`` (and any head tied to it) by its bias alone."""
+        program = self.compiled.program
+        gm = program.graph_module
+        reason = f"removed by rank adaptation: every rank of bond {bond} switched off"
+        dtype, device = mod.cores[0].dtype, mod.cores[0].device
+        replace: dict[int, nn.Module] = {}
+        if isinstance(mod, TTLinear):
+            replace[id(mod)] = CollapsedLayer("linear", mod.out_features, mod.layout.dense_params, mod.bias,
+                                              dtype, device, reason)
+        elif isinstance(mod, TTMEmbedding):
+            replace[id(mod)] = CollapsedLayer("embedding", mod.embedding_dim, mod.layout.dense_params, None,
+                                              dtype, device, reason)
+            for head in self._heads_of(mod):
+                replace[id(head)] = CollapsedLayer("linear", head.out_features, 0, head.bias, dtype, device,
+                                                   reason + " (tied embedding collapsed)")
+        else:  # pragma: no cover - every owner is one of the two
+            raise TypeError(f"cannot collapse {type(mod).__name__}")
+        for node, m in list(program.modules()):
+            new = replace.get(id(m))
+            if new is not None:
+                gm.set_submodule(node.target, new)
+                program.notes[node.target] = new.reason
+        cuts = [Cut(p, None, {}) for p in (*mod.cores._parameters.values(), *mod.gates._parameters.values())]
+        return cuts
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Schedule, targets and loss average (not the model or optimizer)."""
+        return {"stage": self.stage, "steps_done": self.steps_done, "version": self.version,
+                "target_loss": self._target_loss, "ema": self._ema, "ema_n": self._ema_n,
+                "early_steps": self.early_steps, "target_ratio": self.target_ratio}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved (into a controller built on the
+        reloaded model and optimizer)."""
+        if state["stage"] not in STAGES:
+            raise ValueError(f"unknown stage {state['stage']!r} in controller state")
+        self.stage = state["stage"]
+        self.steps_done = int(state["steps_done"])
+        self.version = int(state["version"])
+        self._target_loss = state["target_loss"]
+        self._ema = state["ema"]
+        self._ema_n = int(state["ema_n"])
+        self.early_steps = state["early_steps"]
+        self._refresh()
+
+    def __repr__(self) -> str:
+        return (f"RankController(stage={self.stage}, step={self.steps_done}, ratio={self.ratio:.5f}, "
+                f"target_ratio={self.target_ratio:g}, layers={len(self._layers)})")
+
+
+def _check_positive(name: str, value: Any) -> None:
+    if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+        raise ValueError(f"RankController: {name} must be a finite number > 0, got {value!r}")
