@@ -1,0 +1,309 @@
+"""RankController: penalties, the late-stage switch, truncation, optimizer state, errors."""
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import tncompile
+from tncompile.runtime import CollapsedLayer, TTLinear, TTMTiedLinear
+from tncompile.zoo import mlp, small_encoder
+
+f64 = torch.float64
+
+
+def _mlp_compiled(dtype=f64):
+    model = mlp((64, 128, 64)).to(dtype)
+    return tncompile.compile(model, target_ratio=0.5, init="random")
+
+
+def _zero_gate_entries(ctl, fraction=0.5):
+    """Zero the last ``fraction`` of every gate; return kept index lists per layer."""
+    kept = {}
+    with torch.no_grad():
+        for name, mod in ctl.layers.items():
+            kept[name] = []
+            for g in mod.gates:
+                cut = max(1, int(g.numel() * (1 - fraction)))
+                g[cut:] = 0.0
+                kept[name].append(torch.arange(cut))
+    return kept
+
+
+def test_early_penalty_hand_computed():
+    compiled = _mlp_compiled()
+    opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.1, rank_weight=0.01, core_weight=1e-3)
+    n_core = n_gate = 0
+    with torch.no_grad():
+        for mod in ctl.layers.values():
+            for c in mod.cores:
+                c.fill_(2.0)
+                n_core += c.numel()
+            for g in mod.gates:
+                g.fill_(-0.5)  # |g| counts, not g
+                n_gate += g.numel()
+    pen = ctl.penalty(torch.tensor(3.0, dtype=f64))
+    assert pen.item() == pytest.approx(0.01 * 0.5 + 1e-3 * 4.0 * n_core, rel=1e-12)
+    assert ctl.stage == "early"
+
+
+def test_hard_size_equals_size_after_truncation():
+    compiled = _mlp_compiled()
+    opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.05, truncate_every=0)
+    _zero_gate_entries(ctl, 0.5)
+    predicted = ctl.active_ratio()
+    assert predicted < compiled.ratio
+    ctl.truncate()
+    assert compiled.ratio == pytest.approx(predicted, rel=1e-12)
+    assert compiled.report().ratio == pytest.approx(predicted, rel=1e-12)
+
+
+def _late_controller(target_ratio, target_loss):
+    compiled = _mlp_compiled()
+    opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=target_ratio, core_weight=0.0,
+                                   target_loss=target_loss)
+    ctl.start_late_stage()
+    return compiled, ctl
+
+
+def test_late_stage_picks_the_objective_further_from_its_target():
+    # size far from target (ratio ~0.5 vs 0.01: d_size = 49), task close (d_loss = 0.5): size term
+    compiled, ctl = _late_controller(0.01, target_loss=1.0)
+    task = torch.tensor(1.5, dtype=f64, requires_grad=True)
+    layers = list(ctl.layers.values())
+    widths = [[g.abs().sum() for g in m.gates] for m in layers]
+    soft = sum(sum(a * n * b for a, n, b in zip([1, *w], m.layout.site_sizes, [*w, 1])) + sum(w)
+               for m, w in zip(layers, widths))
+    other = compiled.program.num_params() - sum(m.layout.num_params() for m in layers)
+    expected_size = (soft + other) / compiled.program.original_params / 0.01
+    total = task + ctl.penalty(task)
+    assert total.detach().item() == pytest.approx(float(expected_size.detach()), rel=1e-12)
+    assert not bool(ctl.last_choice)
+    total.backward()
+    assert task.grad.item() == 0.0  # no task gradient on a size step
+    # task far from target (d_loss = 149), size close (ratio ~0.5 vs target 0.45): task loss
+    compiled, ctl = _late_controller(0.45, target_loss=0.01)
+    task = torch.tensor(1.5, dtype=f64, requires_grad=True)
+    total = task + ctl.penalty(task)
+    assert total.detach().item() == pytest.approx(1.5) and bool(ctl.last_choice)
+    total.backward()
+    assert task.grad.item() == 1.0
+
+
+def test_stage_switch_and_default_target_is_smoothed_early_loss():
+    compiled = _mlp_compiled()
+    opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.1, early_steps=5, truncate_every=0)
+    events = []
+    for _ in range(6):
+        ctl.penalty(torch.tensor(2.0, dtype=f64))
+        events.append(ctl.step())
+    assert [e.stage_changed for e in events] == [False] * 4 + [True, False]
+    assert ctl.stage == "late" and events[4].changed and not events[4].shapes_changed
+    assert ctl.target_loss.item() == pytest.approx(2.0, rel=1e-6)  # bias-corrected average
+
+
+def test_penalty_never_syncs_with_the_host(monkeypatch):
+    compiled = _mlp_compiled(torch.float32)
+    opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.1)
+    x = torch.randn(4, 64)
+
+    def forbidden(*a, **k):
+        raise AssertionError("host sync in penalty()")
+
+    for stage in ("early", "late"):
+        if stage == "late":
+            ctl.start_late_stage()
+        task = compiled(x).pow(2).mean()
+        with monkeypatch.context() as m:
+            for name in ("item", "__bool__", "__float__", "__int__", "tolist", "cpu", "numpy"):
+                m.setattr(torch.Tensor, name, forbidden)
+            loss = task + ctl.penalty(task)
+        loss.backward()
+
+
+def test_truncation_keeps_the_function_exactly():
+    compiled = _mlp_compiled()
+    opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.05, truncate_every=3)
+    x = torch.randn(7, 64, dtype=f64)
+    _zero_gate_entries(ctl, 0.5)
+    before_ranks = ctl.ranks()
+    ref = compiled(x)
+    assert not ctl.step().shapes_changed and not ctl.step()
+    event = ctl.step()
+    assert event.shapes_changed and set(event.truncated) == set(ctl.layers)
+    for name, (old, new) in event.truncated.items():
+        assert old == before_ranks[name]
+        assert all(n == max(1, int(o * 0.5)) for o, n in zip(old, new))
+    assert torch.allclose(compiled(x), ref, atol=1e-13, rtol=0)
+    # nothing switched off: a second truncation changes nothing
+    assert not ctl.truncate().shapes_changed
+
+
+@pytest.mark.parametrize("make_opt", [
+    lambda groups: torch.optim.Adam(groups, lr=1e-2),
+    lambda groups: torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, amsgrad=True),
+    lambda groups: torch.optim.SGD(groups, lr=1e-2, momentum=0.9),
+], ids=["adam", "adamw-amsgrad", "sgd-momentum"])
+def test_optimizer_state_is_sliced_consistently(make_opt):
+    """A step after truncation moves every kept entry exactly as the same step
+    on the untruncated model (whose cut ranks contribute nothing)."""
+    compiled = _mlp_compiled()
+    opt = make_opt(tncompile.param_groups(compiled, lr=1e-2))
+    x, y = torch.randn(16, 64, dtype=f64), torch.randn(16, 64, dtype=f64)
+
+    def train_step(model, optimizer):
+        optimizer.zero_grad()
+        (model(x) - y).pow(2).mean().backward()
+        optimizer.step()
+
+    for _ in range(3):
+        train_step(compiled, opt)
+    ctl_probe = tncompile.RankController(compiled, opt, target_ratio=0.05)
+    kept = _zero_gate_entries(ctl_probe, 0.5)
+    full, full_opt = compiled, opt
+    cut, cut_opt = copy.deepcopy((compiled, opt))
+    ctl = tncompile.RankController(cut, cut_opt, target_ratio=0.05, truncate_every=0)
+    assert ctl.truncate().shapes_changed
+    assert torch.allclose(cut(x), full(x), atol=1e-13, rtol=0)
+    train_step(full, full_opt)
+    train_step(cut, cut_opt)
+    cut_layers = ctl.layers
+    for name, mod in ctl_probe.layers.items():
+        keep = kept[name]
+        small = cut_layers[name]
+        for k, (big_core, small_core) in enumerate(zip(mod.cores, small.cores)):
+            sliced = big_core.detach()
+            if k > 0:
+                sliced = sliced.index_select(0, keep[k - 1])
+            if k < len(keep):
+                sliced = sliced.index_select(sliced.dim() - 1, keep[k])
+            assert torch.allclose(sliced, small_core.detach(), atol=1e-14, rtol=0), (name, k)
+        for k, (big_gate, small_gate) in enumerate(zip(mod.gates, small.gates)):
+            assert torch.allclose(big_gate.detach()[keep[k]], small_gate.detach(), atol=1e-14, rtol=0)
+    held = {id(p) for g in cut_opt.param_groups for p in g["params"]}
+    assert all(id(p) in held for p in cut.parameters())
+    assert len(held) == len(list(cut.parameters()))
+
+
+def test_bond_keeps_rank_one_unless_layer_removal_allowed():
+    compiled = _mlp_compiled()
+    opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.05, truncate_every=0)
+    name, mod = next(iter(ctl.layers.items()))
+    with torch.no_grad():
+        mod.gates[1].zero_()
+    ctl.truncate()
+    assert ctl.ranks()[name][1] == 1 and isinstance(compiled.model.get_submodule(name), TTLinear)
+
+
+def test_collapsed_layer_becomes_its_bias():
+    compiled = _mlp_compiled()
+    opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.05, truncate_every=0,
+                                   allow_layer_removal=True)
+    name, mod = next(iter(ctl.layers.items()))
+    bias = mod.bias
+    with torch.no_grad():
+        mod.gates[1].zero_()
+    x = torch.randn(3, 64, dtype=f64)
+    ref = compiled(x)
+    before = compiled.ratio
+    event = ctl.truncate()
+    assert event.removed == [name] and event.shapes_changed
+    collapsed = compiled.model.get_submodule(name)
+    assert isinstance(collapsed, CollapsedLayer) and collapsed.bias is bias
+    assert torch.allclose(compiled(x), ref, atol=1e-13, rtol=0)
+    assert compiled.ratio == pytest.approx(before - mod.layout.num_params() / compiled.program.original_params)
+    row = next(r for r in compiled.report().rows if r.name == name)
+    assert row.format == "removed" and "rank adaptation" in row.note and row.params == 0
+    held = {id(p) for g in opt.param_groups for p in g["params"]}
+    assert not any(id(p) in held for p in mod.cores) and id(bias) in held
+    assert name not in ctl.layers
+    compiled(x).sum().backward()
+    opt.step()
+
+
+class _TiedLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(3000, 64)
+        self.mix = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 3000, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.emb(ids))))
+
+
+def test_tied_head_follows_its_truncated_embedding():
+    compiled = tncompile.compile(_TiedLM().double(), target_ratio=0.2, init="random", batch_sizes=[1, 64])
+    opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.01, truncate_every=0)
+    head = compiled.model.get_submodule("head")
+    assert isinstance(head, TTMTiedLinear) and "head" not in ctl.layers
+    _zero_gate_entries(ctl, 0.5)
+    ids = torch.randint(0, 3000, (2, 32))
+    ref = compiled(ids)
+    ctl.truncate()
+    assert torch.allclose(compiled(ids), ref, atol=1e-12, rtol=0)
+    emb = compiled.model.get_submodule("emb")
+    assert head.layout.ranks == emb.layout.ranks
+    # the head's cached plans were rebuilt for the new ranks (same flops as planning afresh)
+    assert head.plans
+    for bucket, plan in list(head.plans.items()):
+        fresh = head.plan_bucket(bucket)
+        assert (plan.fwd_flops, plan.bwd_flops) == (fresh.fwd_flops, fresh.bwd_flops)
+    x = torch.randn(5, 64, dtype=f64)
+    assert torch.allclose(head(x), x @ emb.weight().t(), atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"threshold": 0}, "threshold"),
+    ({"threshold": -1e-2}, "threshold"),
+    ({"target_ratio": 0.9}, "target_ratio"),
+    ({"rank_weight": -1.0}, "rank_weight"),
+    ({"loss_smoothing": 1.0}, "loss_smoothing"),
+    ({"truncate_every": -1}, "truncate_every"),
+    ({"target_loss": 0.0}, "target_loss"),
+    ({"optimizer_state": "keep"}, "optimizer_state"),
+])
+def test_bad_settings_are_clear_errors(kwargs, match):
+    compiled = _mlp_compiled()
+    opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
+    settings = {"target_ratio": 0.1, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        tncompile.RankController(compiled, opt, **settings)
+
+
+def test_unsupported_optimizer_and_missing_gates():
+    compiled = _mlp_compiled()
+    lbfgs = torch.optim.LBFGS(compiled.parameters())
+    with pytest.raises(TypeError, match="LBFGS.*optimizer_state='reset'"):
+        tncompile.RankController(compiled, lbfgs, target_ratio=0.1)
+    tncompile.RankController(compiled, lbfgs, target_ratio=0.1, optimizer_state="reset")
+    cores_only = torch.optim.Adam([p for g in tncompile.param_groups(compiled, lr=1e-3)
+                                   if g["name"] != "gates" for p in g["params"]])
+    with pytest.raises(ValueError, match="rank gates.*param_groups"):
+        tncompile.RankController(compiled, cores_only, target_ratio=0.1)
+    with pytest.raises(TypeError, match="CompiledModel"):
+        tncompile.RankController(nn.Linear(3, 3), None, target_ratio=0.1)
+
+
+def test_param_groups_partition_the_parameters():
+    compiled = tncompile.compile(small_encoder(), target_ratio=0.2, init="random")
+    groups = tncompile.param_groups(compiled, lr=1e-3, gate_lr=1e-2, weight_decay=0.01)
+    by_name = {g["name"]: g for g in groups}
+    assert set(by_name) == {"cores", "gates", "other"}
+    assert by_name["gates"]["lr"] == 1e-2 and by_name["gates"]["weight_decay"] == 0.0
+    assert by_name["cores"]["lr"] == 1e-3 and by_name["cores"]["weight_decay"] == 0.01
+    ids = [id(p) for g in groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len(list(compiled.parameters()))
+    assert math.isclose(sum(p.numel() for g in groups for p in g["params"]),
+                        compiled.ratio * compiled.program.original_params)
