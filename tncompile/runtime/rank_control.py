@@ -184,11 +184,11 @@ class RankController:
             raise ValueError(f"RankController: loss_smoothing must be in [0, 1), got {loss_smoothing!r}")
         if target_loss is not None:
             _check_positive("target_loss", target_loss)
-        current = compiled.ratio
-        if not (isinstance(target_ratio, (int, float)) and 0 < target_ratio < current):
-            raise ValueError(f"RankController: target_ratio must be in (0, current ratio {current:.6g}); "
-                             f"got {target_ratio!r}. Rank adaptation only shrinks the model: compile "
-                             f"at a larger ratio or aim lower.")
+        start = _compiled_ratio(compiled)
+        if not (isinstance(target_ratio, (int, float)) and 0 < target_ratio < start):
+            raise ValueError(f"RankController: target_ratio must be in (0, {start:.6g}), the ratio the "
+                             f"model was compiled at; got {target_ratio!r}. Rank adaptation only shrinks "
+                             f"the model: compile at a larger ratio or aim lower.")
         check_optimizer(optimizer, optimizer_state)
         self.optimizer = optimizer
         self.target_ratio = float(target_ratio)
@@ -449,6 +449,12 @@ class RankController:
     def __repr__(self) -> str:
         return (f"RankController(stage={self.stage}, step={self.steps_done}, ratio={self.ratio:.5f}, "
                 f"target_ratio={self.target_ratio:g}, layers={len(self._layers)})")
+
+
+def _compiled_ratio(compiled) -> float:
+    """The ratio right after compilation (the pass history's last record), else the current one."""
+    history = compiled.program.history
+    return max(history[-1].ratio, compiled.ratio) if history else compiled.ratio
 
 
 def _check_positive(name: str, value: Any) -> None:

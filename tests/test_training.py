@@ -1,0 +1,127 @@
+"""fit(), History, checkpoints: atomic saves and bit-identical resume across a truncation."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import tncompile
+from tncompile.zoo import small_encoder
+
+HERE = Path(__file__).parent
+
+
+def _data(n=6, batch=8):
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randint(1, 1000, (batch, 16), generator=g), torch.randint(0, 3, (batch,), generator=g))
+            for _ in range(n)]
+
+
+def _setup(**ctl_kwargs):
+    compiled = tncompile.compile(small_encoder(), target_ratio=0.2, init="random")
+    opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=2e-3, gate_lr=5e-2))
+    settings = dict(target_ratio=0.05, threshold=0.95, rank_weight=1.0, truncate_every=5)
+    settings.update(ctl_kwargs)
+    return compiled, opt, tncompile.RankController(compiled, opt, **settings)
+
+
+def test_fit_runs_both_stages_and_records_history(tmp_path):
+    compiled, opt, ctl = _setup()
+    data = _data()
+
+    def accuracy(model):
+        x, y = data[0]
+        assert not model.training
+        return (model(x).argmax(-1) == y).float().mean()
+
+    history = tncompile.fit(compiled, data, torch.nn.functional.cross_entropy, opt, ctl,
+                            early_steps=10, late_steps=10, eval_fn=accuracy, log_every=5, progress=False)
+    assert history.step == list(range(1, 21)) and len(history) == 20
+    assert history.stage[:9] == ["early"] * 9 and history.stage[-1] == "late"
+    assert [e["step"] for e in history.events if e["kind"] == "late_stage"] == [10]
+    cuts = [e for e in history.events if e["kind"] == "truncation"]
+    assert cuts and all(e["step"] % 5 == 0 for e in cuts)
+    assert history.ratio[-1] == pytest.approx(compiled.ratio) and history.ratio[-1] < history.ratio[0]
+    assert [s for s, _ in history.evals] == [10, 20] and 0 <= history.evals[-1][1]["eval"] <= 1
+    assert history.ranks[0][0] == 0 and set(history.ranks[0][1]) == set(ctl.layers) | set(
+        k for k in history.ranks[0][1] if k not in ctl.layers)
+    assert compiled.training
+    png = tmp_path / "ranks.png"
+    history.plot(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    history.save_json(tmp_path / "h.json")
+    assert json.loads((tmp_path / "h.json").read_text())["step"][-1] == 20
+
+
+def test_fit_rejects_bad_batches_and_mismatched_controller():
+    compiled, opt, ctl = _setup()
+    with pytest.raises(ValueError, match="pair"):
+        tncompile.fit(compiled, [torch.zeros(2, 16, dtype=torch.long)], torch.nn.functional.cross_entropy,
+                      opt, ctl, early_steps=1, late_steps=0, progress=False)
+    other, other_opt, _ = _setup()
+    with pytest.raises(ValueError, match="different model"):
+        tncompile.fit(other, _data(), torch.nn.functional.cross_entropy, other_opt, ctl,
+                      early_steps=1, late_steps=0, progress=False)
+    with pytest.raises(ValueError, match="late_steps"):
+        tncompile.fit(compiled, _data(), torch.nn.functional.cross_entropy, opt, ctl,
+                      early_steps=1, late_steps=-1, progress=False)
+
+
+def test_resume_in_a_fresh_process_is_bit_identical_across_truncation(tmp_path):
+    ckpt = tmp_path / "run.tnc"
+    full, resumed = tmp_path / "full.json", tmp_path / "resumed.json"
+    for mode, out in (("full", full), ("resume", resumed)):
+        subprocess.run([sys.executable, str(HERE / "resume_run.py"), mode, str(ckpt), str(out)],
+                       check=True, timeout=300)
+    a, b = json.loads(full.read_text()), json.loads(resumed.read_text())
+    assert a["steps"] == b["steps"] == list(range(1, 12))
+    assert a["ran"] == 11 and b["ran"] == 5  # the resumed process computed steps 7..11 itself
+    truncations = [e["step"] for e in a["events"] if e["kind"] == "truncation"]
+    assert any(s <= 6 for s in truncations) and any(s > 6 for s in truncations)  # cuts on both sides
+    assert [e["step"] for e in a["events"] if e["kind"] == "late_stage"] == [5]
+    assert b["losses"] == a["losses"]   # float.hex: bit for bit
+    assert b["events"] == a["events"] and b["ranks"] == a["ranks"]
+
+
+def test_checkpoint_carries_truncated_shapes_and_save_is_atomic(tmp_path, monkeypatch):
+    compiled, opt, ctl = _setup(truncate_every=0)
+    with torch.no_grad():
+        for mod in ctl.layers.values():
+            for g in mod.gates:
+                g[1::2] = 0.0
+    ctl.truncate()
+    path = tmp_path / "m.tnc"
+    tncompile.save(compiled, path, optimizer=opt, controller=ctl)
+    loaded = tncompile.load(path)
+    assert loaded.ratio == pytest.approx(compiled.ratio)
+    x = _data(1)[0][0]
+    compiled.eval(), loaded.eval()
+    assert torch.equal(loaded(x), compiled(x))
+    # a crash while writing leaves the previous checkpoint intact
+    before = path.read_bytes()
+
+    def crash(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(RuntimeError, match="disk full"):
+        tncompile.save(compiled, path, optimizer=opt, controller=ctl)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["m.tnc"]
+
+
+def test_resume_errors_are_clear(tmp_path):
+    compiled, opt, ctl = _setup()
+    path = tmp_path / "plain.tnc"
+    tncompile.save(compiled, path, rng=False)
+    loaded = tncompile.load(path)
+    with pytest.raises(ValueError, match="no training state"):
+        tncompile.resume(loaded, torch.optim.AdamW(tncompile.param_groups(loaded, lr=1e-3)))
+    tncompile.save(compiled, path, optimizer=opt, controller=ctl)
+    loaded = tncompile.load(path)
+    with pytest.raises(ValueError, match="optimizer is AdamW"):
+        tncompile.resume(loaded, torch.optim.SGD(tncompile.param_groups(loaded, lr=1e-3)))
+    with pytest.raises(ValueError, match="parameter groups differ"):
+        tncompile.resume(loaded, torch.optim.AdamW(loaded.parameters(), lr=1e-3))

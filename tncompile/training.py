@@ -1,0 +1,164 @@
+"""``tncompile.fit``: a complete rank-adaptive training loop (early stage, late stage)."""
+from __future__ import annotations
+
+import itertools
+import os
+from time import perf_counter
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .history import History
+from .runtime.rank_control import RankController
+from .serialization import save
+
+__all__ = ["fit", "call_model"]
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """``model(inputs)`` for a tensor, ``model(*inputs)`` for a tuple or list,
+    ``model(**inputs)`` for a dict."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _batches(loader: Iterable, skip: int):
+    """Cycle through ``loader`` forever, dropping the first ``skip`` batches."""
+    def forever():
+        while True:
+            empty = True
+            for batch in loader:
+                empty = False
+                yield batch
+            if empty:
+                raise ValueError("fit: train_loader yielded no batches")
+    return itertools.islice(forever(), skip, None)
+
+
+def _unpack(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError("fit: each batch must be a pair (inputs, targets); inputs may be a tensor, "
+                     f"a tuple or a dict. Got {type(batch).__name__}"
+                     + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
+
+
+def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any], torch.Tensor],
+        optimizer: torch.optim.Optimizer, controller: RankController, early_steps: int, late_steps: int,
+        eval_fn: Callable[[nn.Module], float | dict[str, float]] | None = None, *,
+        eval_every: int | None = None, log_every: int = 10, grad_clip: float | None = None,
+        checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int | None = None,
+        history: History | None = None, progress: bool = True) -> History:
+    """Train ``compiled`` for ``early_steps`` early-stage then ``late_steps``
+    late-stage steps of CoMERA's rank-adaptive schedule.
+
+    Each step: ``task = loss_fn(compiled(inputs), targets)``, backward on
+    ``task + controller.penalty(task)``, optional gradient clipping,
+    ``optimizer.step()``, ``controller.step()`` (which may cut ranks).
+
+    Parameters
+    ----------
+    train_loader : iterable of (inputs, targets)
+        Cycled as often as needed. Inputs are passed as ``compiled(x)``,
+        ``compiled(*x)`` (tuple) or ``compiled(**x)`` (dict).
+    early_steps, late_steps : int
+        Stage lengths; the controller switches stage after ``early_steps``
+        steps (counted from the start of the run, across resumes).
+    eval_fn : callable, optional
+        ``eval_fn(compiled) -> float or {metric: value}``, called in eval mode
+        under ``torch.no_grad()`` every ``eval_every`` steps (default: at the
+        stage switch) and at the end.
+    log_every : int
+        Steps between logging switched-on ranks into the history.
+    checkpoint_path, checkpoint_every : optional
+        Save model, optimizer, controller, RNG and history every this many
+        steps (atomically). To resume, load the file in any process, build the
+        optimizer and controller as before, call :func:`tncompile.resume`, and
+        call ``fit`` again with the same arguments and ``history=extra["history"]``:
+        it continues at the controller's step, skipping the batches already
+        seen (exact when the loader yields the same order each epoch).
+
+    Returns
+    -------
+    History
+        Losses, ratio, step times, ranks, stage switches, truncations, evals.
+    """
+    if not isinstance(controller, RankController):
+        raise TypeError(f"fit: controller must be a RankController, got {type(controller).__name__}")
+    for name, value in (("early_steps", early_steps), ("late_steps", late_steps)):
+        if not (isinstance(value, int) and value >= 0):
+            raise ValueError(f"fit: {name} must be an int >= 0, got {value!r}")
+    if (checkpoint_path is None) != (checkpoint_every is None):
+        raise ValueError("fit: give checkpoint_path and checkpoint_every together")
+    if controller.compiled is not compiled:
+        raise ValueError("fit: the controller was built for a different model")
+    if controller.optimizer is not optimizer:
+        raise ValueError("fit: the controller was built with a different optimizer")
+    history = history if history is not None else History()
+    if controller.stage == "early":
+        controller.early_steps = early_steps
+    total = early_steps + late_steps
+    start = controller.steps_done
+    eval_every = eval_every or (early_steps if early_steps else None)
+    ratio = controller.ratio
+    if start == 0 and not history.ranks:
+        history.ranks.append((0, {k: list(v) for k, v in controller.active_ranks().items()}))
+    bar = tqdm(total=total, initial=min(start, total), desc="fit", disable=not progress or None,
+               dynamic_ncols=True)
+    was_training = compiled.training
+    compiled.train()
+    try:
+        for step, batch in zip(range(start + 1, total + 1), _batches(train_loader, start)):
+            inputs, targets = _unpack(batch)
+            t0 = perf_counter()
+            task = loss_fn(call_model(compiled, inputs), targets)
+            loss = task + controller.penalty(task)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if grad_clip is not None:
+                nn.utils.clip_grad_norm_(compiled.parameters(), grad_clip)
+            optimizer.step()
+            event = controller.step()
+            task_value, loss_value = float(task.detach()), float(loss.detach())
+            step_ms = (perf_counter() - t0) * 1e3
+            if event.shapes_changed:
+                ratio = controller.ratio
+            history.record(step, loss_value, task_value, ratio, step_ms, controller.stage)
+            if event.stage_changed:
+                history.events.append({"step": step, "kind": "late_stage",
+                                       "target_loss": float(controller.target_loss)})
+            if event.shapes_changed:
+                history.events.append({"step": step, "kind": "truncation", "ratio": ratio,
+                                       "truncated": {k: [list(a), list(b)] for k, (a, b) in event.truncated.items()},
+                                       "removed": list(event.removed)})
+            if event.shapes_changed or step % log_every == 0 or step == total:
+                history.ranks.append((step, {k: list(v) for k, v in controller.active_ranks().items()}))
+            if eval_fn is not None and ((eval_every and step % eval_every == 0) or step == total):
+                history.evals.append((step, _evaluate(eval_fn, compiled)))
+            if checkpoint_path is not None and step % checkpoint_every == 0:
+                save(compiled, checkpoint_path, optimizer=optimizer, controller=controller,
+                     extra={"history": history})
+            bar.update(1)
+            bar.set_postfix(loss=f"{task_value:.4f}", ratio=f"{ratio:.4g}", ms=f"{step_ms:.0f}",
+                            stage=controller.stage, refresh=False)
+    finally:
+        bar.close()
+        compiled.train(was_training)
+    return history
+
+
+def _evaluate(eval_fn, compiled: nn.Module) -> dict[str, float]:
+    compiled.eval()
+    try:
+        with torch.no_grad():
+            result = eval_fn(compiled)
+    finally:
+        compiled.train()
+    if isinstance(result, dict):
+        return {k: float(v) for k, v in result.items()}
+    return {"eval": float(result)}
