@@ -33,8 +33,9 @@ SEQ = 128
 
 
 # ------------------------------------------------------------------ data
-def load_sst2(data_dir: Path, split: str, max_rows: int | None = None):
-    """Token ids and labels of SST-2, tokenized with the BERT vocab next to it."""
+def load_sst2(data_dir: Path, split: str, max_rows: int | None = None, max_len: int = SEQ):
+    """Token ids and labels of SST-2, tokenized with the BERT vocab next to it
+    (truncated to ``max_len`` tokens)."""
     try:
         from tokenizers import BertWordPieceTokenizer
     except ImportError as e:
@@ -43,7 +44,7 @@ def load_sst2(data_dir: Path, split: str, max_rows: int | None = None):
     if not (data_dir / f"{split}.tsv").exists() or not vocab.exists():
         raise SystemExit(f"expected {data_dir}/{split}.tsv and {vocab}")
     tok = BertWordPieceTokenizer(str(vocab), lowercase=True)
-    tok.enable_truncation(SEQ)
+    tok.enable_truncation(max_len)
     with open(data_dir / f"{split}.tsv", newline="", encoding="utf-8") as f:
         rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))[1:]
     rows = rows[:max_rows] if max_rows else rows

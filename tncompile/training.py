@@ -53,7 +53,7 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
         eval_fn: Callable[[nn.Module], float | dict[str, float]] | None = None, *,
         eval_every: int | None = None, log_every: int = 10, grad_clip: float | None = None,
         checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-        history: History | None = None, progress: bool = True) -> History:
+        history: History | None = None, scheduler: Any = None, progress: bool = True) -> History:
     """Train ``compiled`` for ``early_steps`` early-stage then ``late_steps``
     late-stage steps of CoMERA's rank-adaptive schedule.
 
@@ -79,9 +79,12 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
         Save model, optimizer, controller, RNG and history every this many
         steps (atomically). To resume, load the file in any process, build the
         optimizer and controller as before, call :func:`tncompile.resume`, and
-        call ``fit`` again with the same arguments and ``history=extra["history"]``:
+        call ``fit`` again with the same arguments and ``history=extra["history"]``
+        (and ``scheduler.load_state_dict(extra["scheduler"])`` if you use one):
         it continues at the controller's step, skipping the batches already
         seen (exact when the loader yields the same order each epoch).
+    scheduler : optional
+        A learning-rate scheduler stepped after every optimizer step.
 
     Returns
     -------
@@ -123,6 +126,8 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
             if grad_clip is not None:
                 nn.utils.clip_grad_norm_(compiled.parameters(), grad_clip)
             optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
             event = controller.step()
             task_value, loss_value = float(task.detach()), float(loss.detach())
             step_ms = (perf_counter() - t0) * 1e3
@@ -142,7 +147,8 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
                 history.evals.append((step, _evaluate(eval_fn, compiled)))
             if checkpoint_path is not None and step % checkpoint_every == 0:
                 save(compiled, checkpoint_path, optimizer=optimizer, controller=controller,
-                     extra={"history": history})
+                     extra={"history": history,
+                            "scheduler": scheduler.state_dict() if scheduler is not None else None})
             bar.update(1)
             bar.set_postfix(loss=f"{task_value:.4f}", ratio=f"{ratio:.4g}", ms=f"{step_ms:.0f}",
                             stage=controller.stage, refresh=False)

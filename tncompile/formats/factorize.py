@@ -5,14 +5,18 @@ at least 2). Parameter count of a TT network grows with the *sum* of its modes
 (``sum_k r^2 n_k``), so we look for the factorization with the smallest sum.
 When ``n`` factors badly (a prime, 30522 = 2 * 3 * 5087) we allow padding it up
 to a nearby ``N >= n`` that factors well; the cost of padding is the extra
-work it causes (``N / n``).
+work it causes (``N / n``) plus a fixed ``PAD_PENALTY`` for the pad and crop
+copies it adds to every call, so that 1024 stays ``8x8x16`` rather than
+becoming ``8x10x13`` (sum 31, but 1040 = 1024 + padding).
 """
 from __future__ import annotations
 
 from functools import lru_cache
 import math
 
-__all__ = ["factorize", "balanced_factors"]
+__all__ = ["factorize", "balanced_factors", "PAD_PENALTY"]
+
+PAD_PENALTY = 0.1  # relative cost of a padded layout's extra pad / crop copies
 
 
 @lru_cache(maxsize=None)
@@ -40,7 +44,8 @@ def balanced_factors(n: int, d: int, min_factor: int = 2) -> tuple[int, ...] | N
 
 
 def factorize(n: int, d: int, max_padding: float = 0.25) -> tuple[int, ...]:
-    """Choose ``d`` modes whose product ``N >= n`` minimizes ``sum(modes) * N / n``.
+    """Choose ``d`` modes whose product ``N >= n`` minimizes ``sum(modes) * N / n``
+    (times ``1 + PAD_PENALTY`` when ``N > n``).
 
     Parameters
     ----------
@@ -73,7 +78,7 @@ def factorize(n: int, d: int, max_padding: float = 0.25) -> tuple[int, ...]:
         f = balanced_factors(N, d)
         if f is None:
             continue
-        score = sum(f) * N / n
+        score = sum(f) * N / n * (1.0 + PAD_PENALTY if N != n else 1.0)
         if best is None or score < best[0] - 1e-12:
             best = (score, N, f)
     if best is None:
