@@ -32,3 +32,21 @@ def test_sst2_rows_tokenize_and_train_one_step(data_dir):
     loss = F.cross_entropy(model(x), y)
     loss.backward()
     assert torch.isfinite(loss)
+
+
+def test_sst2_example_quick_run(data_dir, tmp_path):
+    """examples/sst2.py end to end on 500 rows: three phases, table, JSON and PNG."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("matplotlib")
+    import json
+    import subprocess
+    script = Path(__file__).resolve().parents[1] / "examples" / "sst2.py"
+    run = subprocess.run([sys.executable, str(script), "--quick", "--data", str(data_dir / "sst2"),
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads((tmp_path / "sst2-quick.json").read_text())
+    models = [r["model"] for r in result["rows"]]
+    assert models == ["dense", "compiled, early stage", "compiled, late stage"]
+    assert result["rows"][1]["ratio"] <= 0.05 and all(0 <= r["dev_acc"] <= 1 for r in result["rows"])
+    assert (tmp_path / "sst2-quick_ranks.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| compiled, late stage |" in run.stdout

@@ -228,6 +228,25 @@ def test_collapsed_layer_becomes_its_bias():
     assert name not in ctl.layers
     compiled(x).sum().backward()
     opt.step()
+    dense = compiled.to_dense()  # a collapsed layer stays its bias in the dense rebuild too
+    assert torch.allclose(dense(x), compiled(x), atol=1e-12)
+
+
+def test_collapsed_layer_survives_save_and_load(tmp_path):
+    compiled = _mlp_compiled()
+    opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.05, truncate_every=0,
+                                   allow_layer_removal=True)
+    name, mod = next(iter(ctl.layers.items()))
+    with torch.no_grad():
+        mod.gates[0].zero_()
+    ctl.truncate()
+    tncompile.save(compiled, tmp_path / "c.tnc")
+    loaded = tncompile.load(tmp_path / "c.tnc")
+    x = torch.randn(3, 64, dtype=f64)
+    assert isinstance(loaded.model.get_submodule(name), CollapsedLayer)
+    assert torch.equal(loaded(x), compiled(x)) and loaded.ratio == compiled.ratio
+    assert "removed" in str(loaded.report())
 
 
 class _TiedLM(nn.Module):

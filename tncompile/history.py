@@ -65,7 +65,7 @@ class History:
             json.dump(self.to_dict(), f)
 
     def plot(self, path: str | os.PathLike, title: str | None = None, max_layers: int = 24) -> None:
-        """Write a PNG: per-layer ranks (sum over bonds), model ratio, and loss over steps.
+        """Write a PNG: per-layer ranks (sum over bonds), model ratio, step time and loss over steps.
 
         Stage switches and truncations are marked with vertical lines.
         """
@@ -75,13 +75,13 @@ class History:
 
         if not self.step:
             raise ValueError("nothing to plot: the history is empty")
-        fig, (ax_r, ax_s, ax_l) = plt.subplots(3, 1, figsize=(9, 10), sharex=True)
+        fig, (ax_r, ax_s, ax_t, ax_l) = plt.subplots(4, 1, figsize=(9, 12), sharex=True)
         layers = list(self.ranks[0][1]) if self.ranks else []
         steps = [s for s, _ in self.ranks]
         cmap = plt.get_cmap("viridis")
         for i, name in enumerate(layers[:max_layers]):
             totals = [sum(r[name]) if name in r else 0 for _, r in self.ranks]
-            ax_r.plot(steps, totals, color=cmap(i / max(1, min(len(layers), max_layers) - 1)), lw=1,
+            ax_r.plot(steps, totals, drawstyle="steps-post", color=cmap(i / max(1, min(len(layers), max_layers) - 1)), lw=1,
                       label=name if len(layers) <= 12 else None)
         ax_r.set_ylabel("rank (sum over bonds)")
         ax_r.set_title(title or "rank evolution")
@@ -93,6 +93,11 @@ class History:
         ax_s.plot(self.step, self.ratio, color="tab:blue")
         ax_s.set_yscale("log")
         ax_s.set_ylabel("model ratio (params / dense)")
+        ax_t.plot(self.step, self.step_ms, color="tab:gray", lw=0.4, alpha=0.5, label="step")
+        ax_t.plot(self.step, _rolling_median(self.step_ms), color="tab:green", label="rolling median (51 steps)")
+        ax_t.set_ylabel("step time (ms)")
+        ax_t.set_ylim(0, 1.5 * max(_rolling_median(self.step_ms)))
+        ax_t.legend(fontsize=7)
         ax_l.plot(self.step, self.task_loss, color="tab:gray", lw=0.5, alpha=0.6, label="task loss")
         ax_l.plot(self.step, _smooth(self.task_loss), color="tab:red", label="task loss (smoothed)")
         if self.evals:
@@ -106,11 +111,20 @@ class History:
         ax_l.legend(fontsize=7)
         for ev in self.events:
             style = {"color": "k", "ls": "--"} if ev["kind"] == "late_stage" else {"color": "tab:orange", "ls": ":", "lw": 0.6}
-            for ax in (ax_r, ax_s, ax_l):
+            for ax in (ax_r, ax_s, ax_t, ax_l):
                 ax.axvline(ev["step"], **style)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
+
+
+def _rolling_median(values: list[float], width: int = 51) -> list[float]:
+    half = width // 2
+    out = []
+    for i in range(len(values)):
+        window = sorted(values[max(0, i - half): i + half + 1])
+        out.append(window[len(window) // 2])
+    return out
 
 
 def _smooth(values: list[float], beta: float = 0.95) -> list[float]:

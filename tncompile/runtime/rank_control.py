@@ -321,7 +321,9 @@ class RankController:
         """The scalarized late-stage loss (replaces ``task_loss``); see the module doc."""
         if self._target_loss is None:
             raise RuntimeError("late stage has no target loss; call start_late_stage() first")
-        target = self._target_loss.to(device=task_loss.device, dtype=task_loss.dtype)
+        if self._target_loss.device != task_loss.device:  # once: no copy per step (capturable)
+            self._target_loss = self._target_loss.to(task_loss.device)
+        target = self._target_loss.to(task_loss.dtype)
         d_loss = (task_loss.detach() - target) / target.abs().clamp_min(1e-12)
         hard = self._size_ratio(hard=True).to(task_loss.dtype)
         d_size = (hard - self.target_ratio) / self.target_ratio
