@@ -147,3 +147,21 @@ def test_bfloat16_forward_runs():
     tt = TTLinear.from_linear(nn.Linear(16, 24), rank=4, num_cores=2).to(torch.bfloat16)
     y = tt(torch.randn(3, 16, dtype=torch.bfloat16))
     assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
+
+
+def test_autocast_bf16_forward_and_backward_keep_fp32_grads():
+    """Under autocast the planned executor and the TTM lookup run in bf16 and
+    their backward re-enters the same autocast state (fp32 master grads)."""
+    tt = _randomize(TTLinear(TTLayout.for_shape(48, 96, 2, ranks=6)))
+    emb = _randomize(TTMEmbedding(TTMLayout.for_shape(500, 32, 3, ranks=5)))
+    x = torch.randn(64, 48)
+    ids = torch.randint(0, 500, (200,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = tt(x)
+        e = emb(ids)
+    assert y.dtype == torch.bfloat16 and e.dtype == torch.bfloat16
+    (y.float().sum() + e.float().sum()).backward()
+    for p in [*tt.cores, *tt.gates, *emb.cores]:
+        assert p.grad is not None and p.grad.dtype == torch.float32
+    ref_y = x @ tt.weight().t() + tt.bias
+    assert torch.allclose(y.float(), ref_y, rtol=5e-2, atol=5e-2 * ref_y.abs().max().item())

@@ -12,19 +12,10 @@ from tqdm.auto import tqdm
 
 from .history import History
 from .runtime.rank_control import RankController
+from .runtime.train_step import call_model
 from .serialization import save
 
-__all__ = ["fit", "call_model"]
-
-
-def call_model(model: nn.Module, inputs: Any) -> Any:
-    """``model(inputs)`` for a tensor, ``model(*inputs)`` for a tuple or list,
-    ``model(**inputs)`` for a dict."""
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
+__all__ = ["fit"]
 
 
 def _batches(loader: Iterable, skip: int):

@@ -88,12 +88,25 @@ def _finish(plan: ContractionPlan, result: torch.Tensor) -> torch.Tensor:
     return result if plan.out_perm is None else result.permute(plan.out_perm)
 
 
+def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    """The autocast setting in force for ``device_type`` (saved by forward)."""
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def same_autocast(state: tuple[str, bool, torch.dtype]):
+    """Re-enter in backward the autocast state forward ran under (as
+    ``torch.amp.custom_bwd`` does), so saved bf16 and fp32 tensors mix as in forward."""
+    device_type, enabled, dtype = state
+    return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled)
+
+
 class PlannedContraction(torch.autograd.Function):
     """Contract ``operands`` along ``plan``; backward by reverse mode over the steps."""
 
     @staticmethod
     def forward(ctx, plan: ContractionPlan, bias: torch.Tensor | None, *operands: torch.Tensor) -> torch.Tensor:
         ops = _forward(plan, list(operands), bias)
+        ctx.autocast = autocast_state(operands[0].device.type)
         ctx.plan = plan
         ctx.n_inputs = len(operands)
         ctx.has_bias = bias is not None
@@ -102,6 +115,11 @@ class PlannedContraction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
+        with same_autocast(ctx.autocast):
+            return PlannedContraction._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out: torch.Tensor):
         plan: ContractionPlan = ctx.plan
         ops = ctx.saved_tensors
         n = ctx.n_inputs

@@ -204,8 +204,8 @@ class RankController:
         self.version = 0   # bumped whenever shapes or the stage change
         self._target_loss: torch.Tensor | None = None
         self._user_target_loss = target_loss
-        self._ema: torch.Tensor | None = None
-        self._ema_n = 0
+        self._ema: torch.Tensor | None = None      # moving average of the task loss (device)
+        self._ema_w: torch.Tensor | None = None    # its accumulated weight, for bias correction (device)
         self.last_choice: torch.Tensor | None = None  # late stage: True where the task loss was chosen
         self._refresh()
         self._check_optimizer_covers_gates()
@@ -303,14 +303,16 @@ class RankController:
         value = task_loss.detach().to(torch.float32)
         if self._ema is None or self._ema.device != value.device:
             self._ema = torch.zeros((), dtype=torch.float32, device=value.device)
+            self._ema_w = torch.zeros((), dtype=torch.float32, device=value.device)
+        # both updates are in place on the device: a captured graph replays them
         self._ema.mul_(self.loss_smoothing).add_(value, alpha=1.0 - self.loss_smoothing)
-        self._ema_n += 1
+        self._ema_w.mul_(self.loss_smoothing).add_(1.0 - self.loss_smoothing)
 
     def smoothed_loss(self) -> torch.Tensor | None:
         """Bias-corrected moving average of the early-stage task loss (a device tensor)."""
-        if self._ema is None or self._ema_n == 0:
+        if self._ema is None:
             return None
-        return self._ema / (1.0 - self.loss_smoothing ** self._ema_n)
+        return self._ema / self._ema_w
 
     @property
     def target_loss(self) -> torch.Tensor | None:
@@ -431,7 +433,7 @@ class RankController:
     def state_dict(self) -> dict[str, Any]:
         """Schedule, targets and loss average (not the model or optimizer)."""
         return {"stage": self.stage, "steps_done": self.steps_done, "version": self.version,
-                "target_loss": self._target_loss, "ema": self._ema, "ema_n": self._ema_n,
+                "target_loss": self._target_loss, "ema": self._ema, "ema_weight": self._ema_w,
                 "early_steps": self.early_steps, "target_ratio": self.target_ratio}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -444,7 +446,7 @@ class RankController:
         self.version = int(state["version"])
         self._target_loss = state["target_loss"]
         self._ema = state["ema"]
-        self._ema_n = int(state["ema_n"])
+        self._ema_w = state["ema_weight"]
         self.early_steps = state["early_steps"]
         self._refresh()
 

@@ -22,7 +22,7 @@ from ..formats.layout import TTLayout, TTMLayout
 from ..ir.network import BATCH, TensorNetwork
 from ..ir.lookup_plan import LookupPlan, plan_lookup
 from ..ir.plan import ContractionPlan, bucket_of, plan_contraction
-from .executor import contract
+from .executor import autocast_state, contract, same_autocast
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of"]
 
@@ -102,6 +102,7 @@ class _GatheredProduct(torch.autograd.Function):
     @staticmethod
     def forward(ctx, left, right, i, j):
         ctx.save_for_backward(left, right, i, j)
+        ctx.autocast = autocast_state(left.device.type)
         return torch.bmm(left.index_select(0, i), right.index_select(0, j))
 
     @staticmethod
@@ -109,12 +110,13 @@ class _GatheredProduct(torch.autograd.Function):
         left, right, i, j = ctx.saved_tensors
         grad = grad.contiguous()
         g_left = g_right = None
-        if ctx.needs_input_grad[0]:
-            b_t = right.transpose(1, 2).contiguous().index_select(0, j)          # (T, N_R, r)
-            g_left = torch.zeros_like(left).index_add_(0, i, torch.bmm(grad, b_t))
-        if ctx.needs_input_grad[1]:
-            a_t = left.transpose(1, 2).contiguous().index_select(0, i)           # (T, r, N_L)
-            g_right = torch.zeros_like(right).index_add_(0, j, torch.bmm(a_t, grad))
+        with same_autocast(ctx.autocast):
+            if ctx.needs_input_grad[0]:
+                b_t = right.transpose(1, 2).contiguous().index_select(0, j)          # (T, N_R, r)
+                g_left = torch.zeros_like(left).index_add_(0, i, torch.bmm(grad, b_t).to(left.dtype))
+            if ctx.needs_input_grad[1]:
+                a_t = left.transpose(1, 2).contiguous().index_select(0, i)           # (T, r, N_L)
+                g_right = torch.zeros_like(right).index_add_(0, j, torch.bmm(a_t, grad).to(right.dtype))
         return g_left, g_right, None, None
 
 

@@ -1,0 +1,260 @@
+"""``TrainStep``: a whole training step as one callable -- CUDA graphs on GPU, eager on CPU.
+
+    step = tncompile.runtime.TrainStep(compiled, optimizer, loss_fn, controller=ctl)
+    for x, y in loader:
+        loss = step(x, y)          # forward, penalty, backward, clip, optimizer, controller
+
+On CUDA with ``cuda_graph`` on, each input signature (shapes, dtypes,
+non-tensor values) first runs ``warmup_steps`` real eager steps on a side
+stream (this allocates gradients and optimizer state outside any graph),
+then is captured once -- forward, backward, rank penalty, gradient clipping
+and optimizer step in one graph -- and replayed on every later call with the
+inputs copied into its static buffers. Signatures are captured per exact
+size (no padding, so any loss function stays exact) under an LRU cap of
+``max_graphs``, all graphs sharing one memory pool. Whenever the model's
+state changes -- the controller cuts ranks or switches stage, parameters are
+replaced, or their dtype or device changes -- every graph is dropped and
+re-captured; a stale graph is never replayed. The returned loss is a copy,
+never a buffer that the next replay overwrites.
+
+Elsewhere (CPU, or ``cuda_graph=False``) the same step runs eagerly,
+computing the same thing.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .capture_cache import CaptureCache
+
+__all__ = ["TrainStep", "call_model", "make_capturable"]
+
+AMP_DTYPES = {"bf16": torch.bfloat16}
+
+
+def call_model(model: nn.Module, inputs: Any) -> Any:
+    """``model(inputs)`` for a tensor, ``model(*inputs)`` for a tuple or list,
+    ``model(**inputs)`` for a dict."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def make_capturable(optimizer: torch.optim.Optimizer) -> None:
+    """Switch ``optimizer`` to its CUDA-graph-safe mode (``capturable=True``,
+    step counters on the device), or raise ``TypeError`` saying why it cannot be."""
+    if "capturable" in optimizer.defaults:
+        for group in optimizer.param_groups:
+            group["capturable"] = True
+        for p, state in optimizer.state.items():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor) and step.device != p.device:
+                state["step"] = step.to(p.device, torch.float32)
+        return
+    if type(optimizer) is torch.optim.SGD:
+        return  # no host-side state: its update is capturable as is
+    raise TypeError(
+        f"{type(optimizer).__name__} cannot be captured in a CUDA graph: it has no capturable mode "
+        "(its step keeps host-side state or syncs with the host). Use Adam, AdamW, SGD or another "
+        "optimizer with capturable=True, or TrainStep(..., cuda_graph=False).")
+
+
+class _Captured:
+    """One captured step: its graph, static input buffers and static loss."""
+
+    def __init__(self, graph, static_leaves: list, loss: torch.Tensor, bytes_: int):
+        self.graph, self.static_leaves, self.loss, self.bytes = graph, static_leaves, loss, bytes_
+
+    def run(self, leaves: list) -> torch.Tensor:
+        for buf, x in zip(self.static_leaves, leaves):
+            if isinstance(buf, torch.Tensor):
+                buf.copy_(x, non_blocking=True)
+        self.graph.replay()
+        return self.loss.clone()
+
+
+class TrainStep:
+    """One training step of a compiled model, captured as CUDA graphs where possible.
+
+    Parameters
+    ----------
+    compiled : nn.Module
+        The model (usually a ``CompiledModel``); called as ``compiled(x)``,
+        ``compiled(*x)`` or ``compiled(**x)`` for a tensor, tuple or dict.
+    optimizer : torch.optim.Optimizer
+    loss_fn : callable
+        ``loss_fn(outputs, targets) -> scalar tensor``.
+    controller : RankController, optional
+        Adds its penalty inside the step and is stepped after it; its
+        truncations and stage switches trigger re-capture.
+    cuda_graph : {"auto", True, False}
+        ``"auto"``: capture when the model is on CUDA.
+    amp : {None, "bf16"}
+        Autocast forward and loss in bfloat16 (parameters, gradients and
+        optimizer state stay fp32).
+    grad_clip : float, optional
+        Clip the global gradient norm (no host sync).
+    max_graphs : int
+        Most captured signatures kept (LRU).
+    warmup_steps : int
+        Eager steps per signature before capture.
+    max_batch : int, optional
+        Reject batches (first dimension of the first input tensor) above this.
+    compile : bool
+        Eager path only: run the model through ``torch.compile``.
+    """
+
+    def __init__(self, compiled: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
+                 controller=None, cuda_graph: bool | str = "auto", amp: str | None = None, *,
+                 grad_clip: float | None = None, max_graphs: int = 8, warmup_steps: int = 2,
+                 max_batch: int | None = None, compile: bool = False):
+        params = [p for p in compiled.parameters()]
+        if not params:
+            raise ValueError("TrainStep: the model has no parameters to train")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"TrainStep: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not callable(loss_fn):
+            raise TypeError("TrainStep: loss_fn must be callable as loss_fn(outputs, targets)")
+        if controller is not None and getattr(controller, "compiled", None) is not compiled:
+            raise ValueError("TrainStep: the controller was built for a different model")
+        if amp is not None and amp not in AMP_DTYPES:
+            raise ValueError(f"TrainStep: amp must be None or one of {sorted(AMP_DTYPES)}, got {amp!r} "
+                             "(fp16 needs loss scaling; use bf16)")
+        if grad_clip is not None and not grad_clip > 0:
+            raise ValueError(f"TrainStep: grad_clip must be > 0, got {grad_clip!r}")
+        if max_batch is not None and not (isinstance(max_batch, int) and max_batch >= 1):
+            raise ValueError(f"TrainStep: max_batch must be an int >= 1, got {max_batch!r}")
+        if cuda_graph not in ("auto", True, False):
+            raise ValueError(f"TrainStep: cuda_graph must be 'auto', True or False, got {cuda_graph!r}")
+        device = params[0].device
+        if cuda_graph is True and device.type != "cuda":
+            raise ValueError(f"TrainStep: cuda_graph=True needs the model on a CUDA device, it is on {device}; "
+                             "move it with .to('cuda') or use cuda_graph='auto'")
+        self.compiled, self.optimizer, self.loss_fn, self.controller = compiled, optimizer, loss_fn, controller
+        self.amp, self.grad_clip, self.max_batch = amp, grad_clip, max_batch
+        self.use_graphs = device.type == "cuda" and cuda_graph in ("auto", True)
+        if self.use_graphs and compile:
+            raise ValueError("TrainStep: compile=True applies to the eager path; with CUDA graphs the "
+                             "captured step already removes the per-op overhead")
+        self._forward = torch.compile(compiled) if compile else compiled
+        if self.use_graphs:
+            make_capturable(optimizer)
+        self.cache = CaptureCache(max_graphs, warmup_steps)
+        self._pool = None
+        self._stream = None
+        self._structure = None
+        self.last_event = None
+
+    # ------------------------------------------------------------ checks
+    def _check_inputs(self, leaves: list, spec) -> None:
+        described = [("tensor", t.dim()) if isinstance(t, torch.Tensor) else ("value", type(t).__name__)
+                     for t in leaves]
+        if self._structure is None:
+            self._structure = (spec, described)
+        elif (spec, described) != self._structure:
+            raise ValueError(f"TrainStep: inputs changed structure. First call: {self._structure[0]}; "
+                             f"this call: {spec}. A TrainStep serves one input structure; build another "
+                             "for a different one.")
+        device = next(iter(self.compiled.parameters())).device
+        for i, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor) and t.device != device:
+                raise ValueError(f"TrainStep: input leaf {i} is on {t.device}, the model on {device}; "
+                                 "move the batch first")
+        if self.max_batch is not None:
+            first = next((t for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+            if first is not None and first.shape[0] > self.max_batch:
+                raise ValueError(f"TrainStep: batch of {first.shape[0]} is larger than max_batch="
+                                 f"{self.max_batch}; split it or raise max_batch")
+
+    def _state_token(self) -> tuple:
+        params = list(self.compiled.parameters())
+        return (getattr(self.controller, "version", None), params[0].device, params[0].dtype,
+                tuple(id(p) for p in params), self.amp)
+
+    # ------------------------------------------------------------ the step
+    def _autocast(self):
+        if self.amp is None:
+            return contextlib.nullcontext()
+        device = next(iter(self.compiled.parameters())).device
+        return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[self.amp])
+
+    def _body(self, inputs: Any, targets: Any, set_to_none: bool) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        with self._autocast():
+            loss = self.loss_fn(call_model(self._forward, inputs), targets)
+        if loss.dim() != 0:
+            raise ValueError(f"TrainStep: loss_fn must return a scalar, got shape {tuple(loss.shape)}")
+        total = loss.float() + self.controller.penalty(loss.float()) if self.controller is not None else loss
+        total.backward()
+        if self.grad_clip is not None:
+            nn.utils.clip_grad_norm_(self.compiled.parameters(), self.grad_clip, foreach=True)
+        self.optimizer.step()
+        return loss.detach()
+
+    def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
+        """Run one training step on ``(inputs, targets)``; returns the task loss (a fresh tensor)."""
+        leaves, spec = tree_flatten((inputs, targets))
+        self._check_inputs(leaves, spec)
+        if not self.use_graphs:
+            loss = self._body(inputs, targets, set_to_none=True)
+        else:
+            loss = self._graph_step(inputs, targets, leaves, spec)
+        if self.controller is not None:
+            self.last_event = self.controller.step()
+        return loss
+
+    def _graph_step(self, inputs, targets, leaves, spec) -> torch.Tensor:
+        if self.cache.check_token(self._state_token()):
+            self._pool = None  # the dropped graphs' memory goes back with their pool
+        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("value", repr(t))
+                    for t in leaves)
+        decision = self.cache.decide(key)
+        if decision == "replay":
+            return self.cache.get(key).run(leaves)
+        if decision == "eager":
+            stream = self._side_stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                loss = self._body(inputs, targets, set_to_none=False)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.cache.warmed(key)
+            return loss
+        captured = self._capture(leaves, spec)
+        self.cache.add(key, captured)
+        return captured.run(leaves)
+
+    def _side_stream(self):
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        return self._stream
+
+    def _capture(self, leaves: list, spec) -> _Captured:
+        static_leaves = [t.clone() if isinstance(t, torch.Tensor) else t for t in leaves]
+        static_inputs, static_targets = tree_unflatten(static_leaves, spec)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream()):
+            loss = self._body(static_inputs, static_targets, set_to_none=False)
+        torch.cuda.synchronize()
+        return _Captured(graph, static_leaves, loss, torch.cuda.memory_allocated() - before)
+
+    # ------------------------------------------------------------ reporting
+    def stats(self) -> dict[str, Any]:
+        """Live graphs, captures, replays, eager steps, evictions, invalidations,
+        and the memory the live graphs hold (bytes, CUDA only)."""
+        out = dict(vars(self.cache.stats))
+        out["graph_bytes"] = sum(g.bytes for g in self.cache._graphs.values())
+        out["mode"] = "cuda_graph" if self.use_graphs else "eager"
+        return out
+
+    def __repr__(self) -> str:
+        return f"TrainStep(mode={'cuda_graph' if self.use_graphs else 'eager'}, graphs={len(self.cache)})"
