@@ -1,0 +1,115 @@
+"""Per-step time and peak memory: dense eager vs compiled eager vs compiled captured (CUDA graphs).
+
+    python benchmarks/bench_runtime.py                    # CUDA if present: batches 1, 32, 128
+    python benchmarks/bench_runtime.py --batches 1 8      # CPU: eager variants only
+
+The paper's six-encoder (sequence 128), AdamW, one full training step per call
+through :class:`tncompile.runtime.TrainStep`. On CUDA also GaLore
+(``galore-torch``'s ``GaLoreAdamW``, rank 128) on the dense model at batch 1,
+for CoMERA's memory / speed comparison. Variants are timed in one run;
+``gpu-runtime.json`` or ``cpu-runtime.json`` in ``benchmarks/results/``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import tncompile
+from tncompile.runtime import TrainStep
+from tncompile.zoo import six_encoder
+
+from common import machine, write_json
+
+PAPER_RATIO = 1 / 44.9
+SEQ = 128
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(step, x, y, device, warmup: int, reps: int) -> tuple[float, float | None]:
+    """Median ms per step and peak memory (MB, CUDA only) of ``step(x, y)``."""
+    for _ in range(warmup):
+        step(x, y)
+    _sync(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        step(x, y)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
+    return statistics.median(times) * 1e3, peak
+
+
+def galore_optimizer(model):
+    from galore_torch import GaLoreAdamW  # optional: pip install galore-torch
+    big = [p for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n]
+    ids = {id(p) for p in big}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return GaLoreAdamW([{"params": rest},
+                        {"params": big, "rank": 128, "update_proj_gap": 200, "scale": 0.25,
+                         "proj_type": "std"}], lr=1e-4)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="*", default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    batches = args.batches or ([1, 32, 128] if cuda else [1, 8])
+    reps = args.reps or (20 if cuda else 3)
+    rows = []
+    for batch in batches:
+        torch.manual_seed(0)
+        x = torch.randint(1, 30522, (batch, SEQ), device=device)
+        y = torch.randint(0, 3, (batch,), device=device)
+        variants = [("dense eager", False, False), ("compiled eager", True, False)]
+        if cuda:
+            variants.append(("compiled captured", True, True))
+        for name, compiled_model, graphed in variants:
+            torch.manual_seed(0)
+            model = six_encoder().to(device)
+            if compiled_model:
+                model = tncompile.compile(model, target_ratio=PAPER_RATIO, init="random",
+                                          batch_sizes=[batch * SEQ]).to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            step = TrainStep(model, opt, F.cross_entropy, cuda_graph=graphed)
+            ms, peak = time_steps(step, x, y, device, warmup=4, reps=reps)
+            rows.append({"batch": batch, "variant": name, "step_ms": ms, "peak_mb": peak, **step.stats()})
+            print(f"batch {batch:4d}  {name:18s} {ms:9.1f} ms" + (f"  peak {peak:8.0f} MB" if peak else ""))
+            del model, opt, step
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        if cuda and batch == 1:
+            try:
+                torch.manual_seed(0)
+                model = six_encoder().to(device)
+                step = TrainStep(model, galore_optimizer(model), F.cross_entropy, cuda_graph=False)
+                ms, peak = time_steps(step, x, y, device, warmup=4, reps=reps)
+                rows.append({"batch": batch, "variant": "dense GaLore", "step_ms": ms, "peak_mb": peak})
+                print(f"batch {batch:4d}  {'dense GaLore':18s} {ms:9.1f} ms  peak {peak:8.0f} MB")
+            except ImportError as e:
+                rows.append({"batch": batch, "variant": "dense GaLore", "skipped": f"galore-torch not usable: {e}"})
+                print(f"GaLore skipped: {e}")
+    path = write_json(f"{'gpu' if cuda else 'cpu'}-runtime.json",
+                      {"benchmark": "runtime", "device": str(device),
+                       "gpu": torch.cuda.get_device_name() if cuda else None, "rows": rows, **machine()})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
