@@ -12,8 +12,10 @@ Three copies of one compiled six-encoder (CoMERA's 44.9x-smaller start):
 
 ``masked`` and ``truncated`` compute the same function (checked). Each step
 is forward, backward and AdamW; variants are timed round-robin with a
-rotating order, so the ratios come from one run. Writes
-``benchmarks/results/truncation.json``.
+rotating order, so the ratios come from one run. The TT linears alone
+(forward + backward of all 36 at ``batch x seq`` rows) are timed the same way,
+to show which share of the step the ranks govern. Writes
+``benchmarks/results/truncation_b{batch}x{seq}.json``.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import tncompile
+from tncompile.runtime import TTLinear
 from tncompile.runtime.cpu_allocator import retain_freed_memory
 from tncompile.zoo import six_encoder
 
@@ -73,11 +76,24 @@ def main() -> None:
             opt.step()
         runs[name] = step
     ms = interleaved_ms(runs, reps=args.rounds, warmup=1)
+    layer_runs = {}
+    rows = args.batch * args.seq
+    for name, model in (("full", full), ("masked", masked), ("truncated", truncated)):
+        linears = [m for m in model.tensorized_modules().values() if isinstance(m, TTLinear)]
+        inputs = [torch.randn(rows, m.in_features, requires_grad=True) for m in linears]
+        grads = [torch.randn(rows, m.out_features) for m in linears]
+
+        def layers(linears=linears, inputs=inputs, grads=grads):
+            for m, h, g in zip(linears, inputs, grads):
+                m(h).backward(g)
+        layer_runs[name] = layers
+    layer_ms = interleaved_ms(layer_runs, reps=args.rounds, warmup=1)
     ranks_before = {n: list(m.layout.ranks) for n, m in ctl.layers.items()}
     ranks_after = {n: list(r) for n, r in cut_ctl.ranks().items()}
     result = {
         "benchmark": "truncation", "batch": args.batch, "seq": args.seq, "keep": args.keep,
-        "step_ms": ms, "ratio": {"full": full.ratio, "masked": masked.ratio, "truncated": truncated.ratio},
+        "step_ms": ms, "tt_linears_ms": layer_ms,
+        "tt_linears_speedup_truncated_vs_full": layer_ms["full"] / layer_ms["truncated"], "ratio": {"full": full.ratio, "masked": masked.ratio, "truncated": truncated.ratio},
         "speedup_truncated_vs_full": ms["full"] / ms["truncated"],
         "speedup_masked_vs_full": ms["full"] / ms["masked"],
         "ranks_before": ranks_before, "ranks_after": ranks_after, **machine(),
@@ -85,11 +101,12 @@ def main() -> None:
     path = write_json(f"truncation_b{args.batch}x{args.seq}.json", result)
     print(f"six-encoder train step, batch {args.batch} x {args.seq}, {result['threads']} threads "
           f"(median of {args.rounds} interleaved rounds)")
-    print("| variant | ranks | ratio | step ms | speed-up vs full |\n|---|---|---|---|---|")
+    print("| variant | ranks | ratio | step ms | speed-up vs full | TT linears ms | speed-up |\n|---|---|---|---|---|---|---|")
     for name in ("full", "masked", "truncated"):
         rk = "as compiled" if name == "full" else f"{args.keep:.0%} switched on" + (
             ", cut" if name == "truncated" else ", masked")
-        print(f"| {name} | {rk} | {result['ratio'][name]:.5f} | {ms[name]:.0f} | {ms['full'] / ms[name]:.2f}x |")
+        print(f"| {name} | {rk} | {result['ratio'][name]:.5f} | {ms[name]:.0f} | {ms['full'] / ms[name]:.2f}x | "
+              f"{layer_ms[name]:.0f} | {layer_ms['full'] / layer_ms[name]:.2f}x |")
     print(f"wrote {path}")
 
 
