@@ -83,6 +83,20 @@ def test_bf16_autocast_keeps_fp32_master_weights():
     assert all(s["exp_avg"].dtype == torch.float32 for s in opt.state.values())
 
 
+def test_torch_compile_eager_path_matches_eager():
+    from tncompile.zoo import mlp
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+    losses = {}
+    for use_compile in (False, True):
+        torch.manual_seed(0)
+        compiled = tncompile.compile(mlp((64, 128, 10)), target_ratio=0.5, init="random")
+        opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
+        step = TrainStep(compiled, opt, F.cross_entropy, compile=use_compile)
+        losses[use_compile] = torch.stack([step(x, y) for _ in range(3)])
+    assert torch.allclose(losses[True], losses[False], rtol=1e-5, atol=1e-6)
+    assert losses[True][-1] < losses[True][0]
+
+
 def test_capture_cache_decisions_lru_and_invalidation():
     cache = CaptureCache(max_graphs=2, warmup_steps=2)
     assert not cache.check_token(("v0",))

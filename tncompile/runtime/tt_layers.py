@@ -177,6 +177,7 @@ class TNModule(nn.Module):
             plan = self.plan_bucket(bucket)
         return plan
 
+    @torch.compiler.disable  # planning is host-side search: never traced into a compiled graph
     def plan_bucket(self, bucket: int) -> ContractionPlan:
         """Plan (and cache) the contraction for a bucket of ``bucket`` rows."""
         inputs, output, sizes = self.planner_problem()
@@ -326,6 +327,7 @@ class TTMEmbedding(TNModule):
 
     DEDUP_BELOW = 0.8  # look up unique ids only when they are under this share of the batch
 
+    @torch.compiler.disable
     def plan_bucket(self, bucket: int) -> LookupPlan:  # type: ignore[override]
         plan = plan_lookup(self.layout, int(bucket))
         self.plans[int(bucket)] = plan
