@@ -92,6 +92,17 @@ def test_late_stage_picks_the_objective_further_from_its_target():
     assert total.detach().item() == pytest.approx(1.5) and bool(ctl.last_choice)
     total.backward()
     assert task.grad.item() == 1.0
+    # both under target (d_loss = -0.9 < d_size < 0): CoMERA's rule still pushes the size,
+    # stop_at_target=True trains the task loss instead
+    compiled, ctl = _late_controller(0.45, target_loss=15.0)
+    _zero_gate_entries(ctl, 0.5)
+    assert -0.9 < (ctl.active_ratio() - 0.45) / 0.45 < 0
+    task = torch.tensor(1.5, dtype=f64, requires_grad=True)
+    ctl.penalty(task)
+    assert not bool(ctl.last_choice)
+    ctl.stop_at_target = True
+    total = task + ctl.penalty(task)
+    assert bool(ctl.last_choice) and total.detach().item() == pytest.approx(1.5)
 
 
 def test_stage_switch_and_default_target_is_smoothed_early_loss():

@@ -21,7 +21,10 @@ l2 pull on the cores, so that the gates cannot shrink by the cores growing.
 entries at or above ``threshold``, ``S*`` the ``target_ratio``), each step
 optimizes the task loss when ``d_loss >= d_size`` and the size term
 ``size_weight * S_soft / S*`` otherwise (``S_soft``: the same count with each
-rank weighted by ``|g|``, which is differentiable). The choice is a
+rank weighted by ``|g|``, which is differentiable). As in CoMERA, when both
+are under their targets the less-ahead one is still pushed, so the model may
+end below ``S*``; ``stop_at_target=True`` trains only the task loss once
+``S <= S*``. The choice is a
 ``torch.where`` on device tensors: no host sync, so it can be captured in a
 CUDA graph. The core l2 term stays on in both stages.
 """
@@ -157,6 +160,9 @@ class RankController:
     optimizer_state : {"slice", "reset"}
         How truncation treats optimizer state: slice it (exact; per-element
         optimizers only) or drop the state of the cut parameters.
+    stop_at_target : bool
+        Late stage: once the size is at or under ``target_ratio``, train only
+        the task loss (CoMERA's rule, the default, keeps trading).
     """
 
     def __init__(self, compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -164,7 +170,7 @@ class RankController:
                  core_weight: float = 1e-5, size_weight: float = 1.0, threshold: float = 1e-2,
                  truncate_every: int = 100, target_loss: float | None = None,
                  loss_smoothing: float = 0.98, allow_layer_removal: bool = False,
-                 optimizer_state: str = "slice"):
+                 optimizer_state: str = "slice", stop_at_target: bool = False):
         if not hasattr(compiled, "tensorized_modules") or not hasattr(compiled, "program"):
             raise TypeError(f"RankController expects a CompiledModel, got {type(compiled).__name__}")
         self.compiled = compiled
@@ -198,6 +204,7 @@ class RankController:
         self.truncate_every = truncate_every
         self.loss_smoothing = float(loss_smoothing)
         self.allow_layer_removal = allow_layer_removal
+        self.stop_at_target = bool(stop_at_target)
         self.optimizer_state = optimizer_state
         self.stage = "early"
         self.steps_done = 0
@@ -331,6 +338,8 @@ class RankController:
         d_size = (hard - self.target_ratio) / self.target_ratio
         size_term = self.size_weight * self._size_ratio(hard=False).to(task_loss.dtype) / self.target_ratio
         choose_task = d_loss >= d_size
+        if self.stop_at_target:  # never shrink past the target: once met, train the task loss only
+            choose_task = choose_task | (d_size <= 0)
         self.last_choice = choose_task
         return torch.where(choose_task, task_loss, size_term) + self._core_term()
 
