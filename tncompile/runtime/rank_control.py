@@ -256,7 +256,7 @@ class RankController:
 
     def active_ratio(self) -> float:
         """The ratio the model would have if switched-off ranks were cut now (host sync)."""
-        return float(self._size_ratio(hard=True))
+        return float(self._size_ratios(soft=False)[0])
 
     # ------------------------------------------------------------ objective
     def _gates(self):
@@ -267,21 +267,20 @@ class RankController:
         for m in self._layers.values():
             yield from m.cores._parameters.values()
 
-    def _size_ratio(self, hard: bool) -> torch.Tensor:
-        """Model ratio with ranks counted from the gates: entries ``>= threshold`` (hard) or ``|g|`` (soft)."""
-        total = None
+    def _size_ratios(self, soft: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Model ratio with every bond's rank counted from its gate: entries
+        ``>= threshold`` (hard) and, if ``soft``, the sum of ``|g|`` (differentiable).
+        One pass over the gates serves both."""
+        hard_total = soft_total = 0
         for m in self._layers.values():
-            gates = list(m.gates._parameters.values())
-            if hard:
-                widths = [(g.detach().abs() >= self.threshold).sum().to(g.dtype) for g in gates]
-            else:
-                widths = [g.abs().sum() for g in gates]
             sites = m.layout.site_sizes
-            one = torch.ones((), dtype=gates[0].dtype, device=gates[0].device)
-            full = [one, *widths, one]
-            size = sum(full[k] * n * full[k + 1] for k, n in enumerate(sites)) + sum(widths)
-            total = size if total is None else total + size
-        return (total + self._other_params) / self._original
+            mags = [g.abs() for g in m.gates._parameters.values()]
+            hard_total = hard_total + _network_size([(a.detach() >= self.threshold).to(a.dtype).sum()
+                                                     for a in mags], sites)
+            if soft:
+                soft_total = soft_total + _network_size([a.sum() for a in mags], sites)
+        hard = (hard_total + self._other_params) / self._original
+        return hard, ((soft_total + self._other_params) / self._original if soft else None)
 
     def early_penalty(self) -> torch.Tensor:
         """``rank_weight * sum|g| / #g + core_weight * sum ||G||^2``."""
@@ -334,9 +333,9 @@ class RankController:
             self._target_loss = self._target_loss.to(task_loss.device)
         target = self._target_loss.to(task_loss.dtype)
         d_loss = (task_loss.detach() - target) / target.abs().clamp_min(1e-12)
-        hard = self._size_ratio(hard=True).to(task_loss.dtype)
-        d_size = (hard - self.target_ratio) / self.target_ratio
-        size_term = self.size_weight * self._size_ratio(hard=False).to(task_loss.dtype) / self.target_ratio
+        hard, soft = self._size_ratios()
+        d_size = (hard.to(task_loss.dtype) - self.target_ratio) / self.target_ratio
+        size_term = self.size_weight * soft.to(task_loss.dtype) / self.target_ratio
         choose_task = d_loss >= d_size
         if self.stop_at_target:  # never shrink past the target: once met, train the task loss only
             choose_task = choose_task | (d_size <= 0)
@@ -462,6 +461,13 @@ class RankController:
     def __repr__(self) -> str:
         return (f"RankController(stage={self.stage}, step={self.steps_done}, ratio={self.ratio:.5f}, "
                 f"target_ratio={self.target_ratio:g}, layers={len(self._layers)})")
+
+
+def _network_size(widths: list, sites: tuple[int, ...]):
+    """Parameters of a TT/TTM network whose internal bonds have ``widths``
+    (cores ``w[k-1] * n_k * w[k]`` with unit boundaries, plus the gates)."""
+    full = [1, *widths, 1]
+    return sum(full[k] * n * full[k + 1] for k, n in enumerate(sites)) + sum(widths)
 
 
 def _compiled_ratio(compiled) -> float:
