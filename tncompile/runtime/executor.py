@@ -66,12 +66,25 @@ def pairwise(a: torch.Tensor, a_axes: Sequence[int], b: torch.Tensor, b_axes: Se
     left = _as_matrix(a, a_axes, contracted_first=False)
     right = _as_matrix(b, b_axes, contracted_first=True)
     if bias is not None:
-        out = torch.addmm(bias, left, right)
+        out = _gemm_bias(left, right, bias)
     elif left.device.type == "cpu":
         out = _cpu_gemm(left, right)
     else:
         out = left @ right
     return out.reshape(*a_free, *b_free)
+
+
+def _gemm_bias(left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``left @ right + bias``. ``addmm`` first copies the broadcast bias into
+    the whole ``M x N`` output (on CPU, a full extra pass over the layer's
+    output). When the contracted size ``K`` is small -- the last GEMM of a
+    merged-cores plan, ``K`` = a rank -- the bias rides as one more rank
+    instead: ``[left, 1] @ [right; bias]``, copying only ``M x (K+1)``."""
+    m, k = left.shape
+    if left.device.type != "cpu" or 4 * k >= right.shape[1] or m <= SKINNY:
+        return torch.addmm(bias, left, right)
+    ones = left.new_ones(m, 1)
+    return torch.cat([left, ones], 1) @ torch.cat([right, bias.to(right.dtype).unsqueeze(0)], 0)
 
 
 SKINNY = 16  # an output this narrow (or narrower) makes CPU GEMM kernels layout-sensitive
