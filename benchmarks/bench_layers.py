@@ -121,7 +121,7 @@ def bench_six_encoder(batch: int, reps: int) -> dict:
                                  example_inputs=(torch.randint(1, 30522, (2, 128)),))
     x = torch.randint(1, 30522, (batch, 128))
     y = torch.randint(0, 3, (batch,))
-    out = {}
+    steps = {}
     for name, model in (("dense", dense), ("compiled", compiled)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -130,7 +130,8 @@ def bench_six_encoder(batch: int, reps: int) -> dict:
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-        out[name] = median_ms(step, reps) / 1000
+        steps[name] = step
+    out = {k: v / 1000 for k, v in interleaved_ms(steps, reps).items()}  # round-robin: same noise for both
     return {"batch": batch, "seq": 128, "step_s": out, "speedup": out["dense"] / out["compiled"],
             "ratio": compiled.ratio}
 
