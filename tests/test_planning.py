@@ -181,3 +181,33 @@ def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy):
     assert torch.autograd.gradcheck(lambda b, *t: contract(plan, t, b), (bias, *ts))
     if strategy == "merge-cores-first":
         assert fuses_bias(plan)
+
+
+@pytest.mark.parametrize("case", ["bias-as-rank", "transposed-weight-grad", "skinny-colmajor", "plain"])
+def test_pairwise_cpu_layout_paths_match_tensordot(case):
+    """Each CPU GEMM path of the executor (bias riding as an extra rank, x.T @ g
+    computed as (g.T @ x).T, skinny right operand copied column-major) gives
+    tensordot's result, with gradients, in float64."""
+    from tncompile.runtime.executor import pairwise
+    f64 = torch.float64
+    bias = None
+    if case == "bias-as-rank":        # (rows, r) . (r, n) + bias, r small: [h, 1] @ [B; b]
+        a, b, ax = torch.randn(64, 5, dtype=f64), torch.randn(5, 3, 7, dtype=f64), ((1,), (0,))
+        bias = torch.randn(21, dtype=f64, requires_grad=True)
+    elif case == "transposed-weight-grad":  # x.T @ g: contract the rows, 40 free columns
+        a, b, ax = torch.randn(96, 4, 50, dtype=f64), torch.randn(96, 40, dtype=f64), ((0,), (0,))
+    elif case == "skinny-colmajor":   # (rows, k) @ (k, 3), right row-major
+        a, b, ax = torch.randn(64, 30, dtype=f64), torch.randn(30, 3, dtype=f64), ((1,), (0,))
+    else:
+        a, b, ax = torch.randn(8, 6, dtype=f64), torch.randn(6, 9, dtype=f64), ((1,), (0,))
+    a.requires_grad_(True), b.requires_grad_(True)
+    out = pairwise(a, ax[0], b, ax[1], bias)
+    ref = torch.tensordot(a, b, dims=ax)
+    if bias is not None:
+        ref = ref + bias.reshape(ref.shape[1:])
+    assert out.shape == ref.shape and torch.allclose(out, ref, atol=1e-12)
+    g = torch.randn_like(ref)
+    leaves = [t for t in (a, b, bias) if t is not None]
+    got = torch.autograd.grad(out, leaves, g)
+    want = torch.autograd.grad(ref, leaves, g)
+    assert all(torch.allclose(x, y, atol=1e-12) for x, y in zip(got, want))
