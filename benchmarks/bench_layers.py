@@ -162,8 +162,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     allocator = retain_freed_memory()
-    # the model step first, in a fresh process, so the layer sweep's many large
-    # allocations cannot affect it (one run measured it 2.69x after the sweep, 3.6-3.8x alone)
+    # the model step first, so that the layer sweep's many large allocations cannot affect it
     six = bench_six_encoder(8 if args.quick else 32, 3)
     linear = bench_linear(args.quick)
     emb = bench_embedding()
