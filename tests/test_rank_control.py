@@ -210,8 +210,10 @@ def test_bond_keeps_rank_one_unless_layer_removal_allowed():
     name, mod = next(iter(ctl.layers.items()))
     with torch.no_grad():
         mod.gates[1].zero_()
+    predicted = ctl.active_ratio()
     ctl.truncate()
     assert ctl.ranks()[name][1] == 1 and isinstance(compiled.model.get_submodule(name), TTLinear)
+    assert compiled.ratio == pytest.approx(predicted, rel=1e-12)  # the kept rank is counted
 
 
 def test_collapsed_layer_becomes_its_bias():

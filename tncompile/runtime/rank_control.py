@@ -275,8 +275,10 @@ class RankController:
         for m in self._layers.values():
             sites = m.layout.site_sizes
             mags = [g.abs() for g in m.gates._parameters.values()]
-            hard_total = hard_total + _network_size([(a.detach() >= self.threshold).to(a.dtype).sum()
-                                                     for a in mags], sites)
+            counts = [(a.detach() >= self.threshold).to(a.dtype).sum() for a in mags]
+            if not self.allow_layer_removal:  # truncation keeps every bond at rank >= 1
+                counts = [c.clamp_min(1) for c in counts]
+            hard_total = hard_total + _network_size(counts, sites)
             if soft:
                 soft_total = soft_total + _network_size([a.sum() for a in mags], sites)
         hard = (hard_total + self._other_params) / self._original
