@@ -12,7 +12,7 @@ from tqdm.auto import tqdm
 
 from .history import History
 from .runtime.rank_control import RankController
-from .runtime.train_step import call_model
+from .runtime.train_step import TrainStep
 from .serialization import save
 
 __all__ = ["fit"]
@@ -44,7 +44,8 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
         eval_fn: Callable[[nn.Module], float | dict[str, float]] | None = None, *,
         eval_every: int | None = None, log_every: int = 10, grad_clip: float | None = None,
         checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-        history: History | None = None, scheduler: Any = None, progress: bool = True) -> History:
+        history: History | None = None, scheduler: Any = None, cuda_graph: bool | str = "auto",
+        progress: bool = True) -> History:
     """Train ``compiled`` for ``early_steps`` early-stage then ``late_steps``
     late-stage steps of CoMERA's rank-adaptive schedule.
 
@@ -76,6 +77,9 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
         seen (exact when the loader yields the same order each epoch).
     scheduler : optional
         A learning-rate scheduler stepped after every optimizer step.
+    cuda_graph : {"auto", True, False}
+        Each step runs through :class:`~tncompile.runtime.TrainStep`: captured
+        as CUDA graphs on a GPU (``"auto"``), eagerly elsewhere.
 
     Returns
     -------
@@ -102,6 +106,8 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
     ratio = controller.ratio
     if start == 0 and not history.ranks:
         history.ranks.append((0, {k: list(v) for k, v in controller.active_ranks().items()}))
+    train_step = TrainStep(compiled, optimizer, loss_fn, controller=controller, cuda_graph=cuda_graph,
+                           grad_clip=grad_clip)
     bar = tqdm(total=total, initial=min(start, total), desc="fit", disable=not progress or None,
                dynamic_ncols=True)
     was_training = compiled.training
@@ -110,17 +116,11 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
         for step, batch in zip(range(start + 1, total + 1), _batches(train_loader, start)):
             inputs, targets = _unpack(batch)
             t0 = perf_counter()
-            task = loss_fn(call_model(compiled, inputs), targets)
-            loss = task + controller.penalty(task)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if grad_clip is not None:
-                nn.utils.clip_grad_norm_(compiled.parameters(), grad_clip)
-            optimizer.step()
+            task = train_step(inputs, targets)      # forward, penalty, backward, clip, optimizer, controller
             if scheduler is not None:
                 scheduler.step()
-            event = controller.step()
-            task_value, loss_value = float(task.detach()), float(loss.detach())
+            event = train_step.last_event
+            task_value, loss_value = float(task), float(train_step.last_total)
             step_ms = (perf_counter() - t0) * 1e3
             if event.shapes_changed:
                 ratio = controller.ratio

@@ -68,15 +68,15 @@ def make_capturable(optimizer: torch.optim.Optimizer) -> None:
 class _Captured:
     """One captured step: its graph, static input buffers and static loss."""
 
-    def __init__(self, graph, static_leaves: list, loss: torch.Tensor, bytes_: int):
-        self.graph, self.static_leaves, self.loss, self.bytes = graph, static_leaves, loss, bytes_
+    def __init__(self, graph, static_leaves: list, losses: tuple[torch.Tensor, torch.Tensor], bytes_: int):
+        self.graph, self.static_leaves, self.losses, self.bytes = graph, static_leaves, losses, bytes_
 
-    def run(self, leaves: list) -> torch.Tensor:
+    def run(self, leaves: list) -> tuple[torch.Tensor, torch.Tensor]:
         for buf, x in zip(self.static_leaves, leaves):
             if isinstance(buf, torch.Tensor):
                 buf.copy_(x, non_blocking=True)
         self.graph.replay()
-        return self.loss.clone()
+        return tuple(t.clone() for t in self.losses)
 
 
 class TrainStep:
@@ -150,6 +150,7 @@ class TrainStep:
         self._stream = None
         self._structure = None
         self.last_event = None
+        self.last_total: torch.Tensor | None = None
 
     # ------------------------------------------------------------ checks
     def _check_inputs(self, leaves: list, spec) -> None:
@@ -184,7 +185,8 @@ class TrainStep:
         device = next(iter(self.compiled.parameters())).device
         return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[self.amp])
 
-    def _body(self, inputs: Any, targets: Any, set_to_none: bool) -> torch.Tensor:
+    def _body(self, inputs: Any, targets: Any, set_to_none: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One step; returns the task loss and the minimized total (both detached)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
         with self._autocast():
             loss = self.loss_fn(call_model(self._forward, inputs), targets)
@@ -195,21 +197,23 @@ class TrainStep:
         if self.grad_clip is not None:
             nn.utils.clip_grad_norm_(self.compiled.parameters(), self.grad_clip, foreach=True)
         self.optimizer.step()
-        return loss.detach()
+        return loss.detach(), total.detach()
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
-        """Run one training step on ``(inputs, targets)``; returns the task loss (a fresh tensor)."""
+        """Run one training step on ``(inputs, targets)``; returns the task loss
+        (a fresh tensor). ``last_total`` holds the minimized total (task plus
+        penalty), ``last_event`` what the controller did."""
         leaves, spec = tree_flatten((inputs, targets))
         self._check_inputs(leaves, spec)
         if not self.use_graphs:
-            loss = self._body(inputs, targets, set_to_none=True)
+            loss, self.last_total = self._body(inputs, targets, set_to_none=True)
         else:
-            loss = self._graph_step(inputs, targets, leaves, spec)
+            loss, self.last_total = self._graph_step(inputs, targets, leaves, spec)
         if self.controller is not None:
             self.last_event = self.controller.step()
         return loss
 
-    def _graph_step(self, inputs, targets, leaves, spec) -> torch.Tensor:
+    def _graph_step(self, inputs, targets, leaves, spec) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cache.check_token(self._state_token()):
             self._pool = None  # the dropped graphs' memory goes back with their pool
         key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("value", repr(t))
@@ -221,10 +225,10 @@ class TrainStep:
             stream = self._side_stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                loss = self._body(inputs, targets, set_to_none=False)
+                losses = self._body(inputs, targets, set_to_none=False)
             torch.cuda.current_stream().wait_stream(stream)
             self.cache.warmed(key)
-            return loss
+            return losses
         captured = self._capture(leaves, spec)
         self.cache.add(key, captured)
         return captured.run(leaves)
@@ -243,9 +247,9 @@ class TrainStep:
         before = torch.cuda.memory_allocated()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream()):
-            loss = self._body(static_inputs, static_targets, set_to_none=False)
+            losses = self._body(static_inputs, static_targets, set_to_none=False)
         torch.cuda.synchronize()
-        return _Captured(graph, static_leaves, loss, torch.cuda.memory_allocated() - before)
+        return _Captured(graph, static_leaves, losses, torch.cuda.memory_allocated() - before)
 
     # ------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:
