@@ -168,7 +168,7 @@ def test_ttm_lookup_split_is_planned_and_cached():
 
 @pytest.mark.parametrize("rows,strategy", [(64, "merge-cores-first"), (3, "left-to-right"),
                                            (5, "cotengra-flops")])
-def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy):
+def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy, monkeypatch):
     from tncompile.runtime.executor import fuses_bias
     inputs = [("b", "i0", "i1"), ("i0", "r1"), ("r1", "i1", "r2"), ("r2", "j0", "r3"), ("r3", "j1")]
     output = ("b", "j0", "j1")
@@ -181,13 +181,25 @@ def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy):
     assert torch.autograd.gradcheck(lambda b, *t: contract(plan, t, b), (bias, *ts))
     if strategy == "merge-cores-first":
         assert fuses_bias(plan)
+        # rows > SKINNY: the bias gradient comes out of the last weight-gradient GEMM as one more row
+        from tncompile.runtime import executor
+        calls = []
+        real = executor._grad_with_bias
+        monkeypatch.setattr(executor, "_grad_with_bias", lambda *a: calls.append(1) or real(*a))
+        out = contract(plan, ts, bias)
+        got = torch.autograd.grad(out, [bias, *ts], torch.ones_like(out))
+        want = torch.autograd.grad(ref, [bias, *ts], torch.ones_like(ref))
+        assert calls and all(torch.allclose(x, y) for x, y in zip(got, want))
 
 
-@pytest.mark.parametrize("case", ["bias-as-rank", "transposed-weight-grad", "skinny-colmajor", "plain"])
+@pytest.mark.parametrize("case", ["bias-as-rank", "transposed-weight-grad", "skinny-colmajor",
+                                  "padded-columns", "plain"])
 def test_pairwise_cpu_layout_paths_match_tensordot(case):
     """Each CPU GEMM path of the executor (bias riding as an extra rank, x.T @ g
-    computed as (g.T @ x).T, skinny right operand copied column-major) gives
+    computed as (g.T @ x).T, skinny right operand copied column-major, a
+    column remainder of 12-15 padded to 16) gives
     tensordot's result, with gradients, in float64."""
+    from tncompile.runtime import executor
     from tncompile.runtime.executor import pairwise
     f64 = torch.float64
     bias = None
@@ -198,6 +210,9 @@ def test_pairwise_cpu_layout_paths_match_tensordot(case):
         a, b, ax = torch.randn(96, 4, 50, dtype=f64), torch.randn(96, 40, dtype=f64), ((0,), (0,))
     elif case == "skinny-colmajor":   # (rows, k) @ (k, 3), right row-major
         a, b, ax = torch.randn(64, 30, dtype=f64), torch.randn(30, 3, dtype=f64), ((1,), (0,))
+    elif case == "padded-columns":    # (rows, k) @ (k, 30): 30 columns run as 32, cropped
+        a, b, ax = torch.randn(300, 260, dtype=f64), torch.randn(260, 30, dtype=f64), ((1,), (0,))
+        assert executor._pads_columns(300, 260, 30)
     else:
         a, b, ax = torch.randn(8, 6, dtype=f64), torch.randn(6, 9, dtype=f64), ((1,), (0,))
     a.requires_grad_(True), b.requires_grad_(True)
