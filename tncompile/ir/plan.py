@@ -123,6 +123,12 @@ class ContractionPlan:
 
     kernels: int = 0
     bias_fusable: bool = False   # the last step yields (rows, outputs...): a bias can join its GEMM
+    batch: str | None = None     # the index whose size varies within the bucket (the rows)
+    sizes: dict[str, int] | None = None  # every other index's size (plans saved before this field existed lack it)
+
+    def __getstate__(self) -> dict:
+        # the executor caches generated code on the plan (``_program*``): never pickled
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
 
     @property
     def cost(self) -> float:
@@ -294,4 +300,6 @@ def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str
         candidates={k: v[0][-1] for k, v in scored.items()},
         kernels=3 * cost.kernels + (1 if perm is not None else 0),
         bias_fusable=bool(steps) and perm is None and tuple(
-            x for k, x in enumerate(steps[-1].a_idx) if k not in steps[-1].a_axes) == output[:1])
+            x for k, x in enumerate(steps[-1].a_idx) if k not in steps[-1].a_axes) == output[:1],
+        batch=batch if any(batch in ix for ix in inputs) else None,
+        sizes={k: int(v) for k, v in sizes.items() if k != batch})

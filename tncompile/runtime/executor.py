@@ -9,14 +9,16 @@ backward needs and nothing else.
 """
 from __future__ import annotations
 
+import contextlib
 from functools import lru_cache
 from typing import Sequence
 
 import torch
 
 from ..ir.plan import ContractionPlan
+from .plan_program import program_for
 
-__all__ = ["contract", "PlannedContraction", "pairwise"]
+__all__ = ["contract", "PlannedContraction", "pairwise", "generated_code"]
 
 
 def _compute_layout(ndim: int, axes: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
@@ -90,6 +92,7 @@ def _gemm_bias(left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor) -> t
 SKINNY = 16  # an output this narrow (or narrower) makes CPU GEMM kernels layout-sensitive
 THIN = 64    # up to this many output columns, x.T @ g runs faster as (g.T @ x).T
 VECTOR = 16  # fp32 lanes of a 512-bit register: MKL's column blocking on AVX-512
+TINY = 1 << 18  # multiply-adds below which a GEMM is all call overhead: no layout tricks
 
 
 def _cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -104,16 +107,18 @@ def _cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
       copy ``right`` (a few KB) column-major (2x faster).
     """
     m, n = left.shape[0], right.shape[1]
+    if m * n * left.shape[1] < TINY:
+        return torch.mm(left, right)
     if n <= THIN and m >= 4 * n and left.stride(0) == 1 and left.stride(1) != 1:
-        return (right.t() @ left.t()).t()
+        return torch.mm(right.t(), left.t()).t()
     if _pads_columns(m, left.shape[1], n):
         wide = -(-n // VECTOR) * VECTOR
         padded = right.new_zeros(right.shape[0], wide)
         padded[:, :n] = right
-        return (left @ padded)[:, :n]
+        return torch.mm(left, padded)[:, :n]
     if n <= SKINNY < m and right.stride(1) == 1 and right.stride(0) != 1:
         right = right.t().contiguous().t()
-    return left @ right
+    return torch.mm(left, right)
 
 
 def _pads_columns(m: int, k: int, n: int) -> bool:
@@ -176,15 +181,42 @@ def same_autocast(state: tuple[str, bool, torch.dtype]):
     """Re-enter in backward the autocast state forward ran under (as
     ``torch.amp.custom_bwd`` does), so saved bf16 and fp32 tensors mix as in forward."""
     device_type, enabled, dtype = state
+    if not enabled and not torch.is_autocast_enabled(device_type):
+        return contextlib.nullcontext()  # already the same: skip the context's ~10 us
     return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled)
 
 
+_GENERATED_CODE_NAMESPACE = {"_gemm_bias": _gemm_bias, "_grad_with_bias": _grad_with_bias, "torch": torch}
+
+
+def generated_code(plan: ContractionPlan) -> str:
+    """The Python the executor runs for ``plan``: its forward and its backward
+    (for every input needing a gradient, with a bias)."""
+    program = program_for(plan, _GENERATED_CODE_NAMESPACE)
+    if program is None:
+        raise ValueError("this plan was saved without its index sizes (an older tncompile); "
+                         "re-plan it (module.plan_bucket(bucket)) to get generated code")
+    return program.source()
+
+
+def _gemm_for(t: torch.Tensor):
+    return _cpu_gemm if t.device.type == "cpu" else torch.mm
+
+
 class PlannedContraction(torch.autograd.Function):
-    """Contract ``operands`` along ``plan``; backward by reverse mode over the steps."""
+    """Contract ``operands`` along ``plan``; backward by reverse mode over the steps.
+
+    Runs the plan's generated straight-line code (:mod:`.plan_program`);
+    plans saved without their sizes run through the generic step loop."""
 
     @staticmethod
     def forward(ctx, plan: ContractionPlan, bias: torch.Tensor | None, *operands: torch.Tensor) -> torch.Tensor:
-        ops = _forward(plan, list(operands), bias)
+        program = program_for(plan, _GENERATED_CODE_NAMESPACE)
+        if program is not None:
+            ops = program.forward(operands, bias, _gemm_for(operands[0]))
+        else:
+            ops = _forward(plan, list(operands), bias)
+        ctx.program = program
         ctx.autocast = autocast_state(operands[0].device.type)
         ctx.plan = plan
         ctx.n_inputs = len(operands)
@@ -201,6 +233,11 @@ class PlannedContraction(torch.autograd.Function):
     def _backward(ctx, grad_out: torch.Tensor):
         plan: ContractionPlan = ctx.plan
         ops = ctx.saved_tensors
+        wants_bias = ctx.has_bias and ctx.needs_input_grad[1]
+        if ctx.program is not None:
+            run = ctx.program.backward(tuple(ctx.needs_input_grad[2:]), wants_bias)
+            grads, g_bias = run(ops, grad_out, _gemm_for(grad_out))
+            return (None, g_bias, *grads)
         n = ctx.n_inputs
         # which SSA values need gradients: inputs that require them, and results built from those
         want = list(ctx.needs_input_grad[2:]) + [False] * len(plan.steps)
@@ -212,7 +249,6 @@ class PlannedContraction(torch.autograd.Function):
             inverse = [plan.out_perm.index(i) for i in range(len(plan.out_perm))]
             g = g.permute(inverse)
         grads[-1] = g
-        wants_bias = ctx.has_bias and ctx.needs_input_grad[1]
         g_bias = None
         for k in range(len(plan.steps) - 1, -1, -1):
             s = plan.steps[k]
