@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import time
 from pathlib import Path
@@ -25,19 +26,28 @@ def median_ms(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
     return 1000 * statistics.median(times)
 
 
-def interleaved_ms(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1) -> dict[str, float]:
+def interleaved_ms(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1,
+                   setup: Callable[[], None] | None = None) -> dict[str, float]:
     """Median ms of each function, measured round-robin (one call of each per
     round) so that drift in a shared machine's speed hits every variant alike.
-    The order rotates every round: the call after a big one (a dense layer's
-    weight gradient evicts the caches) must not always be the same variant."""
+    The order is shuffled every round (seeded): the call after a big one (a
+    dense layer's weight gradient evicts the caches) must not always be the
+    same variant. (Rotating the order is not enough: it keeps the cyclic
+    order, so one variant would follow the big one in almost every round.)
+    ``setup`` runs, untimed, before every call (e.g. setting gradients to
+    ``None``, as ``optimizer.zero_grad()`` does between training steps)."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     names = list(fns)
     samples: dict[str, list[float]] = {k: [] for k in fns}
-    for r in range(reps):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+    shuffle = random.Random(0).shuffle
+    for _ in range(reps):
+        shuffle(names)
+        for name in names:
             fn = fns[name]
+            if setup is not None:
+                setup()
             start = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - start)
@@ -47,6 +57,20 @@ def interleaved_ms(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 
 def machine() -> dict:
     return {"machine": platform.machine(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version()}
+
+
+def clear_grads(*tensors_or_modules) -> Callable[[], None]:
+    """A ``setup`` for :func:`interleaved_ms` that sets the gradients of the
+    given tensors and modules' parameters to ``None`` (no accumulation
+    between timed calls, as in training with ``zero_grad()``)."""
+    leaves = []
+    for t in tensors_or_modules:
+        leaves.extend(t.parameters() if isinstance(t, torch.nn.Module) else [t])
+
+    def setup() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+    return setup
 
 
 def write_json(name: str, payload: dict) -> Path:

@@ -168,8 +168,11 @@ def test_ttm_lookup_split_is_planned_and_cached():
 
 @pytest.mark.parametrize("rows,strategy", [(64, "merge-cores-first"), (3, "left-to-right"),
                                            (5, "cotengra-flops")])
-def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy):
+def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy, monkeypatch):
+    from tncompile.runtime import executor
     from tncompile.runtime.executor import fuses_bias
+    # every output counts as big: the bias rides in the GEMM as an extra rank, forward and backward
+    monkeypatch.setattr(executor, "BIG_OUTPUT", 0)
     inputs = [("b", "i0", "i1"), ("i0", "r1"), ("r1", "i1", "r2"), ("r2", "j0", "r3"), ("r3", "j1")]
     output = ("b", "j0", "j1")
     sizes = dict(b=rows, i0=2, i1=3, j0=3, j1=2, r1=2, r2=3, r3=2)
@@ -181,9 +184,8 @@ def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy):
     assert torch.autograd.gradcheck(lambda b, *t: contract(plan, t, b), (bias, *ts))
     if strategy == "merge-cores-first":
         assert fuses_bias(plan)
-        # rows > SKINNY: the bias gradient comes out of the last weight-gradient GEMM as one
-        # more row (checked by the gradcheck above); the generated backward does call it
-        from tncompile.runtime import executor
+        # the bias gradient comes out of the last weight-gradient GEMM as one more row
+        # (checked by the gradcheck above); the generated backward does call it
         from tncompile.runtime.plan_program import program_for
         program = program_for(plan, executor._GENERATED_CODE_NAMESPACE)
         assert "_grad_with_bias(" in program.backward_source((True,) * 5, True)
@@ -202,8 +204,9 @@ def test_pairwise_cpu_layout_paths_match_tensordot(case):
     f64 = torch.float64
     bias = None
     if case == "bias-as-rank":        # (rows, r) . (r, n) + bias, r small: [h, 1] @ [B; b]
-        a, b, ax = torch.randn(64, 5, dtype=f64), torch.randn(5, 3, 7, dtype=f64), ((1,), (0,))
-        bias = torch.randn(21, dtype=f64, requires_grad=True)
+        a, b, ax = torch.randn(512, 5, dtype=f64), torch.randn(5, 16, 8, dtype=f64), ((1,), (0,))
+        assert 512 * 128 >= executor.BIG_OUTPUT
+        bias = torch.randn(128, dtype=f64, requires_grad=True)
     elif case == "transposed-weight-grad":  # x.T @ g: contract the rows, 40 free columns
         a, b, ax = torch.randn(96, 4, 50, dtype=f64), torch.randn(96, 40, dtype=f64), ((0,), (0,))
     elif case == "skinny-colmajor":   # (rows, k) @ (k, 3), right row-major

@@ -83,7 +83,8 @@ def _gemm_bias(left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor) -> t
     merged-cores plan, ``K`` = a rank -- the bias rides as one more rank
     instead: ``[left, 1] @ [right; bias]``, copying only ``M x (K+1)``."""
     m, k = left.shape
-    if left.device.type != "cpu" or 4 * k >= right.shape[1] or m <= SKINNY:
+    n = right.shape[1]
+    if left.device.type != "cpu" or 4 * k >= n or m * n < BIG_OUTPUT:
         return torch.addmm(bias, left, right)
     ones = left.new_ones(m, 1)
     return torch.cat([left, ones], 1) @ torch.cat([right, bias.to(right.dtype).unsqueeze(0)], 0)
@@ -93,6 +94,7 @@ SKINNY = 16  # an output this narrow (or narrower) makes CPU GEMM kernels layout
 THIN = 64    # up to this many output columns, x.T @ g runs faster as (g.T @ x).T
 VECTOR = 16  # fp32 lanes of a 512-bit register: MKL's column blocking on AVX-512
 TINY = 1 << 18  # multiply-adds below which a GEMM is all call overhead: no layout tricks
+BIG_OUTPUT = 1 << 16  # output elements from which a bias riding in the GEMM beats a separate pass
 
 
 def _cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -142,7 +144,7 @@ def _grad_with_bias(a: torch.Tensor, a_axes: Sequence[int], grad: torch.Tensor,
     column sum) saves a full pass over it. Returns ``(g_b (K..., outputs...), g_bias (outputs,))``.
     """
     rows = grad.shape[0]
-    if rows <= SKINNY or tuple(grad_axes) != (0,):  # a few rows: the concatenation costs more than the sum
+    if grad.numel() < BIG_OUTPUT or tuple(grad_axes) != (0,):  # small: the concatenation costs more
         return pairwise(a, a_axes, grad, grad_axes), grad.reshape(rows, -1).sum(0)
     left = _as_matrix(a, tuple(a_axes), contracted_first=True)           # (rows, K)
     k_shape = [n for d, n in enumerate(a.shape) if d not in tuple(a_axes)]
