@@ -144,7 +144,34 @@ def bench_six_encoder(batch: int, reps: int) -> dict:
         steps[name] = step
     out = {k: v / 1000 for k, v in interleaved_ms(steps, reps).items()}  # round-robin: same noise for both
     return {"batch": batch, "seq": 128, "step_s": out, "speedup": out["dense"] / out["compiled"],
-            "ratio": compiled.ratio}
+            "ratio": compiled.ratio, "breakdown_ms": {k: step_breakdown(fn) for k, fn in steps.items()}}
+
+
+# where a train step's time goes: profiler self time of these ATen ops, per category
+STEP_CATEGORIES = {
+    "GEMMs (linear / TT layers)": ("aten::mm", "aten::addmm"),
+    "dropout RNG": ("aten::bernoulli_",),
+    "attention batched matmuls": ("aten::bmm",),
+    "softmax": ("aten::_softmax", "aten::_softmax_backward_data"),
+    "GELU": ("aten::gelu", "aten::gelu_backward"),
+    "layer norm": ("aten::native_layer_norm", "aten::native_layer_norm_backward"),
+}
+
+
+def step_breakdown(step) -> dict[str, float]:
+    """One profiled call of ``step``: ms per :data:`STEP_CATEGORIES` entry, the
+    optimizer step, everything else, and the total (profiler self times)."""
+    from torch.profiler import profile
+    with profile() as prof:
+        step()
+    events = prof.key_averages()
+    self_ms = {e.key: e.self_cpu_time_total / 1000 for e in events}
+    total = sum(self_ms.values())
+    out = {name: sum(self_ms.get(op, 0.0) for op in ops) for name, ops in STEP_CATEGORIES.items()}
+    out["optimizer step"] = sum(e.cpu_time_total for e in events if e.key.startswith("Optimizer.step")) / 1000
+    out["everything else"] = total - sum(out.values())
+    out["total"] = total
+    return {k: round(v, 1) for k, v in out.items()}
 
 
 def plot(rows: list[dict], path) -> None:
@@ -198,6 +225,10 @@ def main() -> None:
           + f" -> TTM / nn.Embedding {emb['planned_over_dense_time_with_adamw']:.2f}x")
     print(f"\nsix-encoder train step, batch {six['batch']}x128: dense {six['step_s']['dense']:.2f}s, "
           f"compiled {six['step_s']['compiled']:.2f}s -> {six['speedup']:.2f}x  (ratio {six['ratio']:.4f})")
+    print("  where one profiled step's time goes (ms):")
+    for cat in six["breakdown_ms"]["dense"]:
+        print(f"    {cat:28s} dense {six['breakdown_ms']['dense'][cat]:9.1f}   "
+              f"compiled {six['breakdown_ms']['compiled'][cat]:9.1f}")
     print(f"\nwrote {path} and {path.with_name('layers_speedup.png')}")
 
 
