@@ -193,11 +193,11 @@ def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy, mon
 
 
 @pytest.mark.parametrize("case", ["bias-as-rank", "transposed-weight-grad", "skinny-colmajor",
-                                  "padded-columns", "plain"])
+                                  "padded-columns", "padded-rows", "plain"])
 def test_pairwise_cpu_layout_paths_match_tensordot(case):
     """Each CPU GEMM path of the executor (bias riding as an extra rank, x.T @ g
     computed as (g.T @ x).T, skinny right operand copied column-major, a
-    column remainder of 12-15 padded to 16) gives
+    column remainder of 12-15 padded to 16, 9 output rows run as 12) gives
     tensordot's result, with gradients, in float64."""
     from tncompile.runtime import executor
     from tncompile.runtime.executor import pairwise
@@ -214,6 +214,9 @@ def test_pairwise_cpu_layout_paths_match_tensordot(case):
     elif case == "padded-columns":    # (rows, k) @ (k, 30): 30 columns run as 32, cropped
         a, b, ax = torch.randn(300, 260, dtype=f64), torch.randn(260, 30, dtype=f64), ((1,), (0,))
         assert executor._pads_columns(300, 260, 30)
+    elif case == "padded-rows":       # h.T @ g with 9 rows (a rank-8 core gradient plus the bias row)
+        a, b, ax = torch.randn(1024, 9, dtype=f64), torch.randn(1024, 1024, dtype=f64), ((0,), (0,))
+        assert executor._padded_rows(9, 1024, 1024) == 12
     else:
         a, b, ax = torch.randn(8, 6, dtype=f64), torch.randn(6, 9, dtype=f64), ((1,), (0,))
     a.requires_grad_(True), b.requires_grad_(True)
