@@ -108,7 +108,7 @@ def _cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     * the output has at most ``SKINNY`` columns and ``right`` is row-major:
       copy ``right`` (a few KB) column-major (2x faster).
     * row and column counts MKL handles badly are padded with zeros
-      (:func:`_padded_rows`, :func:`_pads_columns`).
+      (:func:`_padded_rows`, :func:`_padded_columns`).
     """
     m, n = left.shape[0], right.shape[1]
     if m * n * left.shape[1] < TINY:
@@ -120,8 +120,8 @@ def _cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         padded = left.new_zeros(rows, left.shape[1])
         padded[:m] = left
         return torch.mm(padded, right)[:m]
-    if _pads_columns(m, left.shape[1], n):
-        wide = -(-n // VECTOR) * VECTOR
+    wide = _padded_columns(m, left.shape[1], n)
+    if wide != n:
         padded = right.new_zeros(right.shape[0], wide)
         padded[:, :n] = right
         return torch.mm(left, padded)[:, :n]
@@ -146,14 +146,19 @@ def _padded_rows(m: int, k: int, n: int) -> int:
     return _ROW_PADDING.get(m, m)
 
 
-def _pads_columns(m: int, k: int, n: int) -> bool:
-    """Whether to pad a thin GEMM's ``n`` output columns with zero columns up
-    to a multiple of ``VECTOR``. MKL's AVX-512 kernels handle a column
-    remainder of 12-15 badly: measured on 2 cores over 4096 rows, K = 768 or
-    3072, n in {12, 14, 28-31, 44-47, 60-63}, the padded product is 1.1-1.6x
-    faster, at other remainders padding does not pay. The padded right
-    operand is a few KB; the result is a strided view."""
-    return n < THIN and n % VECTOR >= 12 and m >= 256 and k >= 256
+def _padded_columns(m: int, k: int, n: int) -> int:
+    """How many output columns to compute a thin GEMM with (zero columns
+    appended to the right operand, the result cropped). MKL's kernels on
+    this CPU run a column count that is not a multiple of 8 far slower than
+    the next multiple: swept over n = 8..64 at 4096 rows, K = 768 and 3072
+    (``benchmarks/results/gemm_columns.json``), padding to a multiple of 8
+    (16 below 16) is 1.1-2.0x faster wherever n is not one already, except
+    just past a multiple of 16 (n % 16 in 1, 2, 4 above 16: 0.93-1.0x, so
+    those stay). The padded right operand is a few hundred KB at most; the
+    result is a strided view."""
+    if n >= THIN or m < 256 or k < 256 or (n > VECTOR and n % VECTOR in (1, 2, 4)):
+        return n
+    return max(VECTOR, -(-n // 8) * 8)
 
 
 def _grad_with_bias(a: torch.Tensor, a_axes: Sequence[int], grad: torch.Tensor,
