@@ -158,17 +158,21 @@ STEP_CATEGORIES = {
 }
 
 
-def step_breakdown(step) -> dict[str, float]:
-    """One profiled call of ``step``: ms per :data:`STEP_CATEGORIES` entry, the
-    optimizer step, everything else, and the total (profiler self times)."""
+def step_breakdown(step, calls: int = 3) -> dict[str, float]:
+    """``calls`` profiled calls of ``step``: mean ms per call for each
+    :data:`STEP_CATEGORIES` entry, the optimizer step, everything else, and
+    the total (profiler self times). Several calls, because a single one can
+    be hit by page faults wherever the heap happens to grow."""
     from torch.profiler import profile
     with profile() as prof:
-        step()
+        for _ in range(calls):
+            step()
     events = prof.key_averages()
-    self_ms = {e.key: e.self_cpu_time_total / 1000 for e in events}
+    self_ms = {e.key: e.self_cpu_time_total / 1000 / calls for e in events}
     total = sum(self_ms.values())
     out = {name: sum(self_ms.get(op, 0.0) for op in ops) for name, ops in STEP_CATEGORIES.items()}
-    out["optimizer step"] = sum(e.cpu_time_total for e in events if e.key.startswith("Optimizer.step")) / 1000
+    out["optimizer step"] = sum(e.cpu_time_total for e in events
+                                if e.key.startswith("Optimizer.step")) / 1000 / calls
     out["everything else"] = total - sum(out.values())
     out["total"] = total
     return {k: round(v, 1) for k, v in out.items()}
@@ -225,7 +229,7 @@ def main() -> None:
           + f" -> TTM / nn.Embedding {emb['planned_over_dense_time_with_adamw']:.2f}x")
     print(f"\nsix-encoder train step, batch {six['batch']}x128: dense {six['step_s']['dense']:.2f}s, "
           f"compiled {six['step_s']['compiled']:.2f}s -> {six['speedup']:.2f}x  (ratio {six['ratio']:.4f})")
-    print("  where one profiled step's time goes (ms):")
+    print("  where a profiled step's time goes (ms, mean of 3 steps):")
     for cat in six["breakdown_ms"]["dense"]:
         print(f"    {cat:28s} dense {six['breakdown_ms']['dense'][cat]:9.1f}   "
               f"compiled {six['breakdown_ms']['compiled'][cat]:9.1f}")
