@@ -24,7 +24,12 @@ import cotengra as ctg
 __all__ = ["ContractionPlan", "Step", "plan_contraction", "bucket_of", "WRITE_WEIGHT"]
 
 WRITE_WEIGHT = 32.0
-OP_OVERHEAD = 20_000.0  # multiply-add equivalents of launching one kernel (a few microseconds)
+# multiply-add equivalents of one eager kernel (a GEMM or a permuted copy): ~8 us of
+# Python and dispatch at ~50 GMAC/s. Calibrated on bench_layers at 1 and 32 tokens,
+# where orders differ mainly in kernel count: at 20k the planner took orders with six
+# more copies that measured 5-25% slower than merge-cores-first (e.g. 768->3072, rank 8,
+# 32 tokens: 1.05 vs 0.94 ms); at 400k it picks the faster one at every such point.
+OP_OVERHEAD = 400_000.0
 
 Indices = tuple[str, ...]
 
