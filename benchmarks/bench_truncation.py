@@ -75,7 +75,7 @@ def main() -> None:
             loss.backward()
             opt.step()
         runs[name] = step
-    ms = interleaved_ms(runs, reps=args.rounds, warmup=1)
+    ms = interleaved_ms(runs, reps=args.rounds, warmup=3)  # alternating warm-up: the heap settles
     layer_runs = {}
     rows = args.batch * args.seq
     for name, model in (("full", full), ("masked", masked), ("truncated", truncated)):
@@ -87,7 +87,7 @@ def main() -> None:
             for m, h, g in zip(linears, inputs, grads):
                 m(h).backward(g)
         layer_runs[name] = layers
-    layer_ms = interleaved_ms(layer_runs, reps=args.rounds, warmup=1)
+    layer_ms = interleaved_ms(layer_runs, reps=args.rounds, warmup=3)
     ranks_before = {n: list(m.layout.ranks) for n, m in ctl.layers.items()}
     ranks_after = {n: list(r) for n, r in cut_ctl.ranks().items()}
     result = {
