@@ -94,7 +94,7 @@ SKINNY = 16  # an output this narrow (or narrower) makes CPU GEMM kernels layout
 THIN = 64    # up to this many output columns, x.T @ g runs faster as (g.T @ x).T
 VECTOR = 16  # fp32 lanes of a 512-bit register: MKL's column blocking on AVX-512
 TINY = 1 << 18  # multiply-adds below which a GEMM is all call overhead: no layout tricks
-BIG_OUTPUT = 1 << 16  # output elements from which a bias riding in the GEMM beats a separate pass
+BIG_OUTPUT = 1 << 20  # output elements from which a bias riding in the GEMM beats a separate pass (4 MB)
 
 
 def _cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
