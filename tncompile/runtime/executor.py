@@ -242,17 +242,21 @@ class PlannedContraction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: ContractionPlan, bias: torch.Tensor | None, *operands: torch.Tensor) -> torch.Tensor:
         program = program_for(plan, _GENERATED_CODE_NAMESPACE)
+        fused = bias if plan.bias_fusable else None
         if program is not None:
-            ops = program.forward(operands, bias, _gemm_for(operands[0]))
+            ops = program.forward(operands, fused, _gemm_for(operands[0]))
         else:
-            ops = _forward(plan, list(operands), bias)
+            ops = _forward(plan, list(operands), fused)
         ctx.program = program
         ctx.autocast = autocast_state(operands[0].device.type)
         ctx.plan = plan
         ctx.n_inputs = len(operands)
         ctx.has_bias = bias is not None
         ctx.save_for_backward(*ops[:-1])  # every step operand; the final result is not needed
-        return _finish(plan, ops[-1])
+        out = _finish(plan, ops[-1])
+        if bias is not None and fused is None:  # added here, not by autograd: no extra graph nodes
+            out = out + bias.reshape(out.shape[1:])
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -290,7 +294,7 @@ class PlannedContraction(torch.autograd.Function):
                 g_a = pairwise(gc, s.grad_a_c_axes, ops[s.b], s.grad_a_b_axes)
                 grads[s.a] = g_a if s.grad_a_perm is None else g_a.permute(s.grad_a_perm)
             if want[s.b]:
-                if k == len(plan.steps) - 1 and wants_bias:
+                if k == len(plan.steps) - 1 and wants_bias and plan.bias_fusable:
                     g_b, g_bias = _grad_with_bias(ops[s.a], s.grad_b_a_axes, gc, s.grad_b_c_axes)
                 else:
                     g_b = pairwise(ops[s.a], s.grad_b_a_axes, gc, s.grad_b_c_axes)
@@ -308,11 +312,10 @@ def contract(plan: ContractionPlan, operands: Sequence[torch.Tensor],
     Under ``torch.compile`` the steps run as plain ops (autograd derives the
     same reverse-mode backward) so the compiler can trace them.
     """
+    if not torch.compiler.is_compiling():
+        return PlannedContraction.apply(plan, bias, *operands)
     fused = bias if bias is not None and fuses_bias(plan) else None
-    if torch.compiler.is_compiling():
-        out = _finish(plan, _forward(plan, list(operands), fused)[-1])
-    else:
-        out = PlannedContraction.apply(plan, fused, *operands)
+    out = _finish(plan, _forward(plan, list(operands), fused)[-1])
     if bias is not None and fused is None:
         out = out + bias.reshape(out.shape[1:])
     return out

@@ -66,18 +66,18 @@ def _apply_matrix(module: "TNModule", x: torch.Tensor, cores: list[torch.Tensor]
     if x.shape[-1] != in_dim:
         raise ValueError(f"{type(module).__name__} expected last dim {in_dim}, got shape {tuple(x.shape)}")
     lead = x.shape[:-1]
-    h = x.reshape(-1, in_dim)
+    rows = x.numel() // in_dim if in_dim else 0
     padded_in = math.prod(in_modes)
     if padded_in != in_dim:
-        h = F.pad(h, (0, padded_in - in_dim))
-    rows = h.shape[0]
+        h = F.pad(x.reshape(rows, in_dim), (0, padded_in - in_dim)).reshape(rows, *in_modes)
+    else:
+        h = x.reshape(rows, *in_modes)  # one view, not two: each is an autograd node
     plan = module.plan_for(rows)
     if bias is not None and padded_out != out_dim:
         bias = F.pad(bias, (0, padded_out - out_dim))
-    y = contract(plan, [h.reshape(rows, *in_modes), *_drop_boundary(cores)], bias)
-    y = y.reshape(rows, padded_out)
+    y = contract(plan, [h, *_drop_boundary(cores)], bias)
     if padded_out != out_dim:
-        y = y[:, :out_dim]
+        return y.reshape(rows, padded_out)[:, :out_dim].reshape(*lead, out_dim)
     return y.reshape(*lead, out_dim)
 
 
