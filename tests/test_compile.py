@@ -134,9 +134,15 @@ def test_dumps_written_for_every_pass(tmp_path, monkeypatch):
     layers = [n["layer"] for n in doc["nodes"] if "layer" in n]
     assert layers and all(l["ranks"] for l in layers)
     explicit = tmp_path / "explicit"
-    tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3, dump_dir=explicit)
+    tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3, dump_dir=explicit, batch_sizes=[1, 4096])
     assert (explicit / "02-assign_ranks.txt").exists()
     assert "pending TT" in (explicit / "02-assign_ranks.txt").read_text()
+    # once layers are planned (here for two batch sizes), the dump has the code each plan runs
+    assert not (explicit / "03-decompose.code.py").exists()
+    code = (explicit / "04-plan_contractions.code.py").read_text()
+    compile(code, "04-plan_contractions.code.py", "exec")  # valid Python
+    assert code.count("def forward(ops, bias, mm):") == code.count("# =====") == 2
+    assert "rows <= 1," in code and "rows <= 4096," in code and "def backward(ops, grad_out, mm):" in code
 
 
 def test_dump_formats():

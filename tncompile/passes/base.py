@@ -161,7 +161,8 @@ class Pipeline:
         """Run every pass in order, recording history and dumping the IR.
 
         With ``dump_dir`` the IR is written as ``NN-<pass>.txt`` and ``.json``
-        after every pass (``00-trace`` is the program before any pass).
+        after every pass (``00-trace`` is the program before any pass), and,
+        once layers are planned, the code their plans run as ``NN-<pass>.code.py``.
         Exceptions name the pass that raised.
         """
         out = Path(dump_dir) if dump_dir is not None else None
@@ -198,3 +199,7 @@ class Pipeline:
 def _write_dump(program: Program, out: Path, stem: str) -> None:
     (out / f"{stem}.txt").write_text(program.dump("text"))
     (out / f"{stem}.json").write_text(program.dump("json"))
+    from ..runtime.executor import generated_code_dump  # runtime imports passes' users: import late
+    code = generated_code_dump((str(node.target), mod) for node, mod in program.modules())
+    if code:  # once layers are planned: the Python each one runs, per bucket
+        (out / f"{stem}.code.py").write_text(code + "\n")

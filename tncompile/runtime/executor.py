@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 from functools import lru_cache
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
 from ..ir.plan import ContractionPlan
 from .plan_program import program_for
 
-__all__ = ["contract", "PlannedContraction", "pairwise", "generated_code"]
+__all__ = ["contract", "PlannedContraction", "pairwise", "generated_code", "generated_code_dump"]
 
 
 def _compute_layout(ndim: int, axes: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
@@ -227,6 +227,21 @@ def generated_code(plan: ContractionPlan) -> str:
         raise ValueError("this plan was saved without its index sizes (an older tncompile); "
                          "re-plan it (module.plan_bucket(bucket)) to get generated code")
     return program.source()
+
+
+def generated_code_dump(modules: Iterable[tuple[str, torch.nn.Module]]) -> str:
+    """The generated code of every planned contraction among ``modules``
+    (``(name, module)`` pairs), one block per layer and bucket, as one Python
+    file; ``""`` when nothing is planned. TTM lookups (gathered products, not
+    pairwise plans) and plans saved without their sizes are skipped."""
+    blocks = []
+    for name, module in modules:
+        plans = module.__dict__.get("_plans") or {}
+        for bucket, plan in sorted(plans.items()):
+            if isinstance(plan, ContractionPlan) and plan.sizes is not None:
+                blocks.append(f"# ===== {name}: rows <= {bucket}, order {plan.order()}, "
+                              f"strategy {plan.strategy}\n{generated_code(plan)}")
+    return "\n\n".join(blocks)
 
 
 def _gemm_for(t: torch.Tensor):
