@@ -113,6 +113,12 @@ def test_cli_inspect(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "total:" in r.stdout and "# tncompile program" in r.stdout
     assert (tmp_path / "03-decompose.txt").exists()
+    code = subprocess.run([sys.executable, "-m", "tncompile", "inspect", "tncompile.zoo:mlp",
+                           "--target-ratio", "0.3", "--batch-sizes", "1", "64", "--code"],
+                          capture_output=True, text=True, timeout=300)
+    assert code.returncode == 0, code.stderr
+    assert "rows <= 1," in code.stdout and "rows <= 64," in code.stdout
+    assert "def forward(ops, bias, mm):" in code.stdout
     bad = subprocess.run([sys.executable, "-m", "tncompile", "inspect", "tncompile.zoo:mlp",
                           "--target-ratio", "0.000001"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "smallest possible ratio" in bad.stderr

@@ -1,4 +1,4 @@
-"""``tncompile`` command line: ``tncompile inspect <module>:<factory> --target-ratio R``."""
+"""``tncompile`` command line: ``tncompile inspect <module>:<factory> --target-ratio R [--batch-sizes B ...] [--code]``."""
 from __future__ import annotations
 
 import argparse
@@ -34,10 +34,17 @@ def _inspect(args: argparse.Namespace) -> int:
         raise SystemExit(f"error: {args.factory} returned {type(model).__name__}, expected an nn.Module "
                          "or (nn.Module, example_inputs)")
     compiled = tncompile.compile(model, target_ratio=args.target_ratio, example_inputs=example,
-                                 dump_dir=args.dump_dir, init=args.init)
+                                 dump_dir=args.dump_dir, init=args.init,
+                                 batch_sizes=args.batch_sizes or None)
     print(compiled.report())
     print()
     print(compiled.program.dump(args.format))
+    if args.code:
+        from tncompile.runtime.executor import generated_code_dump
+        code = generated_code_dump((str(node.target), mod) for node, mod in compiled.program.modules())
+        print()
+        print(code or "# no layer is planned yet: give --batch-sizes, or a factory that returns "
+                      "(model, example_inputs)")
     return 0
 
 
@@ -50,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ins.add_argument("--dump-dir", default=None, help="write the IR after every pass here")
     ins.add_argument("--format", choices=("text", "json", "dot"), default="text")
     ins.add_argument("--init", choices=("svd", "random"), default="svd")
+    ins.add_argument("--batch-sizes", type=int, nargs="+", default=None, metavar="B",
+                     help="plan the contractions for these batch sizes")
+    ins.add_argument("--code", action="store_true",
+                     help="also print the Python each planned contraction runs")
     args = parser.parse_args(argv)
     try:
         return _inspect(args)
