@@ -51,11 +51,16 @@ def test_generated_code_matches_the_generic_loop(strategy, rows, want):
 
 def test_rows_vary_within_a_bucket_and_gradcheck_passes():
     plan = plan_contraction(*NETWORK, {**SIZES, "b": 64}, strategies=["merge-cores-first"])
-    for rows in (33, 64, 0):
+    for rows in (33, 64, 0):  # an empty batch too: forward, and gradients (zeros) with a bias
         ops = _operands(plan, rows, (True,) * 5)
-        out = contract(plan, ops)
-        ref = torch.einsum("abc,bd,dce,efg,gh->afh", *ops)
+        bias = torch.randn(6, dtype=f64, requires_grad=True)
+        out = contract(plan, ops, bias)
+        ref = torch.einsum("abc,bd,dce,efg,gh->afh", *ops) + bias.reshape(3, 2)
         assert out.shape == ref.shape and torch.allclose(out, ref)
+        g = torch.randn_like(out)
+        got = torch.autograd.grad(out, [bias, *ops], g)
+        want = torch.autograd.grad(ref, [bias, *ops], g)
+        assert all(a.shape == b.shape and torch.allclose(a, b) for a, b in zip(got, want))
     ops = _operands(plan, 17, (True,) * 5)
     assert torch.autograd.gradcheck(lambda *t: contract(plan, t), ops)
 

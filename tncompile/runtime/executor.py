@@ -10,6 +10,7 @@ backward needs and nothing else.
 from __future__ import annotations
 
 import contextlib
+import math
 from functools import lru_cache
 from typing import Iterable, Sequence
 
@@ -42,18 +43,21 @@ def _as_matrix(t: torch.Tensor, axes: tuple[int, ...], contracted_first: bool) -
     tensor; otherwise one permuted copy."""
     where, perm = (_compute_layout if torch.compiler.is_compiling() else _layout)(t.dim(), axes)
     shape = t.shape
-    size_k = 1
-    for a in axes:
-        size_k *= shape[a]
+    size_k = size_free = 1  # explicit sizes, not -1: an empty batch must reshape too
+    for d, n in enumerate(shape):
+        if d in axes:
+            size_k *= n
+        else:
+            size_free *= n
     if where == "other" or not t.is_contiguous():
         if where != "other":
             perm = tuple(axes) + tuple(d for d in range(t.dim()) if d not in axes)
-        m = t.permute(perm).reshape(size_k, -1)          # (contracted, free), one copy
+        m = t.permute(perm).reshape(size_k, size_free)   # (contracted, free), one copy
         return m if contracted_first else m.t()
     if where == "lead":
-        m = t.reshape(size_k, -1)
+        m = t.reshape(size_k, size_free)
         return m if contracted_first else m.t()
-    m = t.reshape(-1, size_k)
+    m = t.reshape(size_free, size_k)
     return m.t() if contracted_first else m
 
 
@@ -161,6 +165,12 @@ def _padded_columns(m: int, k: int, n: int) -> int:
     return max(VECTOR, -(-n // 8) * 8)
 
 
+def _column_sums(grad: torch.Tensor) -> torch.Tensor:
+    """``grad (rows, outputs...)`` summed over the rows, flattened: a bias's
+    gradient (zeros for an empty batch)."""
+    return grad.reshape(grad.shape[0], math.prod(grad.shape[1:])).sum(0)
+
+
 def _grad_with_bias(a: torch.Tensor, a_axes: Sequence[int], grad: torch.Tensor,
                     grad_axes: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The last step's right-operand gradient ``A.T @ G`` and the fused bias's
@@ -173,12 +183,12 @@ def _grad_with_bias(a: torch.Tensor, a_axes: Sequence[int], grad: torch.Tensor,
     """
     rows = grad.shape[0]
     if grad.numel() < BIG_OUTPUT or tuple(grad_axes) != (0,):  # small: the concatenation costs more
-        return pairwise(a, a_axes, grad, grad_axes), grad.reshape(rows, -1).sum(0)
+        return pairwise(a, a_axes, grad, grad_axes), _column_sums(grad)
     left = _as_matrix(a, tuple(a_axes), contracted_first=True)           # (rows, K)
     k_shape = [n for d, n in enumerate(a.shape) if d not in tuple(a_axes)]
     k = left.shape[1]
     extended = torch.cat([left, left.new_ones(rows, 1)], 1)               # (rows, K+1)
-    g_mat = grad.reshape(rows, -1)
+    g_mat = grad.reshape(rows, math.prod(grad.shape[1:]))
     both = _cpu_gemm(extended.t(), g_mat) if g_mat.device.type == "cpu" else extended.t() @ g_mat
     return both[:k].reshape(*k_shape, *grad.shape[1:]), both[k]
 
@@ -216,7 +226,8 @@ def same_autocast(state: tuple[str, bool, torch.dtype]):
     return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled)
 
 
-_GENERATED_CODE_NAMESPACE = {"_gemm_bias": _gemm_bias, "_grad_with_bias": _grad_with_bias, "torch": torch}
+_GENERATED_CODE_NAMESPACE = {"_gemm_bias": _gemm_bias, "_grad_with_bias": _grad_with_bias,
+                             "_column_sums": _column_sums, "torch": torch}
 
 
 def generated_code(plan: ContractionPlan) -> str:
@@ -315,7 +326,7 @@ class PlannedContraction(torch.autograd.Function):
                     g_b = pairwise(ops[s.a], s.grad_b_a_axes, gc, s.grad_b_c_axes)
                 grads[s.b] = g_b if s.grad_b_perm is None else g_b.permute(s.grad_b_perm)
         if wants_bias and g_bias is None:
-            g_bias = grad_out.reshape(grad_out.shape[0], -1).sum(0)
+            g_bias = _column_sums(grad_out)
         return (None, g_bias, *grads[:n])
 
 

@@ -145,7 +145,7 @@ def _backward_source(plan: ContractionPlan, w: _Writer, want_inputs: tuple[bool,
         if c != saved:
             lines.append(f"    del g{c}")
     if wants_bias and not bias_done:
-        lines.append("    g_bias = grad_out.reshape(grad_out.shape[0], -1).sum(0)")
+        lines.append("    g_bias = _column_sums(grad_out)")
     grads = ", ".join(f"g{i}" if want[i] else "None" for i in range(n))
     lines.append(f"    return ({grads}{',' if n == 1 else ''}), {'g_bias' if wants_bias else 'None'}")
     return "\n".join(lines) + "\n"
