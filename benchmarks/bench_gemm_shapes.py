@@ -4,12 +4,12 @@
 
 A TT layer's big GEMMs have one thin side of rank size (8-64). MKL runs some
 of those sizes much slower than a slightly larger one, so the executor pads
-them with zeros and crops the result (``tncompile.runtime.executor``):
+them with zeros and crops the result (``tncompile.runtime.cpu_gemm``):
 
 * columns: ``G @ B.T`` with ``G (4096, K)``, ``B (n, K)`` (an input gradient
   ``g @ B.T``), for n = 8..64, as is and padded to a multiple of 8 (16 below 16);
 * rows: ``H.T @ G`` with ``H (4096, m)``, ``G (4096, 3072)`` (a core gradient),
-  for m = 2..20, as is and padded as ``_padded_rows`` does.
+  for m = 2..20, as is and padded as ``padded_rows`` does.
 
 Shapes are timed interleaved in shuffled order (medians); the JSON gives,
 per size, both times and the executor's choice, so a rule that stopped paying
@@ -24,7 +24,7 @@ import torch
 
 from common import interleaved_ms, machine, write_json
 from tncompile.runtime.cpu_allocator import retain_freed_memory
-from tncompile.runtime.executor import _padded_columns, _padded_rows
+from tncompile.runtime.cpu_gemm import padded_columns, padded_rows
 
 
 def _columns(k: int, sizes: list[int], reps: int) -> list[dict]:
@@ -32,7 +32,7 @@ def _columns(k: int, sizes: list[int], reps: int) -> list[dict]:
     fns, chosen = {}, {}
     for n in sizes:
         b = torch.randn(n, k)
-        wide = chosen[n] = _padded_columns(4096, k, n)
+        wide = chosen[n] = padded_columns(4096, k, n)
         padded = torch.zeros(wide, k)
         padded[:n] = b
         fns[f"{n}"] = lambda b=b: g @ b.t()
@@ -47,7 +47,7 @@ def _rows(sizes: list[int], reps: int) -> list[dict]:
     fns, chosen = {}, {}
     for m in sizes:
         h = torch.randn(4096, m)
-        rows = chosen[m] = _padded_rows(m, 4096, 3072)
+        rows = chosen[m] = padded_rows(m, 4096, 3072)
         padded = torch.zeros(4096, rows)
         padded[:, :m] = h
         fns[f"{m}"] = lambda h=h: h.t() @ g

@@ -199,7 +199,7 @@ def test_pairwise_cpu_layout_paths_match_tensordot(case, monkeypatch):
     computed as (g.T @ x).T, skinny right operand copied column-major, a
     column count padded to a multiple of 8, 9 output rows run as 12) gives
     tensordot's result, with gradients, in float64."""
-    from tncompile.runtime import executor
+    from tncompile.runtime import cpu_gemm, executor
     from tncompile.runtime.executor import pairwise
     f64 = torch.float64
     bias = None
@@ -213,10 +213,10 @@ def test_pairwise_cpu_layout_paths_match_tensordot(case, monkeypatch):
         a, b, ax = torch.randn(64, 30, dtype=f64), torch.randn(30, 3, dtype=f64), ((1,), (0,))
     elif case == "padded-columns":    # (rows, k) @ (k, 30): 30 columns run as 32, cropped
         a, b, ax = torch.randn(300, 260, dtype=f64), torch.randn(260, 30, dtype=f64), ((1,), (0,))
-        assert executor._padded_columns(300, 260, 30) == 32
+        assert cpu_gemm.padded_columns(300, 260, 30) == 32
     elif case == "padded-rows":       # h.T @ g with 9 rows (a rank-8 core gradient plus the bias row)
         a, b, ax = torch.randn(1024, 9, dtype=f64), torch.randn(1024, 1024, dtype=f64), ((0,), (0,))
-        assert executor._padded_rows(9, 1024, 1024) == 12
+        assert cpu_gemm.padded_rows(9, 1024, 1024) == 12
     else:
         a, b, ax = torch.randn(8, 6, dtype=f64), torch.randn(6, 9, dtype=f64), ((1,), (0,))
     a.requires_grad_(True), b.requires_grad_(True)

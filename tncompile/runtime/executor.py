@@ -17,6 +17,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..ir.plan import ContractionPlan
+from .cpu_gemm import cpu_gemm
 from .plan_program import program_for
 
 __all__ = ["contract", "PlannedContraction", "pairwise", "generated_code", "generated_code_dump"]
@@ -74,10 +75,13 @@ def pairwise(a: torch.Tensor, a_axes: Sequence[int], b: torch.Tensor, b_axes: Se
     if bias is not None:
         out = _gemm_bias(left, right, bias)
     elif left.device.type == "cpu":
-        out = _cpu_gemm(left, right)
+        out = cpu_gemm(left, right)
     else:
         out = left @ right
     return out.reshape(*a_free, *b_free)
+
+
+BIG_OUTPUT = 1 << 20  # output elements from which a bias riding in the GEMM beats a separate pass (4 MB)
 
 
 def _gemm_bias(left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -92,77 +96,6 @@ def _gemm_bias(left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor) -> t
         return torch.addmm(bias, left, right)
     ones = left.new_ones(m, 1)
     return torch.cat([left, ones], 1) @ torch.cat([right, bias.to(right.dtype).unsqueeze(0)], 0)
-
-
-SKINNY = 16  # an output this narrow (or narrower) makes CPU GEMM kernels layout-sensitive
-THIN = 64    # up to this many output columns, x.T @ g runs faster as (g.T @ x).T
-VECTOR = 16  # fp32 lanes of a 512-bit register: MKL's column blocking on AVX-512
-TINY = 1 << 18  # multiply-adds below which a GEMM is all call overhead: no layout tricks
-BIG_OUTPUT = 1 << 20  # output elements from which a bias riding in the GEMM beats a separate pass (4 MB)
-
-
-def _cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """``left @ right`` with the operand layouts CPU BLAS runs fastest when the
-    output is thin (measured on MKL, 2 cores).
-
-    * ``left`` is a transposed view of a large tensor and the output has at
-      most ``THIN`` columns (a weight gradient ``x.T @ g``): compute
-      ``(right.T @ left.T).T``, whose large operand is then read row by row
-      (4x faster at 8 columns, 1.3x at 35).
-    * the output has at most ``SKINNY`` columns and ``right`` is row-major:
-      copy ``right`` (a few KB) column-major (2x faster).
-    * row and column counts MKL handles badly are padded with zeros
-      (:func:`_padded_rows`, :func:`_padded_columns`).
-    """
-    m, n = left.shape[0], right.shape[1]
-    if m * n * left.shape[1] < TINY:
-        return torch.mm(left, right)
-    if n <= THIN and m >= 4 * n and left.stride(0) == 1 and left.stride(1) != 1:
-        return torch.mm(right.t(), left.t()).t()
-    rows = _padded_rows(m, left.shape[1], n)
-    if rows != m:
-        padded = left.new_zeros(rows, left.shape[1])
-        padded[:m] = left
-        return torch.mm(padded, right)[:m]
-    wide = _padded_columns(m, left.shape[1], n)
-    if wide != n:
-        padded = right.new_zeros(right.shape[0], wide)
-        padded[:, :n] = right
-        return torch.mm(left, padded)[:, :n]
-    if n <= SKINNY < m and right.stride(1) == 1 and right.stride(0) != 1:
-        right = right.t().contiguous().t()
-    return torch.mm(left, right)
-
-
-# a weight gradient's few output rows: these counts run as the next size up (see _padded_rows)
-_ROW_PADDING = {5: 8, 6: 8, 7: 8, 9: 12, 10: 12, 11: 12}
-
-
-def _padded_rows(m: int, k: int, n: int) -> int:
-    """How many rows to compute a GEMM with ``m`` output rows as (zero rows
-    appended, cropped after). MKL on this CPU runs 5-7 output rows slower
-    than 8 and 9-11 slower than 12 when the product is large: measured over
-    ``K = 4096, N = 3072`` (a rank-8 layer's core gradient with its bias row
-    has 9), 9-11 rows take 11-12 ms, 12 rows 7-9 ms. Ranks after truncation
-    are arbitrary, so every count in that range comes up."""
-    if k * n < (1 << 20):
-        return m
-    return _ROW_PADDING.get(m, m)
-
-
-def _padded_columns(m: int, k: int, n: int) -> int:
-    """How many output columns to compute a thin GEMM with (zero columns
-    appended to the right operand, the result cropped). MKL's kernels on
-    this CPU run a column count that is not a multiple of 8 far slower than
-    the next multiple: swept over n = 8..64 at 4096 rows, K = 768 and 3072
-    (``benchmarks/results/gemm_columns.json``), padding to a multiple of 8
-    (16 below 16) is 1.1-2.0x faster wherever n is not one already, except
-    just past a multiple of 16 (n % 16 in 1, 2, 4 above 16: 0.93-1.0x, so
-    those stay). The padded right operand is a few hundred KB at most; the
-    result is a strided view."""
-    if n >= THIN or m < 256 or k < 256 or (n > VECTOR and n % VECTOR in (1, 2, 4)):
-        return n
-    return max(VECTOR, -(-n // 8) * 8)
 
 
 def _column_sums(grad: torch.Tensor) -> torch.Tensor:
@@ -189,7 +122,7 @@ def _grad_with_bias(a: torch.Tensor, a_axes: Sequence[int], grad: torch.Tensor,
     k = left.shape[1]
     extended = torch.cat([left, left.new_ones(rows, 1)], 1)               # (rows, K+1)
     g_mat = grad.reshape(rows, math.prod(grad.shape[1:]))
-    both = _cpu_gemm(extended.t(), g_mat) if g_mat.device.type == "cpu" else extended.t() @ g_mat
+    both = cpu_gemm(extended.t(), g_mat) if g_mat.device.type == "cpu" else extended.t() @ g_mat
     return both[:k].reshape(*k_shape, *grad.shape[1:]), both[k]
 
 
@@ -256,7 +189,7 @@ def generated_code_dump(modules: Iterable[tuple[str, torch.nn.Module]]) -> str:
 
 
 def _gemm_for(t: torch.Tensor):
-    return _cpu_gemm if t.device.type == "cpu" else torch.mm
+    return cpu_gemm if t.device.type == "cpu" else torch.mm
 
 
 class PlannedContraction(torch.autograd.Function):
