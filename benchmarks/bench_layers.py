@@ -187,13 +187,16 @@ def plot(rows: list[dict], path) -> None:
     for ax, (fin, fout) in zip(axes, SHAPES):
         for rank in sorted({r["rank"] for r in rows}):
             pts = [r for r in rows if (r["in"], r["out"], r["rank"]) == (fin, fout, rank)]
-            ax.plot([p["tokens"] for p in pts], [p["speedup_vs_dense"] for p in pts], "o-", label=f"rank {rank}")
+            line, = ax.plot([p["tokens"] for p in pts], [p["speedup_vs_dense"] for p in pts], "o-",
+                            label=f"rank {rank}")
+            ax.plot([p["tokens"] for p in pts], [p["flop_limit"] for p in pts], ":", color=line.get_color(),
+                    alpha=0.6)  # dense flops / the plan's forward flops
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"TT linear {fin}->{fout}, fwd+bwd")
         ax.set_xlabel("tokens")
-    axes[0].set_ylabel("speed-up over nn.Linear")
+    axes[0].set_ylabel("speed-up over nn.Linear (dotted: FLOP limit)")
     axes[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
