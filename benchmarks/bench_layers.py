@@ -33,6 +33,7 @@ from tncompile.ir.plan import bucket_of, plan_contraction
 from tncompile.runtime import TTLinear, TTMEmbedding
 from tncompile.runtime.cpu_allocator import retain_freed_memory
 from tncompile.runtime.executor import contract
+from tncompile.runtime.native import native_kernels, native_ops, native_status
 from tncompile.runtime.tt_layers import _drop_boundary
 
 SHAPES = [(768, 768), (768, 3072), (3072, 768)]
@@ -103,9 +104,15 @@ def bench_embedding() -> dict:
     ttm = TTMEmbedding.from_embedding(dense, rank=32, init="random")  # 4+4 modes as in the paper
     ids = torch.randint(0, 30522, (4096,))
     grad = torch.randn(4096, 768)
+    def eager_ttm():
+        with native_kernels(False):
+            ttm(ids).backward(grad)
+
+    native_ops()  # build (or load) before timing
     times = interleaved_ms({
         "nn.Embedding": lambda: dense(ids).backward(grad),
         "planned TTM": lambda: ttm(ids).backward(grad),
+        "planned TTM, eager kernels": eager_ttm,
         "naive TTM": lambda: naive_ttm_lookup(ttm, ids).backward(grad),
     }, 9, setup=clear_grads(dense, ttm))
     # what a training step pays for the table: fwd + bwd + the AdamW update of its parameters
@@ -119,6 +126,8 @@ def bench_embedding() -> dict:
             "planned_over_dense_time_with_adamw": with_adamw["planned TTM"] / with_adamw["nn.Embedding"],
             "planned_over_dense_time": times["planned TTM"] / times["nn.Embedding"],
             "naive_over_planned_time": times["naive TTM"] / times["planned TTM"],
+            "eager_over_native_time": times["planned TTM, eager kernels"] / times["planned TTM"],
+            "native": native_status(),
             "param_memory_ratio": params["nn.Embedding"] / params["TTM"], "params": params,
             "plan": ttm.plans[4096].describe()}
 
@@ -227,7 +236,8 @@ def main() -> None:
     print(f"\nTTM embedding 30522x768, {emb['layout']}, 4096 ids, fwd+bwd ms: "
           + ", ".join(f"{k} {v:.1f}" for k, v in emb["ms"].items()))
     print(f"  planned TTM / nn.Embedding time {emb['planned_over_dense_time']:.2f}x, naive / planned "
-          f"{emb['naive_over_planned_time']:.1f}x, parameter memory {emb['param_memory_ratio']:.0f}x smaller")
+          f"{emb['naive_over_planned_time']:.1f}x, eager kernels / native {emb['eager_over_native_time']:.2f}x "
+          f"({emb['native']}), parameter memory {emb['param_memory_ratio']:.0f}x smaller")
     print("  with the AdamW step of the table's parameters: "
           + ", ".join(f"{k} {v:.1f} ms" for k, v in emb["ms_with_adamw_step"].items())
           + f" -> TTM / nn.Embedding {emb['planned_over_dense_time_with_adamw']:.2f}x")

@@ -23,6 +23,7 @@ from ..ir.network import BATCH, TensorNetwork
 from ..ir.lookup_plan import LookupPlan, plan_lookup
 from ..ir.plan import ContractionPlan, bucket_of, plan_contraction
 from .executor import autocast_state, contract, same_autocast
+from .native import native_ops
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of"]
 
@@ -89,10 +90,20 @@ def _drop_boundary(cores: list[torch.Tensor]) -> list[torch.Tensor]:
     return cores
 
 
+def _native_lookup(left: torch.Tensor):
+    """The native gathered-product kernels when they apply to ``left``, else ``None``."""
+    if (left.device.type != "cpu" or left.dtype not in (torch.float32, torch.float64)
+            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
+        return None
+    return native_ops()
+
+
 class _GatheredProduct(torch.autograd.Function):
     """``out[t] = L[i[t]] @ R[j[t]]`` with a backward that scatters into ``L`` and ``R``.
 
-    The gathered slices are rebuilt in backward rather than kept, and every
+    On CPU (fp32/fp64, no autocast) this is one native kernel each way that
+    never materializes the gathered slices (:mod:`.native`). Otherwise: the
+    gathered slices are rebuilt in backward rather than kept, and every
     batched product gets contiguous operands (CPU ``bmm`` on transposed batch
     views falls back to one small GEMM per id).
 
@@ -103,20 +114,27 @@ class _GatheredProduct(torch.autograd.Function):
     def forward(ctx, left, right, i, j):
         ctx.save_for_backward(left, right, i, j)
         ctx.autocast = autocast_state(left.device.type)
+        ctx.native = _native_lookup(left) if left.dtype == right.dtype else None
+        if ctx.native is not None:
+            return ctx.native.gathered_product(left, right, i, j)
         return torch.bmm(left.index_select(0, i), right.index_select(0, j))
 
     @staticmethod
     def backward(ctx, grad):
         left, right, i, j = ctx.saved_tensors
+        need_left, need_right = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if ctx.native is not None:
+            g_left, g_right = ctx.native.gathered_product_backward(grad, left, right, i, j, need_left, need_right)
+            return (g_left if need_left else None), (g_right if need_right else None), None, None
         grad = grad.contiguous()
         g_left = g_right = None
         with same_autocast(ctx.autocast):
-            if ctx.needs_input_grad[0]:
+            if need_left:
                 b_t = right.transpose(1, 2).contiguous().index_select(0, j)          # (T, N_R, r)
                 # new_zeros, not zeros_like: R arrives as a transposed view, and index_add_
                 # into a strided destination takes a slow path (7 ms instead of 1 at 4096 ids)
                 g_left = left.new_zeros(left.shape).index_add_(0, i, torch.bmm(grad, b_t).to(left.dtype))
-            if ctx.needs_input_grad[1]:
+            if need_right:
                 a_t = left.transpose(1, 2).contiguous().index_select(0, i)           # (T, r, N_L)
                 g_right = right.new_zeros(right.shape).index_add_(0, j, torch.bmm(a_t, grad).to(right.dtype))
         return g_left, g_right, None, None

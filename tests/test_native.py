@@ -1,0 +1,128 @@
+"""The native gathered-product kernel (TTM lookups) against the eager path and the dense table."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tncompile.runtime import TTMEmbedding, TTMTiedLinear
+from tncompile.runtime import tt_layers
+from tncompile.runtime.native import native_ops, native_status
+from tncompile.runtime.tt_layers import _GatheredProduct
+
+f64 = torch.float64
+
+
+@pytest.fixture(scope="module")
+def ops():
+    found = native_ops()
+    if found is None:
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail(f"a C++ compiler is here but the kernels did not build: {native_status()}")
+        pytest.skip("no C++ compiler: the native kernels cannot be built here")
+    return found
+
+
+def _eager(left, right, i, j, grad):
+    out = torch.bmm(left[i], right[j])
+    g_left = torch.zeros_like(left).index_add_(0, i, torch.bmm(grad, right[j].transpose(1, 2)))
+    g_right = torch.zeros_like(right).index_add_(0, j, torch.bmm(left[i].transpose(1, 2), grad))
+    return out, g_left, g_right
+
+
+# sizes off the kernel's register blocks (6 rows, 2 x 32-byte vectors) and on them
+@pytest.mark.parametrize("m_l, n_l, rank, m_r, n_r, T", [
+    (5, 48, 32, 7, 16, 300), (3, 1, 1, 2, 1, 5), (4, 7, 5, 3, 12, 64), (6, 13, 6, 5, 20, 33),
+    (2, 6, 9, 4, 35, 17), (9, 24, 7, 8, 8, 0),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, f64])
+def test_kernel_matches_eager_products(ops, m_l, n_l, rank, m_r, n_r, T, dtype):
+    g = torch.Generator().manual_seed(T + rank)
+    left = torch.randn(m_l, n_l, rank, generator=g, dtype=dtype)
+    right = torch.randn(m_r, rank, n_r, generator=g, dtype=dtype)
+    i = torch.randint(0, m_l, (T,), generator=g)
+    j = torch.randint(0, m_r, (T,), generator=g)
+    grad = torch.randn(T, n_l, n_r, generator=g, dtype=dtype)
+    out, g_left, g_right = _eager(left, right, i, j, grad)
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-12, "atol": 1e-12}
+    torch.testing.assert_close(ops.gathered_product(left, right, i, j), out, **tol)
+    got_l, got_r = ops.gathered_product_backward(grad, left, right, i, j, True, True)
+    torch.testing.assert_close(got_l, g_left, **tol)
+    torch.testing.assert_close(got_r, g_right, **tol)
+
+
+def test_kernel_gradcheck_and_one_sided_gradients(ops):
+    g = torch.Generator().manual_seed(0)
+    left = torch.randn(4, 6, 3, generator=g, dtype=f64, requires_grad=True)
+    right = torch.randn(5, 3, 10, generator=g, dtype=f64, requires_grad=True)
+    i = torch.tensor([0, 3, 3, 1, 0, 2])  # repeated rows accumulate
+    j = torch.tensor([4, 4, 0, 1, 2, 4])
+    assert torch.autograd.gradcheck(lambda a, b: _GatheredProduct.apply(a, b, i, j), (left, right))
+    frozen = left.detach()
+    out = _GatheredProduct.apply(frozen, right, i, j)
+    out.square().sum().backward()
+    assert frozen.grad is None and right.grad is not None
+
+
+def test_kernel_rejects_bad_indices_and_shapes(ops):
+    left, right = torch.randn(3, 4, 2), torch.randn(5, 2, 6)
+    with pytest.raises(RuntimeError, match="index out of range"):
+        ops.gathered_product(left, right, torch.tensor([0, 3]), torch.tensor([1, 1]))
+    with pytest.raises(RuntimeError, match="index out of range"):
+        ops.gathered_product(left, right, torch.tensor([0, 1]), torch.tensor([-1, 1]))
+    with pytest.raises(RuntimeError, match=r"need L \(M_L, N_L, r\)"):
+        ops.gathered_product(left, torch.randn(5, 3, 6), torch.tensor([0]), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("pad", [None, 2])
+def test_ttm_embedding_native_equals_eager_and_dense(ops, monkeypatch, pad):
+    dense = nn.Embedding(150, 24, padding_idx=pad).double()
+    emb = TTMEmbedding.from_embedding(dense, rank=4, num_cores=3, init="random")
+    with torch.no_grad():
+        for gate in emb.gates:
+            gate.uniform_(0.5, 1.5)
+    head = TTMTiedLinear(emb)
+    ids = torch.tensor([[3, 2, 7, 149, 3], [0, 2, 2, 88, 101]])
+    ids = torch.cat([ids] * 20)  # >= 64 ids with repeats: the de-duplicated lookup runs too
+    x = torch.randn(4, 24, dtype=f64)
+
+    def run():
+        for p in emb.parameters():
+            p.grad = None
+        out = emb(ids)
+        (out.square().sum() + head(x).sum()).backward()
+        return out.detach(), [p.grad.clone() for p in emb.parameters()]
+
+    calls = []
+
+    class Spy:  # the real kernels, counting calls: the native path must be the one that ran
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(tt_layers, "native_ops", Spy)
+    native_out, native_grads = run()
+    assert calls == ["gathered_product", "gathered_product_backward"]  # the head is a matrix product
+    monkeypatch.setattr(tt_layers, "native_ops", lambda: None)
+    eager_out, eager_grads = run()
+    torch.testing.assert_close(native_out, eager_out)
+    for a, b in zip(native_grads, eager_grads):
+        torch.testing.assert_close(a, b)
+    table = emb.weight().detach()
+    if pad is not None:
+        table[pad] = 0
+    torch.testing.assert_close(native_out, table[ids])
+
+
+def test_disabled_by_environment_falls_back():
+    code = ("import torch; from tncompile.runtime import TTMEmbedding; "
+            "from tncompile.runtime.native import native_ops, native_status; "
+            "e = TTMEmbedding.from_embedding(torch.nn.Embedding(100, 16), rank=3, num_cores=2); "
+            "e(torch.arange(100)).sum().backward(); assert native_ops() is None; print(native_status())")
+    env = {**os.environ, "TNCOMPILE_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "disabled by TNCOMPILE_NATIVE=0" in out.stdout

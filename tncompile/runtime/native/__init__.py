@@ -1,0 +1,100 @@
+"""Native CPU kernels, compiled on first use with ``torch.utils.cpp_extension``.
+
+One kernel so far: the TTM lookup's gathered product with its gathers and
+scatters fused in (``gathered_product.cpp``). PyTorch has no op for
+"``L[i[t]] @ R[j[t]]`` without materializing the gathered slices", and those
+slices are ~3x the lookup's output, so the eager path (``index_select`` +
+``bmm`` + ``index_add_``) moves ~250 MB per 4096-id step where the fused
+kernel moves the output and its gradient.
+
+The build needs a C++ compiler and ninja (what ``torch.utils.cpp_extension``
+needs); it takes ~15 s once per machine and torch version (cached under
+``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without
+them, or with ``TNCOMPILE_NATIVE=0``, :func:`native_ops` returns ``None`` and
+callers use the eager path, which gives the same results; a failed build is
+reported once as a warning.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import platform
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+__all__ = ["native_ops", "native_status", "native_kernels"]
+
+_SOURCE = Path(__file__).with_name("gathered_product.cpp")
+_lock = threading.Lock()
+_state: dict = {"ops": None, "tried": False, "error": None, "enabled": True}
+log = logging.getLogger("tncompile.native")
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for splits ids across torch's threads
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags.append("-march=native")  # built on the machine it runs on: use its vector units
+    return flags
+
+
+def _build():
+    from torch.utils.cpp_extension import load  # imported lazily: it is slow to import
+
+    log.info("tncompile: loading the native CPU kernels (compiled on the first use on a machine, ~15 s)")
+    start = time.perf_counter()
+    load(name="tncompile_native", sources=[str(_SOURCE)], extra_cflags=_flags(),
+         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    took = time.perf_counter() - start
+    if took > 2.0:
+        log.warning("tncompile: compiled the native CPU kernels in %.0f s (cached for later runs)", took)
+    return torch.ops.tncompile
+
+
+def native_ops():
+    """``torch.ops.tncompile`` with the native kernels, building them on first
+    call; ``None`` where they cannot be built, with ``TNCOMPILE_NATIVE=0``, or
+    inside ``native_kernels(False)``."""
+    if not _state["enabled"]:
+        return None
+    if _state["tried"]:
+        return _state["ops"]
+    with _lock:
+        if not _state["tried"]:
+            if os.environ.get("TNCOMPILE_NATIVE", "1") == "0":
+                _state["error"] = "disabled by TNCOMPILE_NATIVE=0"
+            else:
+                try:
+                    _state["ops"] = _build()
+                except Exception as exc:  # no compiler, no ninja, a failed compile: run eager instead
+                    _state["error"] = f"{type(exc).__name__}: {exc}"
+                    warnings.warn("tncompile: could not build the native CPU kernels; TTM lookups run "
+                                  f"the eager path (same results, ~2x slower). Reason: {_state['error'][:500]}",
+                                  RuntimeWarning, stacklevel=2)
+            _state["tried"] = True
+    return _state["ops"]
+
+
+@contextlib.contextmanager
+def native_kernels(enabled: bool):
+    """Use (or not) the native kernels inside the block, e.g. to compare
+    against the eager path. Not thread-safe: it flips a process-wide switch."""
+    before = _state["enabled"]
+    _state["enabled"] = bool(enabled)
+    try:
+        yield
+    finally:
+        _state["enabled"] = before
+
+
+def native_status() -> str:
+    """One line: whether the native kernels are in use, and why not."""
+    if not _state["tried"]:
+        return "native CPU kernels: not loaded yet (built on first use)"
+    if _state["ops"] is not None:
+        return "native CPU kernels: in use"
+    return f"native CPU kernels: not in use ({_state['error']})"
