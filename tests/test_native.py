@@ -126,3 +126,76 @@ def test_disabled_by_environment_falls_back():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "disabled by TNCOMPILE_NATIVE=0" in out.stdout
+
+
+@pytest.fixture
+def thin_everywhere(monkeypatch):
+    """Send every thin product to the native kernels, however small (the size
+    thresholds exist for speed, not correctness)."""
+    from tncompile.runtime import cpu_gemm, executor
+    for module in (cpu_gemm, executor):
+        monkeypatch.setattr(module, "THIN_OUTPUT", 0)
+    monkeypatch.setattr(cpu_gemm, "TINY", 0)
+    monkeypatch.setattr(executor, "BIG_OUTPUT", 0)
+
+
+@pytest.mark.parametrize("M, K, N", [(4096, 30, 3072), (100, 7, 50), (13, 1, 33), (37, 64, 70), (0, 5, 40)])
+@pytest.mark.parametrize("dtype", [torch.float32, f64])
+def test_thin_kernels_match_matmul(ops, M, K, N, dtype):
+    g = torch.Generator().manual_seed(M + K)
+    t, w = torch.randn(M, K, generator=g, dtype=dtype), torch.randn(K, N, generator=g, dtype=dtype)
+    bias, dy = torch.randn(N, generator=g, dtype=dtype), torch.randn(M, N, generator=g, dtype=dtype)
+    x, a = torch.randn(M, N, generator=g, dtype=dtype), torch.randn(N, K, generator=g, dtype=dtype)
+    tol = {"rtol": 1e-4, "atol": 1e-3} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-10}
+    torch.testing.assert_close(ops.thin_expand(t, w, bias), torch.addmm(bias, t, w), **tol)
+    torch.testing.assert_close(ops.thin_expand(t, w, None), t @ w, **tol)
+    torch.testing.assert_close(ops.thin_project(x, a), x @ a, **tol)
+    torch.testing.assert_close(ops.thin_project(x, a.t().contiguous().t()), x @ a, **tol)  # strided weight
+    for want in [(True, True, True), (True, False, False), (False, True, False), (False, False, True)]:
+        d_t, d_w, d_bias = ops.thin_expand_backward(dy, t, w, *want)
+        for got, ref, wanted in zip((d_t, d_w, d_bias), (dy @ w.t(), t.t() @ dy, dy.sum(0)), want):
+            if wanted:
+                torch.testing.assert_close(got, ref, **tol)
+            else:
+                assert got is None
+
+
+def test_thin_kernels_reject_bad_input(ops):
+    with pytest.raises(RuntimeError, match=r"thin_expand: \(M x r\) @ \(r x N\)"):
+        ops.thin_expand(torch.randn(4, 3), torch.randn(2, 5), None)
+    with pytest.raises(RuntimeError, match="float32 or float64 only"):
+        ops.thin_project(torch.randn(4, 3).bfloat16(), torch.randn(3, 2).bfloat16())
+    with pytest.raises(RuntimeError, match="thin_expand_backward: need dy"):
+        ops.thin_expand_backward(torch.randn(4, 5), torch.randn(4, 2), torch.randn(3, 5), True, True, True)
+
+
+@pytest.mark.parametrize("strategy", ["merge-cores-first", "left-to-right"])
+def test_tt_linear_on_thin_kernels_matches_dense_and_gradchecks(ops, thin_everywhere, monkeypatch, strategy):
+    from tncompile.formats import TTLayout
+    from tncompile.ir.plan import plan_contraction
+    from tncompile.runtime import TTLinear, cpu_gemm, executor
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(cpu_gemm, "native_ops", Spy)
+    lay = TTLayout.for_shape(288, 96, 3).with_ranks(5)  # wide enough (> THIN_RANK) on both sides
+    layer = TTLinear(lay, dtype=f64)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    inputs, output, sizes = layer.planner_problem()
+    for rows in (6, 16):
+        layer.plans[rows] = plan_contraction(inputs, output, {**sizes, "b": rows}, strategies=[strategy])
+    x = torch.randn(2, 8, 288, dtype=f64, requires_grad=True)
+    y = layer(x)
+    torch.testing.assert_close(y, x @ layer.weight().t() + layer.bias)
+    assert torch.autograd.gradcheck(lambda x, *p: torch.func.functional_call(
+        layer, dict(zip([n for n, _ in layer.named_parameters()], p)), (x,)),
+        (x, *layer.parameters()))
+    if strategy == "merge-cores-first":  # x @ A, t @ B + bias, and the fused backward of the latter
+        assert {"thin_project", "thin_expand", "thin_expand_backward"} <= set(calls)
+    # (passing the input through the cores one by one has no wide thin product at this size)

@@ -184,12 +184,13 @@ def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy, mon
     assert torch.autograd.gradcheck(lambda b, *t: contract(plan, t, b), (bias, *ts))
     if strategy == "merge-cores-first":
         assert fuses_bias(plan)
-        # the bias gradient comes out of the last weight-gradient GEMM as one more row
+        # all of the last step's gradients, the bias's included, come from one call
         # (checked by the gradcheck above); the generated backward does call it
         from tncompile.runtime.plan_program import program_for
         program = program_for(plan, executor._GENERATED_CODE_NAMESPACE)
-        assert "_grad_with_bias(" in program.backward_source((True,) * 5, True)
-        assert "_grad_with_bias(" not in program.backward_source((True,) * 5, False)
+        assert "_expand_grads(" in program.backward_source((True,) * 5, True)
+        assert "True, True, True)" in program.backward_source((True,) * 5, True)
+        assert "True, True, False)" in program.backward_source((True,) * 5, False)
 
 
 @pytest.mark.parametrize("case", ["bias-as-rank", "transposed-weight-grad", "skinny-colmajor",

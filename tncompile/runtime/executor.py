@@ -17,7 +17,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..ir.plan import ContractionPlan
-from .cpu_gemm import cpu_gemm
+from .cpu_gemm import THIN_OUTPUT, THIN_RANK, cpu_gemm, thin_kernels
 from .plan_program import program_for
 
 __all__ = ["contract", "PlannedContraction", "pairwise", "generated_code", "generated_code_dump"]
@@ -92,6 +92,10 @@ def _gemm_bias(left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor) -> t
     instead: ``[left, 1] @ [right; bias]``, copying only ``M x (K+1)``."""
     m, k = left.shape
     n = right.shape[1]
+    if k <= THIN_RANK < n and m * n >= THIN_OUTPUT and left.dtype == right.dtype == bias.dtype:
+        native = thin_kernels(left)
+        if native is not None:  # the bias initializes the accumulators: no extra pass, no copy
+            return native.thin_expand(left, right, bias)
     if left.device.type != "cpu" or 4 * k >= n or m * n < BIG_OUTPUT:
         return torch.addmm(bias, left, right)
     ones = left.new_ones(m, 1)
@@ -124,6 +128,35 @@ def _grad_with_bias(a: torch.Tensor, a_axes: Sequence[int], grad: torch.Tensor,
     g_mat = grad.reshape(rows, math.prod(grad.shape[1:]))
     both = cpu_gemm(extended.t(), g_mat) if g_mat.device.type == "cpu" else extended.t() @ g_mat
     return both[:k].reshape(*k_shape, *grad.shape[1:]), both[k]
+
+
+def _expand_grads(t: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, want_t: bool, want_w: bool,
+                  want_bias: bool) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """All gradients of a bias-fused last step ``y = t @ w (+ bias)``:
+    ``(grad @ w.T, t.T @ grad, grad's column sums)``, each only if wanted.
+
+    ``t (rows, K)``, ``w (K, N)``, ``grad (rows, N)``. With a thin ``K`` on
+    CPU the native kernel computes all three in one pass over ``grad`` (read
+    once instead of twice: it is the layer's largest tensor); elsewhere two
+    GEMMs as :func:`_grad_with_bias` does.
+    """
+    rows, k = t.shape
+    n = w.shape[1]
+    if k <= THIN_RANK < n and rows * n >= THIN_OUTPUT and t.dtype == w.dtype == grad.dtype:
+        native = thin_kernels(grad)
+        if native is not None:
+            g_t, g_w, g_bias = native.thin_expand_backward(grad, t, w, want_t, want_w, want_bias)
+            return (g_t if want_t else None), (g_w if want_w else None), (g_bias if want_bias else None)
+    g_t = g_w = g_bias = None
+    if want_t:
+        g_t = _gemm_for(grad)(grad, w.t())
+    if want_w and want_bias:
+        g_w, g_bias = _grad_with_bias(t, (0,), grad, (0,))
+    elif want_w:
+        g_w = _gemm_for(grad)(t.t(), grad)
+    elif want_bias:
+        g_bias = _column_sums(grad)
+    return g_t, g_w, g_bias
 
 
 def fuses_bias(plan: ContractionPlan) -> bool:
@@ -160,7 +193,7 @@ def same_autocast(state: tuple[str, bool, torch.dtype]):
 
 
 _GENERATED_CODE_NAMESPACE = {"_gemm_bias": _gemm_bias, "_grad_with_bias": _grad_with_bias,
-                             "_column_sums": _column_sums, "torch": torch}
+                             "_expand_grads": _expand_grads, "_column_sums": _column_sums, "torch": torch}
 
 
 def generated_code(plan: ContractionPlan) -> str:

@@ -100,6 +100,34 @@ def _forward_source(plan: ContractionPlan, w: _Writer) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _is_expand(plan: ContractionPlan, s) -> bool:
+    """Whether a bias-fused last step is ``(rows, K) @ (K, outputs...)`` with one
+    contracted index: its three gradients then come from one call
+    (``_expand_grads``: one pass over the output gradient where kernels allow)."""
+    return (plan.bias_fusable and plan.batch is not None and len(s.a_idx) == 2
+            and s.a_idx[0] == plan.batch and tuple(s.a_axes) == (1,) and tuple(s.b_axes) == (0,)
+            and s.c_idx[0] == plan.batch)
+
+
+def _expand_grads_lines(s, c: int, w: _Writer, want_a: bool, want_b: bool, wants_bias: bool) -> list[str]:
+    left = w.matrix(f"o{s.a}", s.a_idx, s.a_axes, contracted_first=False)                 # (rows, K)
+    right = w.matrix(f"o{s.b}", s.b_idx, s.b_axes, contracted_first=True)                 # (K, N)
+    grad = w.matrix(f"g{c}", s.c_idx, tuple(range(1, len(s.c_idx))), contracted_first=False)  # (rows, N)
+    names = [f"g{s.a}" if want_a else "_", f"g{s.b}" if want_b else "_", "g_bias" if wants_bias else "_"]
+    lines = [f"    {', '.join(names)} = _expand_grads({left}, {right}, {grad}, {want_a}, {want_b}, {wants_bias})"]
+    if want_a:
+        got = _free(s.c_idx, s.grad_a_c_axes) + _free(s.b_idx, s.grad_a_b_axes)
+        perm = "" if s.grad_a_perm is None else f".permute({', '.join(map(str, s.grad_a_perm))})"
+        if len(got) != 2 or perm:
+            lines.append(f"    g{s.a} = g{s.a}.reshape{w.shape(got)}{perm}")
+    if want_b:
+        got = _free(s.a_idx, s.grad_b_a_axes) + _free(s.c_idx, s.grad_b_c_axes)
+        perm = "" if s.grad_b_perm is None else f".permute({', '.join(map(str, s.grad_b_perm))})"
+        if len(got) != 2 or perm:
+            lines.append(f"    g{s.b} = g{s.b}.reshape{w.shape(got)}{perm}")
+    return lines
+
+
 def _backward_source(plan: ContractionPlan, w: _Writer, want_inputs: tuple[bool, ...],
                      wants_bias: bool) -> str:
     n, last = len(plan.inputs), len(plan.steps) - 1
@@ -121,6 +149,10 @@ def _backward_source(plan: ContractionPlan, w: _Writer, want_inputs: tuple[bool,
         if not want[c]:
             continue
         lines.append(f"    # d({' '.join(s.a_idx)} . {' '.join(s.b_idx)})")
+        if k == last and _is_expand(plan, s):
+            lines += _expand_grads_lines(s, c, w, want[s.a], want[s.b], wants_bias)
+            bias_done = wants_bias
+            continue
         if want[s.a]:
             left = w.matrix(f"g{c}", s.c_idx, s.grad_a_c_axes, contracted_first=False)
             right = w.matrix(f"o{s.b}", s.b_idx, s.grad_a_b_axes, contracted_first=True)

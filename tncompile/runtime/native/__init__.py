@@ -17,6 +17,7 @@ reported once as a warning.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import platform
@@ -29,14 +30,17 @@ import torch
 
 __all__ = ["native_ops", "native_status", "native_kernels"]
 
-_SOURCE = Path(__file__).with_name("gathered_product.cpp")
+_HEADER = Path(__file__).with_name("small_gemm.h")
+_SOURCES = [str(Path(__file__).with_name(name)) for name in ("gathered_product.cpp", "thin_gemm.cpp")]
 _lock = threading.Lock()
 _state: dict = {"ops": None, "tried": False, "error": None, "enabled": True}
 log = logging.getLogger("tncompile.native")
 
 
 def _flags() -> list[str]:
-    flags = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for splits ids across torch's threads
+    # the header's hash is a build argument so that editing it rebuilds (torch hashes only sources and flags)
+    header = hashlib.sha1(_HEADER.read_bytes()).hexdigest()[:12]
+    flags = ["-O3", "-fopenmp", f"-DTNCOMPILE_HEADER_{header}"]  # OpenMP: at::parallel_for uses torch's threads
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags.append("-march=native")  # built on the machine it runs on: use its vector units
     return flags
@@ -47,7 +51,7 @@ def _build():
 
     log.info("tncompile: loading the native CPU kernels (compiled on the first use on a machine, ~15 s)")
     start = time.perf_counter()
-    load(name="tncompile_native", sources=[str(_SOURCE)], extra_cflags=_flags(),
+    load(name="tncompile_native", sources=_SOURCES, extra_cflags=_flags(),
          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     took = time.perf_counter() - start
     if took > 2.0:

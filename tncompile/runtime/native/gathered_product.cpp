@@ -6,8 +6,7 @@
 // The half tables L and R are small (they sit in cache); the gathered slices
 // L[i], R[j] are not materialized, and the backward accumulates straight into
 // per-thread copies of dL and dR instead of writing one product per id and
-// scattering it. Each product is a small GEMM run in register blocks of
-// MR rows x (1 or 2) vectors of 32 bytes (GCC/Clang vector extensions).
+// scattering it. Each product is a small GEMM (small_gemm.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -15,89 +14,11 @@
 #include <algorithm>
 #include <vector>
 
+#include "small_gemm.h"
+
 namespace tncompile_native {
 
-constexpr int64_t MR = 6;  // rows per register block (6 x 2 accumulators + operands fit 16 registers)
-
-template <typename T>
-struct Lanes {
-  typedef T vec __attribute__((vector_size(32)));
-  static constexpr int64_t n = 32 / sizeof(T);
-};
-
-template <typename V, typename T>
-inline V load(const T* p) {
-  V v;
-  __builtin_memcpy(&v, p, sizeof(V));
-  return v;
-}
-
-template <typename T, typename V>
-inline void store(T* p, V v) {
-  __builtin_memcpy(p, &v, sizeof(V));
-}
-
-// c[ROWS x NV vectors] (+)= a[ROWS x K] @ b[K x NV vectors]; a's element (m, k) at a[m*a_rs + k*a_cs].
-template <typename T, int ROWS, int NV>
-inline void block(const T* __restrict__ a, int64_t a_rs, int64_t a_cs, const T* __restrict__ b,
-                  int64_t ldb, T* __restrict__ c, int64_t ldc, int64_t K, bool accumulate) {
-  using V = typename Lanes<T>::vec;
-  constexpr int64_t L = Lanes<T>::n;
-  V acc[ROWS][NV];
-  for (int i = 0; i < ROWS; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = V{};
-  for (int64_t k = 0; k < K; ++k) {
-    V bk[NV];
-    for (int v = 0; v < NV; ++v) bk[v] = load<V>(b + k * ldb + v * L);
-    const T* ak = a + k * a_cs;
-    for (int i = 0; i < ROWS; ++i) {
-      const T w = ak[i * a_rs];
-      for (int v = 0; v < NV; ++v) acc[i][v] += w * bk[v];
-    }
-  }
-  for (int i = 0; i < ROWS; ++i)
-    for (int v = 0; v < NV; ++v) {
-      T* p = c + i * ldc + v * L;
-      store(p, accumulate ? load<V>(p) + acc[i][v] : acc[i][v]);
-    }
-}
-
-template <typename T, int NV>
-inline void rows_block(int64_t rows, const T* a, int64_t a_rs, int64_t a_cs, const T* b, int64_t ldb, T* c,
-                       int64_t ldc, int64_t K, bool accumulate) {
-  switch (rows) {
-    case 6: block<T, 6, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate); break;
-    case 5: block<T, 5, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate); break;
-    case 4: block<T, 4, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate); break;
-    case 3: block<T, 3, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate); break;
-    case 2: block<T, 2, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate); break;
-    default: block<T, 1, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate); break;
-  }
-}
-
-// c (M x N, row stride ldc) (+)= a (M x K) @ b (K x N, row stride ldb)
-template <typename T>
-void small_gemm(const T* a, int64_t a_rs, int64_t a_cs, const T* b, int64_t ldb, T* c, int64_t ldc,
-                int64_t M, int64_t K, int64_t N, bool accumulate) {
-  constexpr int64_t L = Lanes<T>::n;
-  for (int64_t m0 = 0; m0 < M; m0 += MR) {
-    const int64_t rows = std::min(MR, M - m0);
-    const T* am = a + m0 * a_rs;
-    T* cm = c + m0 * ldc;
-    int64_t n0 = 0;
-    for (; n0 + 2 * L <= N; n0 += 2 * L) rows_block<T, 2>(rows, am, a_rs, a_cs, b + n0, ldb, cm + n0, ldc, K, accumulate);
-    for (; n0 + L <= N; n0 += L) rows_block<T, 1>(rows, am, a_rs, a_cs, b + n0, ldb, cm + n0, ldc, K, accumulate);
-    for (; n0 < N; ++n0)  // the last N % L columns
-      for (int64_t i = 0; i < rows; ++i) {
-        T acc = 0;
-        for (int64_t k = 0; k < K; ++k) acc += am[i * a_rs + k * a_cs] * b[k * ldb + n0];
-        T* p = cm + i * ldc + n0;
-        *p = accumulate ? *p + acc : acc;
-      }
-  }
-}
-
-void check(const at::Tensor& left, const at::Tensor& right, const at::Tensor& i, const at::Tensor& j) {
+void check_gathered(const at::Tensor& left, const at::Tensor& right, const at::Tensor& i, const at::Tensor& j) {
   TORCH_CHECK(left.device().is_cpu() && right.device().is_cpu(), "gathered_product: CPU tensors only");
   TORCH_CHECK(left.dim() == 3 && right.dim() == 3 && left.size(2) == right.size(1),
               "gathered_product: need L (M_L, N_L, r) and R (M_R, r, N_R), got ", left.sizes(), " and ",
@@ -115,7 +36,7 @@ void check(const at::Tensor& left, const at::Tensor& right, const at::Tensor& i,
 
 at::Tensor gathered_product(const at::Tensor& left, const at::Tensor& right, const at::Tensor& i,
                             const at::Tensor& j) {
-  check(left, right, i, j);
+  check_gathered(left, right, i, j);
   const auto L = left.contiguous(), R = right.contiguous(), I = i.contiguous(), J = j.contiguous();
   const int64_t n = I.numel(), nl = L.size(1), rank = L.size(2), nr = R.size(2);
   auto out = at::empty({n, nl, nr}, L.options());
@@ -137,7 +58,7 @@ at::Tensor gathered_product(const at::Tensor& left, const at::Tensor& right, con
 std::vector<at::Tensor> gathered_product_backward(const at::Tensor& grad, const at::Tensor& left,
                                                   const at::Tensor& right, const at::Tensor& i,
                                                   const at::Tensor& j, bool need_left, bool need_right) {
-  check(left, right, i, j);
+  check_gathered(left, right, i, j);
   const int64_t n = i.numel(), nl = left.size(1), rank = left.size(2), nr = right.size(2);
   TORCH_CHECK(grad.dim() == 3 && grad.size(0) == n && grad.size(1) == nl && grad.size(2) == nr,
               "gathered_product_backward: grad must be (T, N_L, N_R)");
@@ -178,7 +99,7 @@ std::vector<at::Tensor> gathered_product_backward(const at::Tensor& grad, const 
 
 }  // namespace tncompile_native
 
-TORCH_LIBRARY(tncompile, m) {
+TORCH_LIBRARY_FRAGMENT(tncompile, m) {
   m.def("gathered_product(Tensor left, Tensor right, Tensor i, Tensor j) -> Tensor",
         tncompile_native::gathered_product);
   m.def("gathered_product_backward(Tensor grad, Tensor left, Tensor right, Tensor i, Tensor j, "

@@ -1,0 +1,103 @@
+// Register-blocked small GEMM for tncompile's native CPU kernels.
+//
+//   c (M x N) (+)= a (M x K) @ b (K x N) [+ init row]
+//
+// a's element (m, k) sits at a[m * a_rs + k * a_cs] (any layout, a is small);
+// b and c are row-major with row strides ldb, ldc. Blocks of MR rows x (1 or
+// 2) vectors of c are accumulated in registers (GCC/Clang vector extensions:
+// 64-byte vectors where AVX-512 is compiled in, 32-byte otherwise); columns
+// past the last whole vector run scalar.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace tncompile_native {
+
+#if defined(__AVX512F__)
+constexpr int kVectorBytes = 64;
+#else
+constexpr int kVectorBytes = 32;
+#endif
+
+constexpr int64_t MR = 6;  // rows per register block: 6 x 2 accumulators + operands fit the register file
+
+template <typename T>
+struct Lanes {
+  typedef T vec __attribute__((vector_size(kVectorBytes)));
+  static constexpr int64_t n = kVectorBytes / sizeof(T);
+};
+
+template <typename V, typename T>
+inline V load(const T* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <typename T, typename V>
+inline void store(T* p, V v) {
+  __builtin_memcpy(p, &v, sizeof(V));
+}
+
+template <typename T, int ROWS, int NV>
+inline void block(const T* __restrict__ a, int64_t a_rs, int64_t a_cs, const T* __restrict__ b, int64_t ldb,
+                  T* __restrict__ c, int64_t ldc, int64_t K, bool accumulate, const T* __restrict__ init) {
+  using V = typename Lanes<T>::vec;
+  constexpr int64_t L = Lanes<T>::n;
+  V acc[ROWS][NV];
+  for (int i = 0; i < ROWS; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = init ? load<V>(init + v * L) : V{};
+  for (int64_t k = 0; k < K; ++k) {
+    V bk[NV];
+    for (int v = 0; v < NV; ++v) bk[v] = load<V>(b + k * ldb + v * L);
+    const T* ak = a + k * a_cs;
+    for (int i = 0; i < ROWS; ++i) {
+      const T w = ak[i * a_rs];
+      for (int v = 0; v < NV; ++v) acc[i][v] += w * bk[v];
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int v = 0; v < NV; ++v) {
+      T* p = c + i * ldc + v * L;
+      store(p, accumulate ? load<V>(p) + acc[i][v] : acc[i][v]);
+    }
+}
+
+template <typename T, int NV>
+inline void rows_block(int64_t rows, const T* a, int64_t a_rs, int64_t a_cs, const T* b, int64_t ldb, T* c,
+                       int64_t ldc, int64_t K, bool accumulate, const T* init) {
+  switch (rows) {
+    case 6: block<T, 6, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
+    case 5: block<T, 5, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
+    case 4: block<T, 4, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
+    case 3: block<T, 3, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
+    case 2: block<T, 2, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
+    default: block<T, 1, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
+  }
+}
+
+// Column blocks outside, row blocks inside: each K x (column block) panel of b is read once.
+template <typename T>
+void small_gemm(const T* a, int64_t a_rs, int64_t a_cs, const T* b, int64_t ldb, T* c, int64_t ldc, int64_t M,
+                int64_t K, int64_t N, bool accumulate, const T* init = nullptr) {
+  constexpr int64_t L = Lanes<T>::n;
+  int64_t n0 = 0;
+  for (; n0 + 2 * L <= N; n0 += 2 * L)
+    for (int64_t m0 = 0; m0 < M; m0 += MR)
+      rows_block<T, 2>(std::min(MR, M - m0), a + m0 * a_rs, a_rs, a_cs, b + n0, ldb, c + m0 * ldc + n0, ldc, K,
+                       accumulate, init ? init + n0 : nullptr);
+  for (; n0 + L <= N; n0 += L)
+    for (int64_t m0 = 0; m0 < M; m0 += MR)
+      rows_block<T, 1>(std::min(MR, M - m0), a + m0 * a_rs, a_rs, a_cs, b + n0, ldb, c + m0 * ldc + n0, ldc, K,
+                       accumulate, init ? init + n0 : nullptr);
+  for (; n0 < N; ++n0)  // the last N % L columns
+    for (int64_t i = 0; i < M; ++i) {
+      T acc = init ? init[n0] : T(0);
+      for (int64_t k = 0; k < K; ++k) acc += a[i * a_rs + k * a_cs] * b[k * ldb + n0];
+      T* p = c + i * ldc + n0;
+      *p = accumulate ? *p + acc : acc;
+    }
+}
+
+}  // namespace tncompile_native
