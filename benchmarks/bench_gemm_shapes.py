@@ -11,6 +11,11 @@ them with zeros and crops the result (``tncompile.runtime.cpu_gemm``):
 * rows: ``H.T @ G`` with ``H (4096, m)``, ``G (4096, 3072)`` (a core gradient),
   for m = 2..20, as is and padded as ``padded_rows`` does.
 
+* native thin kernels (``tncompile.runtime.native``) against the MKL path the
+  executor would take otherwise, for M = 512, 4096 rows, N = 768, 3072,
+  r = 8, 16, 30, 64: ``t @ B + bias`` (expand), ``x @ A`` (project) and the
+  expand's backward (``dt, dB, dbias`` in one pass over ``dy``).
+
 Shapes are timed interleaved in shuffled order (medians); the JSON gives,
 per size, both times and the executor's choice, so a rule that stopped paying
 (a new MKL, another CPU) shows up as a ratio below 1. Writes
@@ -24,7 +29,9 @@ import torch
 
 from common import interleaved_ms, machine, write_json
 from tncompile.runtime.cpu_allocator import retain_freed_memory
-from tncompile.runtime.cpu_gemm import padded_columns, padded_rows
+from tncompile.runtime.cpu_gemm import cpu_gemm, padded_columns, padded_rows
+from tncompile.runtime.executor import _gemm_bias
+from tncompile.runtime.native import native_kernels, native_ops, native_status
 
 
 def _columns(k: int, sizes: list[int], reps: int) -> list[dict]:
@@ -57,6 +64,41 @@ def _rows(sizes: list[int], reps: int) -> list[dict]:
              "speedup": ms[f"{m}"] / ms[f"{m}->{chosen[m]}"]} for m in sizes if chosen[m] != m]
 
 
+def _thin(rows: list[int], widths: list[int], ranks: list[int], reps: int) -> list[dict]:
+    """Native thin kernels vs the MKL calls they replace, per shape."""
+    ops = native_ops()
+    if ops is None:
+        return []
+    results = []
+    for m in rows:
+        for n in widths:
+            for r in ranks:
+                t, w, bias = torch.randn(m, r), torch.randn(r, n), torch.randn(n)
+                x, a, dy = torch.randn(m, n), torch.randn(n, r), torch.randn(m, n)
+
+                def mkl_expand():
+                    with native_kernels(False):
+                        _gemm_bias(t, w, bias)
+
+                def mkl_project():
+                    with native_kernels(False):
+                        cpu_gemm(x, a)
+
+                def mkl_backward():  # what runs without the kernel: dy @ B.T, then [t, 1].T @ dy
+                    with native_kernels(False):
+                        cpu_gemm(dy, w.t())
+                        cpu_gemm(torch.cat([t, t.new_ones(m, 1)], 1).t(), dy)
+
+                ms = interleaved_ms({
+                    "expand native": lambda: ops.thin_expand(t, w, bias), "expand mkl": mkl_expand,
+                    "project native": lambda: ops.thin_project(x, a), "project mkl": mkl_project,
+                    "backward native": lambda: ops.thin_expand_backward(dy, t, w, True, True, True),
+                    "backward mkl": mkl_backward}, reps)
+                results.append({"M": m, "N": n, "r": r, "ms": ms, **{
+                    f"{k}_speedup": ms[f"{k} mkl"] / ms[f"{k} native"] for k in ("expand", "project", "backward")}})
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few sizes, fewer repetitions")
@@ -67,7 +109,10 @@ def main() -> None:
     rows = [9] if args.quick else list(range(2, 21))
     columns = [r for k in (768, 3072) for r in _columns(k, cols, reps)]
     row_results = _rows(rows, reps)
-    path = write_json("gemm_columns.json", {**machine(), "columns": columns, "rows": row_results})
+    thin = _thin([4096] if args.quick else [512, 4096], [3072] if args.quick else [768, 3072],
+                 [8, 30] if args.quick else [8, 16, 30, 64], reps)
+    path = write_json("gemm_columns.json", {**machine(), "columns": columns, "rows": row_results,
+                                            "thin_native": thin, "native": native_status()})
     for name, rs, key in (("columns", columns, "n"), ("rows", row_results, "m")):
         gains = [r["speedup"] for r in rs]
         print(f"{name}: padded faster at {sum(g > 1 for g in gains)}/{len(gains)} sizes, "
@@ -75,6 +120,10 @@ def main() -> None:
         for r in rs:
             print(f"  {key}={r[key]:>2d}{' K=' + str(r['K']) if 'K' in r else '':>7s} -> {r['padded_to']:>2d}: "
                   f"{r['ms']:6.2f} ms -> {r['ms_padded']:6.2f} ms ({r['speedup']:.2f}x)")
+    print(f"native thin kernels vs MKL ({native_status()}):")
+    for r in thin:
+        print(f"  M={r['M']:>4d} N={r['N']:>4d} r={r['r']:>2d}: expand {r['expand_speedup']:.2f}x, "
+              f"project {r['project_speedup']:.2f}x, backward {r['backward_speedup']:.2f}x")
     print(f"wrote {path}")
 
 

@@ -159,7 +159,10 @@ def bench_six_encoder(batch: int, reps: int) -> dict:
 
 # where a train step's time goes: profiler self time of these ATen ops, per category
 STEP_CATEGORIES = {
-    "GEMMs (linear / TT layers)": ("aten::mm", "aten::addmm"),
+    "GEMMs (linear / TT layers)": ("aten::mm", "aten::addmm", "tncompile::thin_expand",
+                                   "tncompile::thin_project", "tncompile::thin_expand_backward"),
+    "embedding lookups": ("aten::embedding_dense_backward", "aten::index_select",
+                          "tncompile::gathered_product", "tncompile::gathered_product_backward"),
     "dropout RNG": ("aten::bernoulli_",),
     "attention batched matmuls": ("aten::bmm",),
     "softmax": ("aten::_softmax", "aten::_softmax_backward_data"),

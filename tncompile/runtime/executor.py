@@ -147,15 +147,17 @@ def _expand_grads(t: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, want_t: 
         if native is not None:
             g_t, g_w, g_bias = native.thin_expand_backward(grad, t, w, want_t, want_w, want_bias)
             return (g_t if want_t else None), (g_w if want_w else None), (g_bias if want_bias else None)
-    g_t = g_w = g_bias = None
-    if want_t:
-        g_t = _gemm_for(grad)(grad, w.t())
-    if want_w and want_bias:
-        g_w, g_bias = _grad_with_bias(t, (0,), grad, (0,))
-    elif want_w:
-        g_w = _gemm_for(grad)(t.t(), grad)
-    elif want_bias:
-        g_bias = _column_sums(grad)
+    mm = _gemm_for(grad)
+    g_t = mm(grad, w.t()) if want_t else None
+    g_w = g_bias = None
+    if want_w and want_bias and grad.device.type == "cpu" and grad.numel() >= BIG_OUTPUT:
+        both = mm(torch.cat([t, t.new_ones(rows, 1)], 1).t(), grad)  # [t, 1].T @ grad: one pass for both
+        g_w, g_bias = both[:k], both[k]
+    else:  # small: two plain calls cost less than building [t, 1]
+        if want_w:
+            g_w = mm(t.t(), grad)
+        if want_bias:
+            g_bias = grad.sum(0)
     return g_t, g_w, g_bias
 
 
