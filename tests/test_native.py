@@ -199,3 +199,68 @@ def test_tt_linear_on_thin_kernels_matches_dense_and_gradchecks(ops, thin_everyw
     if strategy == "merge-cores-first":  # x @ A, t @ B + bias, and the fused backward of the latter
         assert {"thin_project", "thin_expand", "thin_expand_backward"} <= set(calls)
     # (passing the input through the cores one by one has no wide thin product at this size)
+
+
+@pytest.mark.parametrize("in_f, out_f, cores, rank, lead, bias", [
+    (768, 768, 3, 8, (1,), True), (20, 30, 2, 4, (2,), True), (7, 13, 3, 3, (1, 2), False),
+    (33, 40, 4, 5, (1, 1), True),  # padded input and output modes
+])
+def test_tt_linear_chain_at_few_rows_matches_planned_and_dense(ops, monkeypatch, in_f, out_f, cores, rank, lead,
+                                                               bias):
+    from tncompile.formats import TTLayout
+    from tncompile.runtime import TTLinear, tt_chain
+    lay = TTLayout.for_shape(in_f, out_f, cores).with_ranks(rank)
+    layer = TTLinear(lay, bias=bias, dtype=f64)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.5)
+        for gate in layer.gates:
+            gate.uniform_(0.5, 1.5)  # gates are part of the function
+    x = torch.randn(*lead, in_f, dtype=f64, requires_grad=True)
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(ops, name)
+
+    monkeypatch.setattr(tt_chain, "thin_kernels", lambda t: Spy())
+    monkeypatch.setattr(tt_chain, "CHAIN_FLOP_FLOOR", 1 << 40)  # these small layers: always the chain
+
+    def run(chain: bool):
+        monkeypatch.setattr(tt_chain, "CHAIN_ROWS", 2 if chain else 0)
+        for p in [x, *layer.parameters()]:
+            p.grad = None
+        y = layer(x)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=f64).reshape(y.shape)).sum().backward()
+        return [y.detach(), x.grad, *[p.grad for p in layer.parameters()]]
+
+    chained = run(True)
+    assert calls[:2] == ["tt_chain_forward", "tt_chain_backward"]
+    planned = run(False)
+    for a, b in zip(chained, planned):
+        torch.testing.assert_close(a, b)
+    dense = x.detach() @ layer.weight().detach().t() + (layer.bias.detach() if bias else 0)
+    torch.testing.assert_close(chained[0], dense)
+    monkeypatch.setattr(tt_chain, "CHAIN_ROWS", 2)
+    names = [n for n, _ in layer.named_parameters()]
+    assert torch.autograd.gradcheck(
+        lambda x, *p: torch.func.functional_call(layer, dict(zip(names, p)), (x,)), (x, *layer.parameters()))
+
+
+def test_chain_only_for_few_rows_and_rejects_bad_cores(ops, monkeypatch):
+    from tncompile.formats import TTLayout
+    from tncompile.runtime import TTLinear, tt_chain
+    layer = TTLinear(TTLayout.for_shape(24, 24, 2).with_ranks(3))
+    calls = []
+    monkeypatch.setattr(tt_chain, "thin_kernels", lambda t: calls.append(t.shape) or ops)
+    layer(torch.randn(tt_chain.CHAIN_ROWS + 1, 24))
+    assert calls == []
+    layer(torch.randn(1, 24))
+    assert calls == [(1, 24)]
+    cores = [c.detach() for c in layer.cores]
+    gates = [g.detach() for g in layer.gates]
+    with pytest.raises(RuntimeError, match="tt_chain: core 1 must be"):
+        ops.tt_chain_forward(torch.randn(1, 24), [cores[0], cores[1][:2], *cores[2:]], gates, None, 2)
+    with pytest.raises(RuntimeError, match="tt_chain: x has 23 features"):
+        ops.tt_chain_forward(torch.randn(1, 23), cores, gates, None, 2)

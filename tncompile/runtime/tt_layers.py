@@ -24,6 +24,7 @@ from ..ir.lookup_plan import LookupPlan, plan_lookup
 from ..ir.plan import ContractionPlan, bucket_of, plan_contraction
 from .executor import autocast_state, contract, same_autocast
 from .native import native_ops
+from .tt_chain import CHAIN_ROWS, TTChain, chain_kernels
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of"]
 
@@ -267,8 +268,29 @@ class TTLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
+        rows = x.numel() // lay.in_features if lay.in_features else 0
+        ops = None
+        if 0 < rows <= CHAIN_ROWS and x.shape[-1:] == (lay.in_features,):
+            ops = chain_kernels(x, lay, self.plan_for(rows), rows)
+        if ops is not None:  # a few rows: the whole network in one native call each way
+            return self._chain(ops, x, rows)
         return _apply_matrix(self, x, self.scaled_cores(), self.bias,
                              lay.in_features, lay.in_modes, lay.out_features, lay.padded_out)
+
+    def _chain(self, ops, x: torch.Tensor, rows: int) -> torch.Tensor:
+        lay = self.layout
+        h = x.reshape(rows, lay.in_features)
+        padded_in = math.prod(lay.in_modes)
+        if padded_in != lay.in_features:
+            h = F.pad(h, (0, padded_in - lay.in_features))
+        bias = self.bias
+        if bias is not None and lay.padded_out != lay.out_features:
+            bias = F.pad(bias, (0, lay.padded_out - lay.out_features))
+        params = [*self.cores._parameters.values(), *self.gates._parameters.values()]
+        y = TTChain.apply(ops, len(lay.in_modes), h, bias, *params)
+        if lay.padded_out != lay.out_features:
+            y = y[:, :lay.out_features]
+        return y.reshape(*x.shape[:-1], lay.out_features)
 
     def to_dense_module(self) -> nn.Linear:
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,

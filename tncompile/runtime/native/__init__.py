@@ -31,7 +31,7 @@ import torch
 __all__ = ["native_ops", "native_status", "native_kernels"]
 
 _HEADER = Path(__file__).with_name("small_gemm.h")
-_SOURCES = [str(Path(__file__).with_name(name)) for name in ("gathered_product.cpp", "thin_gemm.cpp")]
+_SOURCES = [str(Path(__file__).with_name(name)) for name in ("gathered_product.cpp", "thin_gemm.cpp", "tt_chain.cpp")]
 _lock = threading.Lock()
 _state: dict = {"ops": None, "tried": False, "error": None, "enabled": True}
 log = logging.getLogger("tncompile.native")

@@ -5,8 +5,9 @@
 // a's element (m, k) sits at a[m * a_rs + k * a_cs] (any layout, a is small);
 // b and c are row-major with row strides ldb, ldc. Blocks of MR rows x (1 or
 // 2) vectors of c are accumulated in registers (GCC/Clang vector extensions:
-// 64-byte vectors where AVX-512 is compiled in, 32-byte otherwise); columns
-// past the last whole vector run scalar.
+// 64-byte vectors where AVX-512 is compiled in, 32-byte otherwise; with
+// 64-byte vectors a 32-byte block takes 8..15 remaining fp32 columns); the
+// columns past the last block run scalar.
 #pragma once
 
 #include <algorithm>
@@ -28,6 +29,12 @@ struct Lanes {
   static constexpr int64_t n = kVectorBytes / sizeof(T);
 };
 
+template <typename T>
+struct HalfLanes {  // half a register: column tails of 8..15 fp32 on AVX-512
+  typedef T vec __attribute__((vector_size(kVectorBytes / 2)));
+  static constexpr int64_t n = kVectorBytes / 2 / sizeof(T);
+};
+
 template <typename V, typename T>
 inline V load(const T* p) {
   V v;
@@ -40,11 +47,11 @@ inline void store(T* p, V v) {
   __builtin_memcpy(p, &v, sizeof(V));
 }
 
-template <typename T, int ROWS, int NV>
+template <typename T, int ROWS, int NV, typename LanesT = Lanes<T>>
 inline void block(const T* __restrict__ a, int64_t a_rs, int64_t a_cs, const T* __restrict__ b, int64_t ldb,
                   T* __restrict__ c, int64_t ldc, int64_t K, bool accumulate, const T* __restrict__ init) {
-  using V = typename Lanes<T>::vec;
-  constexpr int64_t L = Lanes<T>::n;
+  using V = typename LanesT::vec;
+  constexpr int64_t L = LanesT::n;
   V acc[ROWS][NV];
   for (int i = 0; i < ROWS; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = init ? load<V>(init + v * L) : V{};
@@ -64,16 +71,16 @@ inline void block(const T* __restrict__ a, int64_t a_rs, int64_t a_cs, const T* 
     }
 }
 
-template <typename T, int NV>
+template <typename T, int NV, typename LanesT = Lanes<T>>
 inline void rows_block(int64_t rows, const T* a, int64_t a_rs, int64_t a_cs, const T* b, int64_t ldb, T* c,
                        int64_t ldc, int64_t K, bool accumulate, const T* init) {
   switch (rows) {
-    case 6: block<T, 6, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
-    case 5: block<T, 5, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
-    case 4: block<T, 4, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
-    case 3: block<T, 3, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
-    case 2: block<T, 2, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
-    default: block<T, 1, NV>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
+    case 6: block<T, 6, NV, LanesT>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
+    case 5: block<T, 5, NV, LanesT>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
+    case 4: block<T, 4, NV, LanesT>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
+    case 3: block<T, 3, NV, LanesT>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
+    case 2: block<T, 2, NV, LanesT>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
+    default: block<T, 1, NV, LanesT>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
   }
 }
 
@@ -91,7 +98,14 @@ void small_gemm(const T* a, int64_t a_rs, int64_t a_cs, const T* b, int64_t ldb,
     for (int64_t m0 = 0; m0 < M; m0 += MR)
       rows_block<T, 1>(std::min(MR, M - m0), a + m0 * a_rs, a_rs, a_cs, b + n0, ldb, c + m0 * ldc + n0, ldc, K,
                        accumulate, init ? init + n0 : nullptr);
-  for (; n0 < N; ++n0)  // the last N % L columns
+  if constexpr (kVectorBytes == 64) {  // a half-width (32-byte) block for 8..15 remaining fp32 columns
+    constexpr int64_t H = L / 2;
+    for (; n0 + H <= N; n0 += H)
+      for (int64_t m0 = 0; m0 < M; m0 += MR)
+        rows_block<T, 1, HalfLanes<T>>(std::min(MR, M - m0), a + m0 * a_rs, a_rs, a_cs, b + n0, ldb,
+                                       c + m0 * ldc + n0, ldc, K, accumulate, init ? init + n0 : nullptr);
+  }
+  for (; n0 < N; ++n0)  // the last columns, fewer than a vector
     for (int64_t i = 0; i < M; ++i) {
       T acc = init ? init[n0] : T(0);
       for (int64_t k = 0; k < K; ++k) acc += a[i * a_rs + k * a_cs] * b[k * ldb + n0];

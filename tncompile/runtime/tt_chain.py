@@ -1,0 +1,79 @@
+"""A TT linear over a few rows as one native call forward and one backward.
+
+At a few tokens the planned executor's ~20 GEMMs and the gate products cost
+more in per-op overhead than in arithmetic, and the layer ends up slower
+than the dense matrix-vector product it replaces. Up to :data:`CHAIN_ROWS`
+rows (measured crossover, see the README), :class:`TTLinear` instead runs
+``tncompile::tt_chain_forward`` / ``tt_chain_backward`` (:mod:`.native`):
+the input walks through the cores one by one, gates included, inside one
+C++ call, and the autograd graph holds a single node.
+
+Everywhere the native kernels do not apply (no compiler, CUDA, bf16 or
+autocast, ``torch.compile`` tracing, more rows) the planned executor runs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats.layout import TTLayout
+from ..ir.plan import ContractionPlan
+from .cpu_gemm import thin_kernels
+
+__all__ = ["CHAIN_ROWS", "chain_kernels", "chain_macs", "TTChain"]
+
+# Up to this many rows one native chain call beats the planned executor: at one token by
+# 1.35-1.74x over 768<->3072 layers at ranks 8-64; from 4 rows it loses at some shapes
+CHAIN_ROWS = 2
+# ... unless walking the cores in mode order costs this many times the plan's multiply-adds
+# (high ranks), plus a floor below which everything is overhead anyway
+CHAIN_FLOP_SLACK, CHAIN_FLOP_FLOOR = 4, 1 << 20
+
+
+def chain_macs(layout: TTLayout, rows: int) -> int:
+    """Multiply-adds of the input walking through the cores in mode order."""
+    ranks = (1, *layout.ranks, 1)
+    total, rest, done = 0, math.prod(layout.in_modes), 1
+    for k, m in enumerate(layout.in_modes):
+        rest //= m
+        total += rows * rest * m * ranks[k] * ranks[k + 1]
+    for j, n in enumerate(layout.out_modes):
+        k = len(layout.in_modes) + j
+        total += rows * done * ranks[k] * n * ranks[k + 1]
+        done *= n
+    return total
+
+
+def chain_kernels(x: torch.Tensor, layout: TTLayout, plan: ContractionPlan, rows: int):
+    """The native ops when a TT linear over ``rows`` rows of ``x`` should run
+    as one chain call (few rows, and the chain not far costlier than ``plan``), else ``None``."""
+    if rows > CHAIN_ROWS or rows < 1:
+        return None
+    if chain_macs(layout, rows) > CHAIN_FLOP_SLACK * plan.fwd_flops + CHAIN_FLOP_FLOOR:
+        return None
+    return thin_kernels(x)
+
+
+class TTChain(torch.autograd.Function):
+    """``x (rows, in) -> (rows, out)`` through cores (input cores first) and gates."""
+
+    @staticmethod
+    def forward(ctx, ops, n_in: int, x: torch.Tensor, bias: torch.Tensor | None, *params: torch.Tensor):
+        n_cores = (len(params) + 1) // 2
+        cores, gates = list(params[:n_cores]), list(params[n_cores:])
+        y, *us = ops.tt_chain_forward(x, cores, gates, bias, n_in)
+        ctx.ops, ctx.n_in, ctx.has_bias, ctx.n_cores = ops, n_in, bias is not None, n_cores
+        ctx.save_for_backward(x, *params, *us)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        saved = ctx.saved_tensors
+        n = ctx.n_cores
+        x, cores, gates, us = saved[0], saved[1:1 + n], saved[1 + n:2 * n], saved[2 * n:]
+        dx, *rest = ctx.ops.tt_chain_backward(grad, x, list(cores), list(gates), list(us), ctx.has_bias, ctx.n_in)
+        d_cores, d_gates, d_bias = rest[:n], rest[n:2 * n - 1], rest[-1]
+        needs = ctx.needs_input_grad
+        return (None, None, dx if needs[2] else None, d_bias if ctx.has_bias and needs[3] else None,
+                *[g if need else None for g, need in zip([*d_cores, *d_gates], needs[4:])])
