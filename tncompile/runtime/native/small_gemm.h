@@ -115,3 +115,47 @@ void small_gemm(const T* a, int64_t a_rs, int64_t a_cs, const T* b, int64_t ldb,
 }
 
 }  // namespace tncompile_native
+
+namespace tncompile_native {
+
+template <typename T, typename V>
+inline T lane_sum(V v) {
+  T s = 0;
+  for (int64_t l = 0; l < static_cast<int64_t>(sizeof(V) / sizeof(T)); ++l) s += v[l];
+  return s;
+}
+
+// c (M x N) = a (M x K) @ b^T, with b stored (N x K): both read along K, so no
+// transposed copy of b is needed. Dot products over K, 4 columns of c at a time.
+template <typename T>
+void small_gemm_nt(const T* a, int64_t lda, const T* b, int64_t ldb, T* c, int64_t ldc, int64_t M, int64_t N,
+                   int64_t K) {
+  using V = typename Lanes<T>::vec;
+  constexpr int64_t L = Lanes<T>::n;
+  const int64_t kv = K / L * L;
+  for (int64_t i = 0; i < M; ++i) {
+    const T* ai = a + i * lda;
+    int64_t j = 0;
+    for (; j + 4 <= N; j += 4) {
+      V acc[4] = {V{}, V{}, V{}, V{}};
+      for (int64_t k = 0; k < kv; k += L) {
+        const V av = load<V>(ai + k);
+        for (int q = 0; q < 4; ++q) acc[q] += av * load<V>(b + (j + q) * ldb + k);
+      }
+      for (int q = 0; q < 4; ++q) {
+        T s = lane_sum<T>(acc[q]);
+        for (int64_t k = kv; k < K; ++k) s += ai[k] * b[(j + q) * ldb + k];
+        c[i * ldc + j + q] = s;
+      }
+    }
+    for (; j < N; ++j) {
+      V acc = V{};
+      for (int64_t k = 0; k < kv; k += L) acc += load<V>(ai + k) * load<V>(b + j * ldb + k);
+      T s = lane_sum<T>(acc);
+      for (int64_t k = kv; k < K; ++k) s += ai[k] * b[j * ldb + k];
+      c[i * ldc + j] = s;
+    }
+  }
+}
+
+}  // namespace tncompile_native

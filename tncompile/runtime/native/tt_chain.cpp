@@ -86,13 +86,6 @@ void core_forward(const Chain& c, int64_t k, const T* h, const T* g, T* u) {
   }
 }
 
-// dst (cols x rows) = src (rows x cols)^T, both contiguous
-template <typename T>
-void transpose(const T* src, T* dst, int64_t rows, int64_t cols) {
-  for (int64_t i = 0; i < rows; ++i)
-    for (int64_t j = 0; j < cols; ++j) dst[j * rows + i] = src[i * cols + j];
-}
-
 template <typename T>
 void scale_last(const T* u, const T* s, T* h, int64_t n, int64_t r) {
   for (int64_t i = 0; i < n; ++i)
@@ -167,35 +160,25 @@ std::vector<at::Tensor> tt_chain_backward(const at::Tensor& grad_, const at::Ten
       scalar_t* ghp = g_h.data_ptr<scalar_t>();
       if (k < c.n_in) {
         const int64_t R = c.count[k] / rr;
-        // G[:, i, :]^T for every i: (m, r_k, r_{k-1})
-        auto core_t = at::empty({m, rr, rl}, x.options());
-        scalar_t* ctw = core_t.data_ptr<scalar_t>();
-        for (int64_t a = 0; a < rl; ++a)
-          for (int64_t i = 0; i < m; ++i)
-            for (int64_t b = 0; b < rr; ++b) ctw[(i * rr + b) * rl + a] = core[(a * m + i) * rr + b];
-        const scalar_t* ct = ctw;
         for (int64_t row = 0; row < c.rows; ++row) {
           const scalar_t* gr = gp + row * R * rr;
           for (int64_t i = 0; i < m; ++i) {
             const scalar_t* hi = hp + row * m * R * rl + i * R * rl;
             // dG[:, i, :] += h[row, i]^T (rl x R) @ g_u[row] (R x rr)
             small_gemm<scalar_t>(hi, 1, rl, gr, rr, dcp + i * rr, m * rr, rl, R, rr, true);
-            // dh[row, i] = g_u[row] (R x rr) @ G[:, i, :]^T (rr x rl)
-            small_gemm<scalar_t>(gr, rr, 1, ct + i * rr * rl, rl, ghp + row * m * R * rl + i * R * rl, rl, R, rr, rl,
-                                 false);
+            // dh[row, i] = g_u[row] (R x rr) @ G[:, i, :]^T: rows of G[:, i, :] are contiguous over rr
+            small_gemm_nt<scalar_t>(gr, rr, core + i * rr, m * rr, ghp + row * m * R * rl + i * R * rl, rl, R, rl,
+                                    rr);
           }
         }
       } else {
         const int64_t P = block_rows(c, k);
-        auto core_t = at::empty({m * rr, rl}, x.options());  // G^T (m rr, rl)
-        transpose<scalar_t>(core, core_t.data_ptr<scalar_t>(), rl, m * rr);
-        const scalar_t* ct = core_t.data_ptr<scalar_t>();
         for (int64_t row = 0; row < c.rows; ++row) {
           const scalar_t* gr = gp + row * P * m * rr;
           // dG (rl x m rr) += h[row]^T (rl x P) @ g_u[row] (P x m rr)
           small_gemm<scalar_t>(hp + row * P * rl, 1, rl, gr, m * rr, dcp, m * rr, rl, P, m * rr, true);
-          // dh[row] (P x rl) = g_u[row] (P x m rr) @ G^T (m rr x rl)
-          small_gemm<scalar_t>(gr, m * rr, 1, ct, rl, ghp + row * P * rl, rl, P, m * rr, rl, false);
+          // dh[row] (P x rl) = g_u[row] (P x m rr) @ G^T, G (rl x m rr) read row by row
+          small_gemm_nt<scalar_t>(gr, m * rr, core, m * rr, ghp + row * P * rl, rl, P, rl, m * rr);
         }
       }
       d_cores[k] = d_core;
