@@ -28,7 +28,7 @@ namespace {
 constexpr int64_t kChunkRows = 48;  // rows of dy per chunk: 48 x 3072 fp32 = 590 KB, within L2
 
 int64_t padded_rank(int64_t r) {
-  constexpr int64_t L = Lanes<float>::n;  // a whole fp32 vector (two fp64 vectors)
+  constexpr int64_t L = 8;  // 8 fp32 = a half (AVX-512) or whole (AVX2) vector block of small_gemm
   return (r + L - 1) / L * L;
 }
 
