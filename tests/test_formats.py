@@ -2,7 +2,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from tncompile.formats import (TTLayout, TTMLayout, balanced_factors, factorize, random_cores,
                                tt_from_linear_weight, tt_svd, tt_to_dense, ttm_from_embedding_weight,
@@ -15,13 +15,25 @@ def test_factorize_paper_shapes(n, d, expected):
     assert factorize(n, d) == expected
 
 
+def _prime_factor_count(n: int) -> int:
+    """Prime factors of ``n`` with multiplicity (trial division)."""
+    count, p = 0, 2
+    while p * p <= n:
+        while n % p == 0:
+            n, count = n // p, count + 1
+        p += 1
+    return count + (n > 1)
+
+
 @given(st.integers(2, 50000), st.integers(1, 4))
+@example(9, 3)  # 8 is under 9 and 9..11 have fewer than 3 prime factors: impossible, though 2**3 < 9 * 1.25
 @settings(max_examples=60, deadline=None)
 def test_factorize_covers_and_is_bounded(n, d):
     try:
         modes = factorize(n, d)
     except ValueError:
-        assert n * 1.25 < 2 ** d  # only impossible when even 2**d is too much padding
+        # only impossible when no size within 25% padding has d prime factors (each mode >= 2)
+        assert not any(_prime_factor_count(N) >= d for N in range(max(n, 2 ** d), int(n * 1.25) + 1))
         return
     assert len(modes) == d and all(m >= 2 for m in modes)
     assert n <= math.prod(modes) <= max(2 ** d, int(n * 1.25))
