@@ -45,14 +45,19 @@ def chain_macs(layout: TTLayout, rows: int) -> int:
     return total
 
 
-def chain_kernels(x: torch.Tensor, layout: TTLayout, plan: ContractionPlan, rows: int):
+def chain_kernels(x: torch.Tensor, layout: TTLayout, plan_for, rows: int, cache: dict):
     """The native ops when a TT linear over ``rows`` rows of ``x`` should run
-    as one chain call (few rows, and the chain not far costlier than ``plan``), else ``None``."""
+    as one chain call (few rows, and the chain not far costlier than the
+    plan ``plan_for(rows)``), else ``None``. The flop comparison is cached in
+    ``cache`` per row count and ranks."""
     if rows > CHAIN_ROWS or rows < 1:
         return None
-    if chain_macs(layout, rows) > CHAIN_FLOP_SLACK * plan.fwd_flops + CHAIN_FLOP_FLOOR:
-        return None
-    return thin_kernels(x)
+    key = (rows, layout.ranks)
+    cheap = cache.get(key)
+    if cheap is None:
+        cheap = cache[key] = chain_macs(layout, rows) <= (CHAIN_FLOP_SLACK * plan_for(rows).fwd_flops
+                                                           + CHAIN_FLOP_FLOOR)
+    return thin_kernels(x) if cheap else None
 
 
 class TTChain(torch.autograd.Function):

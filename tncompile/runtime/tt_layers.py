@@ -271,7 +271,7 @@ class TTLinear(TNModule):
         rows = x.numel() // lay.in_features if lay.in_features else 0
         ops = None
         if 0 < rows <= CHAIN_ROWS and x.shape[-1:] == (lay.in_features,):
-            ops = chain_kernels(x, lay, self.plan_for(rows), rows)
+            ops = chain_kernels(x, lay, self.plan_for, rows, self.__dict__.setdefault("_chain_choice", {}))
         if ops is not None:  # a few rows: the whole network in one native call each way
             return self._chain(ops, x, rows)
         return _apply_matrix(self, x, self.scaled_cores(), self.bias,

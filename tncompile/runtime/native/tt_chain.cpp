@@ -154,7 +154,8 @@ std::vector<at::Tensor> tt_chain_backward(const at::Tensor& grad_, const at::Ten
       const scalar_t* hp = h.data_ptr<scalar_t>();
       const scalar_t* gp = g_u.data_ptr<scalar_t>();
       const scalar_t* core = cores[k].data_ptr<scalar_t>();
-      auto d_core = at::zeros_like(cores[k]);
+      // every element of dG is written by the first row's product and accumulated after: no zero fill
+      auto d_core = c.rows > 0 ? at::empty_like(cores[k]) : at::zeros_like(cores[k]);
       scalar_t* dcp = d_core.data_ptr<scalar_t>();
       auto g_h = at::empty_like(h);
       scalar_t* ghp = g_h.data_ptr<scalar_t>();
@@ -165,7 +166,7 @@ std::vector<at::Tensor> tt_chain_backward(const at::Tensor& grad_, const at::Ten
           for (int64_t i = 0; i < m; ++i) {
             const scalar_t* hi = hp + row * m * R * rl + i * R * rl;
             // dG[:, i, :] += h[row, i]^T (rl x R) @ g_u[row] (R x rr)
-            small_gemm<scalar_t>(hi, 1, rl, gr, rr, dcp + i * rr, m * rr, rl, R, rr, true);
+            small_gemm<scalar_t>(hi, 1, rl, gr, rr, dcp + i * rr, m * rr, rl, R, rr, row > 0);
             // dh[row, i] = g_u[row] (R x rr) @ G[:, i, :]^T: rows of G[:, i, :] are contiguous over rr
             small_gemm_nt<scalar_t>(gr, rr, core + i * rr, m * rr, ghp + row * m * R * rl + i * R * rl, rl, R, rl,
                                     rr);
@@ -176,7 +177,7 @@ std::vector<at::Tensor> tt_chain_backward(const at::Tensor& grad_, const at::Ten
         for (int64_t row = 0; row < c.rows; ++row) {
           const scalar_t* gr = gp + row * P * m * rr;
           // dG (rl x m rr) += h[row]^T (rl x P) @ g_u[row] (P x m rr)
-          small_gemm<scalar_t>(hp + row * P * rl, 1, rl, gr, m * rr, dcp, m * rr, rl, P, m * rr, true);
+          small_gemm<scalar_t>(hp + row * P * rl, 1, rl, gr, m * rr, dcp, m * rr, rl, P, m * rr, row > 0);
           // dh[row] (P x rl) = g_u[row] (P x m rr) @ G^T, G (rl x m rr) read row by row
           small_gemm_nt<scalar_t>(gr, m * rr, core, m * rr, ghp + row * P * rl, rl, P, rl, m * rr);
         }
