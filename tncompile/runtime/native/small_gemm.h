@@ -11,7 +11,12 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace tncompile_native {
 
@@ -47,6 +52,40 @@ inline void store(T* p, V v) {
   __builtin_memcpy(p, &v, sizeof(V));
 }
 
+// Streaming stores for outputs far larger than the caches: written once, never
+// read back here, so skipping the read-for-ownership of every line saves a
+// third of the memory traffic. Only for aligned whole vectors; see stream_fence.
+inline thread_local bool streaming_stores = false;
+
+inline void stream_fence() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_sfence();  // streaming stores are weakly ordered: publish them before other threads read
+#endif
+}
+
+#if defined(__AVX512F__)
+inline void stream(float* p, Lanes<float>::vec v) { _mm512_stream_ps(p, (__m512)v); }
+inline void stream(double* p, Lanes<double>::vec v) { _mm512_stream_pd(p, (__m512d)v); }
+#define TNCOMPILE_STREAM 1
+#elif defined(__AVX__)
+inline void stream(float* p, Lanes<float>::vec v) { _mm256_stream_ps(p, (__m256)v); }
+inline void stream(double* p, Lanes<double>::vec v) { _mm256_stream_pd(p, (__m256d)v); }
+#define TNCOMPILE_STREAM 1
+#endif
+
+template <typename T, typename V>
+inline void store_out(T* p, V v) {
+#if defined(TNCOMPILE_STREAM)
+  if constexpr (sizeof(V) == kVectorBytes) {  // whole registers only, at aligned addresses
+    if (streaming_stores && reinterpret_cast<uintptr_t>(p) % sizeof(V) == 0) {
+      stream(p, v);
+      return;
+    }
+  }
+#endif
+  store(p, v);
+}
+
 template <typename T, int ROWS, int NV, typename LanesT = Lanes<T>>
 inline void block(const T* __restrict__ a, int64_t a_rs, int64_t a_cs, const T* __restrict__ b, int64_t ldb,
                   T* __restrict__ c, int64_t ldc, int64_t K, bool accumulate, const T* __restrict__ init) {
@@ -67,7 +106,10 @@ inline void block(const T* __restrict__ a, int64_t a_rs, int64_t a_cs, const T* 
   for (int i = 0; i < ROWS; ++i)
     for (int v = 0; v < NV; ++v) {
       T* p = c + i * ldc + v * L;
-      store(p, accumulate ? load<V>(p) + acc[i][v] : acc[i][v]);
+      if (accumulate)
+        store(p, load<V>(p) + acc[i][v]);
+      else
+        store_out<T, V>(p, acc[i][v]);
     }
 }
 

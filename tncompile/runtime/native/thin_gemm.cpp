@@ -25,7 +25,8 @@ namespace tncompile_native {
 
 namespace {
 
-constexpr int64_t kChunkRows = 48;  // rows of dy per chunk: 48 x 3072 fp32 = 590 KB, within L2
+constexpr int64_t kChunkRows = 48;
+constexpr int64_t kStreamElements = 1 << 22;  // outputs from 16 MB (fp32) on bypass the caches  // rows of dy per chunk: 48 x 3072 fp32 = 590 KB, within L2
 
 int64_t padded_rank(int64_t r) {
   constexpr int64_t L = 8;  // 8 fp32 = a half (AVX-512) or whole (AVX2) vector block of small_gemm
@@ -72,11 +73,15 @@ at::Tensor thin_expand(const at::Tensor& t_, const at::Tensor& w_, const c10::op
     const scalar_t* wp = w.data_ptr<scalar_t>();
     const scalar_t* bp = bias.defined() ? bias.data_ptr<scalar_t>() : nullptr;
     scalar_t* yp = y.data_ptr<scalar_t>();
+    const bool stream = M * N >= kStreamElements;
     at::parallel_for(0, (M + MR - 1) / MR, 8, [&](int64_t b0, int64_t b1) {
+      streaming_stores = stream;
       for (int64_t blk = b0; blk < b1; ++blk) {
         const int64_t m0 = blk * MR, rows = std::min(MR, M - m0);
         small_gemm<scalar_t>(tp + m0 * K, K, 1, wp, N, yp + m0 * N, N, rows, K, N, false, bp);
       }
+      if (stream) stream_fence();
+      streaming_stores = false;
     });
   });
   return y;
