@@ -25,8 +25,8 @@ namespace tncompile_native {
 
 namespace {
 
-constexpr int64_t kChunkRows = 48;
-constexpr int64_t kStreamElements = 1 << 22;  // outputs from 16 MB (fp32) on bypass the caches  // rows of dy per chunk: 48 x 3072 fp32 = 590 KB, within L2
+constexpr int64_t kChunkRows = 48;            // rows of dy per chunk: 48 x 3072 fp32 = 590 KB, within L2
+constexpr int64_t kStreamElements = 1 << 22;  // outputs from 16 MB (fp32) on bypass the caches
 
 int64_t padded_rank(int64_t r) {
   constexpr int64_t L = 8;  // 8 fp32 = a half (AVX-512) or whole (AVX2) vector block of small_gemm
