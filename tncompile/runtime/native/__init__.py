@@ -1,14 +1,17 @@
 """Native CPU kernels, compiled on first use with ``torch.utils.cpp_extension``.
 
-One kernel so far: the TTM lookup's gathered product with its gathers and
-scatters fused in (``gathered_product.cpp``). PyTorch has no op for
-"``L[i[t]] @ R[j[t]]`` without materializing the gathered slices", and those
-slices are ~3x the lookup's output, so the eager path (``index_select`` +
-``bmm`` + ``index_add_``) moves ~250 MB per 4096-id step where the fused
-kernel moves the output and its gradient.
+Where PyTorch has no fast op for what a TT/TTM layer needs:
+
+* ``gathered_product.cpp``: a TTM lookup's ``L[i[t]] @ R[j[t]]`` and its
+  backward without materializing the gathered slices (~3x the output), which
+  the eager ``index_select`` + ``bmm`` + ``index_add_`` path moves through memory;
+* ``thin_gemm.cpp``: the thin GEMMs of a TT layer's wide side (``t @ B + bias``,
+  ``x @ A``) and the former's three gradients in one pass over ``dy``;
+* ``tt_chain.cpp``: a whole TT linear over 1-2 rows in one call each way;
+* ``small_gemm.h``: the register-blocked small GEMM they share.
 
 The build needs a C++ compiler and ninja (what ``torch.utils.cpp_extension``
-needs); it takes ~15 s once per machine and torch version (cached under
+needs); it takes ~15-30 s (2 cores) once per machine and torch version (cached under
 ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without
 them, or with ``TNCOMPILE_NATIVE=0``, :func:`native_ops` returns ``None`` and
 callers use the eager path, which gives the same results; a failed build is
@@ -49,7 +52,7 @@ def _flags() -> list[str]:
 def _build():
     from torch.utils.cpp_extension import load  # imported lazily: it is slow to import
 
-    log.info("tncompile: loading the native CPU kernels (compiled on the first use on a machine, ~15 s)")
+    log.info("tncompile: loading the native CPU kernels (compiled on the first use on a machine, ~15-30 s)")
     start = time.perf_counter()
     load(name="tncompile_native", sources=_SOURCES, extra_cflags=_flags(),
          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
@@ -76,8 +79,9 @@ def native_ops():
                     _state["ops"] = _build()
                 except Exception as exc:  # no compiler, no ninja, a failed compile: run eager instead
                     _state["error"] = f"{type(exc).__name__}: {exc}"
-                    warnings.warn("tncompile: could not build the native CPU kernels; TTM lookups run "
-                                  f"the eager path (same results, ~2x slower). Reason: {_state['error'][:500]}",
+                    warnings.warn("tncompile: could not build the native CPU kernels; TT/TTM layers run "
+                                  "the eager path (same results, up to ~2-3x slower on CPU). "
+                                  f"Reason: {_state['error'][:500]}",
                                   RuntimeWarning, stacklevel=2)
             _state["tried"] = True
     return _state["ops"]
