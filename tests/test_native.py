@@ -103,10 +103,10 @@ def test_ttm_embedding_native_equals_eager_and_dense(ops, monkeypatch, pad):
             calls.append(name)
             return getattr(ops, name)
 
-    monkeypatch.setattr(tt_layers, "native_ops", Spy)
+    monkeypatch.setattr(tt_layers, "kernels_for", lambda t: Spy())
     native_out, native_grads = run()
     assert calls == ["gathered_product", "gathered_product_backward"]  # the head is a matrix product
-    monkeypatch.setattr(tt_layers, "native_ops", lambda: None)
+    monkeypatch.setattr(tt_layers, "kernels_for", lambda t: None)
     eager_out, eager_grads = run()
     torch.testing.assert_close(native_out, eager_out)
     for a, b in zip(native_grads, eager_grads):
@@ -181,7 +181,8 @@ def test_tt_linear_on_thin_kernels_matches_dense_and_gradchecks(ops, thin_everyw
             calls.append(name)
             return getattr(ops, name)
 
-    monkeypatch.setattr(cpu_gemm, "native_ops", Spy)
+    for module in (cpu_gemm, executor):
+        monkeypatch.setattr(module, "kernels_for", lambda t: Spy())
     lay = TTLayout.for_shape(288, 96, 3).with_ranks(5)  # wide enough (> THIN_RANK) on both sides
     layer = TTLinear(lay, dtype=f64)
     with torch.no_grad():
@@ -224,7 +225,7 @@ def test_tt_linear_chain_at_few_rows_matches_planned_and_dense(ops, monkeypatch,
             calls.append(name)
             return getattr(ops, name)
 
-    monkeypatch.setattr(tt_chain, "thin_kernels", lambda t: Spy())
+    monkeypatch.setattr(tt_chain, "kernels_for", lambda t: Spy())
     monkeypatch.setattr(tt_chain, "CHAIN_FLOP_FLOOR", 1 << 40)  # these small layers: always the chain
 
     def run(chain: bool):
@@ -253,7 +254,7 @@ def test_chain_only_for_few_rows_and_rejects_bad_cores(ops, monkeypatch):
     from tncompile.runtime import TTLinear, tt_chain
     layer = TTLinear(TTLayout.for_shape(24, 24, 2).with_ranks(3))
     calls = []
-    monkeypatch.setattr(tt_chain, "thin_kernels", lambda t: calls.append(t.shape) or ops)
+    monkeypatch.setattr(tt_chain, "kernels_for", lambda t: calls.append(t.shape) or ops)
     layer(torch.randn(tt_chain.CHAIN_ROWS + 1, 24))
     assert calls == []
     layer(torch.randn(1, 24))

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .native import native_ops
+from .native import kernels_for
 
-__all__ = ["cpu_gemm", "padded_rows", "padded_columns", "thin_kernels"]
+__all__ = ["cpu_gemm", "padded_rows", "padded_columns"]
 
 SKINNY = 16  # an output this narrow (or narrower) makes CPU GEMM kernels layout-sensitive
 THIN = 64    # up to this many output columns, x.T @ g runs faster as (g.T @ x).T
@@ -21,15 +21,6 @@ VECTOR = 16  # fp32 lanes of a 512-bit register: MKL's column blocking on AVX-51
 TINY = 1 << 18  # multiply-adds below which a GEMM is all call overhead: no layout tricks
 THIN_RANK = 64     # a contracted (expand) or output (project) size up to this goes to the native thin kernels
 THIN_OUTPUT = 1 << 18  # ... when the wide matrix has at least this many elements
-
-
-def thin_kernels(t: torch.Tensor):
-    """The native thin-GEMM kernels (:mod:`.native`) when they apply to ``t``
-    (CPU, fp32/fp64, no autocast, not being traced by ``torch.compile``), else ``None``."""
-    if (t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64)
-            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
-        return None
-    return native_ops()
 
 
 def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -55,7 +46,7 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     if m * n * k < TINY:
         return torch.mm(left, right)
     if left.dtype == right.dtype and (k <= THIN_RANK < n or n <= THIN_RANK < k):
-        native = thin_kernels(left)
+        native = kernels_for(left)
         if native is not None:
             if k <= THIN_RANK < n and m * n >= THIN_OUTPUT:                      # thin rank in, wide out
                 return native.thin_expand(left, right, None)

@@ -17,7 +17,8 @@ from typing import Iterable, Sequence
 import torch
 
 from ..ir.plan import ContractionPlan
-from .cpu_gemm import THIN_OUTPUT, THIN_RANK, cpu_gemm, thin_kernels
+from .cpu_gemm import THIN_OUTPUT, THIN_RANK, cpu_gemm
+from .native import kernels_for
 from .plan_program import program_for
 
 __all__ = ["contract", "PlannedContraction", "pairwise", "generated_code", "generated_code_dump"]
@@ -93,7 +94,7 @@ def _gemm_bias(left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor) -> t
     m, k = left.shape
     n = right.shape[1]
     if k <= THIN_RANK < n and m * n >= THIN_OUTPUT and left.dtype == right.dtype == bias.dtype:
-        native = thin_kernels(left)
+        native = kernels_for(left)
         if native is not None:  # the bias initializes the accumulators: no extra pass, no copy
             return native.thin_expand(left, right, bias)
     if left.device.type != "cpu" or 4 * k >= n or m * n < BIG_OUTPUT:
@@ -143,7 +144,7 @@ def _expand_grads(t: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, want_t: 
     rows, k = t.shape
     n = w.shape[1]
     if k <= THIN_RANK < n and rows * n >= THIN_OUTPUT and t.dtype == w.dtype == grad.dtype:
-        native = thin_kernels(grad)
+        native = kernels_for(grad)
         if native is not None:
             g_t, g_w, g_bias = native.thin_expand_backward(grad, t, w, want_t, want_w, want_bias)
             return (g_t if want_t else None), (g_w if want_w else None), (g_bias if want_bias else None)

@@ -19,7 +19,7 @@ import torch
 
 from ..formats.layout import TTLayout
 from ..ir.plan import ContractionPlan
-from .cpu_gemm import thin_kernels
+from .native import kernels_for
 
 __all__ = ["CHAIN_ROWS", "chain_kernels", "chain_macs", "TTChain"]
 
@@ -57,7 +57,7 @@ def chain_kernels(x: torch.Tensor, layout: TTLayout, plan_for, rows: int, cache:
     if cheap is None:
         cheap = cache[key] = chain_macs(layout, rows) <= (CHAIN_FLOP_SLACK * plan_for(rows).fwd_flops
                                                            + CHAIN_FLOP_FLOOR)
-    return thin_kernels(x) if cheap else None
+    return kernels_for(x) if cheap else None
 
 
 class TTChain(torch.autograd.Function):

@@ -23,7 +23,7 @@ from ..ir.network import BATCH, TensorNetwork
 from ..ir.lookup_plan import LookupPlan, plan_lookup
 from ..ir.plan import ContractionPlan, bucket_of, plan_contraction
 from .executor import autocast_state, contract, same_autocast
-from .native import native_ops
+from .native import kernels_for
 from .tt_chain import CHAIN_ROWS, TTChain, chain_kernels
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of"]
@@ -91,14 +91,6 @@ def _drop_boundary(cores: list[torch.Tensor]) -> list[torch.Tensor]:
     return cores
 
 
-def _native_lookup(left: torch.Tensor):
-    """The native gathered-product kernels when they apply to ``left``, else ``None``."""
-    if (left.device.type != "cpu" or left.dtype not in (torch.float32, torch.float64)
-            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
-        return None
-    return native_ops()
-
-
 class _GatheredProduct(torch.autograd.Function):
     """``out[t] = L[i[t]] @ R[j[t]]`` with a backward that scatters into ``L`` and ``R``.
 
@@ -115,7 +107,7 @@ class _GatheredProduct(torch.autograd.Function):
     def forward(ctx, left, right, i, j):
         ctx.save_for_backward(left, right, i, j)
         ctx.autocast = autocast_state(left.device.type)
-        ctx.native = _native_lookup(left) if left.dtype == right.dtype else None
+        ctx.native = kernels_for(left) if left.dtype == right.dtype else None
         if ctx.native is not None:
             return ctx.native.gathered_product(left, right, i, j)
         return torch.bmm(left.index_select(0, i), right.index_select(0, j))

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["native_ops", "native_status", "native_kernels"]
+__all__ = ["native_ops", "native_status", "native_kernels", "kernels_for"]
 
 _HEADER = Path(__file__).with_name("small_gemm.h")
 _SOURCES = [str(Path(__file__).with_name(name)) for name in ("gathered_product.cpp", "thin_gemm.cpp", "tt_chain.cpp")]
@@ -85,6 +85,16 @@ def native_ops():
                                   RuntimeWarning, stacklevel=2)
             _state["tried"] = True
     return _state["ops"]
+
+
+def kernels_for(t: torch.Tensor):
+    """The native ops when they apply to ``t`` -- a CPU fp32/fp64 tensor, no
+    autocast, not being traced by ``torch.compile`` -- else ``None`` (the
+    caller runs its eager path)."""
+    if (t.device.type != "cpu" or t.dtype not in (torch.float32, torch.float64)
+            or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
+        return None
+    return native_ops()
 
 
 @contextlib.contextmanager
