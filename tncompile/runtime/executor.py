@@ -152,8 +152,7 @@ def _expand_grads(t: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, want_t: 
     g_t = mm(grad, w.t()) if want_t else None
     g_w = g_bias = None
     if want_w and want_bias and grad.device.type == "cpu" and grad.numel() >= BIG_OUTPUT:
-        both = mm(torch.cat([t, t.new_ones(rows, 1)], 1).t(), grad)  # [t, 1].T @ grad: one pass for both
-        g_w, g_bias = both[:k], both[k]
+        g_w, g_bias = _grad_with_bias(t, (0,), grad, (0,))  # [t, 1].T @ grad: one pass for both
     else:  # small: two plain calls cost less than building [t, 1]
         if want_w:
             g_w = mm(t.t(), grad)

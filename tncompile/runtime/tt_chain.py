@@ -61,12 +61,14 @@ def chain_kernels(x: torch.Tensor, layout: TTLayout, plan_for, rows: int, cache:
 
 
 class TTChain(torch.autograd.Function):
-    """``x (rows, in) -> (rows, out)`` through cores (input cores first) and gates."""
+    """``x (rows, *in_modes) -> (rows, out)`` through cores (input cores first) and gates."""
 
     @staticmethod
     def forward(ctx, ops, n_in: int, x: torch.Tensor, bias: torch.Tensor | None, *params: torch.Tensor):
         n_cores = (len(params) + 1) // 2
         cores, gates = list(params[:n_cores]), list(params[n_cores:])
+        ctx.x_shape = x.shape
+        x = x.reshape(x.shape[0], -1)  # inside the Function: no autograd node of its own
         y, *us = ops.tt_chain_forward(x, cores, gates, bias, n_in)
         ctx.ops, ctx.n_in, ctx.has_bias, ctx.n_cores = ops, n_in, bias is not None, n_cores
         ctx.save_for_backward(x, *params, *us)
@@ -80,5 +82,5 @@ class TTChain(torch.autograd.Function):
         dx, *rest = ctx.ops.tt_chain_backward(grad, x, list(cores), list(gates), list(us), ctx.has_bias, ctx.n_in)
         d_cores, d_gates, d_bias = rest[:n], rest[n:2 * n - 1], rest[-1]
         needs = ctx.needs_input_grad
-        return (None, None, dx if needs[2] else None, d_bias if ctx.has_bias and needs[3] else None,
+        return (None, None, dx.reshape(ctx.x_shape) if needs[2] else None, d_bias if ctx.has_bias and needs[3] else None,
                 *[g if need else None for g, need in zip([*d_cores, *d_gates], needs[4:])])

@@ -24,7 +24,7 @@ from ..ir.lookup_plan import LookupPlan, plan_lookup
 from ..ir.plan import ContractionPlan, bucket_of, plan_contraction
 from .executor import autocast_state, contract, same_autocast
 from .native import kernels_for
-from .tt_chain import CHAIN_ROWS, TTChain, chain_kernels
+from .tt_chain import TTChain, chain_kernels
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of"]
 
@@ -57,11 +57,12 @@ def _check_init(init: str) -> None:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
 
 
-def _apply_matrix(module: "TNModule", x: torch.Tensor, cores: list[torch.Tensor], bias,
-                  in_dim: int, in_modes: tuple[int, ...], out_dim: int, padded_out: int) -> torch.Tensor:
+def _apply_matrix(module: "TNModule", x: torch.Tensor, bias, in_dim: int, in_modes: tuple[int, ...],
+                  out_dim: int, padded_out: int, contract_rows) -> torch.Tensor:
     """``x @ W.T + bias`` for the module's network ``W``: pad the feature dim
-    to the modes' product, contract along the planned order for this many
-    rows, crop the output padding.
+    to the modes' product, contract with ``contract_rows(h, bias)`` (``h``:
+    ``(rows, *in_modes)``, ``bias`` padded; returns ``rows x padded_out``
+    elements), crop the output padding.
 
     ``x``: ``(..., in_dim)`` -> ``(..., out_dim)``.
     """
@@ -74,10 +75,9 @@ def _apply_matrix(module: "TNModule", x: torch.Tensor, cores: list[torch.Tensor]
         h = F.pad(x.reshape(rows, in_dim), (0, padded_in - in_dim)).reshape(rows, *in_modes)
     else:
         h = x.reshape(rows, *in_modes)  # one view, not two: each is an autograd node
-    plan = module.plan_for(rows)
     if bias is not None and padded_out != out_dim:
         bias = F.pad(bias, (0, padded_out - out_dim))
-    y = contract(plan, [h, *_drop_boundary(cores)], bias)
+    y = contract_rows(h, bias)
     if padded_out != out_dim:
         return y.reshape(rows, padded_out)[:, :out_dim].reshape(*lead, out_dim)
     return y.reshape(*lead, out_dim)
@@ -260,29 +260,18 @@ class TTLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        rows = x.numel() // lay.in_features if lay.in_features else 0
-        ops = None
-        if 0 < rows <= CHAIN_ROWS and x.shape[-1:] == (lay.in_features,):
-            ops = chain_kernels(x, lay, self.plan_for, rows, self.__dict__.setdefault("_chain_choice", {}))
-        if ops is not None:  # a few rows: the whole network in one native call each way
-            return self._chain(ops, x, rows)
-        return _apply_matrix(self, x, self.scaled_cores(), self.bias,
-                             lay.in_features, lay.in_modes, lay.out_features, lay.padded_out)
+        return _apply_matrix(self, x, self.bias, lay.in_features, lay.in_modes, lay.out_features,
+                             lay.padded_out, self._contract_rows)
 
-    def _chain(self, ops, x: torch.Tensor, rows: int) -> torch.Tensor:
-        lay = self.layout
-        h = x.reshape(rows, lay.in_features)
-        padded_in = math.prod(lay.in_modes)
-        if padded_in != lay.in_features:
-            h = F.pad(h, (0, padded_in - lay.in_features))
-        bias = self.bias
-        if bias is not None and lay.padded_out != lay.out_features:
-            bias = F.pad(bias, (0, lay.padded_out - lay.out_features))
-        params = [*self.cores._parameters.values(), *self.gates._parameters.values()]
-        y = TTChain.apply(ops, len(lay.in_modes), h, bias, *params)
-        if lay.padded_out != lay.out_features:
-            y = y[:, :lay.out_features]
-        return y.reshape(*x.shape[:-1], lay.out_features)
+    def _contract_rows(self, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``h (rows, *in_modes)`` through the network: at 1-2 rows one native
+        chain call each way (:mod:`.tt_chain`), otherwise the planned order."""
+        rows = h.shape[0]
+        ops = chain_kernels(h, self.layout, self.plan_for, rows, self.__dict__.setdefault("_chain_choice", {}))
+        if ops is not None:
+            params = [*self.cores._parameters.values(), *self.gates._parameters.values()]
+            return TTChain.apply(ops, len(self.layout.in_modes), h, bias, *params)
+        return contract(self.plan_for(rows), [h, *_drop_boundary(self.scaled_cores())], bias)
 
     def to_dense_module(self) -> nn.Linear:
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
@@ -460,8 +449,10 @@ class TTMTiedLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        return _apply_matrix(self, x, self.embedding.scaled_cores(), self.bias,
-                             lay.embedding_dim, lay.col_modes, lay.num_embeddings, lay.padded_rows)
+        def contract_rows(h, bias):
+            return contract(self.plan_for(h.shape[0]), [h, *_drop_boundary(self.embedding.scaled_cores())], bias)
+        return _apply_matrix(self, x, self.bias, lay.embedding_dim, lay.col_modes, lay.num_embeddings,
+                             lay.padded_rows, contract_rows)
 
     def extra_repr(self) -> str:
         return f"tied to embedding {self.layout.describe()}, bias={self.bias is not None}"
