@@ -6,7 +6,7 @@ import copy
 import torch
 from torch import fx, nn
 
-from .ir.program import Program
+from .ir.program import Program, module_at
 from .report import Report, build_report
 from .runtime.tt_layers import TNModule, TTMTiedLinear
 
@@ -59,9 +59,8 @@ class CompiledModel(nn.Module):
         """
         gm = copy.deepcopy(self.model)
         dense: dict[int, nn.Module] = {}
-        targets = [n.target for n in gm.graph.nodes if n.op == "call_module"]
-        tn = {t: gm.get_submodule(t) for t in dict.fromkeys(targets)
-              if isinstance(gm.get_submodule(t), TNModule)}
+        targets = [n.target for n in gm.graph.nodes if n.op in ("call_module", "get_attr")]
+        tn = {t: m for t in dict.fromkeys(targets) if isinstance(m := module_at(gm, t), TNModule)}
         for t, m in tn.items():
             if not isinstance(m, TTMTiedLinear):
                 dense[id(m)] = m.to_dense_module()

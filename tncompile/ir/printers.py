@@ -8,6 +8,7 @@ import torch
 from torch import fx
 
 from .layer_info import fmt_count, layer_info, ranks_str
+from .program import module_at
 
 __all__ = ["to_text", "to_json", "to_dot"]
 
@@ -30,6 +31,16 @@ def _target(node: fx.Node) -> str:
         return str(t)  # aten.linear.default
     module, name = getattr(t, "__module__", None), getattr(t, "__name__", repr(t))
     return f"{module.lstrip('_')}.{name}" if module else name
+
+
+def _node_module(gm: fx.GraphModule, node: fx.Node):
+    """The module a ``call_module`` node calls, or a ``get_attr`` node passes
+    on (a fused call's layers); ``None`` for every other node."""
+    if node.op == "call_module":
+        return gm.get_submodule(node.target)
+    if node.op == "get_attr":
+        return module_at(gm, node.target)
+    return None
 
 
 def _arg(a: Any) -> str:
@@ -88,13 +99,14 @@ def to_text(program) -> str:
         elif node.op == "output":
             body = f"return {_arg(node.args[0])}"
         elif node.op == "get_attr":
-            body = f"%{node.name} = param {node.target}"
+            kind = "param" if _node_module(gm, node) is None else "layer"
+            body = f"%{node.name} = {kind} {node.target}"
         else:
             args = ", ".join([_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()])
             body = f"%{node.name} = {_target(node)}({args})"
         extra = ""
-        if node.op == "call_module":
-            mod = gm.get_submodule(node.target)
+        mod = _node_module(gm, node)
+        if mod is not None:
             info = layer_info(mod)
             if info is not None:
                 extra = "  # " + _layer_text(info) + _plans_text(mod)
@@ -113,8 +125,8 @@ def to_json(program) -> str:
     for node in gm.graph.nodes:
         entry: dict[str, Any] = {"name": node.name, "op": node.op, "target": _target(node),
                                  "args": [_arg(a) for a in node.args], "shape": _shape(node)}
-        if node.op == "call_module":
-            mod = gm.get_submodule(node.target)
+        mod = _node_module(gm, node)
+        if mod is not None:
             entry["module_type"] = type(mod).__name__
             info = layer_info(mod)
             if info is not None:
@@ -147,8 +159,9 @@ def to_dot(program) -> str:
     for node in gm.graph.nodes:
         label = f"{node.name}\\n{_target(node) if node.op != 'placeholder' else 'input'}"
         style = ""
-        if node.op == "call_module":
-            info = layer_info(gm.get_submodule(node.target))
+        mod = _node_module(gm, node)
+        if mod is not None:
+            info = layer_info(mod)
             if info is not None:
                 label += f"\\n{info['format']} {info['modes']} r={ranks_str(info['ranks'])}"
                 style = ', style=filled, fillcolor="#cde8ff"'

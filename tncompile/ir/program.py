@@ -7,12 +7,22 @@ from typing import Any, Iterator
 import torch
 from torch import fx, nn
 
-__all__ = ["Program", "InputSpec", "PassRecord", "count_params"]
+__all__ = ["Program", "InputSpec", "PassRecord", "count_params", "module_at"]
 
 
 def count_params(module: nn.Module) -> int:
     """Number of distinct parameter elements (tied parameters counted once)."""
     return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+def module_at(root: nn.Module, target: str) -> nn.Module | None:
+    """The submodule at dotted path ``target``, or ``None`` when the path is
+    missing or names a parameter, buffer or other attribute."""
+    try:
+        mod = root.get_submodule(target)
+    except AttributeError:
+        return None
+    return mod if isinstance(mod, nn.Module) else None
 
 
 def _describe_value(v: Any) -> str:
@@ -125,10 +135,16 @@ class Program:
         return self.graph_module.graph
 
     def modules(self) -> Iterator[tuple[fx.Node, nn.Module]]:
-        """``(node, module)`` for every ``call_module`` node."""
+        """``(node, module)`` for every ``call_module`` node, and for every
+        ``get_attr`` node that passes a whole module to a function (the
+        layers of a fused feed-forward call)."""
         for node in self.graph.nodes:
             if node.op == "call_module":
                 yield node, self.graph_module.get_submodule(node.target)
+            elif node.op == "get_attr":
+                mod = module_at(self.graph_module, node.target)
+                if mod is not None:
+                    yield node, mod
 
     def num_params(self) -> int:
         """Parameters of the program; a layer awaiting decomposition counts as

@@ -4,11 +4,14 @@ from .tensorize import Tensorize
 from .assign_ranks import AssignRanks
 from .decompose import Decompose
 from .plan_contractions import PlanContractions
+from .fuse_feed_forward import FuseFeedForward
 
 __all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes",
-           "default_pipeline", "Tensorize", "AssignRanks", "Decompose", "PlanContractions"]
+           "default_pipeline", "Tensorize", "AssignRanks", "Decompose", "PlanContractions",
+           "FuseFeedForward"]
 
 
 def default_pipeline() -> Pipeline:
-    """``tensorize -> assign_ranks -> decompose -> plan_contractions``, a fresh, editable copy."""
-    return Pipeline(["tensorize", "assign_ranks", "decompose", "plan_contractions"])
+    """``tensorize -> assign_ranks -> decompose -> plan_contractions ->
+    fuse_feed_forward``, a fresh, editable copy."""
+    return Pipeline(["tensorize", "assign_ranks", "decompose", "plan_contractions", "fuse_feed_forward"])

@@ -16,7 +16,10 @@ __all__ = ["PlanContractions"]
 
 def _example_rows(node: fx.Node, lookup: bool) -> tuple[int, int] | None:
     """``(batch, rows)`` the layer saw when traced: rows = batch x the other leading
-    dims (for an embedding lookup: x every dim of the ids)."""
+    dims (for an embedding lookup: x every dim of the ids). A layer passed to a
+    fused call (``get_attr``) sees the rows of that call's input."""
+    if node.op == "get_attr" and node.users:
+        node = next(iter(node.users))
     arg = node.args[0] if node.args else None
     meta = getattr(arg, "meta", {}) if isinstance(arg, fx.Node) else {}
     val = meta.get("val", meta.get("tensor_meta"))

@@ -258,6 +258,20 @@ class TTLinear(TNModule):
         """The dense ``[out_features, in_features]`` matrix the network stands for."""
         return tt_to_dense(self.scaled_cores(), self.layout)
 
+    def merged_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The matrix as two thin factors, ``W.T = A @ B`` (gates included):
+        ``A (padded_in, r)`` merges the input cores, ``B (r, padded_out)``
+        the output cores, ``r`` the bond between them. Differentiable."""
+        cores = self.scaled_cores()
+        n_in = len(self.layout.in_modes)
+        a = cores[0].reshape(-1, cores[0].shape[-1])                    # (m_1, r_1)
+        for core in cores[1:n_in]:                                      # (m_1..m_k, r_k)
+            a = (a @ core.reshape(core.shape[0], -1)).reshape(-1, core.shape[-1])
+        b = cores[-1].reshape(cores[-1].shape[0], -1)                   # (r, n_last)
+        for core in reversed(cores[n_in:-1]):                           # (r, n_j..n_last)
+            b = (core.reshape(-1, core.shape[-1]) @ b).reshape(core.shape[0], -1)
+        return a, b
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
         return _apply_matrix(self, x, self.bias, lay.in_features, lay.in_modes, lay.out_features,

@@ -8,7 +8,10 @@ Where PyTorch has no fast op for what a TT/TTM layer needs:
 * ``thin_gemm.cpp``: the thin GEMMs of a TT layer's wide side (``t @ B + bias``,
   ``x @ A``) and the former's three gradients in one pass over ``dy``;
 * ``tt_chain.cpp``: a whole TT linear over 1-2 rows in one call each way;
-* ``small_gemm.h``: the register-blocked small GEMM they share.
+* ``feed_forward.cpp``: ``act(t @ W1 + b1) @ W2``, the wide middle of a
+  block of two TT linears, without writing its hidden activation to memory;
+* ``small_gemm.h``: the register-blocked small GEMM they share
+  (``tensor_checks.h``: their argument checks).
 
 The build needs a C++ compiler and ninja (what ``torch.utils.cpp_extension``
 needs); it takes ~15-30 s (2 cores) once per machine and torch version (cached under
@@ -33,16 +36,17 @@ import torch
 
 __all__ = ["native_ops", "native_status", "native_kernels", "kernels_for"]
 
-_HEADER = Path(__file__).with_name("small_gemm.h")
-_SOURCES = [str(Path(__file__).with_name(name)) for name in ("gathered_product.cpp", "thin_gemm.cpp", "tt_chain.cpp")]
+_HEADERS = sorted(Path(__file__).parent.glob("*.h"))
+_SOURCES = [str(Path(__file__).with_name(name))
+            for name in ("gathered_product.cpp", "thin_gemm.cpp", "tt_chain.cpp", "feed_forward.cpp")]
 _lock = threading.Lock()
 _state: dict = {"ops": None, "tried": False, "error": None, "enabled": True}
 log = logging.getLogger("tncompile.native")
 
 
 def _flags() -> list[str]:
-    # the header's hash is a build argument so that editing it rebuilds (torch hashes only sources and flags)
-    header = hashlib.sha1(_HEADER.read_bytes()).hexdigest()[:12]
+    # the headers' hash is a build argument so that editing one rebuilds (torch hashes only sources and flags)
+    header = hashlib.sha1(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:12]
     flags = ["-O3", "-fopenmp", f"-DTNCOMPILE_HEADER_{header}"]  # OpenMP: at::parallel_for uses torch's threads
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags.append("-march=native")  # built on the machine it runs on: use its vector units

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "small_gemm.h"
+#include "tensor_checks.h"
 
 namespace tncompile_native {
 
@@ -27,25 +28,6 @@ namespace {
 
 constexpr int64_t kChunkRows = 48;            // rows of dy per chunk: 48 x 3072 fp32 = 590 KB, within L2
 constexpr int64_t kStreamElements = 1 << 22;  // outputs from 16 MB (fp32) on bypass the caches
-
-int64_t padded_rank(int64_t r) {
-  constexpr int64_t L = 8;  // 8 fp32 = a half (AVX-512) or whole (AVX2) vector block of small_gemm
-  return (r + L - 1) / L * L;
-}
-
-void check_cpu_float(const at::Tensor& t, const char* what) {
-  TORCH_CHECK(t.device().is_cpu(), what, ": CPU tensors only");
-  TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, what,
-              ": float32 or float64 only, got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2, what, ": 2-D matrices only, got ", t.sizes());
-}
-
-// (N x r) -> (N x padded r), zero columns appended, contiguous
-at::Tensor pad_columns(const at::Tensor& m, int64_t cols) {
-  auto out = at::zeros({m.size(0), cols}, m.options());
-  out.narrow(1, 0, m.size(1)).copy_(m);
-  return out;
-}
 
 // c (rows x kp) = x (rows x n, row-major) @ wt (n x kp)
 template <typename T>

@@ -1,0 +1,225 @@
+"""Fused TT feed-forward blocks: the native kernel, tt_feed_forward and the fuse_feed_forward pass."""
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tncompile
+from tncompile.formats import TTLayout
+from tncompile.runtime import TTLinear, feed_forward
+from tncompile.runtime.feed_forward import ACTIVATIONS, tt_feed_forward, uses_fused_kernel
+from tncompile.runtime.native import native_kernels, native_ops, native_status
+from tncompile.zoo import small_encoder
+
+f64 = torch.float64
+
+
+@pytest.fixture(scope="module")
+def ops():
+    found = native_ops()
+    if found is None:
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail(f"a C++ compiler is here but the kernels did not build: {native_status()}")
+        pytest.skip("no C++ compiler: the native kernels cannot be built here")
+    return found
+
+
+@pytest.fixture
+def fuse_small(monkeypatch):
+    """Fuse from 1 row on, so that small shapes take the fused path."""
+    monkeypatch.setattr(feed_forward, "FUSE_MIN_ROWS", 1)
+    monkeypatch.setattr(feed_forward, "FUSE_FLOP_SLACK", 1e9)
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts calls of the fused autograd Function."""
+    calls = []
+    real = feed_forward._FusedFeedForward.apply
+
+    def counting(*args):
+        calls.append(args[2].shape)
+        return real(*args)
+    monkeypatch.setattr(feed_forward._FusedFeedForward, "apply", counting)
+    return calls
+
+
+def _tt(fin, fout, rank, dtype=torch.float32, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lay = TTLayout.for_shape(fin, fout, 2).with_ranks(rank)
+    tt = TTLinear.from_linear(nn.Linear(fin, fout, bias=bias).to(dtype), layout=lay, rank=None,
+                              init="random", generator=g)
+    with torch.no_grad():  # non-trivial gates and bias: both must reach the fused kernel
+        for gate in tt.gates:
+            gate.uniform_(0.5, 1.5, generator=g)
+        if bias:
+            tt.bias.normal_(generator=g)
+    return tt
+
+
+# (rows, r1, F, r2): rows off and on the kernel's 24-row chunks, ranks off the 8-column padding
+@pytest.mark.parametrize("M, K1, F_, K2", [(50, 5, 40, 3), (24, 8, 33, 16), (7, 13, 70, 9), (0, 4, 16, 4)])
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, f64])
+def test_kernel_matches_torch(ops, M, K1, F_, K2, activation, dtype):
+    g = torch.Generator().manual_seed(M + K1)
+    t = torch.randn(M, K1, generator=g, dtype=dtype, requires_grad=True)
+    w1 = torch.randn(K1, F_, generator=g, dtype=dtype, requires_grad=True)
+    b1 = torch.randn(F_, generator=g, dtype=dtype, requires_grad=True)
+    w2 = torch.randn(F_, K2, generator=g, dtype=dtype, requires_grad=True)
+    ref = ACTIVATIONS[activation](t @ w1 + b1) @ w2
+    du = torch.randn(M, K2, generator=g, dtype=dtype)
+    grads = torch.autograd.grad(ref, (t, w1, b1, w2), du)
+    tol = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-10}
+    torch.testing.assert_close(ops.ffn_forward(t, w1, b1, w2, activation), ref, **tol)
+    got = ops.ffn_backward(du, t, w1, b1, w2, activation, True, True, True, True)
+    for a, b in zip(got, grads):
+        torch.testing.assert_close(a, b, **tol)
+    # one gradient at a time, and no bias
+    ref_nb = ACTIVATIONS[activation](t @ w1) @ w2
+    d_w2 = torch.autograd.grad(ref_nb, w2, du)[0]
+    only = ops.ffn_backward(du, t, w1, None, w2, activation, False, False, False, True)
+    assert only[0] is None and only[1] is None and only[2] is None
+    torch.testing.assert_close(only[3], d_w2, **tol)
+
+
+def test_kernel_rejects_bad_input(ops):
+    t, w1, w2 = torch.randn(4, 3), torch.randn(3, 8), torch.randn(8, 2)
+    with pytest.raises(RuntimeError, match="unknown activation 'swish'"):
+        ops.ffn_forward(t, w1, None, w2, "swish")
+    with pytest.raises(RuntimeError, match=r"need t \(M x r1\), W1 \(r1 x F\), W2 \(F x r2\)"):
+        ops.ffn_forward(t, w1, None, torch.randn(7, 2), "gelu")
+    with pytest.raises(RuntimeError, match="b1 must have F = 8"):
+        ops.ffn_forward(t, w1, torch.randn(5), w2, "gelu")
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        ops.ffn_forward(t, w1.double(), None, w2, "gelu")
+    with pytest.raises(RuntimeError, match="du must be"):
+        ops.ffn_backward(torch.randn(4, 3), t, w1, None, w2, "gelu", True, True, True, True)
+
+
+def test_merged_factors_multiply_to_the_weight():
+    tt = _tt(30, 70, 5, dtype=f64)  # both dims padded to their modes
+    a, b = tt.merged_factors()
+    assert a.shape[1] == b.shape[0] == tt.layout.ranks[0]
+    torch.testing.assert_close((a @ b)[:30, :70], tt.weight().t())
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lead", [(9,), (2, 5)])
+def test_fused_block_equals_layers_in_sequence(ops, fuse_small, spy, activation, bias, lead):
+    first, second = _tt(30, 70, 4, f64, bias, seed=1), _tt(70, 20, 5, f64, bias, seed=2)
+    x = torch.randn(*lead, 30, dtype=f64, requires_grad=True)
+    ref = second(ACTIVATIONS[activation](first(x)))
+    params = [x, *first.parameters(), *second.parameters()]
+    g = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, params, g)
+    got_y = tt_feed_forward(x, first, second, activation)
+    assert spy and got_y.shape == ref.shape
+    torch.testing.assert_close(got_y, ref)
+    for a, b in zip(torch.autograd.grad(got_y, params, g), want):
+        torch.testing.assert_close(a, b)
+    # and against the dense matrices the networks stand for
+    dense = F.linear(ACTIVATIONS[activation](F.linear(x, first.weight(), first.bias)), second.weight(), second.bias)
+    torch.testing.assert_close(got_y, dense)
+
+
+@pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
+def test_fused_function_gradcheck(ops, activation):
+    g = torch.Generator().manual_seed(3)
+    shapes = [(7, 12), (12, 3), (3, 18), (18,), (18, 2), (2, 8), (8,)]  # x, A1, B1, b1, A2, B2, b2
+    args = [torch.randn(*s, generator=g, dtype=f64, requires_grad=True) for s in shapes]
+    if activation == "relu":  # keep pre-activations away from the kink, where finite differences break
+        with torch.no_grad():
+            args[3].add_(torch.sign(args[3]) * 3)
+
+    def block(*a):
+        return feed_forward._FusedFeedForward.apply(ops, activation, *a)
+    assert torch.autograd.gradcheck(block, tuple(args))
+
+
+def test_falls_back_where_the_kernel_does_not_apply(ops, spy):
+    first, second = _tt(30, 70, 4, seed=5), _tt(70, 20, 5, seed=6)
+    few = torch.randn(3, 30)
+    torch.testing.assert_close(tt_feed_forward(few, first, second, "relu"), second(F.relu(first(few))))
+    assert not spy  # 3 rows: below FUSE_MIN_ROWS
+    many = torch.randn(feed_forward.FUSE_MIN_ROWS, 30)
+    with native_kernels(False):
+        assert uses_fused_kernel(many, first, second) is None
+        torch.testing.assert_close(tt_feed_forward(many, first, second, "relu"), second(F.relu(first(many))))
+    assert not spy
+    dense1, dense2 = nn.Linear(30, 70), nn.Linear(70, 20)  # e.g. after to_dense(): plain modules run in sequence
+    torch.testing.assert_close(tt_feed_forward(many, dense1, dense2, "gelu"), dense2(F.gelu(dense1(many))))
+    assert not spy
+    assert uses_fused_kernel(many, first, second) is not None
+    tt_feed_forward(many, first, second, "relu")
+    assert spy
+    with pytest.raises(ValueError, match="unknown activation 'tanh'"):
+        tt_feed_forward(many, first, second, "tanh")
+
+
+def test_flop_guard_skips_blocks_where_merging_costs_more(ops, monkeypatch):
+    first, second = _tt(30, 70, 4, seed=7), _tt(70, 20, 5, seed=8)
+    x = torch.randn(feed_forward.FUSE_MIN_ROWS, 30)
+    monkeypatch.setattr(feed_forward, "FUSE_FLOP_SLACK", 1e-6)
+    assert uses_fused_kernel(x, first, second) is None
+    second.__dict__.pop("_fused_choice")
+    monkeypatch.setattr(feed_forward, "FUSE_FLOP_SLACK", 1e9)
+    assert uses_fused_kernel(x, first, second) is not None
+
+
+class _Block(nn.Module):
+    def __init__(self, act: nn.Module | None = None, tap: bool = False):
+        super().__init__()
+        self.up, self.down, self.act, self.tap = nn.Linear(64, 256), nn.Linear(256, 64), act, tap
+
+    def forward(self, x):
+        h = self.up(x)
+        a = self.act(h) if self.act is not None else F.gelu(h, approximate="tanh")
+        y = self.down(a)
+        return y + h.mean(-1, keepdim=True) if self.tap else y  # tap: h has a second user
+
+
+@pytest.mark.parametrize("act, name", [(None, "gelu_tanh"), (nn.GELU(), "gelu"), (nn.ReLU(), "relu")])
+def test_pass_fuses_the_pattern_and_keeps_outputs(act, name):
+    model = _Block(act)
+    x = torch.randn(3, 64)
+    fused = tncompile.compile(model, target_ratio=0.3)
+    plain = tncompile.compile(model, target_ratio=0.3, passes=tncompile.default_pipeline().remove("fuse_feed_forward"))
+    calls = [n for n in fused.program.graph.nodes if n.target is tt_feed_forward]
+    assert len(calls) == 1 and calls[0].args[3] == name
+    assert not any(n.op == "call_module" for n in fused.program.graph.nodes)  # up, act, down all folded in
+    assert set(fused.tensorized_modules()) == {"up", "down"}
+    torch.testing.assert_close(fused(x), plain(x))
+    text = fused.program.dump()
+    assert "= layer up  # TT" in text and "tt_feed_forward(%x, %up_1, %down_1, " in text
+    torch.testing.assert_close(fused.to_dense()(x), plain.to_dense()(x))
+
+
+def test_pass_leaves_shared_intermediates_alone():
+    compiled = tncompile.compile(_Block(tap=True), target_ratio=0.3)
+    assert not any(n.target is tt_feed_forward for n in compiled.program.graph.nodes)
+
+
+def test_fused_encoder_trains_saves_and_loads(ops, tmp_path):
+    model = small_encoder(d_model=64, d_ff=256, max_len=64).eval()
+    ids = torch.randint(1, 1000, (8, 64))  # 512 rows per linear: the fused kernel runs
+    compiled = tncompile.compile(model, target_ratio=0.2, example_inputs=(ids[:2],))
+    plain = tncompile.compile(model, target_ratio=0.2, example_inputs=(ids[:2],),
+                              passes=tncompile.default_pipeline().remove("fuse_feed_forward"))
+    plain.model.load_state_dict(compiled.model.state_dict())
+    assert sum(n.target is tt_feed_forward for n in compiled.program.graph.nodes) == 2
+    ff1, ff2 = compiled.model.get_submodule("layers.0.ff1"), compiled.model.get_submodule("layers.0.ff2")
+    assert uses_fused_kernel(torch.empty(512, 64), ff1, ff2) is not None
+    torch.testing.assert_close(compiled(ids), plain(ids), rtol=1e-5, atol=1e-5)
+    compiled(ids).square().sum().backward()
+    plain(ids).square().sum().backward()
+    for (name, p), q in zip(compiled.model.named_parameters(), plain.model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    path = tmp_path / "fused.tnc"
+    tncompile.save(compiled, path)
+    loaded = tncompile.load(path)
+    assert sum(n.target is tt_feed_forward for n in loaded.program.graph.nodes) == 2
+    assert torch.equal(loaded(ids), compiled(ids))

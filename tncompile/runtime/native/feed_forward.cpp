@@ -1,0 +1,210 @@
+// The wide middle of a feed-forward block of two TT linears, fused:
+//
+//   u = act(t @ W1 + b1) @ W2       t (M x r1), W1 (r1 x F), b1 (F), W2 (F x r2) -> u (M x r2)
+//
+// A TT linear contracted merge-cores-first is x -> x @ A -> (.) @ B + bias, so
+// in `second(act(first(x)))` the F-wide hidden activation (F = 3072 for a
+// BERT-base block) sits between first's expand (t @ B1 + b1) and second's
+// project ((.) @ A2). Unfused, a training step writes that activation, reads
+// it for the activation function, writes and reads the result, and in
+// backward does the same with their gradients: ~10 passes over M x F floats,
+// where the arithmetic around them (rank r1, r2 <= 64) is small. Here rows are
+// taken kRows at a time; a chunk's hidden activation lives in a per-thread
+// buffer that stays in cache, and backward recomputes it from t instead of
+// keeping it (so the block saves only t and u, not two M x F tensors).
+//
+// Backward, per chunk (y = t W1 + b1, g = act(y)):
+//   dW2 += g^T du,   dg = du W2^T,   dy = dg * act'(y),
+//   [dW1; db1] += [t, 1]^T dy,   dt = dy W1^T
+// with dW1, db1, dW2 accumulated per thread and summed at the end.
+//
+// The activation runs through ATen (at::gelu_, at::relu_, their backward) on
+// each cached chunk, so it is the exact function PyTorch computes.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "small_gemm.h"
+#include "tensor_checks.h"
+
+namespace tncompile_native {
+
+namespace {
+
+constexpr int64_t kRows = 24;  // rows per chunk: 24 x 3072 fp32 = 295 KB per buffer, within L2
+
+enum class Act { Gelu, GeluTanh, Relu };
+
+Act parse_activation(c10::string_view name) {
+  if (name == "gelu") return Act::Gelu;
+  if (name == "gelu_tanh") return Act::GeluTanh;
+  if (name == "relu") return Act::Relu;
+  TORCH_CHECK(false, "tt_feed_forward: unknown activation '", std::string(name),
+              "'; use 'gelu', 'gelu_tanh' or 'relu'");
+}
+
+void activate_(at::Tensor& y, Act act) {
+  switch (act) {
+    case Act::Gelu: at::gelu_(y, "none"); break;
+    case Act::GeluTanh: at::gelu_(y, "tanh"); break;
+    case Act::Relu: at::relu_(y); break;
+  }
+}
+
+// grad (dL/d act(y)) becomes dL/dy, in place
+void activation_backward_(at::Tensor& grad, const at::Tensor& y, Act act) {
+  switch (act) {
+    case Act::Gelu: at::gelu_backward_out(grad, grad, y, "none"); break;
+    case Act::GeluTanh: at::gelu_backward_out(grad, grad, y, "tanh"); break;
+    case Act::Relu: at::threshold_backward_out(grad, grad, y, 0); break;
+  }
+}
+
+struct Shapes {
+  int64_t M, K1, F, K2;
+};
+
+Shapes check_shapes(const at::Tensor& t, const at::Tensor& w1, const c10::optional<at::Tensor>& b1,
+                    const at::Tensor& w2, const char* what) {
+  check_cpu_float(t, what);
+  check_cpu_float(w1, what);
+  check_cpu_float(w2, what);
+  TORCH_CHECK(w1.scalar_type() == t.scalar_type() && w2.scalar_type() == t.scalar_type(), what,
+              ": t, W1 and W2 must share a dtype");
+  const Shapes s{t.size(0), t.size(1), w1.size(1), w2.size(1)};
+  TORCH_CHECK(w1.size(0) == s.K1 && w2.size(0) == s.F, what, ": need t (M x r1), W1 (r1 x F), W2 (F x r2), got ",
+              t.sizes(), ", ", w1.sizes(), ", ", w2.sizes());
+  if (b1.has_value() && b1->defined())
+    TORCH_CHECK(b1->numel() == s.F && b1->scalar_type() == t.scalar_type(), what, ": b1 must have F = ", s.F,
+                " elements of t's dtype");
+  return s;
+}
+
+// Static split of the row chunks over threads: each part owns one set of buffers.
+int64_t parts_for(int64_t chunks) { return std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), chunks)); }
+
+}  // namespace
+
+at::Tensor ffn_forward(const at::Tensor& t_, const at::Tensor& w1_, const c10::optional<at::Tensor>& b1_,
+                       const at::Tensor& w2_, c10::string_view activation) {
+  const Shapes s = check_shapes(t_, w1_, b1_, w2_, "tt_feed_forward");
+  const Act act = parse_activation(activation);
+  const auto t = t_.contiguous(), w1 = w1_.contiguous();
+  const int64_t K2P = padded_rank(s.K2);
+  const auto w2p = pad_columns(w2_, K2P);
+  const auto b1 = (b1_.has_value() && b1_->defined()) ? b1_->contiguous() : at::Tensor();
+  auto out = at::empty({s.M, K2P}, t.options());
+  const int64_t chunks = (s.M + kRows - 1) / kRows, parts = parts_for(chunks), per = (chunks + parts - 1) / parts;
+  AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "ffn_forward", [&] {
+    const scalar_t* tp = t.data_ptr<scalar_t>();
+    const scalar_t* w1p = w1.data_ptr<scalar_t>();
+    const scalar_t* w2pp = w2p.data_ptr<scalar_t>();
+    const scalar_t* bp = b1.defined() ? b1.data_ptr<scalar_t>() : nullptr;
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+      auto hidden = at::empty({kRows, s.F}, t.options());
+      scalar_t* hp = hidden.data_ptr<scalar_t>();
+      for (int64_t part = p0; part < p1; ++part)
+        for (int64_t c = part * per; c < std::min(chunks, (part + 1) * per); ++c) {
+          const int64_t m0 = c * kRows, rows = std::min(kRows, s.M - m0);
+          small_gemm<scalar_t>(tp + m0 * s.K1, s.K1, 1, w1p, s.F, hp, s.F, rows, s.K1, s.F, false, bp);
+          auto h = hidden.narrow(0, 0, rows);
+          activate_(h, act);
+          small_gemm<scalar_t>(hp, s.F, 1, w2pp, K2P, op + m0 * K2P, K2P, rows, s.F, K2P, false);
+        }
+    });
+  });
+  return K2P == s.K2 ? out : out.narrow(1, 0, s.K2);
+}
+
+std::vector<at::Tensor> ffn_backward(const at::Tensor& du_, const at::Tensor& t_, const at::Tensor& w1_,
+                                     const c10::optional<at::Tensor>& b1_, const at::Tensor& w2_,
+                                     c10::string_view activation, bool need_t, bool need_w1, bool need_b1,
+                                     bool need_w2) {
+  const Shapes s = check_shapes(t_, w1_, b1_, w2_, "tt_feed_forward backward");
+  check_cpu_float(du_, "tt_feed_forward backward");
+  TORCH_CHECK(du_.size(0) == s.M && du_.size(1) == s.K2, "tt_feed_forward backward: du must be (", s.M, " x ", s.K2,
+              "), got ", du_.sizes());
+  const Act act = parse_activation(activation);
+  const auto opts = t_.options();
+  const auto t = t_.contiguous(), w1 = w1_.contiguous();
+  const int64_t K2P = padded_rank(s.K2);
+  const auto du = pad_columns(du_.to(t.scalar_type()), K2P);  // whole vectors for dW2's columns
+  const auto w2t = w2_.t().contiguous();  // (r2 x F): dg = du @ W2^T as a row-major product
+  const auto b1 = (b1_.has_value() && b1_->defined()) ? b1_->contiguous() : at::Tensor();
+  const int64_t K1P = padded_rank(s.K1);
+  const auto w1t = need_t ? pad_columns(w1.t(), K1P) : at::Tensor();  // (F x r1 padded)
+  need_b1 = need_b1 && b1.defined();
+  // t with a ones column: db1 is one more row of dW1's product
+  const int64_t KE = s.K1 + (need_b1 ? 1 : 0);
+  at::Tensor te;
+  if (need_w1 || need_b1) {
+    te = at::empty({s.M, KE}, opts);
+    if (need_w1) te.narrow(1, 0, s.K1).copy_(t); else te.narrow(1, 0, s.K1).zero_();
+    if (need_b1) te.select(1, s.K1).fill_(1);
+  }
+  const int64_t chunks = (s.M + kRows - 1) / kRows, parts = parts_for(chunks), per = (chunks + parts - 1) / parts;
+  auto dt = need_t ? at::empty({s.M, K1P}, opts) : at::Tensor();
+  auto acc1 = te.defined() ? at::zeros({parts, KE, s.F}, opts) : at::Tensor();   // per-thread [dW1; db1]
+  auto acc2 = need_w2 ? at::zeros({parts, s.F, K2P}, opts) : at::Tensor();        // per-thread dW2
+  AT_DISPATCH_FLOATING_TYPES(t.scalar_type(), "ffn_backward", [&] {
+    const scalar_t* tp = t.data_ptr<scalar_t>();
+    const scalar_t* w1p = w1.data_ptr<scalar_t>();
+    const scalar_t* w2tp = w2t.data_ptr<scalar_t>();
+    const scalar_t* w1tp = need_t ? w1t.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* bp = b1.defined() ? b1.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* dup = du.data_ptr<scalar_t>();
+    const scalar_t* tep = te.defined() ? te.data_ptr<scalar_t>() : nullptr;
+    scalar_t* dtp = need_t ? dt.data_ptr<scalar_t>() : nullptr;
+    scalar_t* a1p = acc1.defined() ? acc1.data_ptr<scalar_t>() : nullptr;
+    scalar_t* a2p = need_w2 ? acc2.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+      auto pre = at::empty({kRows, s.F}, opts), work = at::empty({kRows, s.F}, opts);
+      scalar_t* yp = pre.data_ptr<scalar_t>();
+      scalar_t* wp = work.data_ptr<scalar_t>();
+      for (int64_t part = p0; part < p1; ++part)
+        for (int64_t c = part * per; c < std::min(chunks, (part + 1) * per); ++c) {
+          const int64_t m0 = c * kRows, rows = std::min(kRows, s.M - m0);
+          const scalar_t* duc = dup + m0 * K2P;
+          auto y = pre.narrow(0, 0, rows), g = work.narrow(0, 0, rows);
+          small_gemm<scalar_t>(tp + m0 * s.K1, s.K1, 1, w1p, s.F, yp, s.F, rows, s.K1, s.F, false, bp);
+          if (need_w2) {  // dW2 += act(y)^T du
+            g.copy_(y);
+            activate_(g, act);
+            small_gemm<scalar_t>(wp, 1, s.F, duc, K2P, a2p + part * s.F * K2P, K2P, s.F, rows, K2P, true);
+          }
+          if (!need_t && !tep) continue;
+          // dg = du W2^T, then dy = dg * act'(y), in the work buffer
+          small_gemm<scalar_t>(duc, K2P, 1, w2tp, s.F, wp, s.F, rows, s.K2, s.F, false);
+          activation_backward_(g, y, act);
+          if (tep)  // [dW1; db1] += [t, 1]^T dy
+            small_gemm<scalar_t>(tep + m0 * KE, 1, KE, wp, s.F, a1p + part * KE * s.F, s.F, KE, rows, s.F, true);
+          if (need_t)  // dt = dy W1^T
+            small_gemm<scalar_t>(wp, s.F, 1, w1tp, K1P, dtp + m0 * K1P, K1P, rows, s.F, K1P, false);
+        }
+    });
+  });
+  at::Tensor d_t, d_w1, d_b1, d_w2;
+  if (need_t) d_t = K1P == s.K1 ? dt : dt.narrow(1, 0, s.K1);
+  if (acc1.defined()) {
+    const auto total = acc1.sum(0);
+    if (need_w1) d_w1 = total.narrow(0, 0, s.K1);
+    if (need_b1) d_b1 = total.select(0, s.K1);
+  }
+  if (need_w2) d_w2 = acc2.sum(0).narrow(1, 0, s.K2);
+  return {d_t, d_w1, d_b1, d_w2};
+}
+
+}  // namespace tncompile_native
+
+TORCH_LIBRARY_FRAGMENT(tncompile, m) {
+  m.def("ffn_forward(Tensor t, Tensor w1, Tensor? b1, Tensor w2, str activation) -> Tensor",
+        tncompile_native::ffn_forward);
+  m.def("ffn_backward(Tensor du, Tensor t, Tensor w1, Tensor? b1, Tensor w2, str activation, bool need_t, "
+        "bool need_w1, bool need_b1, bool need_w2) -> Tensor[]",
+        tncompile_native::ffn_backward);
+}
