@@ -133,16 +133,24 @@ def bench_embedding() -> dict:
 
 
 def bench_six_encoder(batch: int, reps: int) -> dict:
+    """One AdamW train step of the paper's six-encoder: the dense model, the
+    compiled one (default pipeline), and the compiled one without the
+    ``lower_dropout`` pass (PyTorch's dropout, i.e. only the TT rewrite and
+    its fusion differ from dense)."""
     import tncompile
     from tncompile.zoo import six_encoder
     torch.manual_seed(0)
     dense = six_encoder()
+    example = (torch.randint(1, 30522, (2, 128)),)
     compiled = tncompile.compile(dense, target_ratio=1 / 44.9, init="random", batch_sizes=[batch],
-                                 example_inputs=(torch.randint(1, 30522, (2, 128)),))
+                                 example_inputs=example)
+    torch_dropout = tncompile.compile(dense, target_ratio=1 / 44.9, init="random", batch_sizes=[batch],
+                                      example_inputs=example,
+                                      passes=tncompile.default_pipeline().remove("lower_dropout"))
     x = torch.randint(1, 30522, (batch, 128))
     y = torch.randint(0, 3, (batch,))
     steps = {}
-    for name, model in (("dense", dense), ("compiled", compiled)):
+    for name, model in (("dense", dense), ("compiled", compiled), ("compiled, torch dropout", torch_dropout)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step(model=model, opt=opt):
@@ -151,10 +159,11 @@ def bench_six_encoder(batch: int, reps: int) -> dict:
             loss.backward()
             opt.step()
         steps[name] = step
-    # round-robin: same machine noise for both; 5 alternating warm-up rounds let the heap settle
+    # round-robin: same machine noise for all; 5 alternating warm-up rounds let the heap settle
     # (the compiled step stops page-faulting after 3 steps on its own; alternating with dense takes longer)
     out = {k: v / 1000 for k, v in interleaved_ms(steps, reps, warmup=5).items()}
     return {"batch": batch, "seq": 128, "step_s": out, "speedup": out["dense"] / out["compiled"],
+            "speedup_torch_dropout": out["dense"] / out["compiled, torch dropout"],
             "ratio": compiled.ratio, "breakdown_ms": {k: step_breakdown(fn) for k, fn in steps.items()}}
 
 
@@ -162,12 +171,13 @@ def bench_six_encoder(batch: int, reps: int) -> dict:
 STEP_CATEGORIES = {
     "GEMMs (linear / TT layers)": ("aten::mm", "aten::addmm", "tncompile::thin_expand",
                                    "tncompile::thin_project", "tncompile::thin_expand_backward"),
+    "fused TT feed-forward": ("tncompile::ffn_forward", "tncompile::ffn_backward"),  # their GELU: under GELU
     "embedding lookups": ("aten::embedding_dense_backward", "aten::index_select",
                           "tncompile::gathered_product", "tncompile::gathered_product_backward"),
-    "dropout RNG": ("aten::bernoulli_",),
+    "dropout masks": ("aten::bernoulli_", "tncompile::dropout_forward", "tncompile::dropout_backward"),
     "attention batched matmuls": ("aten::bmm",),
     "softmax": ("aten::_softmax", "aten::_softmax_backward_data"),
-    "GELU": ("aten::gelu", "aten::gelu_backward"),
+    "GELU": ("aten::gelu", "aten::gelu_", "aten::gelu_backward"),
     "layer norm": ("aten::native_layer_norm", "aten::native_layer_norm_backward"),
 }
 
@@ -245,12 +255,14 @@ def main() -> None:
     print("  with the AdamW step of the table's parameters: "
           + ", ".join(f"{k} {v:.1f} ms" for k, v in emb["ms_with_adamw_step"].items())
           + f" -> TTM / nn.Embedding {emb['planned_over_dense_time_with_adamw']:.2f}x")
-    print(f"\nsix-encoder train step, batch {six['batch']}x128: dense {six['step_s']['dense']:.2f}s, "
-          f"compiled {six['step_s']['compiled']:.2f}s -> {six['speedup']:.2f}x  (ratio {six['ratio']:.4f})")
-    print("  where a profiled step's time goes (ms, mean of 3 steps):")
+    print(f"\nsix-encoder train step, batch {six['batch']}x128 (ratio {six['ratio']:.4f}): "
+          + ", ".join(f"{k} {v:.2f}s" for k, v in six["step_s"].items())
+          + f" -> {six['speedup']:.2f}x ({six['speedup_torch_dropout']:.2f}x with torch's dropout)")
+    print("  where a profiled step's time goes (ms, mean of 3 steps; profiling slows memory-bound ops):")
+    names = list(six["breakdown_ms"])
+    print(f"    {'':28s}" + "".join(f"{n:>25s}" for n in names))
     for cat in six["breakdown_ms"]["dense"]:
-        print(f"    {cat:28s} dense {six['breakdown_ms']['dense'][cat]:9.1f}   "
-              f"compiled {six['breakdown_ms']['compiled'][cat]:9.1f}")
+        print(f"    {cat:28s}" + "".join(f"{six['breakdown_ms'][n][cat]:25.1f}" for n in names))
     print(f"\nwrote {path} and {path.with_name('layers_speedup.png')}")
 
 

@@ -89,7 +89,7 @@ def test_to_dense_matches_and_save_load_identical(tmp_path):
     assert torch.equal(loaded(ids), compiled(ids))
     assert loaded.ratio == compiled.ratio
     assert [r.name for r in loaded.program.history] == ["tensorize", "assign_ranks", "decompose", "plan_contractions",
-                                                          "fuse_feed_forward"]
+                                                          "fuse_feed_forward", "lower_dropout"]
     # state_dict round trip into a fresh load
     with torch.no_grad():
         for p in compiled.parameters():
@@ -129,7 +129,8 @@ def test_dumps_written_for_every_pass(tmp_path, monkeypatch):
     assert names == ["00-trace.json", "00-trace.txt", "01-tensorize.json", "01-tensorize.txt",
                      "02-assign_ranks.json", "02-assign_ranks.txt", "03-decompose.json",
                      "03-decompose.txt", "04-plan_contractions.json", "04-plan_contractions.txt",
-                     "05-fuse_feed_forward.json", "05-fuse_feed_forward.txt"]
+                     "05-fuse_feed_forward.json", "05-fuse_feed_forward.txt",
+                     "06-lower_dropout.json", "06-lower_dropout.txt"]
     text = (tmp_path / "env" / "03-decompose.txt").read_text()
     assert "TT 4x4x4->4x8x4" in text or "TT " in text
     doc = json.loads((tmp_path / "env" / "03-decompose.json").read_text())

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_default_pipeline_is_named_and_editable():
     pipe = tncompile.default_pipeline()
-    assert pipe.names == ["tensorize", "assign_ranks", "decompose", "plan_contractions", "fuse_feed_forward"]
+    assert pipe.names == ["tensorize", "assign_ranks", "decompose", "plan_contractions", "fuse_feed_forward",
+                          "lower_dropout"]
 
     class A(tncompile.Pass):
         name = "a"
@@ -27,14 +28,14 @@ def test_default_pipeline_is_named_and_editable():
 
     pipe.insert_before("assign-ranks", A()).insert_after("decompose", "tensorize")
     assert pipe.names == ["tensorize", "a", "assign_ranks", "decompose", "tensorize", "plan_contractions",
-                          "fuse_feed_forward"]
+                          "fuse_feed_forward", "lower_dropout"]
     pipe.remove("a").replace("decompose", get_pass("decompose")).remove("plan-contractions")
-    pipe.remove("fuse-feed-forward")
+    pipe.remove("fuse-feed-forward").remove("lower_dropout")
     assert pipe.names == ["tensorize", "assign_ranks", "decompose", "tensorize"]
     with pytest.raises(ValueError, match="no pass named 'nope'"):
         pipe.remove("nope")
     assert tncompile.default_pipeline().names == ["tensorize", "assign_ranks", "decompose",
-                                                  "plan_contractions", "fuse_feed_forward"]
+                                                  "plan_contractions", "fuse_feed_forward", "lower_dropout"]
 
 
 def test_register_pass_function_and_duplicate():

@@ -10,6 +10,8 @@ Where PyTorch has no fast op for what a TT/TTM layer needs:
 * ``tt_chain.cpp``: a whole TT linear over 1-2 rows in one call each way;
 * ``feed_forward.cpp``: ``act(t @ W1 + b1) @ W2``, the wide middle of a
   block of two TT linears, without writing its hidden activation to memory;
+* ``dropout.cpp``: dropout with a counter-based (Philox) generator, one pass
+  each way and a one-byte mask;
 * ``small_gemm.h``: the register-blocked small GEMM they share
   (``tensor_checks.h``: their argument checks).
 
@@ -38,7 +40,8 @@ __all__ = ["native_ops", "native_status", "native_kernels", "kernels_for"]
 
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _SOURCES = [str(Path(__file__).with_name(name))
-            for name in ("gathered_product.cpp", "thin_gemm.cpp", "tt_chain.cpp", "feed_forward.cpp")]
+            for name in ("gathered_product.cpp", "thin_gemm.cpp", "tt_chain.cpp", "feed_forward.cpp",
+                         "dropout.cpp")]
 _lock = threading.Lock()
 _state: dict = {"ops": None, "tried": False, "error": None, "enabled": True}
 log = logging.getLogger("tncompile.native")
