@@ -237,7 +237,7 @@ def test_tt_linear_chain_at_few_rows_matches_planned_and_dense(ops, monkeypatch,
         return [y.detach(), x.grad, *[p.grad for p in layer.parameters()]]
 
     chained = run(True)
-    assert calls[:2] == ["tt_chain_forward", "tt_chain_backward"]
+    assert calls[:1] == ["tt_chain"]  # one op; its C++ autograd node runs the backward
     planned = run(False)
     for a, b in zip(chained, planned):
         torch.testing.assert_close(a, b)

@@ -6,7 +6,7 @@ than the dense matrix-vector product it replaces. Up to :data:`CHAIN_ROWS`
 rows (measured crossover, see the README), :class:`TTLinear` instead runs
 ``tncompile::tt_chain_forward`` / ``tt_chain_backward`` (:mod:`.native`):
 the input walks through the cores one by one, gates included, inside one
-C++ call, and the autograd graph holds a single node.
+C++ call, and the autograd graph holds a single node (built in C++).
 
 Everywhere the native kernels do not apply (no compiler, CUDA, bf16 or
 autocast, ``torch.compile`` tracing, more rows) the planned executor runs.
@@ -21,7 +21,7 @@ from ..formats.layout import TTLayout
 from ..ir.plan import ContractionPlan
 from .native import kernels_for
 
-__all__ = ["CHAIN_ROWS", "chain_kernels", "chain_macs", "TTChain"]
+__all__ = ["CHAIN_ROWS", "chain_kernels", "chain_macs", "tt_chain"]
 
 # Up to this many rows one native chain call beats the planned executor: at one token by
 # 1.35-1.74x over 768<->3072 layers at ranks 8-64; from 4 rows it loses at some shapes
@@ -60,27 +60,11 @@ def chain_kernels(x: torch.Tensor, layout: TTLayout, plan_for, rows: int, cache:
     return kernels_for(x) if cheap else None
 
 
-class TTChain(torch.autograd.Function):
-    """``x (rows, *in_modes) -> (rows, out)`` through cores (input cores first) and gates."""
-
-    @staticmethod
-    def forward(ctx, ops, n_in: int, x: torch.Tensor, bias: torch.Tensor | None, *params: torch.Tensor):
-        n_cores = (len(params) + 1) // 2
-        cores, gates = list(params[:n_cores]), list(params[n_cores:])
-        ctx.x_shape = x.shape
-        x = x.reshape(x.shape[0], -1)  # inside the Function: no autograd node of its own
-        y, *us = ops.tt_chain_forward(x, cores, gates, bias, n_in)
-        ctx.ops, ctx.n_in, ctx.has_bias, ctx.n_cores = ops, n_in, bias is not None, n_cores
-        ctx.save_for_backward(x, *params, *us)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        saved = ctx.saved_tensors
-        n = ctx.n_cores
-        x, cores, gates, us = saved[0], saved[1:1 + n], saved[1 + n:2 * n], saved[2 * n:]
-        dx, *rest = ctx.ops.tt_chain_backward(grad, x, list(cores), list(gates), list(us), ctx.has_bias, ctx.n_in)
-        d_cores, d_gates, d_bias = rest[:n], rest[n:2 * n - 1], rest[-1]
-        needs = ctx.needs_input_grad
-        return (None, None, dx.reshape(ctx.x_shape) if needs[2] else None, d_bias if ctx.has_bias and needs[3] else None,
-                *[g if need else None for g, need in zip([*d_cores, *d_gates], needs[4:])])
+def tt_chain(ops, n_in: int, x: torch.Tensor, bias: torch.Tensor | None, cores: list[torch.Tensor],
+             gates: list[torch.Tensor]) -> torch.Tensor:
+    """``x (rows, *in_modes) -> (rows, out)`` through ``cores`` (input cores
+    first, ``n_in`` of them) and ``gates``, plus ``bias``: one
+    ``tncompile::tt_chain`` call, whose autograd node (built in C++, not a
+    Python ``autograd.Function``: at one row the Python machinery costs as
+    much as the arithmetic) runs ``tt_chain_backward``."""
+    return ops.tt_chain(x, cores, gates, bias, n_in)

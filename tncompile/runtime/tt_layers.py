@@ -24,7 +24,7 @@ from ..ir.lookup_plan import LookupPlan, plan_lookup
 from ..ir.plan import ContractionPlan, bucket_of, plan_contraction
 from .executor import autocast_state, contract, same_autocast
 from .native import kernels_for
-from .tt_chain import TTChain, chain_kernels
+from .tt_chain import chain_kernels, tt_chain
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of"]
 
@@ -283,8 +283,8 @@ class TTLinear(TNModule):
         rows = h.shape[0]
         ops = chain_kernels(h, self.layout, self.plan_for, rows, self.__dict__.setdefault("_chain_choice", {}))
         if ops is not None:
-            params = [*self.cores._parameters.values(), *self.gates._parameters.values()]
-            return TTChain.apply(ops, len(self.layout.in_modes), h, bias, *params)
+            return tt_chain(ops, len(self.layout.in_modes), h, bias, list(self.cores._parameters.values()),
+                            list(self.gates._parameters.values()))
         return contract(self.plan_for(rows), [h, *_drop_boundary(self.scaled_cores())], bias)
 
     def to_dense_module(self) -> nn.Linear:

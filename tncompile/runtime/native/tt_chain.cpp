@@ -14,6 +14,9 @@
 //                  with h_0 = x viewed (rows, m_1, R_1), R_k = m_{k+1} ... m_d
 //   output core j: u[row] (P x n r') = h[row] (P x r) @ G (r x n r'), P = n_1 ... n_{j-1}
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -218,12 +221,86 @@ std::vector<at::Tensor> tt_chain_backward(const at::Tensor& grad_, const at::Ten
   return out;
 }
 
+// The whole layer as one autograd node, built in C++: at a few rows the per-call
+// cost of a Python autograd.Function (apply, saved-tensor unpacking, the Python
+// backward) is as large as the arithmetic.
+namespace {
+
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+struct TTChainBackward : public torch::autograd::Node {
+  SavedVariable x;
+  std::vector<SavedVariable> cores, gates, us;
+  bool has_bias = false;
+  int64_t n_in = 0;
+
+  std::string name() const override { return "TTChainBackward"; }
+
+  void release_variables() override {
+    x.reset_data();
+    for (auto* list : {&cores, &gates, &us})
+      for (auto& v : *list) v.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    auto unpack = [&](const std::vector<SavedVariable>& saved) {
+      std::vector<at::Tensor> out;
+      out.reserve(saved.size());
+      for (const auto& v : saved) out.push_back(v.unpack(getptr()));
+      return out;
+    };
+    const auto input = x.unpack(getptr());
+    const auto& grad = grads[0];
+    const auto grad2d = grad.defined() ? grad.reshape({grad.size(0), -1}) : at::Tensor();
+    const auto x2d = input.reshape({input.size(0), -1});
+    variable_list out(num_outputs());
+    if (!grad.defined()) return out;
+    auto results = tt_chain_backward(grad2d, x2d, unpack(cores), unpack(gates), unpack(us), has_bias, n_in);
+    out[0] = results[0].reshape(input.sizes());
+    for (size_t i = 1; i < out.size(); ++i)
+      if (should_compute_output(i) && results[i].defined()) out[i] = results[i];
+    return out;
+  }
+};
+
+}  // namespace
+
+// x (rows, ...) -> y (rows, out features); the autograd node holds x, the
+// parameters and the intermediates
+at::Tensor tt_chain(const at::Tensor& x, at::TensorList cores, at::TensorList gates,
+                    const c10::optional<at::Tensor>& bias, int64_t n_in) {
+  std::vector<at::Tensor> outs;
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    outs = tt_chain_forward(x.reshape({x.size(0), -1}), cores.vec(), gates.vec(), bias, n_in);
+  }
+  at::Tensor y = outs[0];
+  const at::Tensor bias_t = bias.has_value() ? *bias : at::Tensor();
+  if (torch::autograd::compute_requires_grad(x, cores, gates, bias_t)) {
+    auto node = c10::make_intrusive<TTChainBackward>();
+    node->set_next_edges(torch::autograd::collect_next_edges(x, cores, gates, bias_t));
+    node->x = SavedVariable(x, false);
+    for (const auto& c : cores) node->cores.emplace_back(c, false);
+    for (const auto& g : gates) node->gates.emplace_back(g, false);
+    for (size_t i = 1; i < outs.size(); ++i) node->us.emplace_back(outs[i], false);
+    node->has_bias = bias_t.defined();
+    node->n_in = n_in;
+    torch::autograd::set_history(y, node);
+  }
+  return y;
+}
+
 }  // namespace tncompile_native
 
 TORCH_LIBRARY_FRAGMENT(tncompile, m) {
+  m.def("tt_chain(Tensor x, Tensor[] cores, Tensor[] gates, Tensor? bias, int n_in) -> Tensor");
   m.def("tt_chain_forward(Tensor x, Tensor[] cores, Tensor[] gates, Tensor? bias, int n_in) -> Tensor[]",
         tncompile_native::tt_chain_forward);
   m.def("tt_chain_backward(Tensor grad, Tensor x, Tensor[] cores, Tensor[] gates, Tensor[] us, bool has_bias, "
         "int n_in) -> Tensor[]",
         tncompile_native::tt_chain_backward);
 }
+
+TORCH_LIBRARY_IMPL(tncompile, Autograd, m) { m.impl("tt_chain", tncompile_native::tt_chain); }
+TORCH_LIBRARY_IMPL(tncompile, CPU, m) { m.impl("tt_chain", tncompile_native::tt_chain); }
