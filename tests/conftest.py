@@ -1,4 +1,5 @@
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,35 @@ def data_dir():
     if not DATA.exists():
         pytest.skip(f"shared data not found at {DATA} (set TNCOMPILE_SHARED_DATA)")
     return DATA
+
+
+@pytest.fixture(scope="session")
+def ops():
+    """The native CPU kernels (``torch.ops.tncompile``); a failed build where a
+    C++ compiler exists fails the test, no compiler skips it."""
+    from tncompile.runtime.native import native_ops, native_status
+    found = native_ops()
+    if found is None:
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail(f"a C++ compiler is here but the kernels did not build: {native_status()}")
+        pytest.skip("no C++ compiler: the native kernels cannot be built here")
+    return found
+
+
+@pytest.fixture
+def call_spy(monkeypatch):
+    """``call_spy(function_class, arg)`` patches ``function_class.apply`` to
+    record ``args[arg].shape`` of every call, and returns that list."""
+    def install(function_class, arg: int) -> list:
+        calls = []
+        real = function_class.apply
+
+        def counting(*args):
+            calls.append(args[arg].shape)
+            return real(*args)
+        monkeypatch.setattr(function_class, "apply", counting)
+        return calls
+    return install
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,6 +1,5 @@
 """Native dropout (Philox masks): statistics, gradients, reproducibility, and the lower_dropout pass."""
 import math
-import shutil
 
 import pytest
 import torch
@@ -10,30 +9,14 @@ from torch import nn
 import tncompile
 from tncompile.runtime import dropout as dropout_mod
 from tncompile.runtime.dropout import FastDropout, dropout
-from tncompile.runtime.native import native_kernels, native_ops, native_status
+from tncompile.runtime.native import native_kernels
 from tncompile.zoo import small_encoder
 
 
-@pytest.fixture(scope="module")
-def ops():
-    found = native_ops()
-    if found is None:
-        if shutil.which("c++") or shutil.which("g++"):
-            pytest.fail(f"a C++ compiler is here but the kernels did not build: {native_status()}")
-        pytest.skip("no C++ compiler: the native kernels cannot be built here")
-    return found
-
-
 @pytest.fixture
-def spy(monkeypatch):
-    calls = []
-    real = dropout_mod._NativeDropout.apply
-
-    def counting(*args):
-        calls.append(args[1].shape)
-        return real(*args)
-    monkeypatch.setattr(dropout_mod._NativeDropout, "apply", counting)
-    return calls
+def spy(call_spy):
+    """Shapes of the inputs of every native dropout call."""
+    return call_spy(dropout_mod._NativeDropout, 1)
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])

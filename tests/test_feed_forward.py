@@ -1,5 +1,4 @@
 """Fused TT feed-forward blocks: the native kernel, tt_feed_forward and the fuse_feed_forward pass."""
-import shutil
 
 import pytest
 import torch
@@ -10,20 +9,10 @@ import tncompile
 from tncompile.formats import TTLayout
 from tncompile.runtime import TTLinear, feed_forward
 from tncompile.runtime.feed_forward import ACTIVATIONS, tt_feed_forward, uses_fused_kernel
-from tncompile.runtime.native import native_kernels, native_ops, native_status
+from tncompile.runtime.native import native_kernels
 from tncompile.zoo import small_encoder
 
 f64 = torch.float64
-
-
-@pytest.fixture(scope="module")
-def ops():
-    found = native_ops()
-    if found is None:
-        if shutil.which("c++") or shutil.which("g++"):
-            pytest.fail(f"a C++ compiler is here but the kernels did not build: {native_status()}")
-        pytest.skip("no C++ compiler: the native kernels cannot be built here")
-    return found
 
 
 @pytest.fixture
@@ -34,16 +23,9 @@ def fuse_small(monkeypatch):
 
 
 @pytest.fixture
-def spy(monkeypatch):
-    """Counts calls of the fused autograd Function."""
-    calls = []
-    real = feed_forward._FusedFeedForward.apply
-
-    def counting(*args):
-        calls.append(args[2].shape)
-        return real(*args)
-    monkeypatch.setattr(feed_forward._FusedFeedForward, "apply", counting)
-    return calls
+def spy(call_spy):
+    """Shapes of the inputs of every fused autograd Function call."""
+    return call_spy(feed_forward._FusedFeedForward, 2)
 
 
 def _tt(fin, fout, rank, dtype=torch.float32, bias=True, seed=0):

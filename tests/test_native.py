@@ -1,6 +1,5 @@
 """The native gathered-product kernel (TTM lookups) against the eager path and the dense table."""
 import os
-import shutil
 import subprocess
 import sys
 
@@ -10,20 +9,9 @@ from torch import nn
 
 from tncompile.runtime import TTMEmbedding, TTMTiedLinear
 from tncompile.runtime import tt_layers
-from tncompile.runtime.native import native_ops, native_status
 from tncompile.runtime.tt_layers import _GatheredProduct
 
 f64 = torch.float64
-
-
-@pytest.fixture(scope="module")
-def ops():
-    found = native_ops()
-    if found is None:
-        if shutil.which("c++") or shutil.which("g++"):
-            pytest.fail(f"a C++ compiler is here but the kernels did not build: {native_status()}")
-        pytest.skip("no C++ compiler: the native kernels cannot be built here")
-    return found
 
 
 def _eager(left, right, i, j, grad):

@@ -18,7 +18,6 @@ import math
 import torch
 
 from ..formats.layout import TTLayout
-from ..ir.plan import ContractionPlan
 from .native import kernels_for
 
 __all__ = ["CHAIN_ROWS", "chain_kernels", "chain_macs", "tt_chain"]
