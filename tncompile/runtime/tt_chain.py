@@ -4,9 +4,10 @@ At a few tokens the planned executor's ~20 GEMMs and the gate products cost
 more in per-op overhead than in arithmetic, and the layer ends up slower
 than the dense matrix-vector product it replaces. Up to :data:`CHAIN_ROWS`
 rows (measured crossover, see the README), :class:`TTLinear` instead runs
-``tncompile::tt_chain_forward`` / ``tt_chain_backward`` (:mod:`.native`):
-the input walks through the cores one by one, gates included, inside one
-C++ call, and the autograd graph holds a single node (built in C++).
+``tncompile::tt_chain`` (:mod:`.native`): the input walks through the cores
+one by one, gates included, inside one C++ call, and the autograd graph
+holds a single node built in C++ (``TTChainBackward``, which runs
+``tt_chain_backward``).
 
 Everywhere the native kernels do not apply (no compiler, CUDA, bf16 or
 autocast, ``torch.compile`` tracing, more rows) the planned executor runs.
