@@ -278,7 +278,7 @@ class TTLinear(TNModule):
                              lay.padded_out, self._contract_rows)
 
     def _contract_rows(self, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``h (rows, *in_modes)`` through the network: at 1-2 rows one native
+        """``h (rows, *in_modes)`` through the network: at a few rows one native
         chain call each way (:mod:`.tt_chain`), otherwise the planned order."""
         rows = h.shape[0]
         ops = chain_kernels(h, self.layout, self.plan_for, rows, self.__dict__.setdefault("_chain_choice", {}))

@@ -7,7 +7,7 @@ Where PyTorch has no fast op for what a TT/TTM layer needs:
   the eager ``index_select`` + ``bmm`` + ``index_add_`` path moves through memory;
 * ``thin_gemm.cpp``: the thin GEMMs of a TT layer's wide side (``t @ B + bias``,
   ``x @ A``) and the former's three gradients in one pass over ``dy``;
-* ``tt_chain.cpp``: a whole TT linear over 1-2 rows in one call each way;
+* ``tt_chain.cpp``: a whole TT linear over a few rows as one op (forward, and a C++ autograd node);
 * ``feed_forward.cpp``: ``act(t @ W1 + b1) @ W2``, the wide middle of a
   block of two TT linears, without writing its hidden activation to memory;
 * ``dropout.cpp``: dropout with a counter-based (Philox) generator, one pass
