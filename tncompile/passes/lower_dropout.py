@@ -24,7 +24,7 @@ from .base import Pass, register_pass
 
 __all__ = ["LowerDropout"]
 
-_FUNCTIONAL = {F.dropout, torch.dropout, torch.nn.functional.dropout}
+_FUNCTIONAL = {F.dropout, torch.dropout}
 
 
 @register_pass
