@@ -29,7 +29,9 @@ from tqdm.auto import tqdm
 
 from common import clear_grads, interleaved_ms, machine, median_ms, write_json
 from tncompile.formats import TTLayout, TTMLayout
-from tncompile.ir.plan import bucket_of, plan_contraction
+from tncompile.ir import TensorNetwork
+from tncompile.planning import plan_contraction
+from tncompile.runtime.plans import bucket_of
 from tncompile.runtime import TTLinear, TTMEmbedding
 from tncompile.runtime.cpu_allocator import retain_freed_memory
 from tncompile.runtime.executor import contract
@@ -45,7 +47,7 @@ def tt_variants(tt: TTLinear, tokens: int):
     lay = tt.layout
     inputs, output, sizes = tt.planner_problem()
     sizes = {**sizes, "b": bucket_of(tokens)}
-    eq = tt.network().equation(include_gates=False)
+    eq = TensorNetwork.of(tt).equation(include_gates=False)
 
     def fixed(strategy):
         plan = plan_contraction(inputs, output, sizes, strategies=[strategy])

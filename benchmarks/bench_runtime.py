@@ -4,7 +4,7 @@
     python benchmarks/bench_runtime.py --batches 1 8      # CPU: eager variants only
 
 The paper's six-encoder (sequence 128), AdamW, one full training step per call
-through :class:`tncompile.runtime.TrainStep`. On CUDA also GaLore
+through :class:`tncompile.TrainStep`. On CUDA also GaLore
 (``galore-torch``'s ``GaLoreAdamW``, rank 128) on the dense model at batch 1,
 for CoMERA's memory / speed comparison. Variants are timed in one run;
 ``gpu-runtime.json`` or ``cpu-runtime.json`` in ``benchmarks/results/``.
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import tncompile
-from tncompile.runtime import TrainStep
+from tncompile.train import TrainStep
 from tncompile.runtime.cpu_allocator import retain_freed_memory
 from tncompile.zoo import six_encoder
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 import tncompile
-from tncompile.runtime import PendingLayer
+from tncompile.passes import PendingLayer
 from tncompile.zoo import small_encoder
 
 

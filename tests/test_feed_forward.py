@@ -7,6 +7,7 @@ from torch import nn
 
 import tncompile
 from tncompile.formats import TTLayout
+from tncompile import tuning
 from tncompile.runtime import TTLinear, feed_forward
 from tncompile.runtime.feed_forward import ACTIVATIONS, tt_feed_forward, uses_fused_kernel
 from tncompile.runtime.native import native_kernels
@@ -18,8 +19,8 @@ f64 = torch.float64
 @pytest.fixture
 def fuse_small(monkeypatch):
     """Fuse from 1 row on, so that small shapes take the fused path."""
-    monkeypatch.setattr(feed_forward, "FUSE_MIN_ROWS", 1)
-    monkeypatch.setattr(feed_forward, "FUSE_FLOP_SLACK", 1e9)
+    monkeypatch.setattr(tuning, "FUSE_MIN_ROWS", 1)
+    monkeypatch.setattr(tuning, "FUSE_FLOP_SLACK", 1e9)
 
 
 @pytest.fixture
@@ -126,8 +127,8 @@ def test_falls_back_where_the_kernel_does_not_apply(ops, spy):
     first, second = _tt(30, 70, 4, seed=5), _tt(70, 20, 5, seed=6)
     few = torch.randn(3, 30)
     torch.testing.assert_close(tt_feed_forward(few, first, second, "relu"), second(F.relu(first(few))))
-    assert not spy  # 3 rows: below FUSE_MIN_ROWS
-    many = torch.randn(feed_forward.FUSE_MIN_ROWS, 30)
+    assert not spy  # 3 rows: below tuning.FUSE_MIN_ROWS
+    many = torch.randn(tuning.FUSE_MIN_ROWS, 30)
     with native_kernels(False):
         assert uses_fused_kernel(many, first, second) is None
         torch.testing.assert_close(tt_feed_forward(many, first, second, "relu"), second(F.relu(first(many))))
@@ -144,11 +145,11 @@ def test_falls_back_where_the_kernel_does_not_apply(ops, spy):
 
 def test_flop_guard_skips_blocks_where_merging_costs_more(ops, monkeypatch):
     first, second = _tt(30, 70, 4, seed=7), _tt(70, 20, 5, seed=8)
-    x = torch.randn(feed_forward.FUSE_MIN_ROWS, 30)
-    monkeypatch.setattr(feed_forward, "FUSE_FLOP_SLACK", 1e-6)
+    x = torch.randn(tuning.FUSE_MIN_ROWS, 30)
+    monkeypatch.setattr(tuning, "FUSE_FLOP_SLACK", 1e-6)
     assert uses_fused_kernel(x, first, second) is None
     second.__dict__.pop("_fused_choice")
-    monkeypatch.setattr(feed_forward, "FUSE_FLOP_SLACK", 1e9)
+    monkeypatch.setattr(tuning, "FUSE_FLOP_SLACK", 1e9)
     assert uses_fused_kernel(x, first, second) is not None
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from tncompile import tuning
 from tncompile.runtime import TTMEmbedding, TTMTiedLinear
 from tncompile.runtime import tt_layers
 from tncompile.runtime.tt_layers import _GatheredProduct
@@ -120,11 +121,9 @@ def test_disabled_by_environment_falls_back():
 def thin_everywhere(monkeypatch):
     """Send every thin product to the native kernels, however small (the size
     thresholds exist for speed, not correctness)."""
-    from tncompile.runtime import cpu_gemm, executor
-    for module in (cpu_gemm, executor):
-        monkeypatch.setattr(module, "THIN_OUTPUT", 0)
-    monkeypatch.setattr(cpu_gemm, "TINY", 0)
-    monkeypatch.setattr(executor, "BIG_OUTPUT", 0)
+    monkeypatch.setattr(tuning, "THIN_OUTPUT", 0)
+    monkeypatch.setattr(tuning, "GEMM_TINY", 0)
+    monkeypatch.setattr(tuning, "BIG_OUTPUT", 0)
 
 
 @pytest.mark.parametrize("M, K, N", [(4096, 30, 3072), (100, 7, 50), (13, 1, 33), (37, 64, 70), (0, 5, 40)])
@@ -160,7 +159,7 @@ def test_thin_kernels_reject_bad_input(ops):
 @pytest.mark.parametrize("strategy", ["merge-cores-first", "left-to-right"])
 def test_tt_linear_on_thin_kernels_matches_dense_and_gradchecks(ops, thin_everywhere, monkeypatch, strategy):
     from tncompile.formats import TTLayout
-    from tncompile.ir.plan import plan_contraction
+    from tncompile.planning import plan_contraction
     from tncompile.runtime import TTLinear, cpu_gemm, executor
     calls = []
 
@@ -214,10 +213,10 @@ def test_tt_linear_chain_at_few_rows_matches_planned_and_dense(ops, monkeypatch,
             return getattr(ops, name)
 
     monkeypatch.setattr(tt_chain, "kernels_for", lambda t: Spy())
-    monkeypatch.setattr(tt_chain, "CHAIN_FLOP_FLOOR", 1 << 40)  # these small layers: always the chain
+    monkeypatch.setattr(tuning, "CHAIN_FLOP_FLOOR", 1 << 40)  # these small layers: always the chain
 
     def run(chain: bool):
-        monkeypatch.setattr(tt_chain, "CHAIN_ROWS", 2 if chain else 0)
+        monkeypatch.setattr(tuning, "CHAIN_ROWS", 2 if chain else 0)
         for p in [x, *layer.parameters()]:
             p.grad = None
         y = layer(x)
@@ -231,7 +230,7 @@ def test_tt_linear_chain_at_few_rows_matches_planned_and_dense(ops, monkeypatch,
         torch.testing.assert_close(a, b)
     dense = x.detach() @ layer.weight().detach().t() + (layer.bias.detach() if bias else 0)
     torch.testing.assert_close(chained[0], dense)
-    monkeypatch.setattr(tt_chain, "CHAIN_ROWS", 2)
+    monkeypatch.setattr(tuning, "CHAIN_ROWS", 2)
     names = [n for n, _ in layer.named_parameters()]
     assert torch.autograd.gradcheck(
         lambda x, *p: torch.func.functional_call(layer, dict(zip(names, p)), (x,)), (x, *layer.parameters()))
@@ -243,7 +242,7 @@ def test_chain_only_for_few_rows_and_rejects_bad_cores(ops, monkeypatch):
     layer = TTLinear(TTLayout.for_shape(24, 24, 2).with_ranks(3))
     calls = []
     monkeypatch.setattr(tt_chain, "kernels_for", lambda t: calls.append(t.shape) or ops)
-    layer(torch.randn(tt_chain.CHAIN_ROWS + 1, 24))
+    layer(torch.randn(tuning.CHAIN_ROWS + 1, 24))
     assert calls == []
     layer(torch.randn(1, 24))
     assert len(calls) == 1 and calls[0][0] == 1  # one row: the chain

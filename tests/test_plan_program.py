@@ -8,7 +8,7 @@ import traceback
 import pytest
 import torch
 
-from tncompile.ir.plan import plan_contraction
+from tncompile.planning import plan_contraction
 from tncompile.runtime import executor
 from tncompile.runtime.executor import contract
 

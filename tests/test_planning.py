@@ -6,7 +6,9 @@ from torch import nn
 
 import tncompile
 from tncompile.formats import TTLayout, TTMLayout
-from tncompile.ir.plan import bucket_of, plan_contraction
+from tncompile.planning import plan_contraction
+from tncompile.runtime.plans import bucket_of
+from tncompile import tuning
 from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
 from tncompile.runtime.executor import contract
 from tncompile.zoo import small_encoder
@@ -172,7 +174,7 @@ def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy, mon
     from tncompile.runtime import executor
     from tncompile.runtime.executor import fuses_bias
     # every output counts as big: the bias rides in the GEMM as an extra rank, forward and backward
-    monkeypatch.setattr(executor, "BIG_OUTPUT", 0)
+    monkeypatch.setattr(tuning, "BIG_OUTPUT", 0)
     inputs = [("b", "i0", "i1"), ("i0", "r1"), ("r1", "i1", "r2"), ("r2", "j0", "r3"), ("r3", "j1")]
     output = ("b", "j0", "j1")
     sizes = dict(b=rows, i0=2, i1=3, j0=3, j1=2, r1=2, r2=3, r3=2)
@@ -206,7 +208,7 @@ def test_pairwise_cpu_layout_paths_match_tensordot(case, monkeypatch):
     bias = None
     if case == "bias-as-rank":        # (rows, r) . (r, n) + bias, r small: [h, 1] @ [B; b]
         a, b, ax = torch.randn(512, 5, dtype=f64), torch.randn(5, 16, 8, dtype=f64), ((1,), (0,))
-        monkeypatch.setattr(executor, "BIG_OUTPUT", 512 * 128)  # this output counts as big
+        monkeypatch.setattr(tuning, "BIG_OUTPUT", 512 * 128)  # this output counts as big
         bias = torch.randn(128, dtype=f64, requires_grad=True)
     elif case == "transposed-weight-grad":  # x.T @ g: contract the rows, 40 free columns
         a, b, ax = torch.randn(96, 4, 50, dtype=f64), torch.randn(96, 40, dtype=f64), ((0,), (0,))

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 import tncompile
-from tncompile.runtime import TrainStep
-from tncompile.runtime.capture_cache import CaptureCache
-from tncompile.runtime.train_step import make_capturable
+from tncompile.train import TrainStep
+from tncompile.train.capture_cache import CaptureCache
+from tncompile.train.train_step import make_capturable
 from tncompile.zoo import small_encoder
 
 

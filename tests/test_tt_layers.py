@@ -6,6 +6,7 @@ from torch import nn
 
 import cotengra as ctg
 from tncompile.formats import TTLayout, TTMLayout
+from tncompile.ir import TensorNetwork
 from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
 
 f64 = torch.float64
@@ -59,7 +60,7 @@ def test_tt_linear_from_linear_exact_at_full_rank():
 
 def test_tt_linear_network_contracts_to_weight_with_cotengra():
     tt = _randomize(TTLinear(TTLayout.for_shape(12, 20, 2, ranks=3), bias=False, dtype=f64))
-    net = tt.network()
+    net = TensorNetwork.of(tt)
     x = torch.randn(5, 12, dtype=f64)
     inputs, output, size = net.to_cotengra(5)
     arrays = {"x": x.reshape(5, *tt.layout.in_modes)}

@@ -94,7 +94,9 @@ def compile(
     work = model if inplace else copy.deepcopy(model)
     gm, inputs = frontend.trace(work, example_inputs)
     program = Program(gm, inputs, count_params(model), options)
-    program = pipeline.run(program, dump_dir=dump_dir)
+    program.dump_dir = dump_dir  # passes run later (rank adaptation) dump here too
+    program = pipeline.run(program)
+    program.compiled_ratio = program.ratio
     compiled = CompiledModel(program)
     if inplace:
         _swap_into(model, program)

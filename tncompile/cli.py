@@ -6,6 +6,11 @@ import importlib
 import sys
 from typing import Sequence
 
+from torch import nn
+
+from .api import compile as compile_model
+from .runtime.executor import generated_code_dump
+
 __all__ = ["main"]
 
 
@@ -25,22 +30,18 @@ def _load_factory(spec: str):
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    import tncompile
-    from torch import nn
-
     built = _load_factory(args.factory)()
     model, example = (built if isinstance(built, tuple) else (built, None))
     if not isinstance(model, nn.Module):
         raise SystemExit(f"error: {args.factory} returned {type(model).__name__}, expected an nn.Module "
                          "or (nn.Module, example_inputs)")
-    compiled = tncompile.compile(model, target_ratio=args.target_ratio, example_inputs=example,
+    compiled = compile_model(model, target_ratio=args.target_ratio, example_inputs=example,
                                  dump_dir=args.dump_dir, init=args.init,
                                  batch_sizes=args.batch_sizes or None)
     print(compiled.report())
     print()
     print(compiled.program.dump(args.format))
     if args.code:
-        from tncompile.runtime.executor import generated_code_dump
         code = generated_code_dump((str(node.target), mod) for node, mod in compiled.program.modules())
         print()
         print(code or "# no layer is planned yet: give --batch-sizes, or a factory that returns "

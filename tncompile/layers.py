@@ -3,12 +3,9 @@ from __future__ import annotations
 
 from torch import nn
 
+from .runtime.module_kinds import is_hf_conv1d
+
 __all__ = ["is_linear", "is_embedding", "is_compressible", "kind_of"]
-
-
-def is_hf_conv1d(module: nn.Module) -> bool:
-    """HuggingFace's ``Conv1D`` (GPT-2): a linear layer with weight ``[in, out]``."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
 
 
 def is_linear(module: nn.Module) -> bool:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .ir.layer_info import fmt_count, layer_info, ranks_str
+from .planning.layer_info import fmt_count, layer_info, ranks_str
 
 __all__ = ["Report", "LayerRow", "build_report"]
 

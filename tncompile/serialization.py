@@ -45,7 +45,7 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
         "format": FORMAT, "version": VERSION, "torch": torch.__version__,
         "graph": encode_graph_module(compiled.model), "inputs": prog.inputs,
         "original_params": prog.original_params, "options": prog.options,
-        "notes": prog.notes, "history": prog.history,
+        "notes": prog.notes, "history": prog.history, "compiled_ratio": prog.compiled_ratio,
         "training": _training_state(compiled, optimizer, controller, extra, rng),
     }
     path = Path(path)
@@ -105,6 +105,7 @@ def load(path: str | os.PathLike, map_location=None) -> CompiledModel:
                       payload["options"])
     program.notes = dict(payload["notes"])
     program.history = list(payload["history"])
+    program.compiled_ratio = payload.get("compiled_ratio", payload["history"][-1].ratio if payload["history"] else None)
     compiled = CompiledModel(program)
     compiled.training_state = payload.get("training")
     return compiled

@@ -5,7 +5,7 @@ at least 2). Parameter count of a TT network grows with the *sum* of its modes
 (``sum_k r^2 n_k``), so we look for the factorization with the smallest sum.
 When ``n`` factors badly (a prime, 30522 = 2 * 3 * 5087) we allow padding it up
 to a nearby ``N >= n`` that factors well; the cost of padding is the extra
-work it causes (``N / n``) plus a fixed ``PAD_PENALTY`` for the pad and crop
+work it causes (``N / n``) plus a fixed ``tuning.PAD_PENALTY`` for the pad and crop
 copies it adds to every call, so that 1024 stays ``8x8x16`` rather than
 becoming ``8x10x13`` (sum 31, but 1040 = 1024 + padding).
 """
@@ -14,9 +14,9 @@ from __future__ import annotations
 from functools import lru_cache
 import math
 
-__all__ = ["factorize", "balanced_factors", "PAD_PENALTY"]
+from .. import tuning
 
-PAD_PENALTY = 0.1  # relative cost of a padded layout's extra pad / crop copies
+__all__ = ["factorize", "balanced_factors"]
 
 
 @lru_cache(maxsize=None)
@@ -43,7 +43,7 @@ def balanced_factors(n: int, d: int, min_factor: int = 2) -> tuple[int, ...] | N
     return best
 
 
-def factorize(n: int, d: int, max_padding: float = 0.25) -> tuple[int, ...]:
+def factorize(n: int, d: int, max_padding: float | None = None) -> tuple[int, ...]:
     """Choose ``d`` modes whose product ``N >= n`` minimizes ``sum(modes) * N / n``
     (times ``1 + PAD_PENALTY`` when ``N > n``).
 
@@ -53,8 +53,9 @@ def factorize(n: int, d: int, max_padding: float = 0.25) -> tuple[int, ...]:
         The dimension to factor (e.g. ``in_features`` or a vocabulary size).
     d : int
         Number of modes (cores on that side).
-    max_padding : float
-        Largest relative padding ``(N - n) / n`` considered.
+    max_padding : float, optional
+        Largest relative padding ``(N - n) / n`` considered
+        (default :data:`tncompile.tuning.MAX_MODE_PADDING`).
 
     Returns
     -------
@@ -71,6 +72,8 @@ def factorize(n: int, d: int, max_padding: float = 0.25) -> tuple[int, ...]:
         raise ValueError(f"number of modes must be >= 1, got {d}")
     if n < 1:
         raise ValueError(f"dimension must be >= 1, got {n}")
+    if max_padding is None:
+        max_padding = tuning.MAX_MODE_PADDING
     lo = max(n, 2 ** d)
     hi = int(math.floor(n * (1.0 + max_padding)))
     best: tuple[float, int, tuple[int, ...]] | None = None
@@ -78,7 +81,7 @@ def factorize(n: int, d: int, max_padding: float = 0.25) -> tuple[int, ...]:
         f = balanced_factors(N, d)
         if f is None:
             continue
-        score = sum(f) * N / n * (1.0 + PAD_PENALTY if N != n else 1.0)
+        score = sum(f) * N / n * (1.0 + tuning.PAD_PENALTY if N != n else 1.0)
         if best is None or score < best[0] - 1e-12:
             best = (score, N, f)
     if best is None:

@@ -1,10 +1,11 @@
 """The two levels of IR: :class:`Program` (graph) and :class:`TensorNetwork` (layer),
 plus the per-bucket plans: :class:`ContractionPlan` (TT contractions) and
-:class:`LookupPlan` (TTM lookups)."""
-from .lookup_plan import LookupPlan
+:class:`LookupPlan` (TTM lookups). The plans are the runtime's data format
+(:mod:`tncompile.runtime.plans`), re-exported here. Data only: the searches that
+produce plans are in :mod:`tncompile.planning`, the rewrites in :mod:`tncompile.passes`."""
+from ..runtime.plans import ContractionPlan, LookupPlan, Step
 from .network import TensorNetwork
-from .plan import ContractionPlan
 from .program import InputSpec, PassRecord, Program
 
 __all__ = ["Program", "InputSpec", "PassRecord", "TensorNetwork",
-           "ContractionPlan", "LookupPlan"]
+           "ContractionPlan", "LookupPlan", "Step"]

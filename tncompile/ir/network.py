@@ -18,11 +18,10 @@ from itertools import combinations
 import networkx as nx
 import opt_einsum
 
+from ..formats.indices import BATCH, network_indices, planner_problem
 from ..formats.layout import TTLayout, TTMLayout
 
 __all__ = ["TensorNetwork", "BATCH"]
-
-BATCH = "b"
 
 
 class TensorNetwork:
@@ -34,11 +33,14 @@ class TensorNetwork:
         Built by :meth:`from_layout`; see the module docstring for its schema.
     sizes : dict
         Size of every index except the batch index ``"b"``.
+    layout : TTLayout or TTMLayout, optional
+        The layout it was built from.
     """
 
-    def __init__(self, graph: nx.MultiGraph, sizes: dict[str, int]):
+    def __init__(self, graph: nx.MultiGraph, sizes: dict[str, int], layout: TTLayout | TTMLayout | None = None):
         self.graph = graph
         self.sizes = dict(sizes)
+        self.layout = layout
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -46,32 +48,8 @@ class TensorNetwork:
         """Network of ``y = x @ W.T`` for a TT layout, or ``y = onehot(ids) @ E``
         (``transpose=False``) / ``y = x @ E.T`` (``transpose=True``, a tied
         output head) for a TTM layout. The batch index is ``"b"``."""
-        ranks = layout.full_ranks
-        tensors: dict[str, tuple[tuple[str, ...], str]] = {}
-        sizes: dict[str, int] = {}
-        bonds = [f"r{k}" for k in range(len(ranks))]
-        for name, r in zip(bonds, ranks):
-            sizes[name] = r
-        if isinstance(layout, TTLayout):
-            d_in = len(layout.in_modes)
-            mode_names = [f"i{k}" for k in range(d_in)] + [f"j{k}" for k in range(len(layout.out_modes))]
-            for name, n in zip(mode_names, layout.site_sizes):
-                sizes[name] = n
-            for k, m in enumerate(mode_names):
-                tensors[f"G{k}"] = ((bonds[k], m, bonds[k + 1]), "core")
-            in_idx, out_idx = mode_names[:d_in], mode_names[d_in:]
-        else:
-            rows = [f"m{k}" for k in range(len(layout.row_modes))]
-            cols = [f"n{k}" for k in range(len(layout.col_modes))]
-            sizes.update(zip(rows, layout.row_modes))
-            sizes.update(zip(cols, layout.col_modes))
-            for k in range(len(rows)):
-                tensors[f"G{k}"] = ((bonds[k], rows[k], cols[k], bonds[k + 1]), "core")
-            in_idx, out_idx = (cols, rows) if transpose else (rows, cols)
-        for k in range(1, len(ranks) - 1):
-            tensors[f"g{k}"] = ((bonds[k],), "gate")
-        g = nx.MultiGraph(output=(BATCH, *out_idx), format=layout.format, transpose=transpose)
-        g.add_node("x", indices=(BATCH, *in_idx), kind="input")
+        tensors, output, sizes = network_indices(layout, transpose)
+        g = nx.MultiGraph(output=output, format=layout.format, transpose=transpose)
         for name, (idx, kind) in tensors.items():
             g.add_node(name, indices=idx, kind=kind)
         holders: dict[str, list[str]] = {}
@@ -81,7 +59,17 @@ class TensorNetwork:
         for ix, nodes in holders.items():
             for a, b in combinations(nodes, 2):
                 g.add_edge(a, b, key=ix, size=sizes.get(ix))
-        return cls(g, sizes)
+        return cls(g, sizes, layout)
+
+    @classmethod
+    def of(cls, layer) -> "TensorNetwork":
+        """The network of a TT / TTM layer (``TTLinear``, ``TTMEmbedding``,
+        ``TTMTiedLinear``) at its current ranks."""
+        layout = getattr(layer, "layout", None)
+        if not isinstance(layout, (TTLayout, TTMLayout)) or layout.ranks is None:
+            raise TypeError(f"TensorNetwork.of expects a TT/TTM layer with assigned ranks, got "
+                            f"{type(layer).__name__}")
+        return cls.from_layout(layout, transpose=bool(getattr(layer, "transposed", False)))
 
     # ------------------------------------------------------------ views
     @property
@@ -107,13 +95,11 @@ class TensorNetwork:
 
     def planner_problem(self) -> tuple[list[tuple[str, ...]], tuple[str, ...], dict[str, int]]:
         """The network the executor contracts: input + cores (gates folded into
-        the cores), size-1 boundary bonds dropped; the batch index is unsized."""
-        inputs, output, sizes = self.to_cotengra(1, include_gates=False)
-        boundary = {k for k, v in sizes.items() if v == 1 and k != BATCH
-                    and sum(k in ix for ix in inputs) == 1 and k not in output}
-        inputs = [tuple(i for i in ix if i not in boundary) for ix in inputs]
-        sizes = {k: v for k, v in sizes.items() if k not in boundary and k != BATCH}
-        return inputs, output, sizes
+        the cores), size-1 boundary bonds dropped; the batch index is unsized
+        (:func:`tncompile.formats.planner_problem`)."""
+        if self.layout is None:
+            raise ValueError("this TensorNetwork was built without its layout; use TensorNetwork.from_layout")
+        return planner_problem(self.layout, self.graph.graph["transpose"])
 
     def summary(self) -> str:
         parts = []

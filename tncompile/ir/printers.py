@@ -7,8 +7,9 @@ from typing import Any
 import torch
 from torch import fx
 
-from .layer_info import fmt_count, layer_info, ranks_str
-from .program import module_at
+from ..planning.layer_info import fmt_count, layer_info, ranks_str
+from ..runtime.plans import ContractionPlan
+from .modules import module_at
 
 __all__ = ["to_text", "to_json", "to_dot"]
 
@@ -70,7 +71,7 @@ def _layer_text(info: dict) -> str:
 
 def _plans_text(module) -> str:
     """One indented line per planned bucket (order, flops, largest, speed-up)."""
-    plans = getattr(module, "__dict__", {}).get("_plans") or {}
+    plans = getattr(module, "plans", None) or {}
     if not plans:
         return ""
     names = ["x"] + [f"G{k}" for k in range(len(module.layout.site_sizes))]
@@ -85,6 +86,11 @@ def _header(program) -> list[str]:
              f" ({program.original_params / max(p, 1):.1f}x smaller)"]
     if program.inputs.described:
         lines.append("# inputs " + ", ".join(f"{k}: {v}" for k, v in program.inputs.described.items()))
+    for k, record in enumerate(program.history, 1):
+        matches = getattr(record, "matches", None)  # records saved before rules existed have none
+        if matches:
+            counts = ", ".join(f"{rule} {n}" for rule, n in matches.items())
+            lines.append(f"# matches {k:02d}-{record.name}: {counts}")
     return lines
 
 
@@ -118,6 +124,16 @@ def to_text(program) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _plan_json(bucket: int, plan) -> dict[str, Any]:
+    out = {"rows": bucket, "order": plan.order(), "fwd_flops": 2 * plan.fwd_flops,
+           "largest": plan.largest, "speedup_vs_naive": plan.speedup}
+    if isinstance(plan, ContractionPlan):
+        out.update(strategy=plan.strategy, bwd_flops=2 * plan.bwd_flops)
+    else:
+        out.update(strategy="lookup-split", split=plan.split)
+    return out
+
+
 def to_json(program) -> str:
     """Machine-readable form: header, history, nodes (with layer info), notes."""
     gm = program.graph_module
@@ -131,11 +147,8 @@ def to_json(program) -> str:
             info = layer_info(mod)
             if info is not None:
                 entry["layer"] = info
-                plans = mod.__dict__.get("_plans") or {}
-                entry["plans"] = [{"rows": b, "order": p.order(), "strategy": p.strategy,
-                                   "fwd_flops": 2 * p.fwd_flops, "bwd_flops": 2 * p.bwd_flops,
-                                   "largest": p.largest, "speedup_vs_naive": p.speedup}
-                                  for b, p in sorted(plans.items())]
+                plans = getattr(mod, "plans", None) or {}
+                entry["plans"] = [_plan_json(b, p) for b, p in sorted(plans.items())]
             if node.target in program.notes:
                 entry["note"] = program.notes[node.target]
         nodes.append(entry)

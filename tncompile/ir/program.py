@@ -1,28 +1,17 @@
 """Graph-level IR: a ``torch.fx.GraphModule`` plus what tncompile knows about it."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 from torch import fx, nn
 
+from . import printers
+from .modules import count_params, module_at
+
 __all__ = ["Program", "InputSpec", "PassRecord", "count_params", "module_at"]
-
-
-def count_params(module: nn.Module) -> int:
-    """Number of distinct parameter elements (tied parameters counted once)."""
-    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
-
-
-def module_at(root: nn.Module, target: str) -> nn.Module | None:
-    """The submodule at dotted path ``target``, or ``None`` when the path is
-    missing or names a parameter, buffer or other attribute."""
-    try:
-        mod = root.get_submodule(target)
-    except AttributeError:
-        return None
-    return mod if isinstance(mod, nn.Module) else None
 
 
 def _describe_value(v: Any) -> str:
@@ -99,6 +88,7 @@ class PassRecord:
     seconds: float
     params: int
     ratio: float
+    matches: dict[str, int] = field(default_factory=dict)  # rewrite rule -> times it matched
 
 
 class Program:
@@ -118,7 +108,11 @@ class Program:
     notes : dict
         ``module name -> reason`` for every compressible layer left dense.
     history : list of PassRecord
-        Passes run so far, in order.
+        Passes run so far, in order (at compile time and during training).
+    dump_dir : str or None
+        Where every pass run on this program writes the IR (``compile(dump_dir=...)``).
+    compiled_ratio : float or None
+        The ratio when compilation finished (rank adaptation shrinks from there).
     """
 
     def __init__(self, graph_module: fx.GraphModule, inputs: InputSpec, original_params: int,
@@ -129,6 +123,8 @@ class Program:
         self.options = options
         self.notes: dict[str, str] = {}
         self.history: list[PassRecord] = []
+        self.dump_dir: str | os.PathLike | None = None
+        self.compiled_ratio: float | None = None
 
     @property
     def graph(self) -> fx.Graph:
@@ -163,7 +159,6 @@ class Program:
 
     def dump(self, fmt: str = "text") -> str:
         """Render as ``"text"`` (for people), ``"json"`` (for tools) or ``"dot"`` (graphviz)."""
-        from . import printers
         renderers = {"text": printers.to_text, "json": printers.to_json, "dot": printers.to_dot}
         if fmt not in renderers:
             raise ValueError(f"unknown dump format {fmt!r}; use one of {sorted(renderers)}")

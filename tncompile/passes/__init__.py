@@ -1,19 +1,30 @@
-"""Passes over a :class:`~tncompile.ir.Program` and the default pipeline."""
+"""Passes over a :class:`~tncompile.ir.Program` and the default pipeline.
+
+Every edit of a program's graph -- at compile time and during training
+(``collapse_layers``, ``replan``, run by the rank controller) -- is a pass run
+through a :class:`Pipeline`, so it is checked, linted, recorded and dumped.
+"""
 from .base import FunctionPass, Pass, Pipeline, get_pass, register_pass, registered_passes
+from .canonicalize import Canonicalize
+from .pending import PendingLayer
 from .tensorize import Tensorize
 from .assign_ranks import AssignRanks
 from .decompose import Decompose
 from .plan_contractions import PlanContractions
 from .fuse_feed_forward import FuseFeedForward
 from .lower_dropout import LowerDropout
+from .replan import Replan, replan_module
+from .collapse_layers import CollapseLayers
+from .rules import Match, Pat, Rule, apply_rules
 
 __all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes",
-           "default_pipeline", "Tensorize", "AssignRanks", "Decompose", "PlanContractions",
-           "FuseFeedForward", "LowerDropout"]
+           "default_pipeline", "Canonicalize", "Tensorize", "AssignRanks", "Decompose", "PlanContractions",
+           "FuseFeedForward", "LowerDropout", "Replan", "CollapseLayers", "PendingLayer", "replan_module",
+           "Pat", "Rule", "Match", "apply_rules"]
 
 
 def default_pipeline() -> Pipeline:
-    """``tensorize -> assign_ranks -> decompose -> plan_contractions ->
+    """``canonicalize -> tensorize -> assign_ranks -> decompose -> plan_contractions ->
     fuse_feed_forward -> lower_dropout``, a fresh, editable copy."""
-    return Pipeline(["tensorize", "assign_ranks", "decompose", "plan_contractions", "fuse_feed_forward",
-                     "lower_dropout"])
+    return Pipeline(["canonicalize", "tensorize", "assign_ranks", "decompose", "plan_contractions",
+                     "fuse_feed_forward", "lower_dropout"])

@@ -1,9 +1,10 @@
 """``assign_ranks``: size every network so the whole model meets ``target_ratio``."""
 from __future__ import annotations
 
+from .. import tuning
 from ..ir.program import Program
-from ..runtime.pending import PendingLayer
 from .base import Pass, register_pass
+from .pending import PendingLayer
 from .selection import pattern_lookup
 
 __all__ = ["AssignRanks"]
@@ -32,8 +33,19 @@ class AssignRanks(Pass):
 
     name = "assign_ranks"
 
-    def __init__(self, max_layer_ratio: float = 0.5):
-        self.max_layer_ratio = max_layer_ratio
+    def __init__(self, max_layer_ratio: float | None = None):
+        self._max_layer_ratio = max_layer_ratio
+
+    @property
+    def max_layer_ratio(self) -> float:
+        """At most this share of a dense weight per network (default :data:`tncompile.tuning.MAX_LAYER_RATIO`)."""
+        return tuning.MAX_LAYER_RATIO if self._max_layer_ratio is None else self._max_layer_ratio
+
+    def ensures(self, program: Program) -> None:
+        unsized = [node.target for node, m in program.modules()
+                   if isinstance(m, PendingLayer) and m.layout.ranks is None]
+        if unsized:
+            raise RuntimeError(f"assign_ranks left layers without ranks: {unsized[:3]}")
 
     def run(self, program: Program) -> Program:
         opts = program.options

@@ -1,7 +1,15 @@
-"""Pass infrastructure: ``Pass``, a registry, and an ordered, editable ``Pipeline``."""
+"""Pass infrastructure: ``Pass``, a registry, and an ordered, editable ``Pipeline``.
+
+Modelled on torch.fx's ``PassBase``: a pass may state what it needs of the
+program (:meth:`Pass.requires`) and what it guarantees after running
+(:meth:`Pass.ensures`); the pipeline checks both around every run, lints the
+graph, records the pass in the program's history (time, size, and how often
+each of its rewrite rules matched) and, with a dump directory, writes the IR.
+"""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from pathlib import Path
 from time import perf_counter
 from typing import Callable, Iterable, Iterator
@@ -10,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ..errors import PassError, TNCompileError
 from ..ir.program import PassRecord, Program
+from ..runtime.executor import generated_code_dump
 
 __all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes",
            "normalize_name"]
@@ -26,12 +35,31 @@ class Pass:
     Subclasses set ``name`` and implement :meth:`run`, which may rewrite
     ``program.graph_module`` in place with ordinary fx tools (and return
     ``None`` or the program) or return a new program.
+
+    Optional checks, as in torch.fx's ``PassBase``: :meth:`requires` raises
+    when the program is not what the pass needs (e.g. an earlier pass did not
+    run), :meth:`ensures` raises when the pass did not deliver what it
+    promises. Rewrites built from rules (:mod:`.rules`) count their matches
+    in :attr:`matches`, which the history and the dump show.
     """
 
     name: str = ""
 
+    def requires(self, program: Program) -> None:
+        """Raise (``ValueError`` saying what is missing) if ``program`` is not fit for this pass."""
+
+    def ensures(self, program: Program) -> None:
+        """Raise if the pass did not leave ``program`` as it promises."""
+
     def run(self, program: Program) -> Program | None:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__}.run")
+
+    @property
+    def matches(self) -> Counter:
+        """``rule name -> times it matched`` in the latest run (reset by the pipeline)."""
+        if "_matches" not in self.__dict__:
+            self._matches = Counter()
+        return self._matches
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
@@ -157,49 +185,65 @@ class Pipeline:
     def __repr__(self) -> str:
         return f"Pipeline([{', '.join(self.names)}])"
 
-    def run(self, program: Program, dump_dir: str | os.PathLike | None = None) -> Program:
-        """Run every pass in order, recording history and dumping the IR.
+    def run(self, program: Program, dump_dir: str | os.PathLike | None = None,
+            progress: bool = True) -> Program:
+        """Run every pass in order: check its ``requires``, run it, lint the
+        graph, check its ``ensures``, record it in ``program.history``, dump.
 
-        With ``dump_dir`` the IR is written as ``NN-<pass>.txt`` and ``.json``
-        after every pass (``00-trace`` is the program before any pass), and,
-        once layers are planned, the code their plans run as ``NN-<pass>.code.py``.
-        Exceptions name the pass that raised.
+        With ``dump_dir`` (or the program's own ``dump_dir``, set by
+        ``compile(dump_dir=...)``, so that passes run during training are
+        dumped too) the IR is written as ``NN-<pass>.txt`` and ``.json`` after
+        every pass, ``NN`` counting the program's whole history (``00-trace``
+        is the program before any pass), and, once layers are planned, the
+        code their plans run as ``NN-<pass>.code.py``. Exceptions name the
+        pass that raised.
         """
+        dump_dir = dump_dir if dump_dir is not None else program.dump_dir
         out = Path(dump_dir) if dump_dir is not None else None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
-            _write_dump(program, out, "00-trace")
-        for i, p in enumerate(tqdm(self.passes, desc="tncompile passes", disable=None, leave=False), 1):
+            if not program.history:
+                _write_dump(program, out, "00-trace")
+        passes = tqdm(self.passes, desc="tncompile passes", disable=None if progress else True, leave=False)
+        for p in passes:
             start = perf_counter()
-            try:
-                result = p.run(program)
-            except (TNCompileError, KeyboardInterrupt):
-                raise
-            except (ValueError, TypeError) as e:  # user-facing input errors keep their type
-                raise type(e)(f"pass {p.name!r}: {e}") from e
-            except Exception as e:
-                raise PassError(p.name, e) from e
-            if result is not None:
-                if not isinstance(result, Program):
-                    raise PassError(p.name, TypeError(
-                        f"run() must return a Program or None, got {type(result).__name__}"))
-                program = result
-            try:
-                program.graph.lint()
-                program.graph_module.recompile()
-            except Exception as e:
-                raise PassError(p.name, RuntimeError(f"left an invalid graph: {e}")) from e
-            program.history.append(PassRecord(p.name, perf_counter() - start,
-                                              program.num_params(), program.ratio))
+            p.matches.clear()
+            program = _run_checked(p, program)
+            program.history.append(PassRecord(p.name, perf_counter() - start, program.num_params(),
+                                              program.ratio, dict(p.matches)))
             if out is not None:
-                _write_dump(program, out, f"{i:02d}-{p.name}")
+                _write_dump(program, out, f"{len(program.history):02d}-{p.name}")
         return program
+
+
+def _run_checked(p: Pass, program: Program) -> Program:
+    """``p.requires``, ``p.run``, lint, ``p.ensures``; errors name the pass."""
+    try:
+        p.requires(program)
+        result = p.run(program)
+        if result is not None:
+            if not isinstance(result, Program):
+                raise PassError(p.name, TypeError(
+                    f"run() must return a Program or None, got {type(result).__name__}"))
+            program = result
+        try:
+            program.graph.lint()
+            program.graph_module.recompile()
+        except Exception as e:
+            raise PassError(p.name, RuntimeError(f"left an invalid graph: {e}")) from e
+        p.ensures(program)
+    except (TNCompileError, KeyboardInterrupt):
+        raise
+    except (ValueError, TypeError) as e:  # user-facing input errors keep their type
+        raise type(e)(f"pass {p.name!r}: {e}") from e
+    except Exception as e:
+        raise PassError(p.name, e) from e
+    return program
 
 
 def _write_dump(program: Program, out: Path, stem: str) -> None:
     (out / f"{stem}.txt").write_text(program.dump("text"))
     (out / f"{stem}.json").write_text(program.dump("json"))
-    from ..runtime.executor import generated_code_dump  # runtime imports passes' users: import late
     code = generated_code_dump((str(node.target), mod) for node, mod in program.modules())
     if code:  # once layers are planned: the Python each one runs, per bucket
         (out / f"{stem}.code.py").write_text(code + "\n")

@@ -5,9 +5,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..ir.program import Program
-from ..runtime.pending import PendingLayer
 from ..runtime.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
 from .base import Pass, register_pass
+from .pending import PendingLayer
 
 __all__ = ["Decompose"]
 
@@ -20,16 +20,19 @@ class Decompose(Pass):
 
     name = "decompose"
 
+    def requires(self, program: Program) -> None:
+        missing = [n for n, m in _pending(program).items() if m.layout.ranks is None]
+        if missing:
+            raise ValueError(f"layers {missing} have no ranks; run assign_ranks before decompose")
+
+    def ensures(self, program: Program) -> None:
+        if _pending(program):
+            raise RuntimeError(f"decompose left pending layers: {list(_pending(program))[:3]}")
+
     def run(self, program: Program) -> Program:
         opts = program.options
         gm = program.graph_module
-        pending: dict[str, PendingLayer] = {}
-        for node, mod in program.modules():
-            if isinstance(mod, PendingLayer):
-                pending.setdefault(node.target, mod)
-        missing = [n for n, m in pending.items() if m.layout.ranks is None]
-        if missing:
-            raise ValueError(f"layers {missing} have no ranks; run assign_ranks before decompose")
+        pending = _pending(program)
         gen = torch.Generator().manual_seed(opts.seed) if opts.seed is not None else None
         built: dict[str, torch.nn.Module] = {}
         owners = [(n, m) for n, m in pending.items() if m.tied_to is None]
@@ -54,3 +57,12 @@ class Decompose(Pass):
                     head.bias.copy_(mod.dense.bias)
             gm.set_submodule(name, head)
         return program
+
+
+def _pending(program: Program) -> dict[str, PendingLayer]:
+    """``name -> PendingLayer`` of every layer still awaiting its cores."""
+    out: dict[str, PendingLayer] = {}
+    for node, mod in program.modules():
+        if isinstance(mod, PendingLayer):
+            out.setdefault(node.target, mod)
+    return out

@@ -1,12 +1,14 @@
 """``lower_dropout``: dropout runs on tncompile's counter-based CPU kernel.
 
-Two small rules:
+Two small rules over the canonical forms (``canonicalize`` runs first):
 
-* a ``call_module`` node whose module is exactly ``nn.Dropout`` gets a
-  :class:`~tncompile.runtime.dropout.FastDropout` in its place (same ``p``,
-  ``inplace``, training flag; no parameters, so the state dict is unchanged);
-* a ``call_function`` node calling ``F.dropout`` / ``torch.dropout`` calls
-  :func:`tncompile.runtime.dropout.dropout` with the same arguments.
+* ``dropout-module``: a ``call_module`` node whose module is an ``nn.Dropout``
+  running its own forward gets a :class:`~tncompile.runtime.dropout.FastDropout`
+  in its place (same ``p``, ``inplace``, training flag; no parameters, so the
+  state dict is unchanged);
+* ``dropout-function``: a canonical ``F.dropout(x, p=, training=, inplace=False)``
+  call (every functional spelling, ``aten.dropout.default`` from
+  ``torch.export`` included) calls :func:`tncompile.runtime.dropout.dropout`.
 
 Where the native kernel does not apply (CUDA, bf16, autocast,
 ``torch.compile``) both run PyTorch's dropout. Remove the pass
@@ -14,17 +16,32 @@ Where the native kernel does not apply (CUDA, bf16, autocast,
 """
 from __future__ import annotations
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..ir.program import Program
 from ..runtime.dropout import FastDropout, dropout
 from .base import Pass, register_pass
+from .canonicalize import DROPOUT, require_canonical
+from .rules import Match, Pat, Rule, apply_rules
 
 __all__ = ["LowerDropout"]
 
-_FUNCTIONAL = {F.dropout, torch.dropout}
+
+def _swap_module(m: Match) -> None:
+    node = m.root
+    mod = m.gm.get_submodule(node.target)
+    if not isinstance(mod, FastDropout):  # a module called from several nodes is swapped once
+        m.gm.set_submodule(node.target, FastDropout.from_dropout(mod))
+
+
+def _call_native(m: Match) -> None:
+    m.root.target = dropout
+
+
+RULES = [
+    Rule("dropout-module", Pat.module(nn.Dropout), _swap_module),  # FastDropout has its own forward: no match
+    Rule("dropout-function", Pat.call(DROPOUT), _call_native),
+]
 
 
 @register_pass
@@ -33,19 +50,9 @@ class LowerDropout(Pass):
 
     name = "lower_dropout"
 
+    def requires(self, program: Program) -> None:
+        require_canonical(program, self.name)
+
     def run(self, program: Program) -> Program:
-        gm = program.graph_module
-        swapped: set[str] = set()
-        for node in program.graph.nodes:
-            if node.op == "call_module" and node.target not in swapped:
-                mod = gm.get_submodule(node.target)
-                if type(mod) is nn.Dropout:
-                    gm.set_submodule(node.target, FastDropout.from_dropout(mod))
-                    swapped.add(node.target)
-            elif node.op == "call_function" and node.target in _FUNCTIONAL:
-                if "train" in node.kwargs:  # torch.dropout(input, p, train) names it train
-                    kwargs = dict(node.kwargs)
-                    kwargs["training"] = kwargs.pop("train")
-                    node.kwargs = kwargs
-                node.target = dropout
+        apply_rules(program.graph_module, RULES, self.matches)
         return program

@@ -6,8 +6,8 @@ from math import prod
 from torch import fx
 from tqdm.auto import tqdm
 
-from ..ir.plan import bucket_of
 from ..ir.program import Program
+from ..runtime.plans import bucket_of
 from ..runtime.tt_layers import TNModule, TTMEmbedding
 from .base import Pass, register_pass
 

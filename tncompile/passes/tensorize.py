@@ -5,12 +5,13 @@ from collections import defaultdict
 
 from torch import nn
 
+from .. import tuning
 from ..formats.layout import TTLayout, TTMLayout
 from ..ir.program import Program
 from ..layers import is_compressible, is_embedding, is_linear
-from ..runtime.pending import PendingLayer
-from ..runtime.tt_layers import linear_weight_of
+from ..runtime.module_kinds import linear_weight_of
 from .base import Pass, register_pass
+from .pending import PendingLayer
 from .selection import select_modules
 
 __all__ = ["Tensorize"]
@@ -30,19 +31,28 @@ class Tensorize(Pass):
 
     Parameters
     ----------
-    min_params : int
-        Layers with fewer weights than this are left dense.
-    max_layer_ratio : float
+    min_params : int, optional
+        Layers with fewer weights than this are left dense
+        (default :data:`tncompile.tuning.MIN_LAYER_PARAMS`).
+    max_layer_ratio : float, optional
         A layer whose rank-1 network is larger than this share of its dense
         weight gains too little and is left dense (``assign_ranks`` caps the
-        others at the same share).
+        others at the same share; default :data:`tncompile.tuning.MAX_LAYER_RATIO`).
     """
 
     name = "tensorize"
 
-    def __init__(self, min_params: int = 4096, max_layer_ratio: float = 0.5):
-        self.min_params = min_params
-        self.max_layer_ratio = max_layer_ratio
+    def __init__(self, min_params: int | None = None, max_layer_ratio: float | None = None):
+        self._min_params = min_params
+        self._max_layer_ratio = max_layer_ratio
+
+    @property
+    def min_params(self) -> int:
+        return tuning.MIN_LAYER_PARAMS if self._min_params is None else self._min_params
+
+    @property
+    def max_layer_ratio(self) -> float:
+        return tuning.MAX_LAYER_RATIO if self._max_layer_ratio is None else self._max_layer_ratio
 
     def run(self, program: Program) -> Program:
         opts = program.options

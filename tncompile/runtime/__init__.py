@@ -1,9 +1,13 @@
-"""Runtime: trainable TT / TTM layers, the planned executor and rank control."""
-from .pending import PendingLayer
-from .rank_control import RankController, RankEvent, param_groups
-from .train_step import TrainStep
-from .truncation import CollapsedLayer
+"""Runtime: trainable TT / TTM layers, the planned executor and the native kernels.
+
+It knows nothing of the compiler or of training (it imports neither
+``tncompile.ir`` / ``passes`` / ``planning`` nor ``tncompile.train``): layers
+run the plans they carry and ask the registered planner (:mod:`.plans`) for
+buckets nobody planned yet.
+"""
+from .collapsed import CollapsedLayer
+from .plans import ContractionPlan, LookupPlan, Step, bucket_of
 from .tt_layers import TNModule, TTLinear, TTMEmbedding, TTMTiedLinear
 
-__all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "PendingLayer", "RankController",
-           "RankEvent", "param_groups", "CollapsedLayer", "TrainStep"]
+__all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "CollapsedLayer",
+           "ContractionPlan", "LookupPlan", "Step", "bucket_of"]

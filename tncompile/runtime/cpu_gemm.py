@@ -11,16 +11,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import tuning
 from .native import kernels_for
 
 __all__ = ["cpu_gemm", "padded_rows", "padded_columns"]
-
-SKINNY = 16  # an output this narrow (or narrower) makes CPU GEMM kernels layout-sensitive
-THIN = 64    # up to this many output columns, x.T @ g runs faster as (g.T @ x).T
-VECTOR = 16  # fp32 lanes of a 512-bit register: MKL's column blocking on AVX-512
-TINY = 1 << 18  # multiply-adds below which a GEMM is all call overhead: no layout tricks
-THIN_RANK = 64     # a contracted (expand) or output (project) size up to this goes to the native thin kernels
-THIN_OUTPUT = 1 << 18  # ... when the wide matrix has at least this many elements
 
 
 def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -28,14 +22,14 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     output is thin (measured on MKL, 2 cores).
 
     * ``left`` is a transposed view of a large tensor and the output has at
-      most ``THIN`` columns (a weight gradient ``x.T @ g``): compute
+      most ``tuning.GEMM_THIN`` columns (a weight gradient ``x.T @ g``): compute
       ``(right.T @ left.T).T``, whose large operand is then read row by row
       (4x faster at 8 columns, 1.3x at 35).
-    * the output has at most ``SKINNY`` columns and ``right`` is row-major:
+    * the output has at most ``tuning.GEMM_SKINNY`` columns and ``right`` is row-major:
       copy ``right`` (a few KB) column-major (2x faster).
     * row and column counts MKL handles badly are padded with zeros
       (:func:`padded_rows`, :func:`padded_columns`).
-    * a wide output from a contraction over at most ``THIN_RANK`` (``t @ B``)
+    * a wide output from a contraction over at most ``tuning.THIN_RANK`` (``t @ B``)
       or a thin output from a wide row-major input (``x @ A``) runs the native
       thin kernels where they are built: 1.03-2.9x faster than MKL at 47 of
       48 points over M = 512, 4096, N = 768, 3072, r = 8-64 (the expand at
@@ -43,16 +37,16 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """
     m, n = left.shape[0], right.shape[1]
     k = left.shape[1]
-    if m * n * k < TINY:
+    if m * n * k < tuning.GEMM_TINY:
         return torch.mm(left, right)
-    if left.dtype == right.dtype and (k <= THIN_RANK < n or n <= THIN_RANK < k):
+    if left.dtype == right.dtype and (k <= tuning.THIN_RANK < n or n <= tuning.THIN_RANK < k):
         native = kernels_for(left)
         if native is not None:
-            if k <= THIN_RANK < n and m * n >= THIN_OUTPUT:                      # thin rank in, wide out
+            if k <= tuning.THIN_RANK < n and m * n >= tuning.THIN_OUTPUT:                      # thin rank in, wide out
                 return native.thin_expand(left, right, None)
-            if n <= THIN_RANK and k >= 256 and m * k >= THIN_OUTPUT and left.is_contiguous():  # wide in, thin out
+            if n <= tuning.THIN_RANK and k >= 256 and m * k >= tuning.THIN_OUTPUT and left.is_contiguous():  # wide in, thin out
                 return native.thin_project(left, right)
-    if n <= THIN and m >= 4 * n and left.stride(0) == 1 and left.stride(1) != 1:
+    if n <= tuning.GEMM_THIN and m >= 4 * n and left.stride(0) == 1 and left.stride(1) != 1:
         return torch.mm(right.t(), left.t()).t()
     rows = padded_rows(m, left.shape[1], n)
     if rows != m:
@@ -64,13 +58,9 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         padded = right.new_zeros(right.shape[0], wide)
         padded[:, :n] = right
         return torch.mm(left, padded)[:, :n]
-    if n <= SKINNY < m and right.stride(1) == 1 and right.stride(0) != 1:
+    if n <= tuning.GEMM_SKINNY < m and right.stride(1) == 1 and right.stride(0) != 1:
         right = right.t().contiguous().t()
     return torch.mm(left, right)
-
-
-# a weight gradient's few output rows: these counts run as the next size up (see padded_rows)
-_ROW_PADDING = {5: 8, 6: 8, 7: 8, 9: 12, 10: 12, 11: 12}
 
 
 def padded_rows(m: int, k: int, n: int) -> int:
@@ -80,9 +70,9 @@ def padded_rows(m: int, k: int, n: int) -> int:
     ``K = 4096, N = 3072`` (a rank-8 layer's core gradient with its bias row
     has 9), 9-11 rows take 11-12 ms, 12 rows 7-9 ms. Ranks after truncation
     are arbitrary, so every count in that range comes up."""
-    if k * n < (1 << 20):
+    if k * n < tuning.GEMM_ROW_PADDING_MIN_KN:
         return m
-    return _ROW_PADDING.get(m, m)
+    return tuning.GEMM_ROW_PADDING.get(m, m)
 
 
 def padded_columns(m: int, k: int, n: int) -> int:
@@ -95,6 +85,8 @@ def padded_columns(m: int, k: int, n: int) -> int:
     just past a multiple of 16 (n % 16 in 1, 2, 4 above 16: 0.93-1.0x, so
     those stay). The padded right operand is a few hundred KB at most; the
     result is a strided view."""
-    if n >= THIN or m < 256 or k < 256 or (n > VECTOR and n % VECTOR in (1, 2, 4)):
+    small = tuning.GEMM_COLUMN_PADDING_MIN
+    vector = tuning.GEMM_VECTOR
+    if n >= tuning.GEMM_THIN or m < small or k < small or (n > vector and n % vector in (1, 2, 4)):
         return n
-    return max(VECTOR, -(-n // 8) * 8)
+    return max(vector, -(-n // 8) * 8)

@@ -16,10 +16,11 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..ir.plan import ContractionPlan
-from .cpu_gemm import THIN_OUTPUT, THIN_RANK, cpu_gemm
+from .. import tuning
+from .cpu_gemm import cpu_gemm
 from .native import kernels_for
 from .plan_program import program_for
+from .plans import ContractionPlan
 
 __all__ = ["contract", "PlannedContraction", "pairwise", "generated_code", "generated_code_dump"]
 
@@ -82,9 +83,6 @@ def pairwise(a: torch.Tensor, a_axes: Sequence[int], b: torch.Tensor, b_axes: Se
     return out.reshape(*a_free, *b_free)
 
 
-BIG_OUTPUT = 1 << 20  # output elements from which a bias riding in the GEMM beats a separate pass (4 MB)
-
-
 def _gemm_bias(left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """``left @ right + bias``. ``addmm`` first copies the broadcast bias into
     the whole ``M x N`` output (on CPU, a full extra pass over the layer's
@@ -93,11 +91,11 @@ def _gemm_bias(left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor) -> t
     instead: ``[left, 1] @ [right; bias]``, copying only ``M x (K+1)``."""
     m, k = left.shape
     n = right.shape[1]
-    if k <= THIN_RANK < n and m * n >= THIN_OUTPUT and left.dtype == right.dtype == bias.dtype:
+    if k <= tuning.THIN_RANK < n and m * n >= tuning.THIN_OUTPUT and left.dtype == right.dtype == bias.dtype:
         native = kernels_for(left)
         if native is not None:  # the bias initializes the accumulators: no extra pass, no copy
             return native.thin_expand(left, right, bias)
-    if left.device.type != "cpu" or 4 * k >= n or m * n < BIG_OUTPUT:
+    if left.device.type != "cpu" or 4 * k >= n or m * n < tuning.BIG_OUTPUT:
         return torch.addmm(bias, left, right)
     ones = left.new_ones(m, 1)
     return torch.cat([left, ones], 1) @ torch.cat([right, bias.to(right.dtype).unsqueeze(0)], 0)
@@ -120,7 +118,7 @@ def _grad_with_bias(a: torch.Tensor, a_axes: Sequence[int], grad: torch.Tensor,
     column sum) saves a full pass over it. Returns ``(g_b (K..., outputs...), g_bias (outputs,))``.
     """
     rows = grad.shape[0]
-    if grad.numel() < BIG_OUTPUT or tuple(grad_axes) != (0,):  # small: the concatenation costs more
+    if grad.numel() < tuning.BIG_OUTPUT or tuple(grad_axes) != (0,):  # small: the concatenation costs more
         return pairwise(a, a_axes, grad, grad_axes), _column_sums(grad)
     left = _as_matrix(a, tuple(a_axes), contracted_first=True)           # (rows, K)
     k_shape = [n for d, n in enumerate(a.shape) if d not in tuple(a_axes)]
@@ -143,7 +141,7 @@ def _expand_grads(t: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, want_t: 
     """
     rows, k = t.shape
     n = w.shape[1]
-    if k <= THIN_RANK < n and rows * n >= THIN_OUTPUT and t.dtype == w.dtype == grad.dtype:
+    if k <= tuning.THIN_RANK < n and rows * n >= tuning.THIN_OUTPUT and t.dtype == w.dtype == grad.dtype:
         native = kernels_for(grad)
         if native is not None:
             g_t, g_w, g_bias = native.thin_expand_backward(grad, t, w, want_t, want_w, want_bias)
@@ -151,7 +149,7 @@ def _expand_grads(t: torch.Tensor, w: torch.Tensor, grad: torch.Tensor, want_t: 
     mm = _gemm_for(grad)
     g_t = mm(grad, w.t()) if want_t else None
     g_w = g_bias = None
-    if want_w and want_bias and grad.device.type == "cpu" and grad.numel() >= BIG_OUTPUT:
+    if want_w and want_bias and grad.device.type == "cpu" and grad.numel() >= tuning.BIG_OUTPUT:
         g_w, g_bias = _grad_with_bias(t, (0,), grad, (0,))  # [t, 1].T @ grad: one pass for both
     else:  # small: two plain calls cost less than building [t, 1]
         if want_w:

@@ -23,12 +23,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ir.plan import bucket_of
+from .. import tuning
 from .cpu_gemm import cpu_gemm
+from .module_kinds import runs_as
 from .native import kernels_for
+from .plans import bucket_of
 from .tt_layers import TTLinear
 
-__all__ = ["ACTIVATIONS", "FUSE_MIN_ROWS", "tt_feed_forward", "fused_macs", "uses_fused_kernel"]
+__all__ = ["ACTIVATIONS", "tt_feed_forward", "fused_macs", "uses_fused_kernel"]
 
 ACTIVATIONS = {
     "gelu": F.gelu,
@@ -36,11 +38,6 @@ ACTIVATIONS = {
     "relu": F.relu,
 }
 
-# Below this many rows the hidden activation fits in cache anyway and the planned orders
-# (which need not merge the cores) win
-FUSE_MIN_ROWS = 256
-# Fuse only while merging the cores costs at most this many times the planned multiply-adds
-FUSE_FLOP_SLACK = 1.25
 
 
 def fused_macs(first: TTLinear, second: TTLinear, rows: int) -> int:
@@ -55,10 +52,10 @@ def uses_fused_kernel(x: torch.Tensor, first: nn.Module, second: nn.Module):
     """The native ops when :func:`tt_feed_forward` would fuse the block for
     input ``x``, else ``None``. The flop comparison is cached on ``second``
     per bucket and ranks."""
-    if type(first) is not TTLinear or type(second) is not TTLinear:
+    if not (runs_as(first, TTLinear) and runs_as(second, TTLinear)):
         return None
     rows = x.numel() // first.in_features if first.in_features else 0
-    if rows < FUSE_MIN_ROWS:
+    if rows < tuning.FUSE_MIN_ROWS:
         return None
     ops = kernels_for(x)
     if ops is None or first.cores[0].dtype != x.dtype or second.cores[0].dtype != x.dtype:
@@ -69,7 +66,7 @@ def uses_fused_kernel(x: torch.Tensor, first: nn.Module, second: nn.Module):
     cheap = cache.get(key)
     if cheap is None:
         planned = first.plan_for(bucket).fwd_flops + second.plan_for(bucket).fwd_flops
-        cheap = cache[key] = fused_macs(first, second, bucket) <= FUSE_FLOP_SLACK * planned
+        cheap = cache[key] = fused_macs(first, second, bucket) <= tuning.FUSE_FLOP_SLACK * planned
     return ops if cheap else None
 
 

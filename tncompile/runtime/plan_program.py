@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..ir.plan import ContractionPlan
+from .plans import ContractionPlan
 
 __all__ = ["PlanProgram", "program_for"]
 

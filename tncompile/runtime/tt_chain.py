@@ -2,7 +2,7 @@
 
 At a few tokens the planned executor's ~20 GEMMs and the gate products cost
 more in per-op overhead than in arithmetic, and the layer ends up slower
-than the dense matrix-vector product it replaces. Up to :data:`CHAIN_ROWS`
+than the dense matrix-vector product it replaces. Up to :data:`tncompile.tuning.CHAIN_ROWS`
 rows (measured crossover, see the README), :class:`TTLinear` instead runs
 ``tncompile::tt_chain`` (:mod:`.native`): the input walks through the cores
 one by one, gates included, inside one C++ call, and the autograd graph
@@ -18,19 +18,11 @@ import math
 
 import torch
 
+from .. import tuning
 from ..formats.layout import TTLayout
 from .native import kernels_for
 
-__all__ = ["CHAIN_ROWS", "chain_kernels", "chain_macs", "tt_chain"]
-
-# Up to this many rows one native chain call beats the planned executor. Measured interleaved
-# (fwd+bwd, 2 cores, with the chain's C++ autograd node) on 768->768 at ranks 16 and 64,
-# 768->3072 at rank 30 and 3072->768 at rank 8, the chain's time over the plan's was
-# 0.59-0.76 at 4 rows, 0.70-0.90 at 6, 0.78-1.04 at 8 and 0.97-1.27 at 12
-CHAIN_ROWS = 6
-# ... unless walking the cores in mode order costs this many times the plan's multiply-adds
-# (high ranks), plus a floor below which everything is overhead anyway
-CHAIN_FLOP_SLACK, CHAIN_FLOP_FLOOR = 4, 1 << 20
+__all__ = ["chain_kernels", "chain_macs", "tt_chain"]
 
 
 def chain_macs(layout: TTLayout, rows: int) -> int:
@@ -52,13 +44,13 @@ def chain_kernels(x: torch.Tensor, layout: TTLayout, plan_for, rows: int, cache:
     as one chain call (few rows, and the chain not far costlier than the
     plan ``plan_for(rows)``), else ``None``. The flop comparison is cached in
     ``cache`` per row count and ranks."""
-    if rows > CHAIN_ROWS or rows < 1:
+    if rows > tuning.CHAIN_ROWS or rows < 1:
         return None
     key = (rows, layout.ranks)
     cheap = cache.get(key)
     if cheap is None:
-        cheap = cache[key] = chain_macs(layout, rows) <= (CHAIN_FLOP_SLACK * plan_for(rows).fwd_flops
-                                                           + CHAIN_FLOP_FLOOR)
+        cheap = cache[key] = chain_macs(layout, rows) <= (tuning.CHAIN_FLOP_SLACK * plan_for(rows).fwd_flops
+                                                           + tuning.CHAIN_FLOP_FLOOR)
     return kernels_for(x) if cheap else None
 
 

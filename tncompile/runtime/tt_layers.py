@@ -3,9 +3,10 @@
 Each layer holds its cores, one rank-gate vector per internal bond (all ones
 until rank adaptation trains them) and, for linears, a bias. The gates scale
 the right-hand bond of their core, so the network computes exactly the matrix
-``tt_to_dense(scaled_cores())``. The forward pass is one ``torch.einsum`` over
-the layer's :class:`~tncompile.ir.TensorNetwork` (opt_einsum picks the pairwise
-order); the contraction-planning pass replaces it with planned kernels.
+``tt_to_dense(scaled_cores())``. A forward pass runs the plan of its bucket
+of rows (:mod:`.plans`; a plan the ``plan_contractions`` pass made, or one the
+registered planner makes on first use) through the planned executor, or, over
+a few rows, the native chain op.
 """
 from __future__ import annotations
 
@@ -16,28 +17,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import tuning
 from ..formats.decompose import (random_cores, tt_from_linear_weight, tt_to_dense,
                                  ttm_from_embedding_weight, ttm_to_dense)
+from ..formats.indices import planner_problem
 from ..formats.layout import TTLayout, TTMLayout
-from ..ir.network import BATCH, TensorNetwork
-from ..ir.lookup_plan import LookupPlan, plan_lookup
-from ..ir.plan import ContractionPlan, bucket_of, plan_contraction
+from .module_kinds import linear_weight_of
 from .executor import autocast_state, contract, same_autocast
 from .native import kernels_for
+from .plans import ContractionPlan, LookupPlan, bucket_of, get_planner
 from .tt_chain import chain_kernels, tt_chain
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of"]
 
 INITS = ("svd", "random")
-
-
-def linear_weight_of(module: nn.Module) -> torch.Tensor:
-    """The ``[out, in]`` weight of an ``nn.Linear`` or a HuggingFace ``Conv1D``."""
-    if isinstance(module, nn.Linear):
-        return module.weight
-    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):
-        return module.weight.t()  # HF Conv1D stores [in, out]
-    raise TypeError(f"{type(module).__name__} is not a linear layer")
 
 
 def _resolve_layout(layout, make, rank, dense_shape):
@@ -167,20 +160,18 @@ class TNModule(nn.Module):
             for g in self.gates:
                 g.fill_(1.0)
 
-    def network(self) -> TensorNetwork:
-        return TensorNetwork.from_layout(self.layout, transpose=self.transposed)
-
     # ------------------------------------------------------------ planning
     @property
-    def plans(self) -> dict[int, ContractionPlan]:
+    def plans(self) -> dict[int, ContractionPlan | LookupPlan]:
         """``bucket -> plan`` cache (saved with the module)."""
         if "_plans" not in self.__dict__:
             self._plans = {}
         return self._plans
 
     def planner_problem(self) -> tuple[list[tuple[str, ...]], tuple[str, ...], dict[str, int]]:
-        """See :meth:`TensorNetwork.planner_problem`."""
-        return self.network().planner_problem()
+        """``(inputs, output, sizes)`` of the network the executor contracts
+        (:func:`tncompile.formats.planner_problem`)."""
+        return planner_problem(self.layout, self.transposed)
 
     def plan_for(self, rows: int) -> ContractionPlan:
         """The plan for ``rows`` rows: a dict lookup once its bucket is planned."""
@@ -193,8 +184,7 @@ class TNModule(nn.Module):
     @torch.compiler.disable  # planning is host-side search: never traced into a compiled graph
     def plan_bucket(self, bucket: int) -> ContractionPlan:
         """Plan (and cache) the contraction for a bucket of ``bucket`` rows."""
-        inputs, output, sizes = self.planner_problem()
-        plan = plan_contraction(inputs, output, {**sizes, BATCH: int(bucket)}, batch=BATCH)
+        plan = get_planner().plan_contraction(self.layout, self.transposed, int(bucket))
         self.plans[int(bucket)] = plan
         return plan
 
@@ -362,11 +352,9 @@ class TTMEmbedding(TNModule):
             bad = lo if lo < 0 else hi
             raise IndexError(f"TTMEmbedding: id {bad} out of range [0, {self.num_embeddings})")
 
-    DEDUP_BELOW = 0.8  # look up unique ids only when they are under this share of the batch
-
     @torch.compiler.disable
     def plan_bucket(self, bucket: int) -> LookupPlan:  # type: ignore[override]
-        plan = plan_lookup(self.layout, int(bucket))
+        plan = get_planner().plan_lookup(self.layout, int(bucket))
         self.plans[int(bucket)] = plan
         return plan
 
@@ -388,9 +376,9 @@ class TTMEmbedding(TNModule):
         lay = self.layout
         flat = ids.reshape(-1).long()
         lookup, inverse = flat, None
-        if flat.numel() >= 64 and not torch.compiler.is_compiling():
+        if flat.numel() >= tuning.DEDUP_MIN_IDS and not torch.compiler.is_compiling():
             unique, inv = torch.unique(flat, return_inverse=True)
-            if unique.numel() < self.DEDUP_BELOW * flat.numel():
+            if unique.numel() < tuning.DEDUP_BELOW * flat.numel():
                 lookup, inverse = unique, inv
         rows = lookup.shape[0]
         if len(lay.row_modes) == 1:

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..serialization import save
+from .controller import RankController
 from .history import History
-from .runtime.rank_control import RankController
-from .runtime.train_step import TrainStep
-from .serialization import save
+from .train_step import TrainStep
 
 __all__ = ["fit"]
 

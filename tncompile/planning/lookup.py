@@ -1,4 +1,4 @@
-"""``LookupPlan``: how a TTM embedding looks up a bucket of ids.
+"""Lookup search: how a TTM embedding looks up a bucket of ids (its :class:`LookupPlan`).
 
 The cores are split at ``split``: the left cores merge into a table
 ``L[M_L, N_L, r]`` and the right ones into ``R[M_R, r, N_R]`` (both small: each
@@ -10,36 +10,12 @@ tables), forward and backward (about twice the forward).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from math import prod
 
-from .plan import WRITE_WEIGHT
+from .. import tuning
+from ..runtime.plans import LookupPlan
 
-__all__ = ["LookupPlan", "plan_lookup", "per_id_macs"]
-
-
-@dataclass
-class LookupPlan:
-    """Split point and cost of a TTM lookup for buckets of ``rows`` ids."""
-
-    rows: int
-    split: int
-    fwd_flops: int
-    largest: int
-    cost: float
-    naive_cost: float
-    candidates: dict[int, float] = field(default_factory=dict)
-
-    @property
-    def speedup(self) -> float:
-        return self.naive_cost / self.cost if self.cost else 1.0
-
-    def order(self, names=None) -> str:
-        return f"split at core {self.split}: L[ids_L] @ R[ids_R]"
-
-    def describe(self, names=None) -> str:
-        return (f"rows<={self.rows}: {self.order()}  fwd {2 * self.fwd_flops:,} flops, "
-                f"largest {self.largest:,}, {self.speedup:.1f}x vs per-id chain")
+__all__ = ["plan_lookup", "per_id_macs"]
 
 
 def _split_cost(ranks, rows_m, cols_n, split: int, tokens: int, w: float) -> tuple[float, int, int]:
@@ -71,14 +47,15 @@ def per_id_macs(layout, split: int) -> int:
     return prod(layout.col_modes[:split]) * layout.full_ranks[split] * prod(layout.col_modes[split:])
 
 
-def plan_lookup(layout, rows: int, write_weight: float = WRITE_WEIGHT) -> LookupPlan:
+def plan_lookup(layout, rows: int, write_weight: float | None = None) -> LookupPlan:
     """Choose the split of a TTM layout's cores for lookups of ``rows`` ids."""
+    write_weight = tuning.WRITE_WEIGHT if write_weight is None else write_weight
     ranks = layout.full_ranks
     m, n = layout.row_modes, layout.col_modes
     d = len(m)
     if d == 1:
         cost = 3.0 * rows * n[0] + write_weight * 2 * rows * n[0]
-        return LookupPlan(rows, 1, 0, rows * n[0], cost, cost, {1: cost})
+        return LookupPlan(rows, 1, 0, rows * n[0], cost, cost, {1: cost}, ranks=tuple(layout.ranks))
     scored = {s: _split_cost(ranks, m, n, s, rows, write_weight) for s in range(1, d)}
     best = min(scored, key=lambda s: scored[s][0])
     # naive: contract the gathered slices id by id along the chain (what one einsum does)
@@ -86,4 +63,5 @@ def plan_lookup(layout, rows: int, write_weight: float = WRITE_WEIGHT) -> Lookup
     gathered = sum(ranks[k] * n[k] * ranks[k + 1] for k in range(d))
     naive = 3 * rows * chain + write_weight * 2 * rows * (gathered + prod(n))
     cost, fwd, largest = scored[best]
-    return LookupPlan(rows, best, fwd, largest, cost, naive, {s: v[0] for s, v in scored.items()})
+    return LookupPlan(rows, best, fwd, largest, cost, naive, {s: v[0] for s, v in scored.items()},
+                      ranks=tuple(layout.ranks))

@@ -3,8 +3,10 @@
 Rank adaptation switches ranks off by driving their gate entries to zero. The
 reference CoMERA code then *masks* them, so the model stays as slow as before.
 Here the ranks are removed for real: every core touching the bond is sliced,
-the gate vector shrinks, the layer's layout records the new ranks, its plans
-are rebuilt, and the optimizer's per-parameter state is sliced to match.
+the gate vector shrinks, the layer's layout records the new ranks, and the
+optimizer's per-parameter state is sliced to match. The layer's plans are then
+stale; the ``replan`` pass (run by :class:`~tncompile.train.RankController`
+through the pipeline) plans them again.
 """
 from __future__ import annotations
 
@@ -15,10 +17,9 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .tt_layers import TNModule
+from ..runtime.tt_layers import TNModule
 
-__all__ = ["Cut", "cut_ranks", "remap_optimizer", "check_optimizer", "ELEMENTWISE_OPTIMIZERS",
-           "CollapsedLayer"]
+__all__ = ["Cut", "cut_ranks", "remap_optimizer", "check_optimizer", "ELEMENTWISE_OPTIMIZERS"]
 
 # Optimizers whose per-parameter state tensors all have the parameter's shape
 # (plus scalar step counters), so slicing them is exact.
@@ -58,8 +59,9 @@ def cut_ranks(module: TNModule, keep: Sequence[torch.Tensor]) -> list[Cut]:
     """Keep only ranks ``keep[k]`` (sorted index tensors) of every internal bond ``k``.
 
     The cores and gates are replaced by new ``nn.Parameter`` objects holding
-    the kept slices; the layout's ranks and the cached plans are updated
-    (buckets planned before are planned again at the new ranks).
+    the kept slices and the layout's ranks are updated. The cached plans are
+    left stale: run the ``replan`` pass (or ``tncompile.passes.replan_module``)
+    before the next forward.
 
     Returns the :class:`Cut` of every replaced parameter (unchanged ones are
     left alone and not listed).
@@ -93,7 +95,6 @@ def cut_ranks(module: TNModule, keep: Sequence[torch.Tensor]) -> list[Cut]:
         if changed[k]:
             cuts.append(_replace(module.gates, key, gate, {0: keep[k]}))
     module.layout = dataclasses.replace(layout, ranks=tuple(int(i.numel()) for i in keep))
-    replan(module)
     return cuts
 
 
@@ -104,14 +105,6 @@ def _replace(plist: nn.ParameterList, key: str, old: nn.Parameter, index: dict[i
     plist._parameters[key] = new
     cut.new = new
     return cut
-
-
-def replan(module: TNModule) -> None:
-    """Drop the module's cached plans and plan the same buckets again."""
-    buckets = sorted(module.plans)
-    module.plans.clear()
-    for b in buckets:
-        module.plan_bucket(b)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer | None, mode: str) -> None:
@@ -160,33 +153,3 @@ def remap_optimizer(optimizer: torch.optim.Optimizer | None, cuts: Sequence[Cut]
             else:
                 new_state[name] = value
         optimizer.state[cut.new] = new_state
-
-
-class CollapsedLayer(nn.Module):
-    """What is left of a layer whose every rank on some bond was switched off.
-
-    Its matrix is zero, so a linear becomes its bias alone (zeros without a
-    bias) and an embedding returns zeros.
-
-    Shapes
-    ------
-    linear: ``(..., in_features) -> (..., out_features)``;
-    embedding: ids ``(...) -> (..., out_features)``.
-    """
-
-    def __init__(self, kind: str, out_features: int, dense_params: int, bias: nn.Parameter | None,
-                 dtype: torch.dtype, device: torch.device | None = None, reason: str = ""):
-        super().__init__()
-        if kind not in ("linear", "embedding"):
-            raise ValueError(f"kind must be 'linear' or 'embedding', got {kind!r}")
-        self.kind, self.out_features, self.dense_params, self.reason = kind, out_features, dense_params, reason
-        self.bias = bias
-        self.register_buffer("_like", torch.empty(0, dtype=dtype, device=device), persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape if self.kind == "embedding" else x.shape[:-1]
-        out = torch.zeros(*lead, self.out_features, dtype=self._like.dtype, device=x.device)
-        return out + self.bias if self.bias is not None else out
-
-    def extra_repr(self) -> str:
-        return f"{self.kind}, out_features={self.out_features}, bias={self.bias is not None}"

@@ -5,9 +5,10 @@ from typing import Any
 
 from torch import nn
 
-from .lookup_plan import per_id_macs, plan_lookup
-from .network import BATCH, TensorNetwork
-from .plan import plan_contraction
+from ..formats.indices import BATCH, planner_problem
+from ..runtime.tt_layers import TTMTiedLinear
+from .contraction import plan_contraction
+from .lookup import per_id_macs, plan_lookup
 
 __all__ = ["layer_info", "fmt_count", "ranks_str"]
 
@@ -35,9 +36,8 @@ def layer_info(module: nn.Module) -> dict[str, Any] | None:
     layout = getattr(module, "layout", None)
     if layout is None or not hasattr(layout, "format"):
         return None
-    pending = getattr(module, "is_pending", False)
-    tied = getattr(module, "tied_to", None) if pending else (
-        type(module).__name__ == "TTMTiedLinear")
+    pending = getattr(module, "is_pending", False)  # a PendingLayer (tensorize's placeholder)
+    tied = getattr(module, "tied_to", None) if pending else isinstance(module, TTMTiedLinear)
     info: dict[str, Any] = {
         "format": layout.format + ("-tied" if tied else ""),
         "modes": layout.modes_str(),
@@ -58,7 +58,7 @@ def layer_info(module: nn.Module) -> dict[str, Any] | None:
             info["tn_flops_per_token"] = 2 * per_id_macs(layout, plan_lookup(layout, 4096).split)
         else:
             # the order the executor runs for a single token
-            inputs, output, sizes = TensorNetwork.from_layout(layout, transpose=bool(tied)).planner_problem()
+            inputs, output, sizes = planner_problem(layout, transpose=bool(tied))
             info["dense_flops_per_token"] = layout.dense_flops(1)
             info["tn_flops_per_token"] = 2 * plan_contraction(inputs, output, {**sizes, BATCH: 1}).fwd_flops
     return info

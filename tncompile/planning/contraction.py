@@ -1,86 +1,32 @@
-"""``ContractionPlan``: the pairwise order chosen for one network and one bucket.
+"""Contraction search: the pairwise order of one TT network for one bucket of rows.
 
-A plan is computed once per (layer, batch-size bucket) and then only executed.
-It stores the pairwise steps in SSA form together with everything the executor
-needs (which axes to contract, how to permute), and its cost: forward and
-reverse-mode backward FLOPs, elements written, the largest intermediate, and
-the same figures for the naive left-to-right order.
+Candidates are cotengra's exact search for flops and for ``flops + write``
+(``combo``) -- or its hyper-optimizer for networks too large for exact search
+-- the left-to-right order, and CoMERA's merge-the-cores-first order. Each is
+turned into SSA :class:`~tncompile.runtime.plans.Step`\ s and costed:
 
-Cost model: ``flops + write_weight * elements_written + op_overhead *
-kernels`` (forward plus backward), where the writes include the permuted
-copies the executor makes when an operand's contracted axes neither lead nor
-trail it in order. So orders that stream huge intermediates through
+Cost model: ``flops + WRITE_WEIGHT * elements_written + OP_OVERHEAD *
+kernels`` (forward plus reverse-mode backward), where the writes include the
+permuted copies the executor makes when an operand's contracted axes neither
+lead nor trail it in order. So orders that stream huge intermediates through
 memory lose to slightly more arithmetic on small ones, and tiny batches
-prefer fewer copies -- which is what CPU and GPU timings reward.
+prefer fewer copies -- which is what CPU and GPU timings reward. The weights
+are in :mod:`tncompile.tuning`.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import prod
 from typing import Sequence
 
 import cotengra as ctg
 
-__all__ = ["ContractionPlan", "Step", "plan_contraction", "bucket_of", "WRITE_WEIGHT"]
+from .. import tuning
+from ..runtime.plans import ContractionPlan, Step
 
-WRITE_WEIGHT = 32.0
-# multiply-add equivalents of one eager kernel (a GEMM or a permuted copy): ~8 us of
-# Python and dispatch at ~50 GMAC/s. Calibrated on bench_layers at 1 and 32 tokens,
-# where orders differ mainly in kernel count: at 20k the planner took orders with six
-# more copies that measured 5-25% slower than merge-cores-first (e.g. 768->3072, rank 8,
-# 32 tokens: 1.05 vs 0.94 ms); at 400k it picks the faster one at every such point.
-OP_OVERHEAD = 400_000.0
+__all__ = ["plan_contraction"]
 
 Indices = tuple[str, ...]
-
-
-def bucket_of(rows: int) -> int:
-    """Power-of-two bucket (>= rows) whose plan serves ``rows`` rows."""
-    return 1 if rows <= 1 else 1 << (int(rows) - 1).bit_length()
-
-
-@dataclass(frozen=True)
-class Step:
-    """``C = tensordot(A, B, (a_axes, b_axes))``; C's indices are A's free then B's free.
-
-    The ``grad_*`` fields are the backward's recipe, fixed at plan time:
-    ``dA = permute(tensordot(dC, B, (grad_a_c_axes, grad_a_b_axes)), grad_a_perm)``
-    and ``dB = permute(tensordot(A, dC, (grad_b_a_axes, grad_b_c_axes)), grad_b_perm)``.
-    """
-
-    a: int
-    b: int
-    a_axes: tuple[int, ...]
-    b_axes: tuple[int, ...]
-    a_idx: Indices
-    b_idx: Indices
-    c_idx: Indices
-    flops: int           # multiply-adds
-    size: int            # elements of C
-    grad_a_c_axes: tuple[int, ...] = ()
-    grad_a_b_axes: tuple[int, ...] = ()
-    grad_a_perm: tuple[int, ...] | None = None
-    grad_b_a_axes: tuple[int, ...] = ()
-    grad_b_c_axes: tuple[int, ...] = ()
-    grad_b_perm: tuple[int, ...] | None = None
-
-    @classmethod
-    def make(cls, a, b, a_axes, b_axes, ai, bi, ci, flops, size) -> "Step":
-        a_free = [k for k in range(len(ai)) if k not in a_axes]
-        b_free = [k for k in range(len(bi)) if k not in b_axes]
-        n_a_free = len(a_free)
-        got_a = [ai[k] for k in a_free] + [bi[k] for k in sorted(b_axes)]
-        got_b = [ai[k] for k in sorted(a_axes)] + [bi[k] for k in b_free]
-
-        def perm(got, target):
-            p = tuple(got.index(x) for x in target)
-            return None if p == tuple(range(len(p))) else p
-
-        return cls(a, b, tuple(a_axes), tuple(b_axes), ai, bi, ci, flops, size,
-                   grad_a_c_axes=tuple(range(n_a_free, len(ci))), grad_a_b_axes=tuple(b_free),
-                   grad_a_perm=perm(got_a, ai),
-                   grad_b_a_axes=tuple(a_free), grad_b_c_axes=tuple(range(n_a_free)),
-                   grad_b_perm=perm(got_b, bi))
 
 
 @dataclass
@@ -89,73 +35,6 @@ class _Cost:
     write: int = 0
     largest: int = 0
     kernels: int = 0
-
-
-@dataclass
-class ContractionPlan:
-    """Pairwise order for one network at one bucket size (see module docstring).
-
-    Attributes
-    ----------
-    rows : int
-        The bucket (number of rows of the batch index) it was planned for.
-    inputs, output : index tuples of the operands and of the result.
-    steps : list of Step
-        In execution order; operand ids are SSA (inputs first, then results).
-    out_perm : tuple of int or None
-        Permutation from the last step's index order to ``output``.
-    fwd_flops, bwd_flops, write, largest : int
-        Multiply-adds forward and backward (reverse mode through the steps),
-        elements written by both, largest intermediate.
-    naive_* : same figures for the left-to-right order.
-    strategy : str
-        Which candidate won.
-    """
-
-    rows: int
-    inputs: list[Indices]
-    output: Indices
-    steps: list[Step]
-    out_perm: tuple[int, ...] | None
-    fwd_flops: int
-    bwd_flops: int
-    write: int
-    largest: int
-    naive_cost: float
-    strategy: str
-    write_weight: float = WRITE_WEIGHT
-    candidates: dict[str, float] = field(default_factory=dict)
-
-    kernels: int = 0
-    bias_fusable: bool = False   # the last step yields (rows, outputs...): a bias can join its GEMM
-    batch: str | None = None     # the index whose size varies within the bucket (the rows)
-    sizes: dict[str, int] | None = None  # every other index's size (plans saved before this field existed lack it)
-
-    def __getstate__(self) -> dict:
-        # the executor caches generated code on the plan (``_program*``): never pickled
-        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
-
-    @property
-    def cost(self) -> float:
-        return (self.fwd_flops + self.bwd_flops + self.write_weight * self.write
-                + OP_OVERHEAD * self.kernels)
-
-    @property
-    def speedup(self) -> float:
-        """Cost of the naive left-to-right order over this plan's."""
-        return self.naive_cost / self.cost if self.cost else 1.0
-
-    def order(self, names: Sequence[str] | None = None) -> str:
-        """The steps as a nested expression, e.g. ``(x.(G0.G1))``."""
-        exprs = list(names) if names is not None else [f"t{i}" for i in range(len(self.inputs))]
-        for s in self.steps:
-            exprs.append(f"({exprs[s.a]}.{exprs[s.b]})")
-        return exprs[-1] if self.steps else exprs[0]
-
-    def describe(self, names: Sequence[str] | None = None) -> str:
-        return (f"rows<={self.rows}: {self.order(names)}  fwd {self.fwd_flops * 2:,} flops, "
-                f"fwd+bwd {(self.fwd_flops + self.bwd_flops) * 2:,}, largest {self.largest:,}, "
-                f"{self.speedup:.1f}x vs naive [{self.strategy}]")
 
 
 def _build(inputs: list[Indices], output: Indices, sizes: dict[str, int],
@@ -214,7 +93,7 @@ def _build(inputs: list[Indices], output: Indices, sizes: dict[str, int],
     final = ops[-1] if steps else inputs[0]
     perm = None if tuple(final) == tuple(output) else tuple(final.index(x) for x in output)
     kernels = 3 * cost.kernels + (1 if perm is not None else 0)  # backward ~ two kernels a step
-    total = cost.flops + bwd + weight * (cost.write + bwd_write) + OP_OVERHEAD * kernels
+    total = cost.flops + bwd + weight * (cost.write + bwd_write) + tuning.OP_OVERHEAD * kernels
     return steps, perm, cost, bwd, bwd_write, total
 
 
@@ -259,7 +138,7 @@ def _merge_first(inputs: list[Indices], batch: str) -> list[tuple[int, int]] | N
 
 def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str, int],
                      needs_grad: Sequence[bool] | None = None, batch: str = "b",
-                     write_weight: float = WRITE_WEIGHT,
+                     write_weight: float | None = None,
                      strategies: Sequence[str] | None = None) -> ContractionPlan:
     """Choose the cheapest pairwise order (forward + reverse-mode backward).
 
@@ -270,6 +149,7 @@ def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str
     restricts the candidates by name (e.g. ``["merge-cores-first"]`` to force
     CoMERA's fixed order, as the benchmarks do).
     """
+    write_weight = tuning.WRITE_WEIGHT if write_weight is None else write_weight
     inputs = [tuple(ix) for ix in inputs]
     output = tuple(output)
     needs_grad = list(needs_grad) if needs_grad is not None else [True] * len(inputs)
@@ -279,12 +159,12 @@ def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str
     if merge is not None:
         candidates["merge-cores-first"] = merge
     if n > 2:
-        exact = n <= 12
+        exact = n <= tuning.EXACT_SEARCH_MAX_TENSORS
         for minimize in ("flops", f"combo-{int(write_weight)}"):
             if exact:
                 ssa = ctg.optimal_optimize(list(inputs), output, sizes, minimize=minimize)
             else:
-                opt = ctg.HyperOptimizer(minimize=minimize, max_repeats=32, parallel=False, progbar=False)
+                opt = ctg.HyperOptimizer(minimize=minimize, max_repeats=tuning.HYPER_REPEATS, parallel=False, progbar=False)
                 ssa = opt.search(list(inputs), output, sizes).get_path()
             candidates[f"cotengra-{minimize.split('-')[0]}"] = [tuple(p) for p in ssa]
     if strategies is not None:
@@ -301,7 +181,7 @@ def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str
     return ContractionPlan(
         rows=sizes.get(batch, 1), inputs=inputs, output=output, steps=steps, out_perm=perm,
         fwd_flops=cost.flops, bwd_flops=bwd, write=cost.write + bwd_write, largest=cost.largest,
-        naive_cost=naive_total, strategy=best, write_weight=write_weight,
+        naive_cost=naive_total, strategy=best, write_weight=write_weight, cost=total,
         candidates={k: v[0][-1] for k, v in scored.items()},
         kernels=3 * cost.kernels + (1 if perm is not None else 0),
         bias_fusable=bool(steps) and perm is None and tuple(

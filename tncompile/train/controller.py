@@ -37,8 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .truncation import CollapsedLayer, Cut, check_optimizer, cut_ranks, remap_optimizer, replan
-from .tt_layers import TNModule, TTLinear, TTMEmbedding, TTMTiedLinear
+from ..passes import CollapseLayers, Pipeline, Replan
+from ..runtime.tt_layers import TNModule, TTMTiedLinear
+from .truncation import Cut, check_optimizer, cut_ranks, remap_optimizer
 
 __all__ = ["RankController", "RankEvent", "param_groups"]
 
@@ -379,9 +380,16 @@ class RankController:
 
     @torch.no_grad()
     def truncate(self) -> RankEvent:
-        """Cut every switched-off rank now (cores, gates, optimizer state, plans)."""
+        """Cut every switched-off rank now (cores, gates, optimizer state, plans).
+
+        The parameters are sliced here; the graph edits -- layers collapsed to
+        their bias (``collapse_layers``) and stale plans re-planned (``replan``)
+        -- run as passes through a pipeline on ``compiled.program``, so they
+        are linted, recorded in its history and dumped like compile-time passes.
+        """
         event = RankEvent(self.steps_done, self.stage)
         cuts: list[Cut] = []
+        collapse: dict[str, str] = {}
         for name, mod in list(self._layers.items()):
             keep, dead_bond = [], None
             for k, g in enumerate(mod.gates._parameters.values()):
@@ -394,50 +402,22 @@ class RankController:
                 keep.append(on)
             old = tuple(mod.layout.ranks)
             if dead_bond is not None:
-                cuts += self._collapse(name, mod, dead_bond)
+                collapse[name] = f"removed by rank adaptation: every rank of bond {dead_bond} switched off"
+                cuts += [Cut(p, None, {}) for p in (*mod.cores._parameters.values(),
+                                                    *mod.gates._parameters.values())]
                 event.removed.append(name)
                 continue
             layer_cuts = cut_ranks(mod, keep)
             if layer_cuts:
                 cuts += layer_cuts
                 event.truncated[name] = (old, tuple(mod.layout.ranks))
-                for head in self._heads_of(mod):
-                    replan(head)
         if cuts:
+            edits = ([CollapseLayers(collapse)] if collapse else []) + [Replan()]
+            Pipeline(edits).run(self.compiled.program, progress=False)
             remap_optimizer(self.optimizer, cuts, self.optimizer_state)
             self.version += 1
             self._refresh()
         return event
-
-    def _heads_of(self, embedding: TNModule) -> list[TTMTiedLinear]:
-        return [m for m in self.compiled.tensorized_modules().values()
-                if isinstance(m, TTMTiedLinear) and m.embedding is embedding]
-
-    def _collapse(self, name: str, mod: TNModule, bond: int) -> list[Cut]:
-        """Replace ``mod`` (and any head tied to it) by its bias alone."""
-        program = self.compiled.program
-        gm = program.graph_module
-        reason = f"removed by rank adaptation: every rank of bond {bond} switched off"
-        dtype, device = mod.cores[0].dtype, mod.cores[0].device
-        replace: dict[int, nn.Module] = {}
-        if isinstance(mod, TTLinear):
-            replace[id(mod)] = CollapsedLayer("linear", mod.out_features, mod.layout.dense_params, mod.bias,
-                                              dtype, device, reason)
-        elif isinstance(mod, TTMEmbedding):
-            replace[id(mod)] = CollapsedLayer("embedding", mod.embedding_dim, mod.layout.dense_params, None,
-                                              dtype, device, reason)
-            for head in self._heads_of(mod):
-                replace[id(head)] = CollapsedLayer("linear", head.out_features, 0, head.bias, dtype, device,
-                                                   reason + " (tied embedding collapsed)")
-        else:  # pragma: no cover - every owner is one of the two
-            raise TypeError(f"cannot collapse {type(mod).__name__}")
-        for node, m in list(program.modules()):
-            new = replace.get(id(m))
-            if new is not None:
-                gm.set_submodule(node.target, new)
-                program.notes[node.target] = new.reason
-        cuts = [Cut(p, None, {}) for p in (*mod.cores._parameters.values(), *mod.gates._parameters.values())]
-        return cuts
 
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -473,9 +453,9 @@ def _network_size(widths: list, sites: tuple[int, ...]):
 
 
 def _compiled_ratio(compiled) -> float:
-    """The ratio right after compilation (the pass history's last record), else the current one."""
-    history = compiled.program.history
-    return max(history[-1].ratio, compiled.ratio) if history else compiled.ratio
+    """The ratio right after compilation, else (a program built by hand) the current one."""
+    at_compile = compiled.program.compiled_ratio
+    return max(at_compile, compiled.ratio) if at_compile is not None else compiled.ratio
 
 
 def _check_positive(name: str, value: Any) -> None:

@@ -1,0 +1,30 @@
+"""Compile-time search and cost models: contraction orders, lookup splits,
+per-layer costs. Its thresholds live in :mod:`tncompile.tuning`.
+
+Importing this package registers :class:`SearchPlanner` with the runtime
+(:func:`tncompile.runtime.plans.set_planner`), so TT/TTM layers can plan a
+bucket they meet for the first time without the runtime importing this code.
+"""
+from ..formats.indices import BATCH, planner_problem
+from ..runtime.plans import ContractionPlan, LookupPlan, set_planner
+from .contraction import plan_contraction
+from .layer_info import fmt_count, layer_info, ranks_str
+from .lookup import per_id_macs, plan_lookup
+
+__all__ = ["SearchPlanner", "plan_contraction", "plan_lookup", "per_id_macs", "layer_info",
+           "fmt_count", "ranks_str"]
+
+
+class SearchPlanner:
+    """The planner the runtime asks for a new bucket: cotengra-backed search
+    for TT networks (:func:`plan_contraction`), split search for TTM lookups."""
+
+    def plan_contraction(self, layout, transpose: bool, rows: int) -> ContractionPlan:
+        inputs, output, sizes = planner_problem(layout, transpose)
+        return plan_contraction(inputs, output, {**sizes, BATCH: int(rows)}, batch=BATCH)
+
+    def plan_lookup(self, layout, rows: int) -> LookupPlan:
+        return plan_lookup(layout, int(rows))
+
+
+set_planner(SearchPlanner())

@@ -1,0 +1,15 @@
+"""Training: rank control (CoMERA), truncation, ``TrainStep`` and its capture
+cache, ``fit`` and its ``History``.
+
+It may use the compiler and the runtime; it changes a compiled model's graph
+only by running passes (``collapse_layers``, ``replan``) through a pipeline.
+"""
+from .capture_cache import CacheStats, CaptureCache
+from .controller import RankController, RankEvent, param_groups
+from .fit import fit
+from .history import History
+from .train_step import TrainStep, call_model, make_capturable
+from .truncation import Cut, cut_ranks, remap_optimizer
+
+__all__ = ["RankController", "RankEvent", "param_groups", "TrainStep", "fit", "History", "CaptureCache",
+           "CacheStats", "Cut", "cut_ranks", "remap_optimizer", "call_model", "make_capturable"]

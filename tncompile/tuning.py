@@ -1,0 +1,87 @@
+"""Every tuned threshold of tncompile, in one place.
+
+These numbers decide *how* things run (which kernel, which contraction order,
+which layers are worth compressing), never *what* is computed: changing one
+changes speed or size, not results. They were measured on the 2-core x86 CPUs
+this project is developed on; the benchmark named beside each re-measures it.
+
+Readers look them up at call time (``tuning.CHAIN_ROWS``), so a value set here
+-- ``tncompile.tuning.CHAIN_ROWS = 8`` -- applies from the next call on.
+
+This module sits below every other part of the package (it imports nothing
+from tncompile), so the runtime and the compile-time planner can both read it.
+"""
+from __future__ import annotations
+
+# ---------------------------------------------------------------- planning: cost model
+#: Multiply-add equivalents of writing one element (forward and backward) in the
+#: contraction cost ``flops + WRITE_WEIGHT * written + OP_OVERHEAD * kernels``.
+WRITE_WEIGHT = 32.0
+#: Multiply-add equivalents of one eager kernel (a GEMM or a permuted copy):
+#: ~8 us of Python and dispatch at ~50 GMAC/s. At 20k the planner took orders with
+#: more copies that measured 5-25% slower at 1 and 32 tokens; at 400k it picks the
+#: faster order at every such point (``benchmarks/bench_layers.py``).
+OP_OVERHEAD = 400_000.0
+#: Networks of at most this many tensors are planned by cotengra's exact search;
+#: larger ones by its hyper-optimizer with ``HYPER_REPEATS`` trials.
+EXACT_SEARCH_MAX_TENSORS = 12
+HYPER_REPEATS = 32
+
+# ---------------------------------------------------------------- compile: what to compress
+#: Layers with fewer weights than this stay dense (``tensorize``).
+MIN_LAYER_PARAMS = 4096
+#: A network may keep at most this share of its dense weight (``tensorize`` leaves
+#: layers dense whose rank-1 network exceeds it; ``assign_ranks`` caps ranks at it).
+MAX_LAYER_RATIO = 0.5
+#: Mode factorization: a padded size is allowed up to this share above the true size ...
+MAX_MODE_PADDING = 0.25
+#: ... and each unit of padding share costs this much against balance when choosing.
+PAD_PENALTY = 0.1
+
+# ---------------------------------------------------------------- runtime: TT linear over few rows
+#: Up to this many rows one native chain call beats the planned executor (chain time
+#: over plan time, interleaved: 0.59-0.76 at 4 rows, 0.70-0.90 at 6, 0.78-1.04 at 8).
+CHAIN_ROWS = 6
+#: ... unless walking the cores in mode order costs this many times the plan's
+#: multiply-adds (high ranks), plus a floor below which everything is overhead anyway.
+CHAIN_FLOP_SLACK = 4
+CHAIN_FLOP_FLOOR = 1 << 20
+
+# ---------------------------------------------------------------- runtime: fused feed-forward
+#: Below this many rows the hidden activation fits in cache anyway and the planned
+#: orders (which need not merge the cores) win.
+FUSE_MIN_ROWS = 256
+#: Fuse only while merging the cores costs at most this many times the planned multiply-adds.
+FUSE_FLOP_SLACK = 1.25
+
+# ---------------------------------------------------------------- runtime: TTM lookup
+#: Look up only the distinct ids when they are under this share of the batch ...
+DEDUP_BELOW = 0.8
+#: ... and only for batches of at least this many ids (``torch.unique`` costs more below).
+DEDUP_MIN_IDS = 64
+
+# ---------------------------------------------------------------- runtime: CPU GEMM layouts
+#: Multiply-adds below which a GEMM is all call overhead: no layout tricks.
+GEMM_TINY = 1 << 18
+#: An output this narrow (or narrower) makes CPU GEMM kernels layout-sensitive:
+#: a row-major right operand is copied column-major (2x faster).
+GEMM_SKINNY = 16
+#: Up to this many output columns, ``x.T @ g`` runs faster as ``(g.T @ x).T``.
+GEMM_THIN = 64
+#: fp32 lanes of a 512-bit register: MKL's column blocking on AVX-512.
+GEMM_VECTOR = 16
+#: A contracted (expand) or output (project) size up to this goes to the native thin kernels ...
+THIN_RANK = 64
+#: ... when the wide matrix has at least this many elements
+#: (``benchmarks/bench_gemm_shapes.py``: 1.03-2.9x over MKL at 47 of 48 points).
+THIN_OUTPUT = 1 << 18
+#: Output elements from which a bias riding in the GEMM beats a separate pass (4 MB).
+BIG_OUTPUT = 1 << 20
+#: A weight gradient's few output rows: these counts run as the next size up
+#: (9-11 rows: 11-12 ms vs 7-9 ms as 12, at K = 4096, N = 3072) ...
+GEMM_ROW_PADDING = {5: 8, 6: 8, 7: 8, 9: 12, 10: 12, 11: 12}
+#: ... when ``K * N`` is at least this.
+GEMM_ROW_PADDING_MIN_KN = 1 << 20
+#: Thin outputs are padded to a multiple of 8 columns (16 below 16) for matrices
+#: of at least this many rows and contracted size (``gemm_columns.json``: 1.1-2.0x).
+GEMM_COLUMN_PADDING_MIN = 256
