@@ -104,10 +104,11 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     tncompile.save(compiled, path)
     before = path.read_bytes()
 
-    def boom(*a, **k):
+    def boom(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"partial")  # the writer dies half way
         raise OSError("disk full")
 
-    monkeypatch.setattr(torch, "save", boom)
+    monkeypatch.setattr(tncompile.serialization, "save_file", boom)
     with pytest.raises(OSError):
         tncompile.save(compiled, path)
     assert path.read_bytes() == before

@@ -105,7 +105,7 @@ def test_checkpoint_carries_truncated_shapes_and_save_is_atomic(tmp_path, monkey
     def crash(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(torch, "save", crash)
+    monkeypatch.setattr(tncompile.serialization, "save_file", crash)
     with pytest.raises(RuntimeError, match="disk full"):
         tncompile.save(compiled, path, optimizer=opt, controller=ctl)
     assert path.read_bytes() == before

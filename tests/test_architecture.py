@@ -1,0 +1,106 @@
+"""The package's layers import one way (see ARCHITECTURE.md), and never late.
+
+Read from the source with ``ast``: every ``import`` of a tncompile module is
+resolved to the module it names and checked against the layer table below.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "tncompile"
+
+# lowest first: a module may import its own layer and the layers before it
+LAYERS = [
+    ("base", ("tncompile.errors", "tncompile.tuning", "tncompile.formats")),
+    ("runtime", ("tncompile.runtime",)),
+    ("planning", ("tncompile.planning",)),
+    ("ir", ("tncompile.ir",)),
+    ("compile", ("tncompile.layers", "tncompile.options", "tncompile.frontend", "tncompile.passes",
+                 "tncompile.report")),
+    ("product", ("tncompile.compiled", "tncompile.api", "tncompile.serialization")),
+    ("train", ("tncompile.train",)),
+    ("entry", ("tncompile", "tncompile.cli", "tncompile.__main__", "tncompile.zoo")),
+]
+
+
+def layer_of(module: str) -> int:
+    best = None
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        for p in prefixes:
+            if module == p or module.startswith(p + "."):
+                if best is None or len(p) > best[1]:
+                    best = (rank, len(p))
+    assert best is not None, f"{module} is in no layer: add it to LAYERS (and to ARCHITECTURE.md)"
+    return best[0]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def is_package(module: str) -> bool:
+    return (PACKAGE.parent / module.replace(".", "/") / "__init__.py").exists()
+
+
+def imported(module: str, path: Path, node: ast.AST) -> list[str]:
+    """The tncompile modules an import statement in ``module`` names."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] == "tncompile"]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    if node.level:
+        base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    if target.split(".")[0] != "tncompile":
+        return []
+    # "from . import x" / "from .. import tuning" name submodules, not the package
+    return [f"{target}.{a.name}" if is_package(target) and
+            ((PACKAGE.parent / target.replace(".", "/") / f"{a.name}.py").exists() or is_package(f"{target}.{a.name}"))
+            else target for a in node.names]
+
+
+def sources():
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", sources(), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_go_one_way_and_never_late(path):
+    module = module_name(path)
+    rank = layer_of(module)
+    tree = ast.parse(path.read_text())
+    top_level = set(map(id, tree.body))
+    problems = []
+    for node in ast.walk(tree):
+        for target in imported(module, path, node):
+            other = layer_of(target)
+            if other > rank:
+                problems.append(f"line {node.lineno}: {LAYERS[rank][0]} module imports {target} "
+                                f"({LAYERS[other][0]} layer)")
+            if id(node) not in top_level and other != rank:
+                problems.append(f"line {node.lineno}: late import of {target} across layers")
+    assert not problems, f"{module}:\n" + "\n".join(problems)
+
+
+def test_runtime_imports_no_compile_or_train_code():
+    runtime = [p for p in sources() if module_name(p).startswith("tncompile.runtime")]
+    assert runtime
+    for path in runtime:
+        module = module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target in imported(module, path, node):
+                assert layer_of(target) <= layer_of("tncompile.runtime"), f"{module} imports {target}"
+
+
+def test_layer_table_catches_a_violation(tmp_path):
+    """The checker itself: an upward import is found."""
+    bad = ast.parse("from ..passes import Pipeline\n")
+    fake = PACKAGE / "runtime" / "fake.py"
+    found = [t for node in ast.walk(bad) for t in imported("tncompile.runtime.fake", fake, node)]
+    assert found == ["tncompile.passes"] and layer_of(found[0]) > layer_of("tncompile.runtime.fake")

@@ -1,0 +1,292 @@
+"""``tncompile.save`` / ``tncompile.load``: a compiled model in one file that loads without running code.
+
+Format 2 (this version) is a safetensors file: the tensors, plus a JSON
+manifest in its metadata that describes everything else as data -- the graph
+(node by node, targets by name), the module tree (class names and settings),
+layouts, ranks, plans, pass history and, for checkpoints, the optimizer,
+controller and RNG state (:mod:`.codec`, :mod:`.graphs`). Loading parses JSON
+and reads tensors; it never unpickles, and the classes and functions a file
+may name are checked against allowlists. A SHA-256 of the tensors guards
+against damaged files.
+
+Format 1 files (tncompile before this version) are pickles: :func:`load`
+refuses them unless called with ``trust=True`` (:mod:`.legacy`).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ..compiled import CompiledModel
+from ..ir.program import PassRecord, Program
+from ..passes import Pipeline, Replan
+from . import legacy
+from .codec import Decoder, Encoder, UnsafeFileError
+from .graphs import SAFE_MODULE_CLASSES, allow_module_class, decode_graph_module, encode_graph_module
+
+__all__ = ["save", "load", "resume", "FORMAT", "VERSION", "UnsafeFileError", "allow_module_class",
+           "SAFE_MODULE_CLASSES"]
+
+FORMAT = "tncompile"
+VERSION = 2
+
+
+def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.optim.Optimizer | None = None,
+         controller=None, extra: dict[str, Any] | None = None, rng: bool = True) -> None:
+    """Write ``compiled`` (graph, layouts, current ranks, weights, gates, plans,
+    IR history) to ``path``, optionally with what resuming training needs.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer, optional
+        Its state is saved keyed by parameter name (restored by :func:`resume`).
+    controller : RankController, optional
+        Its schedule, targets and loss average.
+    extra : dict, optional
+        Plain data (tensors, numbers, strings, lists, tuples, dicts;
+        ``tncompile.fit`` stores its ``History`` here). Other objects raise
+        ``TypeError`` naming where they are: files hold no code.
+    rng : bool
+        Save the CPU (and initialized CUDA) random generators' states, so a
+        resumed run draws the same dropout masks.
+
+    The write is atomic: a temporary file in the same directory is renamed
+    over ``path`` only once complete (and the directory entry synced), so a
+    crash leaves any previous file intact.
+    """
+    if not isinstance(compiled, CompiledModel):
+        raise TypeError(f"tncompile.save expects a CompiledModel, got {type(compiled).__name__}")
+    prog = compiled.program
+    enc = Encoder()
+    manifest = {
+        "format": FORMAT, "version": VERSION, "torch": torch.__version__,
+        "graph": encode_graph_module(enc, compiled.model),
+        "inputs": enc.encode(prog.inputs, "the input spec"),
+        "original_params": prog.original_params,
+        "options": enc.encode(prog.options, "the compile options"),
+        "notes": prog.notes,
+        "history": enc.encode(prog.history, "the pass history"),
+        "compiled_ratio": prog.compiled_ratio,
+        "training": enc.encode(_training_state(compiled, optimizer, controller, extra, rng), "the training state"),
+    }
+    metadata = {"format": FORMAT, "version": str(VERSION), "manifest": json.dumps(manifest),
+                "sha256": _digest(enc.tensors)}
+    path = Path(path)
+    directory = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=directory)
+    try:
+        os.close(fd)
+        save_file(enc.tensors, tmp, metadata=metadata)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+        _sync_directory(directory)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _sync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. not supported on this platform
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for key in sorted(tensors, key=lambda k: int(k[1:]) if k[1:].isdigit() else k):
+        t = tensors[key].contiguous()
+        h.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            h.update(memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())))
+    return h.hexdigest()
+
+
+def _param_names(compiled: CompiledModel, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Per param group, the names of its parameters in the compiled model."""
+    names = {id(p): n for n, p in compiled.named_parameters()}
+    out = []
+    for group in optimizer.param_groups:
+        missing = [tuple(p.shape) for p in group["params"] if id(p) not in names]
+        if missing:
+            raise ValueError(f"the optimizer holds parameters that are not the compiled model's "
+                             f"(shapes {missing[:3]}); build it from the model being saved")
+        out.append([names[id(p)] for p in group["params"]])
+    return out
+
+
+def _training_state(compiled, optimizer, controller, extra, rng) -> dict[str, Any] | None:
+    if optimizer is None and controller is None and extra is None and not rng:
+        return None
+    state: dict[str, Any] = {"extra": extra}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.state_dict()
+        state["optimizer_names"] = _param_names(compiled, optimizer)
+        state["optimizer_class"] = type(optimizer).__name__
+    if controller is not None:
+        state["controller"] = controller.state_dict()
+    if rng:
+        state["rng"] = {"cpu": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+    return state
+
+
+def load(path: str | os.PathLike, map_location=None, *, trust: bool = False) -> CompiledModel:
+    """Rebuild a :class:`CompiledModel` saved by :func:`save`.
+
+    Parameters
+    ----------
+    map_location : device or str, optional
+        Move the model there after loading (tensors are read to CPU first).
+    trust : bool
+        Load what the safe path refuses: a format-1 file (a pickle: loading
+        it runs any code it carries), or a file naming module classes or
+        functions outside tncompile's allowlists. Only for files you trust.
+
+    Raises
+    ------
+    UnsafeFileError
+        The file needs ``trust=True`` (the message says why).
+    ValueError
+        Not a tncompile file, written by a newer tncompile, or damaged.
+    """
+    path = Path(path)
+    kind = _file_kind(path)
+    if kind == "pickle":
+        if not trust:
+            raise UnsafeFileError(
+                f"{path} is a pickle (tncompile's format 1, or not a tncompile file at all): loading it runs "
+                f"whatever code it carries. Load it with tncompile.load(path, trust=True) only if you trust "
+                f"where it came from, then tncompile.save it again to convert it to the safe format.")
+        return _load_v1(path, map_location)
+    metadata = _metadata(path)
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a tncompile file (save it with tncompile.save)")
+    if int(metadata.get("version", 0)) > VERSION:
+        raise ValueError(f"{path} was written by a newer tncompile (format {metadata['version']}); upgrade tncompile")
+    tensors = load_file(path)
+    if _digest(tensors) != metadata.get("sha256"):
+        raise ValueError(f"{path} is damaged: its tensors do not match the checksum saved with them")
+    try:
+        manifest = json.loads(metadata["manifest"])
+    except (KeyError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is damaged: its manifest cannot be read ({e})") from e
+    dec = Decoder(tensors)
+    graph_module = decode_graph_module(dec, manifest["graph"], trust)
+    program = Program(graph_module, dec.decode(manifest["inputs"]), manifest["original_params"],
+                      dec.decode(manifest["options"]))
+    program.notes = dict(manifest["notes"])
+    program.history = list(dec.decode(manifest["history"]))
+    program.compiled_ratio = manifest.get("compiled_ratio")
+    compiled = CompiledModel(program)
+    compiled.training_state = dec.decode(manifest["training"])
+    if map_location is not None:
+        compiled.to(map_location)
+    return compiled
+
+
+def _file_kind(path: Path) -> str:
+    """``"safetensors"`` (format 2) or ``"pickle"`` (format 1: torch.save's zip archive or a raw pickle)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") + 8 <= size:
+        return "safetensors"  # an 8-byte header length, then the JSON header
+    if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
+        return "pickle"
+    raise ValueError(f"{path} is not a tncompile file (save it with tncompile.save)")
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as e:  # safetensors raises its own error types for bad headers
+        raise ValueError(f"{path} is not a readable tncompile file: {e}") from e
+
+
+def _load_v1(path: Path, map_location) -> CompiledModel:
+    payload = legacy.load_v1(path, map_location)
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a tncompile file (save it with tncompile.save)")
+    program = Program(legacy.decode_graph_module(payload["graph"]), payload["inputs"],
+                      payload["original_params"], payload["options"])
+    program.notes = dict(payload["notes"])
+    # records from format 1 predate fields this version has: rebuild them with the defaults
+    program.history = [PassRecord(r.name, r.seconds, r.params, r.ratio, dict(getattr(r, "matches", {})))
+                       for r in payload["history"]]
+    program.compiled_ratio = payload.get("compiled_ratio", program.history[-1].ratio if program.history else None)
+    # format-1 plans lack fields this version's executor and printers use: plan every bucket afresh
+    Pipeline([Replan(force=True)]).run(program, progress=False)
+    compiled = CompiledModel(program)
+    compiled.training_state = payload.get("training")
+    return compiled
+
+
+def resume(compiled: CompiledModel, optimizer: torch.optim.Optimizer | None = None, controller=None, *,
+           restore_rng: bool = True) -> dict[str, Any]:
+    """Restore the training state a checkpoint carried into a loaded model's
+    new optimizer and controller; returns the checkpoint's ``extra`` dict.
+
+    Build ``optimizer`` from the loaded model exactly as in the first run
+    (same parameter groups, e.g. ``param_groups(compiled, ...)``); the saved
+    state is matched by parameter name and a mismatch is an error.
+
+    Example
+    -------
+    >>> compiled = tncompile.load("ckpt.pt")
+    >>> opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=1e-3))
+    >>> ctl = tncompile.RankController(compiled, opt, target_ratio=0.01)
+    >>> extra = tncompile.resume(compiled, opt, ctl)
+    """
+    state = getattr(compiled, "training_state", None)
+    if state is None:
+        raise ValueError("this model carries no training state: load it with tncompile.load from a file "
+                         "written by tncompile.save(..., optimizer=..., controller=...)")
+    if optimizer is not None:
+        if "optimizer" not in state:
+            raise ValueError("the checkpoint has no optimizer state (save with optimizer=...)")
+        if state["optimizer_class"] != type(optimizer).__name__:
+            raise ValueError(f"the checkpoint's optimizer is {state['optimizer_class']}, "
+                             f"got {type(optimizer).__name__}")
+        names = _param_names(compiled, optimizer)
+        if names != state["optimizer_names"]:
+            raise ValueError("the optimizer's parameter groups differ from the saved one's; build it "
+                             "the same way (same groups, same order) from the loaded model")
+        optimizer.load_state_dict(state["optimizer"])
+    if controller is not None:
+        if "controller" not in state:
+            raise ValueError("the checkpoint has no controller state (save with controller=...)")
+        controller.load_state_dict(state["controller"])
+    if restore_rng and state.get("rng") is not None:
+        torch.set_rng_state(state["rng"]["cpu"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    compiled.training_state = None
+    return dict(state.get("extra") or {})
