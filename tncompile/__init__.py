@@ -14,6 +14,10 @@ from .report import Report
 from .serialization import load, resume, save
 from .train import History, RankController, RankEvent, TrainStep, fit, param_groups
 
+# DESIGN.md's public spelling is tncompile.runtime.TrainStep. The class lives in train/ (the
+# runtime never imports training code), so the package's entry point publishes it there.
+runtime.TrainStep = TrainStep
+
 __version__ = "0.1.0"
 
 __all__ = ["compile", "save", "load", "resume", "fit", "History", "Pass", "FunctionPass", "Pipeline", "register_pass",

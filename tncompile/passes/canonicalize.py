@@ -67,7 +67,7 @@ def _gelu_module(m: Match) -> None:
 
 
 def _gelu_function(m: Match) -> None:
-    _call(m, GELU, (m.root.args[0],), {"approximate": _arg(m.root, 1, "approximate", "none")})
+    _call(m, GELU, (m.root.args[0],), {"approximate": m.root.kwargs.get("approximate", "none")})
 
 
 def _is_canonical_gelu(node: fx.Node, gm) -> bool:
@@ -139,6 +139,7 @@ def _linear_module_at(gm: fx.GraphModule, node: fx.Node) -> str | None:
 def _fold_linear(m: Match) -> None:
     gm, node = m.gm, m.root
     path = _linear_module_at(gm, node)
+    reads = [a for a in (_arg(node, 1, "weight", None), _arg(node, 2, "bias", None)) if a is not None]
     mod = gm.get_submodule(path)
     if not runs_as(mod, nn.Linear):  # stand a real nn.Linear on the same parameters
         out_f, in_f = mod.weight.shape
@@ -148,6 +149,9 @@ def _fold_linear(m: Match) -> None:
         lin.train(mod.training)
         gm.set_submodule(path, lin)
     m.replace_root(lambda g: g.call_module(path, (node.args[0],)))
+    for read in reads:  # the weight and bias reads, unless something else uses them too
+        if not read.users:
+            m.graph.erase_node(read)
 
 
 def _canonical_linear(m: Match) -> None:
@@ -159,8 +163,8 @@ _LINEARS = {F.linear, aten.linear.default}
 
 RULES = [
     Rule("gelu-module", Pat.module(nn.GELU, name="gelu", nargs=1, kwargs=()), _gelu_module),
-    Rule("gelu-function", Pat.call({GELU, aten.gelu.default}, where=lambda n, gm: not _is_canonical_gelu(n, gm),
-                                   kwargs=("approximate",)), _gelu_function),
+    Rule("gelu-function", Pat.call({GELU, aten.gelu.default}, nargs=1, kwargs=("approximate",),
+                                   where=lambda n, gm: not _is_canonical_gelu(n, gm)), _gelu_function),
     Rule("relu-module", Pat.module(nn.ReLU, nargs=1, kwargs=(), where=_relu_module_ok), _relu),
     Rule("relu-function", Pat.call({F.relu, aten.relu.default}, kwargs=("inplace",), where=_relu_function_ok),
          _relu),

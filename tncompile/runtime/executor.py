@@ -1,4 +1,4 @@
-"""Planned executor: run a :class:`~tncompile.ir.plan.ContractionPlan` pairwise.
+"""Planned executor: run a :class:`~tncompile.runtime.plans.ContractionPlan` pairwise.
 
 Forward: one ``tensordot`` per step (a permute, when needed, and one GEMM).
 Backward: reverse mode through the same steps -- the gradient of each step's

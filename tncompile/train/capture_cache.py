@@ -1,7 +1,7 @@
 """Which captured training step serves a call: keys, warm-up counts, LRU, invalidation.
 
 Pure bookkeeping, independent of CUDA, so that every re-capture decision is
-testable on any machine. :class:`~tncompile.runtime.TrainStep` asks
+testable on any machine. :class:`~tncompile.train.TrainStep` asks
 :meth:`CaptureCache.decide` before each step:
 
 * ``"eager"``   -- this input signature has not been warmed up yet: run eagerly

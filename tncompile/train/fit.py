@@ -78,7 +78,7 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
     scheduler : optional
         A learning-rate scheduler stepped after every optimizer step.
     cuda_graph : {"auto", True, False}
-        Each step runs through :class:`~tncompile.runtime.TrainStep`: captured
+        Each step runs through :class:`~tncompile.train.TrainStep`: captured
         as CUDA graphs on a GPU (``"auto"``), eagerly elsewhere.
 
     Returns

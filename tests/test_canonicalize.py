@@ -1,0 +1,189 @@
+"""canonicalize: every spelling of GELU, ReLU, dropout and linear becomes one form;
+later passes match rules over those forms, count their matches, and check what they need."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+import tncompile
+from tncompile.ir import InputSpec, Program
+from tncompile.passes import Canonicalize, Pat, Pipeline, Rule, apply_rules
+from tncompile.runtime.dropout import FastDropout, dropout
+from tncompile.zoo import mlp, small_encoder
+
+aten = torch.ops.aten
+
+
+def _program(module: nn.Module) -> Program:
+    gm = fx.symbolic_trace(module)
+    return Program(gm, InputSpec("fx"), max(1, sum(p.numel() for p in module.parameters())))
+
+
+def _canonical(module: nn.Module) -> tuple[Program, dict]:
+    program = Pipeline([Canonicalize()]).run(_program(module), progress=False)
+    return program, program.history[-1].matches
+
+
+def _calls(program: Program) -> list:
+    return [n.target for n in program.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+
+
+class Spellings(nn.Module):
+    """GELU and ReLU spelled every way, each feeding the next."""
+
+    def __init__(self):
+        super().__init__()
+        self.gelu = nn.GELU(approximate="tanh")
+        self.relu = nn.ReLU()
+
+    def forward(self, x):
+        a = self.gelu(x)
+        b = F.gelu(a, approximate="tanh")
+        c = torch.ops.aten.gelu.default(b)
+        d = self.relu(c)
+        e = F.relu(d)
+        f = torch.ops.aten.relu.default(e)
+        g = f.relu()
+        h = torch.relu_(g * 1.0)      # in place on a value nothing else reads
+        return h + 1
+
+
+def test_every_activation_spelling_becomes_one_form():
+    model = Spellings()
+    x = torch.randn(4, 8)
+    program, matches = _canonical(model)
+    calls = _calls(program)
+    assert calls.count(F.gelu) == 3 and calls.count(torch.relu) == 5
+    assert not {aten.gelu.default, aten.relu.default, torch.relu_, "relu", "gelu", "relu_"} & set(calls)
+    assert matches["gelu-module"] == 1 and matches["gelu-function"] == 1  # F.gelu(a, approximate=) already is
+    assert matches["relu-module"] == 1 and matches["relu-function"] == 2
+    assert matches["relu-method"] == 1 and matches["relu-inplace"] == 1
+    gelus = [n for n in program.graph.nodes if n.target is F.gelu]
+    assert [n.kwargs["approximate"] for n in gelus] == ["tanh", "tanh", "none"]
+    torch.testing.assert_close(program.graph_module(x), model(x), rtol=0, atol=0)
+
+
+class SharedInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        y = x * 2
+        z = self.relu(y)      # y is read again below: in place is observable
+        return z + y
+
+
+def test_in_place_with_other_readers_is_left_alone():
+    model = SharedInPlace()
+    program, matches = _canonical(model)
+    assert matches["relu-module"] == 0
+    x = torch.randn(5)
+    torch.testing.assert_close(program.graph_module(x), model(x))
+
+
+class Dropouts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        x = self.drop(x)
+        x = F.dropout(x, 0.2, True)
+        x = torch.dropout(x, 0.1, True)
+        return torch.ops.aten.dropout.default(x, 0.4, False)
+
+
+def test_dropout_spellings_then_lowering():
+    program, matches = _canonical(Dropouts())
+    assert matches["dropout-function"] == 0 and matches["dropout-torch"] == 2  # fx already spells F.dropout by name
+    funcs = [n for n in program.graph.nodes if n.target is F.dropout]
+    assert [(n.kwargs["p"], n.kwargs["training"], n.kwargs["inplace"]) for n in funcs] == \
+        [(0.2, True, False), (0.1, True, False), (0.4, False, False)]
+    assert isinstance(program.graph_module.get_submodule("drop"), nn.Dropout)  # modules stay modules
+    program = Pipeline(["lower_dropout"]).run(program, progress=False)
+    assert program.history[-1].matches == {"dropout-module": 1, "dropout-function": 3}
+    assert type(program.graph_module.get_submodule("drop")) is FastDropout
+    assert [n.target for n in program.graph.nodes if n.op == "call_function"] == [dropout] * 3
+
+
+class FunctionalLinear(nn.Module):
+    """A layer calling F.linear on its own weight and bias (fx copies them into a bare module)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Module()
+        self.proj.weight = nn.Parameter(torch.randn(96, 64) / 8)
+        self.proj.bias = nn.Parameter(torch.randn(96))
+        self.shared = nn.Parameter(torch.randn(64, 64) / 8)
+
+    def forward(self, x):
+        h = F.linear(x, self.proj.weight, self.proj.bias)
+        return F.linear(h[..., :64], self.shared)   # not a module's weight: stays functional
+
+
+def test_functional_linear_on_a_module_weight_becomes_the_module():
+    model = FunctionalLinear()
+    program, matches = _canonical(model)
+    assert matches["linear-module"] == 1
+    lin = program.graph_module.get_submodule("proj")
+    assert type(lin) is nn.Linear and lin.weight is model.proj.weight and lin.bias is model.proj.bias
+    assert [n.op for n in program.graph.nodes if n.target in ("proj", F.linear)] == ["call_module", "call_function"]
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(program.graph_module(x), model(x), rtol=0, atol=0)
+    # ... and so it is compressed like any nn.Linear
+    compiled = tncompile.compile(model, target_ratio=0.6)
+    assert "proj" in compiled.tensorized_modules()
+
+
+def test_export_graph_dropout_is_lowered():
+    """torch.export spells functional dropout aten.dropout.default: it reaches the native kernel."""
+    from transformers import BertConfig, BertModel
+    cfg = BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                     intermediate_size=128, max_position_embeddings=32)
+    ids = torch.randint(0, 300, (2, 8))
+    cfg._attn_implementation = "eager"  # whose attention calls nn.functional.dropout
+    compiled = tncompile.compile(BertModel(cfg), target_ratio=0.5, example_inputs={"input_ids": ids})
+    targets = [n.target for n in compiled.model.graph.nodes if n.op == "call_function"]
+    assert aten.dropout.default not in targets
+    record = {r.name: r for r in compiled.program.history}
+    assert record["canonicalize"].matches["dropout-torch"] >= 1
+    assert record["lower_dropout"].matches["dropout-function"] == record["canonicalize"].matches["dropout-torch"]
+
+
+def test_rules_need_canonical_forms():
+    program = _program(nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.1)))
+    with pytest.raises(ValueError, match="run the canonicalize pass before it"):
+        Pipeline(["lower_dropout"]).run(program, progress=False)
+    with pytest.raises(ValueError, match="fuse_feed_forward matches canonical ops only"):
+        tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3,
+                          passes=["tensorize", "assign_ranks", "decompose", "fuse_feed_forward"])
+
+
+def test_match_counts_in_the_dump(tmp_path):
+    compiled = tncompile.compile(small_encoder(), target_ratio=0.3, dump_dir=tmp_path)
+    text = (tmp_path / "07-lower_dropout.txt").read_text()
+    assert "# matches 01-canonicalize: gelu-module 0, gelu-function 2," in text
+    assert "# matches 06-fuse_feed_forward: tt-act-tt 2" in text
+    assert "# matches 07-lower_dropout: dropout-module 4, dropout-function 0" in text
+    assert compiled.program.history[5].matches == {"tt-act-tt": 2}
+
+
+def test_a_user_rule():
+    """The rule helper is public: a pass of a few lines rewrites x * 1.0 to x."""
+    import operator
+
+    def skip(m):
+        m.root.replace_all_uses_with(m["x"])
+        m.erase_unused()
+
+    class DropTimesOne(tncompile.Pass):
+        name = "drop-times-one"
+
+        def run(self, program):
+            rule = Rule("mul-one", Pat.call(operator.mul, args=[Pat.any("x"), 1.0], nargs=2), skip)
+            apply_rules(program.graph_module, [rule], self.matches)
+
+    program = Pipeline([DropTimesOne()]).run(_program(Spellings()), progress=False)
+    assert program.history[-1].matches == {"mul-one": 1}
+    assert operator.mul not in _calls(program)
