@@ -246,8 +246,8 @@ def test_collapsed_layer_becomes_its_bias():
 
 
 def test_rank_edits_run_as_passes_recorded_and_dumped(tmp_path):
-    """A cut's graph edits (collapse_layers, replan) go through the pipeline: linted,
-    in the program's history with their counts, and dumped where compile dumped."""
+    """A cut's edits (truncate_ranks, collapse_layers, replan) go through the pipeline:
+    linted, in the program's history with their counts, and dumped where compile dumped."""
     model = mlp((64, 128, 128, 64)).to(f64)
     compiled = tncompile.compile(model, target_ratio=0.5, init="random", dump_dir=tmp_path, batch_sizes=[4, 64])
     opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
@@ -262,13 +262,15 @@ def test_rank_edits_run_as_passes_recorded_and_dumped(tmp_path):
     event = ctl.truncate()
     assert event.removed == [first] and second in event.truncated
     history = compiled.program.history[compiled_passes:]
-    assert [r.name for r in history] == ["collapse_layers", "replan"]
-    assert history[0].matches == {"layer-collapsed": 1}
-    assert history[1].matches["bucket-replanned"] >= len(stale)
-    assert history[1].ratio == pytest.approx(compiled.ratio)
+    assert [r.name for r in history] == ["truncate_ranks", "collapse_layers", "replan"]
+    assert history[0].matches == {"layer-truncated": 1}
+    assert history[1].matches == {"layer-collapsed": 1}
+    assert history[2].matches["bucket-replanned"] >= len(stale)
+    assert history[2].ratio == pytest.approx(compiled.ratio)
     n = compiled_passes
-    assert "removed by rank adaptation" in (tmp_path / f"{n + 1:02d}-collapse_layers.txt").read_text()
-    assert (tmp_path / f"{n + 2:02d}-replan.json").exists()
+    assert f"ranks={','.join(map(str, cut.layout.ranks))}" in (tmp_path / f"{n + 1:02d}-truncate_ranks.txt").read_text()
+    assert "removed by rank adaptation" in (tmp_path / f"{n + 2:02d}-collapse_layers.txt").read_text()
+    assert (tmp_path / f"{n + 3:02d}-replan.json").exists()
     from tncompile.passes.replan import plan_fits
     assert set(cut.plans) == set(stale) and all(plan_fits(cut, p) for p in cut.plans.values())
     x = torch.randn(4, 64, dtype=f64)

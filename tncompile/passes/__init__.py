@@ -1,8 +1,9 @@
 """Passes over a :class:`~tncompile.ir.Program` and the default pipeline.
 
-Every edit of a program's graph -- at compile time and during training
-(``collapse_layers``, ``replan``, run by the rank controller) -- is a pass run
-through a :class:`Pipeline`, so it is checked, linted, recorded and dumped.
+Every edit of a program -- at compile time and during training
+(``truncate_ranks``, ``collapse_layers``, ``replan``, run by the rank
+controller) -- is a pass run through a :class:`Pipeline`, so it is checked,
+linted, recorded and dumped.
 """
 from .base import FunctionPass, Pass, Pipeline, get_pass, register_pass, registered_passes
 from .canonicalize import Canonicalize
@@ -14,12 +15,14 @@ from .plan_contractions import PlanContractions
 from .fuse_feed_forward import FuseFeedForward
 from .lower_dropout import LowerDropout
 from .replan import Replan, replan_module
+from .truncate_ranks import Cut, TruncateRanks, cut_ranks
 from .collapse_layers import CollapseLayers
 from .rules import Match, Pat, Rule, apply_rules
 
 __all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes",
            "default_pipeline", "Canonicalize", "Tensorize", "AssignRanks", "Decompose", "PlanContractions",
-           "FuseFeedForward", "LowerDropout", "Replan", "CollapseLayers", "PendingLayer", "replan_module",
+           "FuseFeedForward", "LowerDropout", "Replan", "TruncateRanks", "CollapseLayers", "PendingLayer",
+           "replan_module", "Cut", "cut_ranks",
            "Pat", "Rule", "Match", "apply_rules"]
 
 

@@ -37,9 +37,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..passes import CollapseLayers, Pipeline, Replan
+from ..passes import CollapseLayers, Pipeline, Replan, TruncateRanks
 from ..runtime.tt_layers import TNModule, TTMTiedLinear
-from .truncation import Cut, check_optimizer, cut_ranks, remap_optimizer
+from .truncation import Cut, check_optimizer, remap_optimizer
 
 __all__ = ["RankController", "RankEvent", "param_groups"]
 
@@ -382,41 +382,41 @@ class RankController:
     def truncate(self) -> RankEvent:
         """Cut every switched-off rank now (cores, gates, optimizer state, plans).
 
-        The parameters are sliced here; the graph edits -- layers collapsed to
-        their bias (``collapse_layers``) and stale plans re-planned (``replan``)
-        -- run as passes through a pipeline on ``compiled.program``, so they
-        are linted, recorded in its history and dumped like compile-time passes.
+        This decides what to cut from the gates; the edits run as passes
+        through a pipeline on ``compiled.program`` -- ``truncate_ranks`` (slice
+        cores and gates), ``collapse_layers`` (layers whose bond lost every
+        rank become their bias) and ``replan`` -- so they are linted, recorded
+        in its history and dumped like compile-time passes. The optimizer's
+        state is then sliced to match.
         """
         event = RankEvent(self.steps_done, self.stage)
-        cuts: list[Cut] = []
+        keep: dict[str, list[torch.Tensor]] = {}
         collapse: dict[str, str] = {}
-        for name, mod in list(self._layers.items()):
-            keep, dead_bond = [], None
+        dropped: list[Cut] = []
+        for name, mod in self._layers.items():
+            kept = []
             for k, g in enumerate(mod.gates._parameters.values()):
                 on = (g.abs() >= self.threshold).nonzero().flatten()
                 if on.numel() == 0:
                     if self.allow_layer_removal:
-                        dead_bond = k
+                        collapse[name] = f"removed by rank adaptation: every rank of bond {k} switched off"
                         break
                     on = g.abs().argmax().view(1)  # a bond keeps its strongest rank
-                keep.append(on)
-            old = tuple(mod.layout.ranks)
-            if dead_bond is not None:
-                collapse[name] = f"removed by rank adaptation: every rank of bond {dead_bond} switched off"
-                cuts += [Cut(p, None, {}) for p in (*mod.cores._parameters.values(),
-                                                    *mod.gates._parameters.values())]
-                event.removed.append(name)
-                continue
-            layer_cuts = cut_ranks(mod, keep)
-            if layer_cuts:
-                cuts += layer_cuts
-                event.truncated[name] = (old, tuple(mod.layout.ranks))
-        if cuts:
-            edits = ([CollapseLayers(collapse)] if collapse else []) + [Replan()]
-            Pipeline(edits).run(self.compiled.program, progress=False)
-            remap_optimizer(self.optimizer, cuts, self.optimizer_state)
-            self.version += 1
-            self._refresh()
+                kept.append(on)
+            if name in collapse:
+                dropped += [Cut(p, None, {}) for p in (*mod.cores._parameters.values(),
+                                                       *mod.gates._parameters.values())]
+            elif any(idx.numel() != r for idx, r in zip(kept, mod.layout.ranks)):
+                keep[name] = kept
+        if not keep and not collapse:
+            return event
+        truncate = TruncateRanks(keep)
+        edits = ([truncate] if keep else []) + ([CollapseLayers(collapse)] if collapse else []) + [Replan()]
+        Pipeline(edits).run(self.compiled.program, progress=False)
+        event.truncated, event.removed = dict(truncate.truncated), list(collapse)
+        remap_optimizer(self.optimizer, truncate.cuts + dropped, self.optimizer_state)
+        self.version += 1
+        self._refresh()
         return event
 
     # ------------------------------------------------------------ checkpoints

@@ -2,11 +2,10 @@
 
 Rank adaptation switches ranks off by driving their gate entries to zero. The
 reference CoMERA code then *masks* them, so the model stays as slow as before.
-Here the ranks are removed for real: every core touching the bond is sliced,
-the gate vector shrinks, the layer's layout records the new ranks, and the
-optimizer's per-parameter state is sliced to match. The layer's plans are then
-stale; the ``replan`` pass (run by :class:`~tncompile.train.RankController`
-through the pipeline) plans them again.
+Here the ranks are removed for real: the ``truncate_ranks`` pass slices every
+core touching the bond and the gate vector, and records the new ranks in the
+layer's layout (:mod:`tncompile.passes.truncate_ranks`); ``replan`` plans the
+layer again. This module slices the optimizer's per-parameter state to match.
 """
 from __future__ import annotations
 
@@ -17,9 +16,12 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..runtime.tt_layers import TNModule
+from ..passes.truncate_ranks import Cut, cut_ranks
 
 __all__ = ["Cut", "cut_ranks", "remap_optimizer", "check_optimizer", "ELEMENTWISE_OPTIMIZERS"]
+
+# the cut itself is a model edit, so it is a pass (``truncate_ranks``); re-exported here
+# beside the optimizer remapping that follows it
 
 # Optimizers whose per-parameter state tensors all have the parameter's shape
 # (plus scalar step counters), so slicing them is exact.
@@ -29,82 +31,6 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
      "Rprop", "ASGD") if hasattr(torch.optim, name))
 
 OPTIMIZER_STATE_MODES = ("slice", "reset")
-
-
-@dataclass
-class Cut:
-    """One parameter replaced by a slice of itself.
-
-    Attributes
-    ----------
-    old, new : nn.Parameter
-        The parameter before and after; ``new`` is ``None`` when the
-        parameter was dropped (its layer collapsed).
-    index : dict of int -> LongTensor
-        Kept positions along each sliced dimension of ``old``.
-    """
-
-    old: nn.Parameter
-    new: nn.Parameter | None
-    index: dict[int, torch.Tensor]
-
-    def apply(self, t: torch.Tensor) -> torch.Tensor:
-        """Slice ``t`` (shaped like ``old``) the way ``old`` was sliced."""
-        for dim, idx in self.index.items():
-            t = t.index_select(dim, idx.to(t.device))
-        return t.contiguous()
-
-
-def cut_ranks(module: TNModule, keep: Sequence[torch.Tensor]) -> list[Cut]:
-    """Keep only ranks ``keep[k]`` (sorted index tensors) of every internal bond ``k``.
-
-    The cores and gates are replaced by new ``nn.Parameter`` objects holding
-    the kept slices and the layout's ranks are updated. The cached plans are
-    left stale: run the ``replan`` pass (or ``tncompile.passes.replan_module``)
-    before the next forward.
-
-    Returns the :class:`Cut` of every replaced parameter (unchanged ones are
-    left alone and not listed).
-    """
-    layout = module.layout
-    if len(keep) != len(layout.ranks):
-        raise ValueError(f"expected {len(layout.ranks)} index sets, got {len(keep)}")
-    keep = [k.to(torch.long).cpu() for k in keep]
-    for k, (idx, r) in enumerate(zip(keep, layout.ranks)):
-        if idx.numel() == 0:
-            raise ValueError(f"bond {k} would keep no rank; a layer must keep rank >= 1 "
-                             "(collapse it instead)")
-        if int(idx.max()) >= r or int(idx.min()) < 0:
-            raise ValueError(f"bond {k} index out of range for rank {r}")
-    changed = [idx.numel() != r for idx, r in zip(keep, layout.ranks)]
-    if not any(changed):
-        return []
-    cuts: list[Cut] = []
-    cores = list(module.cores._parameters.items())
-    last = len(cores) - 1
-    for k, (key, core) in enumerate(cores):
-        index: dict[int, torch.Tensor] = {}
-        if k > 0 and changed[k - 1]:
-            index[0] = keep[k - 1]
-        if k < last and changed[k]:
-            index[core.dim() - 1] = keep[k]
-        if index:
-            cut = _replace(module.cores, key, core, index)
-            cuts.append(cut)
-    for k, (key, gate) in enumerate(list(module.gates._parameters.items())):
-        if changed[k]:
-            cuts.append(_replace(module.gates, key, gate, {0: keep[k]}))
-    module.layout = dataclasses.replace(layout, ranks=tuple(int(i.numel()) for i in keep))
-    return cuts
-
-
-def _replace(plist: nn.ParameterList, key: str, old: nn.Parameter, index: dict[int, torch.Tensor]) -> Cut:
-    cut = Cut(old, None, index)
-    with torch.no_grad():
-        new = nn.Parameter(cut.apply(old.detach()), requires_grad=old.requires_grad)
-    plist._parameters[key] = new
-    cut.new = new
-    return cut
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer | None, mode: str) -> None:
