@@ -162,11 +162,11 @@ def test_rules_need_canonical_forms():
 
 def test_match_counts_in_the_dump(tmp_path):
     compiled = tncompile.compile(small_encoder(), target_ratio=0.3, dump_dir=tmp_path)
-    text = (tmp_path / "07-lower_dropout.txt").read_text()
+    text = (tmp_path / "08-lower_dropout.txt").read_text()
     assert "# matches 01-canonicalize: gelu-module 0, gelu-function 2," in text
-    assert "# matches 06-fuse_feed_forward: tt-act-tt 2" in text
-    assert "# matches 07-lower_dropout: dropout-module 4, dropout-function 0" in text
-    assert compiled.program.history[5].matches == {"tt-act-tt": 2}
+    assert "# matches 07-fuse_feed_forward: tt-act-tt 2" in text
+    assert "# matches 08-lower_dropout: dropout-module 4, dropout-function 0" in text
+    assert compiled.program.history[6].matches == {"tt-act-tt": 2}
 
 
 def test_a_user_rule():

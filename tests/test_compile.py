@@ -88,7 +88,7 @@ def test_to_dense_matches_and_save_load_identical(tmp_path):
     loaded = tncompile.load(path)
     assert torch.equal(loaded(ids), compiled(ids))
     assert loaded.ratio == compiled.ratio
-    assert [r.name for r in loaded.program.history] == ["canonicalize", "tensorize", "assign_ranks", "decompose", "plan_contractions",
+    assert [r.name for r in loaded.program.history] == ["canonicalize", "follow_device", "tensorize", "assign_ranks", "decompose", "plan_contractions",
                                                           "fuse_feed_forward", "lower_dropout"]
     # state_dict round trip into a fresh load
     with torch.no_grad():
@@ -128,24 +128,24 @@ def test_dumps_written_for_every_pass(tmp_path, monkeypatch):
     tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3)
     names = sorted(p.name for p in (tmp_path / "env").iterdir())
     assert names == ["00-trace.json", "00-trace.txt", "01-canonicalize.json", "01-canonicalize.txt",
-                     "02-tensorize.json", "02-tensorize.txt",
-                     "03-assign_ranks.json", "03-assign_ranks.txt", "04-decompose.json",
-                     "04-decompose.txt", "05-plan_contractions.json", "05-plan_contractions.txt",
-                     "06-fuse_feed_forward.json", "06-fuse_feed_forward.txt",
-                     "07-lower_dropout.json", "07-lower_dropout.txt"]
-    text = (tmp_path / "env" / "04-decompose.txt").read_text()
+                     "02-follow_device.json", "02-follow_device.txt", "03-tensorize.json", "03-tensorize.txt",
+                     "04-assign_ranks.json", "04-assign_ranks.txt", "05-decompose.json",
+                     "05-decompose.txt", "06-plan_contractions.json", "06-plan_contractions.txt",
+                     "07-fuse_feed_forward.json", "07-fuse_feed_forward.txt",
+                     "08-lower_dropout.json", "08-lower_dropout.txt"]
+    text = (tmp_path / "env" / "05-decompose.txt").read_text()
     assert "TT 4x4x4->4x8x4" in text or "TT " in text
-    doc = json.loads((tmp_path / "env" / "04-decompose.json").read_text())
+    doc = json.loads((tmp_path / "env" / "05-decompose.json").read_text())
     layers = [n["layer"] for n in doc["nodes"] if "layer" in n]
     assert layers and all(l["ranks"] for l in layers)
     explicit = tmp_path / "explicit"
     tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3, dump_dir=explicit, batch_sizes=[1, 4096])
-    assert (explicit / "03-assign_ranks.txt").exists()
-    assert "pending TT" in (explicit / "03-assign_ranks.txt").read_text()
+    assert (explicit / "04-assign_ranks.txt").exists()
+    assert "pending TT" in (explicit / "04-assign_ranks.txt").read_text()
     # once layers are planned (here for two batch sizes), the dump has the code each plan runs
-    assert not (explicit / "04-decompose.code.py").exists()
-    code = (explicit / "05-plan_contractions.code.py").read_text()
-    compile(code, "05-plan_contractions.code.py", "exec")  # valid Python
+    assert not (explicit / "05-decompose.code.py").exists()
+    code = (explicit / "06-plan_contractions.code.py").read_text()
+    compile(code, "06-plan_contractions.code.py", "exec")  # valid Python
     assert code.count("def forward(ops, bias, mm):") == code.count("# =====") == 2
     assert "rows <= 1," in code and "rows <= 4096," in code and "def backward(ops, grad_out, mm):" in code
 

@@ -17,8 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_default_pipeline_is_named_and_editable():
     pipe = tncompile.default_pipeline()
-    assert pipe.names == ["canonicalize", "tensorize", "assign_ranks", "decompose", "plan_contractions",
-                          "fuse_feed_forward", "lower_dropout"]
+    assert pipe.names == ["canonicalize", "follow_device", "tensorize", "assign_ranks", "decompose",
+                          "plan_contractions", "fuse_feed_forward", "lower_dropout"]
 
     class A(tncompile.Pass):
         name = "a"
@@ -27,15 +27,16 @@ def test_default_pipeline_is_named_and_editable():
             return program
 
     pipe.insert_before("assign-ranks", A()).insert_after("decompose", "tensorize")
-    assert pipe.names == ["canonicalize", "tensorize", "a", "assign_ranks", "decompose", "tensorize",
+    assert pipe.names == ["canonicalize", "follow_device", "tensorize", "a", "assign_ranks", "decompose", "tensorize",
                           "plan_contractions", "fuse_feed_forward", "lower_dropout"]
     pipe.remove("a").replace("decompose", get_pass("decompose")).remove("plan-contractions")
     pipe.remove("fuse-feed-forward").remove("lower_dropout")
-    assert pipe.names == ["canonicalize", "tensorize", "assign_ranks", "decompose", "tensorize"]
+    assert pipe.names == ["canonicalize", "follow_device", "tensorize", "assign_ranks", "decompose", "tensorize"]
     with pytest.raises(ValueError, match="no pass named 'nope'"):
         pipe.remove("nope")
-    assert tncompile.default_pipeline().names == ["canonicalize", "tensorize", "assign_ranks", "decompose",
-                                                  "plan_contractions", "fuse_feed_forward", "lower_dropout"]
+    assert tncompile.default_pipeline().names == ["canonicalize", "follow_device", "tensorize", "assign_ranks",
+                                                  "decompose", "plan_contractions", "fuse_feed_forward",
+                                                  "lower_dropout"]
 
 
 def test_register_pass_function_and_duplicate():
@@ -86,8 +87,8 @@ def test_user_fx_rewrite_runs_and_shows_in_next_dump(tmp_path):
     plain = tncompile.compile(model, target_ratio=0.3)
     x = torch.randn(3, 64)
     assert torch.allclose(c(x), 2 * plain(x), atol=1e-6)
-    assert "torch.mul" not in (tmp_path / "04-decompose.txt").read_text()
-    assert "torch.mul" in (tmp_path / "05-scale-output.txt").read_text()
+    assert "torch.mul" not in (tmp_path / "05-decompose.txt").read_text()
+    assert "torch.mul" in (tmp_path / "06-scale-output.txt").read_text()
 
 
 def test_custom_pass_example_keeps_odd_blocks_dense(tmp_path):
@@ -102,8 +103,8 @@ def test_custom_pass_example_keeps_odd_blocks_dense(tmp_path):
     assert "layers.0.ff1" in tn and "layers.2.ff1" in tn
     assert not any(n.startswith(("layers.1.", "layers.3.")) for n in tn)
     assert c.ratio <= 0.5
-    before = (tmp_path / "02-tensorize.txt").read_text()
-    after = (tmp_path / "03-every-other-block.txt").read_text()
+    before = (tmp_path / "03-tensorize.txt").read_text()
+    after = (tmp_path / "04-every-other-block.txt").read_text()
     line = lambda text: next(l for l in text.splitlines() if l.startswith("%layers_1_ff1 ="))
     assert "pending TT" in line(before)
     assert "kept dense by every-other-block" in line(after)
@@ -115,7 +116,7 @@ def test_cli_inspect(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "total:" in r.stdout and "# tncompile program" in r.stdout
-    assert (tmp_path / "04-decompose.txt").exists()
+    assert (tmp_path / "05-decompose.txt").exists()
     code = subprocess.run([sys.executable, "-m", "tncompile", "inspect", "tncompile.zoo:mlp",
                            "--target-ratio", "0.3", "--batch-sizes", "1", "64", "--code"],
                           capture_output=True, text=True, timeout=300)

@@ -12,15 +12,16 @@ from .errors import PassError, TNCompileError, TraceError
 from .passes import FunctionPass, Pass, Pipeline, default_pipeline, register_pass
 from .report import Report
 from .serialization import load, resume, save
-from .train import History, RankController, RankEvent, TrainStep, fit, param_groups
+from .train import History, RankController, RankEvent, TrainStep, dry_run, fit, param_groups
 
 # DESIGN.md's public spelling is tncompile.runtime.TrainStep. The class lives in train/ (the
 # runtime never imports training code), so the package's entry point publishes it there.
 runtime.TrainStep = TrainStep
+runtime.dry_run = dry_run  # the capture-safety issue's spelling, beside TrainStep
 
 __version__ = "0.1.0"
 
 __all__ = ["compile", "save", "load", "resume", "fit", "History", "Pass", "FunctionPass", "Pipeline", "register_pass",
-           "default_pipeline", "RankController", "RankEvent", "param_groups", "TrainStep", "CompiledModel", "Report",
+           "default_pipeline", "RankController", "RankEvent", "param_groups", "TrainStep", "dry_run", "CompiledModel", "Report",
            "TNCompileError", "TraceError", "PassError", "formats", "ir", "passes", "planning", "runtime", "train",
            "tuning", "__version__"]

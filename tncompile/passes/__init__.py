@@ -7,6 +7,7 @@ linted, recorded and dumped.
 """
 from .base import FunctionPass, Pass, Pipeline, get_pass, register_pass, registered_passes
 from .canonicalize import Canonicalize
+from .follow_device import FollowDevice
 from .pending import PendingLayer
 from .tensorize import Tensorize
 from .assign_ranks import AssignRanks
@@ -20,14 +21,14 @@ from .collapse_layers import CollapseLayers
 from .rules import Match, Pat, Rule, apply_rules
 
 __all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes",
-           "default_pipeline", "Canonicalize", "Tensorize", "AssignRanks", "Decompose", "PlanContractions",
+           "default_pipeline", "Canonicalize", "FollowDevice", "Tensorize", "AssignRanks", "Decompose", "PlanContractions",
            "FuseFeedForward", "LowerDropout", "Replan", "TruncateRanks", "CollapseLayers", "PendingLayer",
            "replan_module", "Cut", "cut_ranks",
            "Pat", "Rule", "Match", "apply_rules"]
 
 
 def default_pipeline() -> Pipeline:
-    """``canonicalize -> tensorize -> assign_ranks -> decompose -> plan_contractions ->
-    fuse_feed_forward -> lower_dropout``, a fresh, editable copy."""
-    return Pipeline(["canonicalize", "tensorize", "assign_ranks", "decompose", "plan_contractions",
-                     "fuse_feed_forward", "lower_dropout"])
+    """``canonicalize -> follow_device -> tensorize -> assign_ranks -> decompose ->
+    plan_contractions -> fuse_feed_forward -> lower_dropout``, a fresh, editable copy."""
+    return Pipeline(["canonicalize", "follow_device", "tensorize", "assign_ranks", "decompose",
+                     "plan_contractions", "fuse_feed_forward", "lower_dropout"])

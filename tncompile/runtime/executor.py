@@ -179,17 +179,22 @@ def _finish(plan: ContractionPlan, result: torch.Tensor) -> torch.Tensor:
 
 
 def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
-    """The autocast setting in force for ``device_type`` (saved by forward)."""
-    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    """The autocast setting in force for ``device_type`` (saved by forward);
+    disabled for device types autocast does not know (e.g. ``meta``)."""
+    try:
+        return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except RuntimeError:
+        return device_type, False, torch.float32
 
 
 def same_autocast(state: tuple[str, bool, torch.dtype]):
     """Re-enter in backward the autocast state forward ran under (as
     ``torch.amp.custom_bwd`` does), so saved bf16 and fp32 tensors mix as in forward."""
     device_type, enabled, dtype = state
-    if not enabled and not torch.is_autocast_enabled(device_type):
+    if not enabled and not autocast_state(device_type)[1]:
         return contextlib.nullcontext()  # already the same: skip the context's ~10 us
-    return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled)
+    # no cast cache: a cached cast would outlive a captured graph's replay (PyTorch's CUDA-graph notes)
+    return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled, cache_enabled=False)
 
 
 _GENERATED_CODE_NAMESPACE = {"_gemm_bias": _gemm_bias, "_grad_with_bias": _grad_with_bias,

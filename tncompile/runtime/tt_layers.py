@@ -344,9 +344,17 @@ class TTMEmbedding(TNModule):
         return ttm_to_dense(self.scaled_cores(), self.layout)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
+        """Ids must lie in ``[0, num_embeddings)``. On CPU this reads them (an
+        ``IndexError`` naming the bad id); elsewhere it is a device-side assert
+        (``torch._assert_async``), which never syncs with the host, so a step
+        stays capturable as a CUDA graph."""
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
             raise TypeError(f"TTMEmbedding expects integer ids, got {ids.dtype}")
-        if torch.compiler.is_compiling() or ids.numel() == 0:
+        if ids.numel() == 0:
+            return
+        if ids.device.type != "cpu" or torch.compiler.is_compiling():
+            torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
+                                f"TTMEmbedding: an id is out of range [0, {self.num_embeddings})")
             return
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= self.num_embeddings:
@@ -377,7 +385,8 @@ class TTMEmbedding(TNModule):
         lay = self.layout
         flat = ids.reshape(-1).long()
         lookup, inverse = flat, None
-        if flat.numel() >= tuning.DEDUP_MIN_IDS and not torch.compiler.is_compiling():
+        # distinct ids only on CPU: torch.unique's output size depends on the data (no capture)
+        if flat.numel() >= tuning.DEDUP_MIN_IDS and flat.device.type == "cpu" and not torch.compiler.is_compiling():
             unique, inv = torch.unique(flat, return_inverse=True)
             if unique.numel() < tuning.DEDUP_BELOW * flat.numel():
                 lookup, inverse = unique, inv

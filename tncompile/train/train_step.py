@@ -138,6 +138,7 @@ class TrainStep:
                              "move it with .to('cuda') or use cuda_graph='auto'")
         self.compiled, self.optimizer, self.loss_fn, self.controller = compiled, optimizer, loss_fn, controller
         self.amp, self.grad_clip, self.max_batch = amp, grad_clip, max_batch
+        self.autocast_device: str | None = None  # None: the parameters' device type (a dry run sets "cuda")
         self.use_graphs = device.type == "cuda" and cuda_graph in ("auto", True)
         if self.use_graphs and compile:
             raise ValueError("TrainStep: compile=True applies to the eager path; with CUDA graphs the "
@@ -183,7 +184,9 @@ class TrainStep:
         if self.amp is None:
             return contextlib.nullcontext()
         device = next(iter(self.compiled.parameters())).device
-        return torch.autocast(device_type=device.type, dtype=AMP_DTYPES[self.amp])
+        # no cast cache while capturing: cached casts would be stale on replay (PyTorch's CUDA-graph notes)
+        return torch.autocast(device_type=self.autocast_device or device.type, dtype=AMP_DTYPES[self.amp],
+                              cache_enabled=not self.use_graphs)
 
     def _body(self, inputs: Any, targets: Any, set_to_none: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One step; returns the task loss and the minimized total (both detached)."""

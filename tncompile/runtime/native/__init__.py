@@ -36,14 +36,14 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["native_ops", "native_status", "native_kernels", "kernels_for"]
+__all__ = ["native_ops", "native_status", "native_kernels", "kernels_for", "watch"]
 
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _SOURCES = [str(Path(__file__).with_name(name))
             for name in ("gathered_product.cpp", "thin_gemm.cpp", "tt_chain.cpp", "feed_forward.cpp",
                          "dropout.cpp")]
 _lock = threading.Lock()
-_state: dict = {"ops": None, "tried": False, "error": None, "enabled": True}
+_state: dict = {"ops": None, "tried": False, "error": None, "enabled": True, "watch": None}
 log = logging.getLogger("tncompile.native")
 
 
@@ -75,6 +75,8 @@ def native_ops():
     inside ``native_kernels(False)``."""
     if not _state["enabled"]:
         return None
+    if _state["watch"] is not None and _state["tried"] and _state["ops"] is not None:
+        return _Watched(_state["ops"], _state["watch"])
     if _state["tried"]:
         return _state["ops"]
     with _lock:
@@ -102,6 +104,35 @@ def kernels_for(t: torch.Tensor):
             or torch.is_autocast_enabled("cpu") or torch.compiler.is_compiling()):
         return None
     return native_ops()
+
+
+class _Watched:
+    """The native ops, each call reported by name to ``on_call`` first."""
+
+    def __init__(self, ops, on_call):
+        self._ops, self._on_call = ops, on_call
+
+    def __getattr__(self, name: str):
+        op = getattr(self._ops, name)
+
+        def call(*args, **kwargs):
+            self._on_call(f"tncompile::{name}")
+            return op(*args, **kwargs)
+        return call
+
+
+@contextlib.contextmanager
+def watch(on_call):
+    """Inside the block, every native kernel called through :func:`native_ops`
+    (or :func:`kernels_for`) first reports its name to ``on_call(name)``: how
+    a dry run checks that no CPU kernel runs on the device path. Not
+    thread-safe: it flips a process-wide switch."""
+    before = _state["watch"]
+    _state["watch"] = on_call
+    try:
+        yield
+    finally:
+        _state["watch"] = before
 
 
 @contextlib.contextmanager
