@@ -4,7 +4,7 @@
 
 Checks ``REV`` (default ``HEAD~1``) out into a temporary git worktree, then
 alternates processes in ABBA order -- base, this, this, base, base, ... -- each
-timing the same TT-layer points (fwd+bwd medians, fp32, native kernels, CPU
+timing the same TT-layer points and a TTM lookup (fwd+bwd medians, fp32, native kernels, CPU
 allocator setting), so both trees see the same machine state and neither
 always runs first. Each tree builds its native kernels once into its own
 extension directory. Reports per point the median and the best over rounds of
@@ -29,20 +29,24 @@ from common import machine, write_json
 ROOT = Path(__file__).resolve().parents[1]
 
 POINTS = [(3072, 768, 64, 1), (768, 3072, 64, 1), (768, 768, 16, 1), (3072, 768, 30, 32),
-          (3072, 768, 64, 32), (768, 3072, 30, 512), (768, 3072, 30, 4096)]
+          (3072, 768, 64, 32), (768, 3072, 30, 512), (768, 3072, 30, 4096), ("ttm", 30522, 32, 4096)]
 
 TIMER = r"""
 import collections, json, statistics, sys, time
 import torch
 from torch import nn
-from tncompile.runtime import TTLinear
+from tncompile.runtime import TTLinear, TTMEmbedding
 from tncompile.runtime.cpu_allocator import retain_freed_memory
 retain_freed_memory()
 torch.manual_seed(0)
 out = {}
 for i, o, r, t in json.loads(sys.argv[1]):
-    layer = TTLinear.from_linear(nn.Linear(i, o), rank=r)
-    x = torch.randn(t, i, requires_grad=True)
+    if i == "ttm":  # a TTM embedding lookup: o rows, rank r, t ids
+        layer = TTMEmbedding.from_embedding(nn.Embedding(o, 768), rank=r)
+        x = torch.randint(0, o, (t,))
+    else:
+        layer = TTLinear.from_linear(nn.Linear(i, o), rank=r)
+        x = torch.randn(t, i, requires_grad=True)
     for _ in range(10):
         layer(x).sum().backward()
     times = []

@@ -1,0 +1,42 @@
+"""torch.compile as a second witness: compiled models trace whole, forward and backward."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tncompile
+from tncompile.zoo import six_encoder
+
+
+def _bert():
+    import transformers as tf
+    cfg = tf.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=64, num_labels=3)
+    ids = torch.randint(0, 1000, (2, 16))
+    return tncompile.compile(tf.BertForSequenceClassification(cfg).eval(), target_ratio=0.3,
+                             example_inputs={"input_ids": ids}), {"input_ids": ids}, (lambda out: out.logits)
+
+
+def _six():
+    ids = torch.randint(1, 30522, (2, 32))
+    return tncompile.compile(six_encoder().eval(), target_ratio=0.022271, init="random",
+                             example_inputs=(ids,)), {"ids": ids}, (lambda out: out)
+
+
+@pytest.mark.parametrize("build", [_six, _bert], ids=["six-encoder", "bert"])
+def test_no_graph_breaks_and_same_gradients(build):
+    torch.manual_seed(0)
+    compiled, inputs, logits = build()
+    explained = torch._dynamo.explain(compiled)(**inputs)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    torch._dynamo.reset()
+    traced = torch.compile(compiled, fullgraph=True, backend="aot_eager")  # forward and backward graphs
+    loss_t = F.cross_entropy(logits(traced(**inputs)), torch.tensor([0, 1]))
+    loss_t.backward()
+    grads_t = [p.grad.clone() for p in compiled.parameters()]
+    compiled.zero_grad()
+    loss_e = F.cross_entropy(logits(compiled(**inputs)), torch.tensor([0, 1]))
+    loss_e.backward()
+    torch.testing.assert_close(loss_t, loss_e, rtol=1e-4, atol=1e-5)
+    for gt, p in zip(grads_t, compiled.parameters()):
+        torch.testing.assert_close(gt, p.grad, rtol=1e-3, atol=1e-5)
+    torch._dynamo.reset()
