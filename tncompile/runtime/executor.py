@@ -191,8 +191,13 @@ def same_autocast(state: tuple[str, bool, torch.dtype]):
     """Re-enter in backward the autocast state forward ran under (as
     ``torch.amp.custom_bwd`` does), so saved bf16 and fp32 tensors mix as in forward."""
     device_type, enabled, dtype = state
-    if not enabled and not autocast_state(device_type)[1]:
-        return contextlib.nullcontext()  # already the same: skip the context's ~10 us
+    if not enabled:
+        try:
+            active = torch.is_autocast_enabled(device_type)
+        except RuntimeError:  # a device type autocast does not know (meta): never active
+            active = False
+        if not active:
+            return contextlib.nullcontext()  # already the same: skip the context's ~10 us
     # no cast cache: a cached cast would outlive a captured graph's replay (PyTorch's CUDA-graph notes)
     return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled, cache_enabled=False)
 
