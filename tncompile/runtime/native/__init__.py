@@ -154,3 +154,6 @@ def native_status() -> str:
     if _state["ops"] is not None:
         return "native CPU kernels: in use"
     return f"native CPU kernels: not in use ({_state['error']})"
+
+
+from . import traced  # noqa: E402  the same kernels as traceable custom ops (registered on import)
