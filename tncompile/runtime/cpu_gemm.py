@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import tuning
-from .native import kernels_for
+from .native import kernels_for, traceable_kernels
 
 __all__ = ["cpu_gemm", "padded_rows", "padded_columns"]
 
@@ -39,6 +39,12 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     k = left.shape[1]
     if m * n * k < tuning.GEMM_TINY:
         return torch.mm(left, right)
+    traced = traceable_kernels(left)
+    if traced is not None and left.dtype == right.dtype:  # torch.compile: the thin kernels as opaque ops
+        if k <= tuning.THIN_RANK < n and m * n >= tuning.THIN_OUTPUT:
+            return traced.thin_expand(left, right, None)
+        if n <= tuning.THIN_RANK and k >= 256 and m * k >= tuning.THIN_OUTPUT:
+            return traced.thin_project(left.contiguous(), right)
     if left.dtype == right.dtype and (k <= tuning.THIN_RANK < n or n <= tuning.THIN_RANK < k):
         native = kernels_for(left)
         if native is not None:

@@ -18,7 +18,7 @@ import torch
 
 from .. import tuning
 from .cpu_gemm import cpu_gemm
-from .native import kernels_for
+from .native import kernels_for, traceable_kernels
 from .plan_program import program_for
 from .plans import ContractionPlan
 
@@ -92,7 +92,7 @@ def _gemm_bias(left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor) -> t
     m, k = left.shape
     n = right.shape[1]
     if k <= tuning.THIN_RANK < n and m * n >= tuning.THIN_OUTPUT and left.dtype == right.dtype == bias.dtype:
-        native = kernels_for(left)
+        native = kernels_for(left) or traceable_kernels(left)
         if native is not None:  # the bias initializes the accumulators: no extra pass, no copy
             return native.thin_expand(left, right, bias)
     if left.device.type != "cpu" or 4 * k >= n or m * n < tuning.BIG_OUTPUT:

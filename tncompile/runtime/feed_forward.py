@@ -26,7 +26,7 @@ from torch import nn
 from .. import tuning
 from .cpu_gemm import cpu_gemm
 from .module_kinds import runs_as
-from .native import kernels_for
+from .native import kernels_for, traceable_kernels
 from .plans import bucket_of
 from .tt_layers import TTLinear
 
@@ -57,7 +57,7 @@ def uses_fused_kernel(x: torch.Tensor, first: nn.Module, second: nn.Module):
     rows = x.numel() // first.in_features if first.in_features else 0
     if rows < tuning.FUSE_MIN_ROWS:
         return None
-    ops = kernels_for(x)
+    ops = kernels_for(x) or traceable_kernels(x)
     if ops is None or first.cores[0].dtype != x.dtype or second.cores[0].dtype != x.dtype:
         return None
     bucket = bucket_of(rows)
@@ -97,6 +97,11 @@ def tt_feed_forward(x: torch.Tensor, first: nn.Module, second: nn.Module, activa
     a2, b2 = second.merged_factors()
     hidden = first.out_features
     rows = x.reshape(-1, first.in_features)
+    if torch.compiler.is_compiling():  # the traceable ops: three opaque calls, each with its registered backward
+        t = ops.thin_project(rows.contiguous(), a1[:first.in_features])
+        u = ops.ffn(t, b1[:, :hidden], first.bias, a2[:hidden], activation)
+        y = ops.thin_expand(u, b2[:, :second.out_features], second.bias)
+        return y.reshape(*x.shape[:-1], second.out_features)
     y = _FusedFeedForward.apply(ops, activation, rows, a1[:first.in_features], b1[:, :hidden], first.bias,
                                 a2[:hidden], b2[:, :second.out_features], second.bias)
     return y.reshape(*x.shape[:-1], second.out_features)

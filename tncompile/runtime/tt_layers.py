@@ -24,7 +24,7 @@ from ..formats.indices import planner_problem
 from ..formats.layout import TTLayout, TTMLayout
 from .module_kinds import linear_weight_of
 from .executor import autocast_state, contract, same_autocast
-from .native import kernels_for
+from .native import kernels_for, traceable_kernels
 from .plans import ContractionPlan, LookupPlan, bucket_of, get_planner
 from .tt_chain import chain_kernels, tt_chain
 
@@ -400,7 +400,12 @@ class TTMEmbedding(TNModule):
             m_right = math.prod(lay.row_modes[split:])
             i_left = torch.div(lookup, m_right, rounding_mode="floor")
             i_right = lookup - i_left * m_right
-            out = _GatheredProduct.apply(left, right, i_left, i_right).reshape(rows, lay.padded_cols)
+            traced = (traceable_kernels(left) if left.dtype == right.dtype and rows >= tuning.TRACED_LOOKUP_MIN_IDS
+                      else None)
+            if traced is not None:  # torch.compile: one opaque op each way
+                out = traced.gathered_product(left, right, i_left, i_right).reshape(rows, lay.padded_cols)
+            else:
+                out = _GatheredProduct.apply(left, right, i_left, i_right).reshape(rows, lay.padded_cols)
         if lay.padded_cols != lay.embedding_dim:
             out = out[:, : lay.embedding_dim]
         if inverse is not None:

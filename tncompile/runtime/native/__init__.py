@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["native_ops", "native_status", "native_kernels", "kernels_for", "watch"]
+__all__ = ["native_ops", "native_status", "native_kernels", "kernels_for", "traceable_kernels", "watch"]
 
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _SOURCES = [str(Path(__file__).with_name(name))
@@ -133,6 +133,24 @@ def watch(on_call):
         yield
     finally:
         _state["watch"] = before
+
+
+def traceable_kernels(t: torch.Tensor):
+    """While ``torch.compile`` traces, the native kernels as traceable custom
+    ops (:mod:`.traced`: fake kernels and autograd registered) when they apply
+    to ``t`` -- a CPU fp32/fp64 tensor, no autocast, the kernels built -- else
+    ``None``. Outside tracing always ``None``: eager code calls :func:`kernels_for`."""
+    if (not torch.compiler.is_compiling() or t.device.type != "cpu"
+            or t.dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled("cpu")
+            or not _available()):
+        return None
+    return traced
+
+
+@torch.compiler.assume_constant_result
+def _available() -> bool:
+    """Whether the kernels are (or can be) built: run eagerly while tracing, its answer a constant."""
+    return native_ops() is not None
 
 
 @contextlib.contextmanager
