@@ -39,14 +39,8 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     k = left.shape[1]
     if m * n * k < tuning.GEMM_TINY:
         return torch.mm(left, right)
-    traced = traceable_kernels(left)
-    if traced is not None and left.dtype == right.dtype:  # torch.compile: the thin kernels as opaque ops
-        if k <= tuning.THIN_RANK < n and m * n >= tuning.THIN_OUTPUT:
-            return traced.thin_expand(left, right, None)
-        if n <= tuning.THIN_RANK and k >= 256 and m * k >= tuning.THIN_OUTPUT:
-            return traced.thin_project(left.contiguous(), right)
     if left.dtype == right.dtype and (k <= tuning.THIN_RANK < n or n <= tuning.THIN_RANK < k):
-        native = kernels_for(left)
+        native = kernels_for(left) or traceable_kernels(left)  # the latter while torch.compile traces
         if native is not None:
             if k <= tuning.THIN_RANK < n and m * n >= tuning.THIN_OUTPUT:                      # thin rank in, wide out
                 return native.thin_expand(left, right, None)

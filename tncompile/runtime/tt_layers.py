@@ -385,8 +385,10 @@ class TTMEmbedding(TNModule):
         lay = self.layout
         flat = ids.reshape(-1).long()
         lookup, inverse = flat, None
+        many = flat.numel() >= tuning.DEDUP_MIN_IDS
+        compiling = many and torch.compiler.is_compiling()  # (only many ids dedup or take a traced kernel)
         # distinct ids only on CPU: torch.unique's output size depends on the data (no capture)
-        if flat.numel() >= tuning.DEDUP_MIN_IDS and flat.device.type == "cpu" and not torch.compiler.is_compiling():
+        if many and flat.device.type == "cpu" and not compiling:
             unique, inv = torch.unique(flat, return_inverse=True)
             if unique.numel() < tuning.DEDUP_BELOW * flat.numel():
                 lookup, inverse = unique, inv
@@ -400,8 +402,8 @@ class TTMEmbedding(TNModule):
             m_right = math.prod(lay.row_modes[split:])
             i_left = torch.div(lookup, m_right, rounding_mode="floor")
             i_right = lookup - i_left * m_right
-            traced = (traceable_kernels(left) if left.dtype == right.dtype and rows >= tuning.TRACED_LOOKUP_MIN_IDS
-                      else None)
+            traced = (traceable_kernels(left) if compiling and left.dtype == right.dtype
+                      and rows >= tuning.TRACED_LOOKUP_MIN_IDS else None)
             if traced is not None:  # torch.compile: one opaque op each way
                 out = traced.gathered_product(left, right, i_left, i_right).reshape(rows, lay.padded_cols)
             else:
