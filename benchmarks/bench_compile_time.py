@@ -4,8 +4,10 @@
 
 A 2-layer BERT (hidden 64, 4 heads, vocab 1000; ``transformers``), dense and
 compiled by tncompile at ratio 0.3 -- with the native kernels traced as custom
-ops (the default) and with them switched off under tracing (``forked``: the
-eager fallback is traced instead) -- each run once through ``torch.compile``
+ops (the default), with them switched off under tracing (``forked``: the
+eager fallback is traced instead), and with each TT contraction traced as one
+op (``one-op``, ``tuning.TRACE_CONTRACTION_AS_ONE_OP``) -- each run once through
+``torch.compile``
 (inductor, the default backend) in a fresh process with an empty inductor
 cache directory and the FX-graph and autograd caches off, so nothing compiled
 before (by an earlier run or the other variant) is reused;
@@ -32,6 +34,8 @@ model = tf.BertForSequenceClassification(cfg)
 ids = torch.randint(0, 1000, (2, 16))
 if sys.argv[1] != "dense":
     model = tncompile.compile(model, target_ratio=0.3, example_inputs={"input_ids": ids})
+if sys.argv[1] == "tncompile-one-op":
+    tncompile.tuning.TRACE_CONTRACTION_AS_ONE_OP = True
 if sys.argv[1] == "tncompile-forked":
     import tncompile.runtime.native as native
     native._available = lambda: False  # no traceable kernels: the eager fallback is traced
@@ -51,7 +55,7 @@ print(json.dumps({"first_call_s": first, "steady_call_ms": statistics.median(ste
 
 def main() -> None:
     out = {}
-    for variant in ("dense", "tncompile", "tncompile-forked"):
+    for variant in ("dense", "tncompile", "tncompile-forked", "tncompile-one-op"):
         with tempfile.TemporaryDirectory(prefix="inductor-") as cache:
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache, TORCHINDUCTOR_FX_GRAPH_CACHE="0",
                        TORCHINDUCTOR_AUTOGRAD_CACHE="0")

@@ -66,6 +66,12 @@ DEDUP_MIN_IDS = 64
 #: 5.5 ms a step with it, 4.9 ms without).
 TRACED_LOOKUP_MIN_IDS = 4096
 
+#: Under torch.compile, trace each planned TT contraction as one opaque custom op
+#: (tncompile::traced_contract) instead of its ~10 steps. Off by default: on a 2-layer
+#: BERT (bench_compile_time) it cut the first compiled call from 43-48 s to 37-38 s but
+#: made later calls slower (7.5-9.4 vs 5-6.6 ms: a Python call and saved intermediates per layer).
+TRACE_CONTRACTION_AS_ONE_OP = False
+
 # ---------------------------------------------------------------- runtime: CPU GEMM layouts
 #: Multiply-adds below which a GEMM is all call overhead: no layout tricks.
 GEMM_TINY = 1 << 18

@@ -312,12 +312,20 @@ def contract(plan: ContractionPlan, operands: Sequence[torch.Tensor],
     flattened output (inside the last GEMM when the plan allows).
 
     Under ``torch.compile`` the steps run as plain ops (autograd derives the
-    same reverse-mode backward) so the compiler can trace them.
+    same reverse-mode backward) so the compiler can trace them, or, with
+    ``tuning.TRACE_CONTRACTION_AS_ONE_OP``, as one opaque custom op each way
+    (:mod:`.traced_contract`).
     """
     if not torch.compiler.is_compiling():
         return PlannedContraction.apply(plan, bias, *operands)
+    if plan.sizes is not None and tuning.TRACE_CONTRACTION_AS_ONE_OP:  # one opaque op each way
+        return traced_contract(list(operands), bias, plan_key(plan))[0]
     fused = bias if bias is not None and fuses_bias(plan) else None
     out = _finish(plan, _forward(plan, list(operands), fused)[-1])
     if bias is not None and fused is None:
         out = out + bias.reshape(out.shape[1:])
     return out
+
+
+# the traced form of contract() builds on the names above (it imports them from here)
+from .traced_contract import plan_key, traced_contract  # noqa: E402

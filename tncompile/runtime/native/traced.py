@@ -47,7 +47,7 @@ def _empty(like: Tensor) -> Tensor:
     return like.new_empty((0,))
 
 
-def _separate(outputs: list[Tensor], inputs: tuple[Tensor, ...]) -> list[Tensor]:
+def separate_outputs(outputs: list[Tensor], inputs: tuple[Tensor, ...]) -> list[Tensor]:
     """Copy any output that shares memory with an input or an earlier output
     (the kernels return slices of one buffer; a custom op's outputs may not alias)."""
     seen = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor) and t.numel()}
@@ -87,7 +87,7 @@ def thin_expand_backward(g: Tensor, t: Tensor, w: Tensor, need_t: bool, need_w: 
         d_t, d_w, d_bias = ops.thin_expand_backward(g, t, w, need_t, need_w, need_bias)
     else:
         d_t, d_w, d_bias = g @ w.t(), t.t() @ g, g.sum(0)
-    return _separate([d_t.contiguous() if need_t else _empty(g), d_w.contiguous() if need_w else _empty(g),
+    return separate_outputs([d_t.contiguous() if need_t else _empty(g), d_w.contiguous() if need_w else _empty(g),
                       d_bias.contiguous() if need_bias else _empty(g)], (g, t, w))
 
 
@@ -168,7 +168,7 @@ def gathered_product_backward(grad: Tensor, left: Tensor, right: Tensor, i: Tens
     else:
         g_left = left.new_zeros(left.shape).index_add_(0, i, torch.bmm(grad, right.index_select(0, j).transpose(1, 2)))
         g_right = right.new_zeros(right.shape).index_add_(0, j, torch.bmm(left.index_select(0, i).transpose(1, 2), grad))
-    return _separate([g_left.contiguous() if need_left else _empty(grad),
+    return separate_outputs([g_left.contiguous() if need_left else _empty(grad),
                       g_right.contiguous() if need_right else _empty(grad)], (grad, left, right, i, j))
 
 
@@ -224,7 +224,7 @@ def ffn_backward(du: Tensor, t: Tensor, w1: Tensor, b1: Tensor | None, w2: Tenso
             d_h = torch.ops.aten.gelu_backward(d_a, h, approximate="tanh" if activation == "gelu_tanh" else "none")
         grads = [d_h @ w1.t(), t.t() @ d_h, d_h.sum(0), _ACTIVATIONS[activation](h).t() @ du]
     needs = (need_t, need_w1, need_b1 and b1 is not None, need_w2)
-    return _separate([g.contiguous() if need and g is not None else _empty(du) for g, need in zip(grads, needs)],
+    return separate_outputs([g.contiguous() if need and g is not None else _empty(du) for g, need in zip(grads, needs)],
                      (du, t, w1, w2, *([b1] if b1 is not None else [])))
 
 
