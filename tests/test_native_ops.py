@@ -71,3 +71,24 @@ def test_runs_on_fake_tensors(name, bias):
         fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         out = getattr(traced, name)(*fake)
     assert out.shape == expected.shape and out.dtype == expected.dtype
+
+
+@pytest.mark.parametrize("rows, bias", [(20, True), (3, False), (300, True)])
+def test_planned_contraction_as_one_op(rows, bias):
+    """tncompile::traced_contract: opcheck, and the same values and gradients as the layer."""
+    from torch import nn
+
+    from tncompile.runtime import TTLinear
+    from tncompile.runtime.traced_contract import plan_key, traced_contract
+    from tncompile.runtime.tt_layers import _drop_boundary
+    layer = TTLinear.from_linear(nn.Linear(48, 60, bias=bias).double(), rank=4)
+    lay = layer.layout
+    x = torch.randn(rows, 48, dtype=f64)
+    h = F.pad(x, (0, lay.padded_in - 48)).reshape(rows, *lay.in_modes).requires_grad_()
+    cores = [c.detach().requires_grad_() for c in _drop_boundary(layer.scaled_cores())]
+    b = layer.bias.detach().requires_grad_() if bias else None
+    key = plan_key(layer.plan_for(rows))
+    torch.library.opcheck(torch.ops.tncompile.traced_contract.default, ([h, *cores], b, key))
+    out = traced_contract([h, *cores], b, key)[0]
+    torch.testing.assert_close(out.reshape(rows, -1)[:, :60], layer(x))
+    assert torch.autograd.gradcheck(lambda h, *c: traced_contract([h, *c], b, key)[0], (h, *cores))
