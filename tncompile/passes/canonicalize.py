@@ -207,7 +207,7 @@ def activation_of(node: fx.Node) -> str | None:
     ``"relu"``, or ``None``."""
     if node.op != "call_function":
         return None
-    if node.target is GELU and len(node.args) == 1 and set(node.kwargs) == {"approximate"}:
+    if _is_canonical_gelu(node, None):
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(node.kwargs["approximate"])
     if node.target is RELU and len(node.args) == 1 and not node.kwargs:
         return "relu"

@@ -12,8 +12,9 @@ from torch import nn
 
 from ..ir.program import Program
 from ..runtime.collapsed import CollapsedLayer
-from ..runtime.tt_layers import TNModule, TTLinear, TTMEmbedding, TTMTiedLinear
+from ..runtime.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
 from .base import Pass, register_pass
+from .truncate_ranks import require_layers
 
 __all__ = ["CollapseLayers"]
 
@@ -34,10 +35,7 @@ class CollapseLayers(Pass):
         self.layers = dict(layers or {})
 
     def requires(self, program: Program) -> None:
-        known = {node.target for node, m in program.modules() if isinstance(m, TNModule)}
-        missing = sorted(set(self.layers) - known)
-        if missing:
-            raise ValueError(f"collapse_layers: no TT/TTM layer named {missing[:3]} in the program")
+        require_layers(program, self.layers, self.name)
 
     def run(self, program: Program) -> Program:
         gm = program.graph_module

@@ -28,10 +28,9 @@ __all__ = ["LowerDropout"]
 
 
 def _swap_module(m: Match) -> None:
-    node = m.root
-    mod = m.gm.get_submodule(node.target)
-    if not isinstance(mod, FastDropout):  # a module called from several nodes is swapped once
-        m.gm.set_submodule(node.target, FastDropout.from_dropout(mod))
+    # a module called from several nodes is swapped at its first node: FastDropout has its own
+    # forward, so the rule does not match the later ones
+    m.gm.set_submodule(m.root.target, FastDropout.from_dropout(m.module("root")))
 
 
 def _call_native(m: Match) -> None:
@@ -39,7 +38,7 @@ def _call_native(m: Match) -> None:
 
 
 RULES = [
-    Rule("dropout-module", Pat.module(nn.Dropout), _swap_module),  # FastDropout has its own forward: no match
+    Rule("dropout-module", Pat.module(nn.Dropout, name="root"), _swap_module),
     Rule("dropout-function", Pat.call(DROPOUT), _call_native),
 ]
 

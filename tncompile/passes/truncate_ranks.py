@@ -20,7 +20,15 @@ from ..ir.program import Program
 from ..runtime.tt_layers import TNModule
 from .base import Pass, register_pass
 
-__all__ = ["Cut", "cut_ranks", "TruncateRanks"]
+__all__ = ["Cut", "cut_ranks", "TruncateRanks", "require_layers"]
+
+
+def require_layers(program: Program, names, pass_name: str) -> None:
+    """For a pass's ``requires``: every name in ``names`` is a TT/TTM layer of ``program``."""
+    known = {node.target for node, m in program.modules() if isinstance(m, TNModule)}
+    missing = sorted(set(names) - known)
+    if missing:
+        raise ValueError(f"{pass_name}: no TT/TTM layer named {missing[:3]} in the program")
 
 
 @dataclass
@@ -121,10 +129,7 @@ class TruncateRanks(Pass):
         self.truncated: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def requires(self, program: Program) -> None:
-        known = {node.target for node, m in program.modules() if isinstance(m, TNModule)}
-        missing = sorted(set(self.keep) - known)
-        if missing:
-            raise ValueError(f"truncate_ranks: no TT/TTM layer named {missing[:3]} in the program")
+        require_layers(program, self.keep, self.name)
 
     def run(self, program: Program) -> Program:
         self.cuts, self.truncated = [], {}

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from .executor import _GENERATED_CODE_NAMESPACE, _finish, _gemm_for
-from .native.traced import separate_outputs
+from .native.traced import empty_grad, separate_outputs
 from .plan_program import program_for
 from .plans import ContractionPlan
 
@@ -75,18 +75,17 @@ def traced_contract_backward(grad: Tensor, saved: list[Tensor], plan: int, want:
     p = _PLANS[plan]
     run = program_for(p, _GENERATED_CODE_NAMESPACE).backward(tuple(want), want_bias)
     grads, g_bias = run(tuple(saved), grad.contiguous(), _gemm_for(grad))
-    empty = grad.new_empty((0,))
-    outs = [g.contiguous() if w and g is not None else empty for g, w in zip(grads, want)]
-    outs.append(g_bias.contiguous() if want_bias and g_bias is not None else empty)
-    return separate_outputs([o if o is not empty else grad.new_empty((0,)) for o in outs], (grad, *saved))
+    outs = [g.contiguous() if w and g is not None else empty_grad(grad) for g, w in zip(grads, want)]
+    outs.append(g_bias.contiguous() if want_bias and g_bias is not None else empty_grad(grad))
+    return separate_outputs(outs, (grad, *saved))
 
 
 @traced_contract_backward.register_fake
 def _(grad, saved, plan, want, want_bias):
     p = _PLANS[plan]
     n = len(p.inputs)
-    out = [grad.new_empty(saved[i].shape) if want[i] else grad.new_empty((0,)) for i in range(n)]
-    out.append(grad.new_empty((prod(_shapes(p, saved[:n])[0][1:]),)) if want_bias else grad.new_empty((0,)))
+    out = [grad.new_empty(saved[i].shape) if want[i] else empty_grad(grad) for i in range(n)]
+    out.append(grad.new_empty((prod(_shapes(p, saved[:n])[0][1:]),)) if want_bias else empty_grad(grad))
     return out
 
 

@@ -142,11 +142,16 @@ def _location() -> tuple[str, str]:
                 phase = "backward"
         elif name in ("penalty", "late_objective", "early_penalty") and phase == "forward":
             phase = "rank penalty"
+    return _innermost_outside_torch(frames), phase
+
+
+def _innermost_outside_torch(frames) -> str:
+    """``file:line in function: source`` of the innermost frame outside PyTorch and this module."""
     for f in reversed(frames):
         if not f.filename.startswith(_TORCH_DIR) and f.filename not in _SKIPPED:
             line = f.line or linecache.getline(f.filename, f.lineno).strip()
-            return f"{f.filename}:{f.lineno} in {f.name}: {line}", phase
-    return "(inside PyTorch)", phase
+            return f"{f.filename}:{f.lineno} in {f.name}: {line}"
+    return "(inside PyTorch)"
 
 
 class _Observer(TorchDispatchMode):
@@ -240,9 +245,7 @@ def _placeholder_tensor(name: str, args, kwargs):
                 torch.ones(flat.shape, dtype=torch.long, device=x.device))
     if name in ("nonzero", "argwhere", "nonzero_static"):
         return torch.zeros((x.numel(), x.dim()), dtype=torch.long, device=x.device)
-    if name == "masked_select":
-        return x.reshape(-1).clone()
-    if name == "repeat_interleave":
+    if name in ("masked_select", "repeat_interleave"):
         return x.reshape(-1).clone()
     return x.clone()
 
@@ -413,8 +416,4 @@ def _run_body(step: TrainStep, inputs, targets, report: DryRunReport, observer: 
 
 
 def _location_of(e: BaseException) -> tuple[str, str]:
-    frames = traceback.extract_tb(e.__traceback__)
-    for f in reversed(frames):
-        if not f.filename.startswith(_TORCH_DIR) and f.filename not in _SKIPPED:
-            return f"{f.filename}:{f.lineno} in {f.name}: {f.line}", "step"
-    return "(inside PyTorch)", "step"
+    return _innermost_outside_torch(traceback.extract_tb(e.__traceback__)), "step"

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from . import native_ops
 
-__all__ = ["thin_expand", "thin_project", "gathered_product", "ffn"]
+__all__ = ["thin_expand", "thin_project", "gathered_product", "ffn", "separate_outputs", "empty_grad"]
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu}
 
@@ -42,7 +42,7 @@ def _native(*tensors: Tensor):
     return native_ops()
 
 
-def _empty(like: Tensor) -> Tensor:
+def empty_grad(like: Tensor) -> Tensor:
     """What a backward op returns for a gradient nobody asked for."""
     return like.new_empty((0,))
 
@@ -87,14 +87,14 @@ def thin_expand_backward(g: Tensor, t: Tensor, w: Tensor, need_t: bool, need_w: 
         d_t, d_w, d_bias = ops.thin_expand_backward(g, t, w, need_t, need_w, need_bias)
     else:
         d_t, d_w, d_bias = g @ w.t(), t.t() @ g, g.sum(0)
-    return separate_outputs([d_t.contiguous() if need_t else _empty(g), d_w.contiguous() if need_w else _empty(g),
-                      d_bias.contiguous() if need_bias else _empty(g)], (g, t, w))
+    return separate_outputs([d_t.contiguous() if need_t else empty_grad(g), d_w.contiguous() if need_w else empty_grad(g),
+                      d_bias.contiguous() if need_bias else empty_grad(g)], (g, t, w))
 
 
 @thin_expand_backward.register_fake
 def _(g, t, w, need_t, need_w, need_bias):
-    return [g.new_empty(t.shape) if need_t else _empty(g), g.new_empty(w.shape) if need_w else _empty(g),
-            g.new_empty((w.shape[1],)) if need_bias else _empty(g)]
+    return [g.new_empty(t.shape) if need_t else empty_grad(g), g.new_empty(w.shape) if need_w else empty_grad(g),
+            g.new_empty((w.shape[1],)) if need_bias else empty_grad(g)]
 
 
 def _thin_expand_setup(ctx, inputs, output):
@@ -168,14 +168,14 @@ def gathered_product_backward(grad: Tensor, left: Tensor, right: Tensor, i: Tens
     else:
         g_left = left.new_zeros(left.shape).index_add_(0, i, torch.bmm(grad, right.index_select(0, j).transpose(1, 2)))
         g_right = right.new_zeros(right.shape).index_add_(0, j, torch.bmm(left.index_select(0, i).transpose(1, 2), grad))
-    return separate_outputs([g_left.contiguous() if need_left else _empty(grad),
-                      g_right.contiguous() if need_right else _empty(grad)], (grad, left, right, i, j))
+    return separate_outputs([g_left.contiguous() if need_left else empty_grad(grad),
+                      g_right.contiguous() if need_right else empty_grad(grad)], (grad, left, right, i, j))
 
 
 @gathered_product_backward.register_fake
 def _(grad, left, right, i, j, need_left, need_right):
-    return [grad.new_empty(left.shape) if need_left else _empty(grad),
-            grad.new_empty(right.shape) if need_right else _empty(grad)]
+    return [grad.new_empty(left.shape) if need_left else empty_grad(grad),
+            grad.new_empty(right.shape) if need_right else empty_grad(grad)]
 
 
 def _gathered_setup(ctx, inputs, output):
@@ -224,7 +224,7 @@ def ffn_backward(du: Tensor, t: Tensor, w1: Tensor, b1: Tensor | None, w2: Tenso
             d_h = torch.ops.aten.gelu_backward(d_a, h, approximate="tanh" if activation == "gelu_tanh" else "none")
         grads = [d_h @ w1.t(), t.t() @ d_h, d_h.sum(0), _ACTIVATIONS[activation](h).t() @ du]
     needs = (need_t, need_w1, need_b1 and b1 is not None, need_w2)
-    return separate_outputs([g.contiguous() if need and g is not None else _empty(du) for g, need in zip(grads, needs)],
+    return separate_outputs([g.contiguous() if need and g is not None else empty_grad(du) for g, need in zip(grads, needs)],
                      (du, t, w1, w2, *([b1] if b1 is not None else [])))
 
 
@@ -232,7 +232,7 @@ def ffn_backward(du: Tensor, t: Tensor, w1: Tensor, b1: Tensor | None, w2: Tenso
 def _(du, t, w1, b1, w2, activation, need_t, need_w1, need_b1, need_w2):
     shapes = (t.shape, w1.shape, (w1.shape[1],), w2.shape)
     needs = (need_t, need_w1, need_b1 and b1 is not None, need_w2)
-    return [du.new_empty(s) if need else _empty(du) for s, need in zip(shapes, needs)]
+    return [du.new_empty(s) if need else empty_grad(du) for s, need in zip(shapes, needs)]
 
 
 def _ffn_setup(ctx, inputs, output):
