@@ -18,8 +18,6 @@ def _args(name, dtype, bias=True, grad=True):
         return (r(37, 5), r(5, 70), r(70) if bias else None)
     if name == "thin_project":
         return (r(37, 300), r(300, 6))
-    if name == "gathered_product":
-        return (r(7, 4, 3), r(9, 3, 5), torch.randint(0, 7, (40,), generator=g), torch.randint(0, 9, (40,), generator=g))
     if name == "ffn":
         return (r(33, 4), r(4, 50), r(50) if bias else None, r(50, 3), "gelu")
     raise KeyError(name)
@@ -31,15 +29,12 @@ def _reference(name, *a):
         return t @ w + (b if b is not None else 0)
     if name == "thin_project":
         return a[0] @ a[1]
-    if name == "gathered_product":
-        left, right, i, j = a
-        return torch.bmm(left[i], right[j])
     t, w1, b1, w2, act = a
     return F.gelu(t @ w1 + (b1 if b1 is not None else 0)) @ w2
 
 
-CASES = [("thin_expand", True), ("thin_expand", False), ("thin_project", True), ("gathered_product", True),
-         ("ffn", True), ("ffn", False)]
+CASES = [("thin_expand", True), ("thin_expand", False), ("thin_project", True), ("ffn", True),
+         ("ffn", False)]
 
 
 @pytest.mark.parametrize("name, bias", CASES)

@@ -60,16 +60,11 @@ DEDUP_BELOW = 0.8
 #: ... and only for batches of at least this many ids (``torch.unique`` costs more below).
 DEDUP_MIN_IDS = 64
 
-#: Under torch.compile, a TTM lookup of at least this many ids calls the native kernel as a
-#: traceable custom op (bench_layers: 2.3-2.6x the eager kernels at 4096 ids); below, its
-#: Python call costs more than it saves (bench_compile_time, 2-layer BERT at 32 ids:
-#: 5.5 ms a step with it, 4.9 ms without).
-TRACED_LOOKUP_MIN_IDS = 4096
-
 #: Under torch.compile, trace each planned TT contraction as one opaque custom op
 #: (tncompile::traced_contract) instead of its ~10 steps. Off by default: on a 2-layer
-#: BERT (bench_compile_time) it cut the first compiled call from 43-48 s to 37-38 s but
-#: made later calls slower (7.5-9.4 vs 5-6.6 ms: a Python call and saved intermediates per layer).
+#: BERT (bench_compile_time, rank gates and TTM lookups already one op each) it cut the
+#: first compiled call from 1.25-1.51x to 1.04-1.15x dense's, but later calls took
+#: 11.8-12.6 ms instead of 6.7-9.3 (a Python call and saved intermediates per layer).
 TRACE_CONTRACTION_AS_ONE_OP = False
 
 # ---------------------------------------------------------------- runtime: CPU GEMM layouts

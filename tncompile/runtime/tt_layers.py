@@ -24,8 +24,10 @@ from ..formats.indices import planner_problem
 from ..formats.layout import TTLayout, TTMLayout
 from .module_kinds import linear_weight_of
 from .executor import autocast_state, contract, same_autocast
-from .native import kernels_for, traceable_kernels
+from .gated_cores import gate_cores
+from .native import kernels_for
 from .plans import ContractionPlan, LookupPlan, bucket_of, get_planner
+from .traced_lookup import check_ids, half_tables, split_ids, ttm_lookup
 from .tt_chain import chain_kernels, tt_chain
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of"]
@@ -148,7 +150,9 @@ class TNModule(nn.Module):
         """Cores with each gate multiplied into its left core's right bond."""
         # read the lists' dicts directly: ParameterList indexing costs microseconds per item
         cores = list(self.cores._parameters.values())
-        gates = self.gates._parameters.values()
+        gates = list(self.gates._parameters.values())
+        if torch.compiler.is_compiling():  # one opaque op, not an inductor kernel per core and gradient
+            return [*gate_cores(cores[:-1], gates), cores[-1]]
         return [c * g for c, g in zip(cores[:-1], gates)] + [cores[-1]]
 
     def set_cores(self, cores: Sequence[torch.Tensor]) -> None:
@@ -344,22 +348,16 @@ class TTMEmbedding(TNModule):
         return ttm_to_dense(self.scaled_cores(), self.layout)
 
     def _check_ids(self, ids: torch.Tensor) -> None:
-        """Ids must lie in ``[0, num_embeddings)``. On CPU this reads them (an
-        ``IndexError`` naming the bad id); elsewhere it is a device-side assert
-        (``torch._assert_async``), which never syncs with the host, so a step
-        stays capturable as a CUDA graph."""
+        """Ids must be integers in ``[0, num_embeddings)`` (:func:`.traced_lookup.check_ids`:
+        a host read on CPU, a device-side assert elsewhere)."""
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
             raise TypeError(f"TTMEmbedding expects integer ids, got {ids.dtype}")
-        if ids.numel() == 0:
+        if torch.compiler.is_compiling():  # traced: a device-side assert, never a host read
+            if ids.numel():
+                torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
+                                    f"TTMEmbedding: an id is out of range [0, {self.num_embeddings})")
             return
-        if ids.device.type != "cpu" or torch.compiler.is_compiling():
-            torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
-                                f"TTMEmbedding: an id is out of range [0, {self.num_embeddings})")
-            return
-        lo, hi = int(ids.min()), int(ids.max())
-        if lo < 0 or hi >= self.num_embeddings:
-            bad = lo if lo < 0 else hi
-            raise IndexError(f"TTMEmbedding: id {bad} out of range [0, {self.num_embeddings})")
+        check_ids(ids, self.num_embeddings)
 
     @torch.compiler.disable
     def plan_bucket(self, bucket: int) -> LookupPlan:  # type: ignore[override]
@@ -369,26 +367,17 @@ class TTMEmbedding(TNModule):
 
     def half_tables(self, split: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``L[M_L, N_L, r]`` from cores ``[:split]`` and ``R[M_R, r, N_R]`` from the rest."""
-        cores = self.scaled_cores()
-        left = cores[0].squeeze(0)                                   # (m0, n0, r1)
-        for c in cores[1:split]:
-            M, N, _ = left.shape
-            left = torch.einsum("MNa,amnb->MmNnb", left, c).reshape(M * c.shape[1], N * c.shape[2], -1)
-        right = cores[-1].squeeze(-1)                                # (r, m, n)
-        for c in reversed(cores[split:-1]):
-            _, M, N = right.shape
-            right = torch.einsum("amnb,bMN->amMnN", c, right).reshape(c.shape[0], c.shape[1] * M, -1)
-        return left, right.transpose(0, 1)                           # R: (M_R, r, N_R)
+        return half_tables(self.scaled_cores(), split)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        self._check_ids(ids)
         lay = self.layout
+        if torch.compiler.is_compiling() and len(lay.row_modes) > 1:
+            return self._traced_forward(ids)
+        self._check_ids(ids)
         flat = ids.reshape(-1).long()
         lookup, inverse = flat, None
-        many = flat.numel() >= tuning.DEDUP_MIN_IDS
-        compiling = many and torch.compiler.is_compiling()  # (only many ids dedup or take a traced kernel)
         # distinct ids only on CPU: torch.unique's output size depends on the data (no capture)
-        if many and flat.device.type == "cpu" and not compiling:
+        if flat.numel() >= tuning.DEDUP_MIN_IDS and flat.device.type == "cpu":
             unique, inv = torch.unique(flat, return_inverse=True)
             if unique.numel() < tuning.DEDUP_BELOW * flat.numel():
                 lookup, inverse = unique, inv
@@ -399,15 +388,8 @@ class TTMEmbedding(TNModule):
         else:
             split = self.plan_for(rows).split
             left, right = self.half_tables(split)
-            m_right = math.prod(lay.row_modes[split:])
-            i_left = torch.div(lookup, m_right, rounding_mode="floor")
-            i_right = lookup - i_left * m_right
-            traced = (traceable_kernels(left) if compiling and left.dtype == right.dtype
-                      and rows >= tuning.TRACED_LOOKUP_MIN_IDS else None)
-            if traced is not None:  # torch.compile: one opaque op each way
-                out = traced.gathered_product(left, right, i_left, i_right).reshape(rows, lay.padded_cols)
-            else:
-                out = _GatheredProduct.apply(left, right, i_left, i_right).reshape(rows, lay.padded_cols)
+            i_left, i_right = split_ids(lookup, math.prod(lay.row_modes[split:]))
+            out = _GatheredProduct.apply(left, right, i_left, i_right).reshape(rows, lay.padded_cols)
         if lay.padded_cols != lay.embedding_dim:
             out = out[:, : lay.embedding_dim]
         if inverse is not None:
@@ -415,6 +397,18 @@ class TTMEmbedding(TNModule):
         if self.padding_idx is not None:
             out = out * (flat != self.padding_idx).unsqueeze(-1).to(out.dtype)
         return out.reshape(*ids.shape, lay.embedding_dim)
+
+    def _traced_forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Under ``torch.compile``: the whole lookup as one opaque op each way
+        (``tncompile::ttm_lookup``, :mod:`.traced_lookup`), not ~8 inductor kernels."""
+        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"TTMEmbedding expects integer ids, got {ids.dtype}")
+        flat = ids.reshape(-1).long()
+        split = self.plan_for(flat.shape[0]).split
+        out = ttm_lookup(flat, list(self.cores._parameters.values()),
+                         list(self.gates._parameters.values()), split, self.num_embeddings,
+                         self.embedding_dim, self.padding_idx)[0]
+        return out.reshape(*ids.shape, self.embedding_dim)
 
     def to_dense_module(self) -> nn.Embedding:
         emb = nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx,

@@ -15,9 +15,10 @@ here wrap the same kernels for those tracers:
 
 ``torch.library.opcheck`` checks every op against its fake kernel and its
 autograd formula (``tests/test_native_ops.py``). Ops: ``traced_thin_expand``
-(``t @ w + bias``), ``traced_thin_project`` (``x @ w``),
-``traced_gathered_product`` (``L[i] @ R[j]``), ``traced_ffn`` (``act(t @ w1 +
-b1) @ w2``), and the backward ops of the first, third and fourth.
+(``t @ w + bias``), ``traced_thin_project`` (``x @ w``), ``traced_ffn``
+(``act(t @ w1 + b1) @ w2``), and the backward ops of the first and third.
+A TTM lookup traces as one op of its own, which calls the native gathered
+product inside (:mod:`tncompile.runtime.traced_lookup`).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from torch import Tensor
 
 from . import native_ops
 
-__all__ = ["thin_expand", "thin_project", "gathered_product", "ffn", "separate_outputs", "empty_grad"]
+__all__ = ["thin_expand", "thin_project", "ffn", "separate_outputs", "empty_grad"]
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu}
 
@@ -141,55 +142,6 @@ def _thin_project_grad(ctx, grad):
 
 
 thin_project.register_autograd(_thin_project_grad, setup_context=_thin_project_setup)
-
-
-# ----------------------------------------------------------------- L[i] @ R[j]
-@torch.library.custom_op("tncompile::traced_gathered_product", mutates_args=())
-def gathered_product(left: Tensor, right: Tensor, i: Tensor, j: Tensor) -> Tensor:
-    """``out[t] = left[i[t]] @ right[j[t]]``: ``(M_L, N_L, r), (M_R, r, N_R), (T,), (T,)`` -> ``(T, N_L, N_R)``."""
-    ops = _native(left, right)
-    if ops is not None:
-        return ops.gathered_product(left, right, i, j)
-    return torch.bmm(left.index_select(0, i), right.index_select(0, j))
-
-
-@gathered_product.register_fake
-def _(left, right, i, j):
-    return left.new_empty((i.shape[0], left.shape[1], right.shape[2]))
-
-
-@torch.library.custom_op("tncompile::traced_gathered_product_backward", mutates_args=())
-def gathered_product_backward(grad: Tensor, left: Tensor, right: Tensor, i: Tensor, j: Tensor,
-                              need_left: bool, need_right: bool) -> list[Tensor]:
-    """The gradients of ``left`` and ``right`` (empty when not needed)."""
-    ops = _native(grad, left, right)
-    if ops is not None:
-        g_left, g_right = ops.gathered_product_backward(grad, left, right, i, j, need_left, need_right)
-    else:
-        g_left = left.new_zeros(left.shape).index_add_(0, i, torch.bmm(grad, right.index_select(0, j).transpose(1, 2)))
-        g_right = right.new_zeros(right.shape).index_add_(0, j, torch.bmm(left.index_select(0, i).transpose(1, 2), grad))
-    return separate_outputs([g_left.contiguous() if need_left else empty_grad(grad),
-                      g_right.contiguous() if need_right else empty_grad(grad)], (grad, left, right, i, j))
-
-
-@gathered_product_backward.register_fake
-def _(grad, left, right, i, j, need_left, need_right):
-    return [grad.new_empty(left.shape) if need_left else empty_grad(grad),
-            grad.new_empty(right.shape) if need_right else empty_grad(grad)]
-
-
-def _gathered_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
-
-
-def _gathered_grad(ctx, grad):
-    left, right, i, j = ctx.saved_tensors
-    need_left, need_right = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    g_left, g_right = gathered_product_backward(grad.contiguous(), left, right, i, j, need_left, need_right)
-    return (g_left if need_left else None), (g_right if need_right else None), None, None
-
-
-gathered_product.register_autograd(_gathered_grad, setup_context=_gathered_setup)
 
 
 # ----------------------------------------------------------------- act(t @ w1 + b1) @ w2

@@ -1,0 +1,118 @@
+"""The ops a TT layer traces as under torch.compile: tncompile::gate_cores and tncompile::ttm_lookup.
+
+Each against what it stands for (the eager layer, the dense table), float64
+gradcheck, ``torch.library.opcheck`` (fake kernel, autograd registration,
+schema), with and without the native kernels, and on fake tensors.
+"""
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tncompile.runtime import TTMEmbedding
+from tncompile.runtime.gated_cores import gate_cores
+from tncompile.runtime.native import native_kernels
+from tncompile.runtime.traced_lookup import ttm_lookup
+
+f64 = torch.float64
+
+
+def _embedding(num_cores: int, padding_idx, rank: int = 5) -> TTMEmbedding:
+    torch.manual_seed(0)
+    layer = TTMEmbedding.from_embedding(nn.Embedding(1000, 48, padding_idx=padding_idx).double(), rank=rank,
+                                        num_cores=num_cores)
+    with torch.no_grad():
+        for g in layer.gates:
+            g.uniform_(0.5, 1.5)  # gates away from one, so a dropped gate shows
+    return layer
+
+
+def _ids(n: int) -> torch.Tensor:
+    ids = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(1))
+    ids[:5] = 3  # repeats (deduplicated inside) and the padding row
+    return ids
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("num_cores", [2, 3, 4, 5])
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_ttm_lookup_matches_the_layer_at_every_split(num_cores, padding_idx, native):
+    layer = _embedding(num_cores, padding_idx)
+    ids = _ids(300)
+    cores, gates = list(layer.cores), list(layer.gates)
+    table = layer.weight().detach()
+    with native_kernels(native):
+        reference = layer(ids)
+        for split in range(1, num_cores):
+            out = ttm_lookup(ids, cores, gates, split, 1000, 48, padding_idx)[0]
+            expected = table[ids] if padding_idx is None else table[ids] * (ids != padding_idx).unsqueeze(-1)
+            torch.testing.assert_close(out, expected)
+            grad = torch.randn_like(out)
+            got = torch.autograd.grad(out, cores + gates, grad)
+            want = torch.autograd.grad(reference, cores + gates, grad, retain_graph=True)
+            for g, w in zip(got, want):
+                torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("num_cores", [2, 4, 5])
+@pytest.mark.parametrize("padding_idx", [None, 3])
+def test_ttm_lookup_gradcheck_and_opcheck(num_cores, padding_idx):
+    layer = _embedding(num_cores, padding_idx, rank=3)
+    ids = _ids(20)
+    params = tuple(layer.cores) + tuple(layer.gates)
+    split = num_cores // 2
+
+    def lookup(*p):
+        return ttm_lookup(ids, list(p[:num_cores]), list(p[num_cores:]), split, 1000, 48, padding_idx)[0]
+    assert torch.autograd.gradcheck(lookup, params)
+    torch.library.opcheck(torch.ops.tncompile.ttm_lookup.default,
+                          (ids, list(layer.cores), list(layer.gates), split, 1000, 48, padding_idx))
+
+
+def test_ttm_lookup_checks_ids_at_run_time():
+    layer = _embedding(4, None)
+    with pytest.raises(IndexError, match="id 1000 out of range"):
+        ttm_lookup(torch.tensor([1, 1000]), list(layer.cores), list(layer.gates), 2, 1000, 48, None)
+
+
+def test_ttm_lookup_on_fake_tensors_gives_the_table_dtype_and_shapes():
+    layer = _embedding(4, None).float()
+    cores, gates = [c.detach() for c in layer.cores], [g.detach() for g in layer.gates]
+    with FakeTensorMode() as mode:
+        ids = mode.from_tensor(_ids(30))
+        out, left, right = ttm_lookup(ids, [mode.from_tensor(c) for c in cores], [mode.from_tensor(g) for g in gates],
+                                      2, 1000, 48, None)
+    real = layer.half_tables(2)
+    assert out.shape == (30, 48) and out.dtype == torch.float32
+    assert left.shape == real[0].shape and right.shape == real[1].shape
+
+
+def test_gate_cores_is_core_times_gate_and_gradchecks():
+    g = torch.Generator().manual_seed(0)
+    cores = [torch.randn(1, 4, 3, dtype=f64, generator=g, requires_grad=True),
+             torch.randn(3, 2, 5, 2, dtype=f64, generator=g, requires_grad=True)]
+    gates = [torch.rand(3, dtype=f64, generator=g, requires_grad=True),
+             torch.rand(2, dtype=f64, generator=g, requires_grad=True)]
+    for got, c, gate in zip(gate_cores(cores, gates), cores, gates):
+        torch.testing.assert_close(got, c * gate)
+    assert torch.autograd.gradcheck(lambda *p: gate_cores(list(p[:2]), list(p[2:])), tuple(cores + gates))
+    torch.library.opcheck(torch.ops.tncompile.gate_cores.default, (cores, gates))
+
+
+def test_gates_and_lookup_trace_as_one_op_each():
+    """Under torch.compile a TTM layer's forward holds one tncompile::ttm_lookup and a
+    TT linear's one tncompile::gate_cores, not a mul per core (each an inductor kernel)."""
+    from tncompile.runtime import TTLinear
+    layer = TTLinear.from_linear(nn.Linear(64, 48), rank=4)
+    emb = TTMEmbedding.from_embedding(nn.Embedding(500, 32), rank=4)
+    x, ids = torch.randn(40, 64), torch.randint(0, 500, (40,))
+    layer(x), emb(ids)  # plans the row counts eagerly (planning inside a traced call: issue 18)
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+    torch.compile(lambda x, ids: layer(x).sum() + emb(ids).sum(), backend=backend, fullgraph=True)(x, ids)
+    assert seen.count("tncompile.gate_cores.default") == 1
+    assert seen.count("tncompile.ttm_lookup.default") == 1
+    assert not any(t in ("<built-in function mul>", "aten.mul.Tensor") for t in seen)
