@@ -6,17 +6,29 @@ For a TT layer, whose arithmetic is small, those faults cost as much as the
 contraction itself (measured: 768->3072 over 4096 tokens, fwd+bwd, 2 cores:
 ~105 ms with faults, ~50 ms without). :func:`retain_freed_memory` tells glibc
 to serve every block from its heap and keep what is freed.
+
+The runtime turns this on by itself the first time a TT/TTM layer runs on CPU
+outside a trace (:func:`ensure_retained`), once per process, so users get the
+fast path without knowing about it. The price is that the process keeps its
+peak heap. ``TNCOMPILE_RETAIN_FREED_MEMORY=0`` in the environment opts out;
+calling :func:`retain_freed_memory` yourself still works either way.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
+import os
 import sys
 
-__all__ = ["retain_freed_memory"]
+__all__ = ["retain_freed_memory", "ensure_retained", "retained"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
+OPT_OUT_VARIABLE = "TNCOMPILE_RETAIN_FREED_MEMORY"
+
+_state = {"checked": False, "retained": False}
+_log = logging.getLogger(__name__)
 
 
 def retain_freed_memory() -> bool:
@@ -34,4 +46,24 @@ def retain_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1))
+    done = bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2 ** 31 - 1))
+    _state["retained"] = _state["retained"] or done
+    return done
+
+
+def ensure_retained() -> None:
+    """:func:`retain_freed_memory`, the first time it is asked for in this
+    process, unless ``TNCOMPILE_RETAIN_FREED_MEMORY=0`` (read then). Cheap
+    after the first call: the runtime calls it on every CPU forward."""
+    if _state["checked"]:
+        return
+    _state["checked"] = True
+    if os.environ.get(OPT_OUT_VARIABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    if retain_freed_memory():
+        _log.info("tncompile: glibc now keeps freed memory for reuse (%s=0 to opt out)", OPT_OUT_VARIABLE)
+
+
+def retained() -> bool:
+    """Whether this process's allocator keeps freed memory (set by tncompile)."""
+    return _state["retained"]

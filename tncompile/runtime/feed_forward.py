@@ -28,7 +28,7 @@ from .cpu_gemm import cpu_gemm
 from .module_kinds import runs_as
 from .native import kernels_for, traceable_kernels
 from .plans import bucket_of
-from .tt_layers import TTLinear
+from .tt_layers import TTLinear, first_cpu_use
 
 __all__ = ["ACTIVATIONS", "tt_feed_forward", "fused_macs", "uses_fused_kernel"]
 
@@ -86,6 +86,7 @@ def tt_feed_forward(x: torch.Tensor, first: nn.Module, second: nn.Module, activa
     -------
     Tensor ``(..., second.out_features)``
     """
+    first_cpu_use(x)
     if activation not in ACTIVATIONS:
         raise ValueError(f"tt_feed_forward: unknown activation {activation!r}; use one of {sorted(ACTIVATIONS)}")
     ops = uses_fused_kernel(x, first, second)

@@ -23,6 +23,8 @@ from ..formats.decompose import (random_cores, tt_from_linear_weight, tt_to_dens
 from ..formats.indices import planner_problem
 from ..formats.layout import TTLayout, TTMLayout
 from .module_kinds import linear_weight_of
+from .cpu_allocator import _state as _ALLOCATOR_STATE
+from .cpu_allocator import ensure_retained
 from .executor import autocast_state, contract, same_autocast
 from .gated_cores import gate_cores
 from .native import kernels_for
@@ -52,6 +54,14 @@ def _check_init(init: str) -> None:
         raise ValueError(f"init must be one of {INITS}, got {init!r}")
 
 
+def first_cpu_use(x: torch.Tensor) -> None:
+    """On a layer's CPU forward outside a trace: make sure the allocator keeps
+    freed memory (:func:`.cpu_allocator.ensure_retained`; once per process, opt-out
+    by environment variable). Costs a dict lookup after the first time."""
+    if not torch.compiler.is_compiling() and not _ALLOCATOR_STATE["checked"] and x.device.type == "cpu":
+        ensure_retained()
+
+
 def _apply_matrix(module: "TNModule", x: torch.Tensor, bias, in_dim: int, in_modes: tuple[int, ...],
                   out_dim: int, padded_out: int, contract_rows) -> torch.Tensor:
     """``x @ W.T + bias`` for the module's network ``W``: pad the feature dim
@@ -63,6 +73,7 @@ def _apply_matrix(module: "TNModule", x: torch.Tensor, bias, in_dim: int, in_mod
     """
     if x.shape[-1] != in_dim:
         raise ValueError(f"{type(module).__name__} expected last dim {in_dim}, got shape {tuple(x.shape)}")
+    first_cpu_use(x)
     lead = x.shape[:-1]
     rows = x.numel() // in_dim if in_dim else 0
     padded_in = math.prod(in_modes)
@@ -374,6 +385,7 @@ class TTMEmbedding(TNModule):
         if torch.compiler.is_compiling() and len(lay.row_modes) > 1:
             return self._traced_forward(ids)
         self._check_ids(ids)
+        first_cpu_use(ids)
         flat = ids.reshape(-1).long()
         lookup, inverse = flat, None
         # distinct ids only on CPU: torch.unique's output size depends on the data (no capture)

@@ -1,0 +1,68 @@
+"""What a user gets without calling anything: a TT linear against ``nn.Linear`` on CPU.
+
+    python benchmarks/bench_default_path.py [--reps 15]
+
+768 -> 3072 over 4096 tokens, ``TTLinear.from_linear(lin, rank=30)`` against the
+``nn.Linear`` it came from, forward plus backward (input and weight gradients),
+timed interleaved (:func:`common.interleaved_ms`) in two fresh processes:
+
+* ``default``: nothing set up, as a user runs it. The TT layer's first CPU forward
+  makes glibc keep freed memory (``tncompile.runtime.cpu_allocator``); from then on
+  both layers in the process run with it.
+* ``opted_out``: ``TNCOMPILE_RETAIN_FREED_MEMORY=0``: large activations are
+  page-faulted back in every step, as before the runtime did this by itself.
+
+The figure is the dense time over the TT time within each process. Writes
+``benchmarks/results/default_path.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from common import machine, write_json
+
+CHILD = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[2])
+from common import interleaved_ms
+from tncompile.runtime import TTLinear
+from tncompile.runtime.cpu_allocator import retained
+torch.manual_seed(0)
+dense = torch.nn.Linear(768, 3072)
+tt = TTLinear.from_linear(dense, rank=30)
+x = torch.randn(4096, 768, requires_grad=True)
+g = torch.randn(4096, 3072)
+
+def zero():
+    for p in (x, *dense.parameters(), *tt.parameters()):
+        p.grad = None
+
+times = interleaved_ms({"dense": lambda: dense(x).backward(g), "tt": lambda: tt(x).backward(g)},
+                       reps=int(sys.argv[1]), warmup=2, setup=zero)
+print(json.dumps({**times, "speedup": times["dense"] / times["tt"], "retained": retained()}))
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = {}
+    for name, extra in (("default", {}), ("opted_out", {"TNCOMPILE_RETAIN_FREED_MEMORY": "0"})):
+        env = {k: v for k, v in os.environ.items() if k != "TNCOMPILE_RETAIN_FREED_MEMORY"}
+        done = subprocess.run([sys.executable, "-c", CHILD, str(args.reps), here], capture_output=True,
+                              text=True, check=True, env={**env, **extra})
+        out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"{name:>10}: nn.Linear {out[name]['dense']:.1f} ms, TTLinear r30 {out[name]['tt']:.1f} ms, "
+              f"{out[name]['speedup']:.1f}x (allocator keeps freed memory: {out[name]['retained']})", flush=True)
+    write_json("default_path.json", {**machine(), "shape": "768->3072, 4096 tokens, rank 30, fwd+bwd",
+                                     "target_speedup": 16.0, **out})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The fast CPU allocator setting is on by default, once a TT layer runs on CPU, with an opt-out."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = r"""
+import torch, tncompile
+from tncompile.runtime import cpu_allocator, TTLinear, TTMEmbedding
+before = cpu_allocator.retained()
+torch.nn.Linear(8, 8)(torch.randn(2, 8))      # a dense layer alone changes nothing
+dense_only = cpu_allocator.retained()
+layer = TTLinear.from_linear(torch.nn.Linear(64, 48), rank=4) if "{kind}" == "linear" else \
+    TTMEmbedding.from_embedding(torch.nn.Embedding(500, 32), rank=4)
+inp = torch.randn(3, 64) if "{kind}" == "linear" else torch.randint(0, 500, (3,))
+layer(inp)
+print(before, dense_only, cpu_allocator.retained())
+"""
+
+
+def _run(kind: str, opt_out: str | None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TNCOMPILE_RETAIN_FREED_MEMORY"}
+    if opt_out is not None:
+        env["TNCOMPILE_RETAIN_FREED_MEMORY"] = opt_out
+    done = subprocess.run([sys.executable, "-c", SCRIPT.replace("{kind}", kind)], capture_output=True, text=True,
+                          env=env, check=True, timeout=300)
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.parametrize("kind", ["linear", "embedding"])
+def test_first_cpu_forward_keeps_freed_memory(kind):
+    assert _run(kind, None) == "False False True"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_environment_variable_opts_out(value):
+    assert _run("linear", value) == "False False False"
+
+
+def test_importable_after_import_tncompile():
+    import tncompile
+    assert callable(tncompile.runtime.cpu_allocator.retain_freed_memory)
