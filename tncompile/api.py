@@ -44,6 +44,7 @@ def compile(
     linear_cores: int = 3,
     embedding_cores: int = 4,
     seed: int | None = 0,
+    prefer: str = "speed",
 ) -> CompiledModel:
     """Compile ``model`` into rank-adaptive TT / TTM form.
 
@@ -77,6 +78,12 @@ def compile(
         Cores per side of a TT linear (default 3) and cores of a TTM embedding (4).
     seed : int or None
         Seed of ``init="random"``.
+    prefer : {"speed", "size"}
+        ``"speed"`` (default): no TT network gets a rank at which its planned
+        forward cost over the traced rows exceeds its dense layer's (the layer
+        gets a lower rank; the model may then end further below the target).
+        ``"size"``: ranks grow as far as the budget allows; the report notes
+        each network that costs more than its dense layer.
 
     Returns
     -------
@@ -88,7 +95,7 @@ def compile(
     options = CompileOptions(target_ratio=target_ratio, target_modules=target_modules,
                              exclude_modules=exclude_modules, rank_pattern=rank_pattern, init=init,
                              batch_sizes=batch_sizes, linear_cores=linear_cores,
-                             embedding_cores=embedding_cores, seed=seed)
+                             embedding_cores=embedding_cores, seed=seed, prefer=prefer)
     pipeline = _pipeline(passes)
     dump_dir = dump_dir if dump_dir is not None else os.environ.get(DUMP_ENV) or None
     work = model if inplace else copy.deepcopy(model)

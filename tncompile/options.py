@@ -6,7 +6,11 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["CompileOptions", "check_target_ratio"]
+__all__ = ["CompileOptions", "check_target_ratio", "PREFER"]
+
+#: ``compile(prefer=...)``: what wins when a network at the budget's rank would cost
+#: more to run than its dense layer.
+PREFER = ("speed", "size")
 
 
 def check_target_ratio(target_ratio: Any, argument: str = "target_ratio") -> float:
@@ -34,9 +38,13 @@ class CompileOptions:
     linear_cores: int = 3
     embedding_cores: int = 4
     seed: int | None = 0
+    prefer: str = "speed"
 
     def __post_init__(self) -> None:
         self.target_ratio = check_target_ratio(self.target_ratio)
+        if self.prefer not in PREFER:
+            raise ValueError(f"prefer must be one of {PREFER}, got {self.prefer!r}: 'speed' keeps every "
+                             "network at most as costly as its dense layer, 'size' lets ranks grow past that")
         if self.init not in ("svd", "random"):
             raise ValueError(f"init must be 'svd' or 'random', got {self.init!r}")
         for name in ("linear_cores", "embedding_cores"):

@@ -84,8 +84,10 @@ def build_report(program) -> Report:
             rows.append(LayerRow(node.target, info["format"], info["modes"], info["ranks"],
                                  info["dense_params"], tn,
                                  info.get("dense_flops_per_token"), info.get("tn_flops_per_token"),
-                                 "pending" if info["pending"] else
-                                 ("shares cores with its embedding" if "tied" in info["format"] else "")))
+                                 "; ".join(filter(None, [
+                                     "pending" if info["pending"] else
+                                     ("shares cores with its embedding" if "tied" in info["format"] else ""),
+                                     program.notes.get(node.target, "")]))))
         elif node.target in program.notes and hasattr(mod, "dense_params"):  # collapsed by rank adaptation
             rows.append(LayerRow(node.target, "removed", "", None, mod.dense_params, 0, note=program.notes[node.target]))
         elif node.target in program.notes:

@@ -116,6 +116,8 @@ def to_text(program) -> str:
             info = layer_info(mod)
             if info is not None:
                 extra = "  # " + _layer_text(info) + _plans_text(mod)
+                if node.target in program.notes:
+                    extra += f"; {program.notes[node.target]}"
             elif node.target in program.notes:
                 extra = f"  # dense {type(mod).__name__}: {program.notes[node.target]}"
             else:

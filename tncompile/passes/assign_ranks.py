@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from .. import tuning
+from ..formats.layout import TTLayout
 from ..ir.program import Program
+from ..planning import fixed_order_macs
 from .base import Pass, register_pass
 from .pending import PendingLayer
+from .plan_contractions import example_rows
 from .selection import pattern_lookup
 
 __all__ = ["AssignRanks"]
@@ -23,6 +26,14 @@ class AssignRanks(Pass):
     layer gets a rank at which its network is not smaller than its dense
     weight, nor a rank at which it keeps more than ``max_layer_ratio`` of it
     (there a dense layer is as small, exact and cheaper to run).
+
+    With ``compile(prefer="speed")`` (the default) no TT linear gets a rank
+    at which a training step (forward and backward) over the rows it saw when
+    traced costs more multiply-adds than its dense layer's, ``3 * rows * in *
+    out`` (costed in the cheaper fixed order,
+    :func:`tncompile.planning.fixed_order_macs`). With ``prefer="size"``, and for ranks fixed by
+    ``rank_pattern``, such layers are noted in ``program.notes`` (the report
+    shows it).
 
     Raises
     ------
@@ -62,6 +73,10 @@ class AssignRanks(Pass):
 
         fixed = {n: r for n in owners if (r := pattern_lookup(n, opts.rank_pattern)) is not None}
         caps = {n: self._cap(m.layout) for n, m in owners.items()}
+        rows = self._traced_rows(program, owners)
+        if opts.prefer == "speed":
+            for n, r in rows.items():
+                caps[n] = min(caps[n], self._speed_cap(owners[n].layout, r))
         size = {n: (lambda r, lay=m.layout: lay.with_ranks(r).num_params()) for n, m in owners.items()}
 
         def total(ranks: dict[str, int]) -> int:
@@ -102,10 +117,58 @@ class AssignRanks(Pass):
                     grew = True
         for n, mod in owners.items():
             mod.layout = mod.layout.with_ranks(ranks[n])
+            if n in rows:
+                self._note_if_slower(program, n, mod.layout, rows[n])
         for _, mod in program.modules():  # tied heads share their embedding's layout
             if isinstance(mod, PendingLayer) and mod.tied_to is not None:
                 mod.layout = owners[mod.tied_to].layout
         return program
+
+    @staticmethod
+    def _traced_rows(program: Program, owners: dict[str, PendingLayer]) -> dict[str, int]:
+        """Rows each TT linear multiplied when traced (largest over its call sites)."""
+        rows: dict[str, int] = {}
+        for node, mod in program.modules():
+            if node.target in owners and isinstance(mod.layout, TTLayout):
+                seen = example_rows(node, lookup=False)
+                if seen is not None:
+                    rows[node.target] = max(rows.get(node.target, 0), seen[1])
+        return rows
+
+    @staticmethod
+    def _speed_cap(lay: TTLayout, rows: int) -> int:
+        """Largest rank before the first one whose network's training step over
+        ``rows`` rows costs more multiply-adds than the dense layer's (at least
+        1). The cost is not monotonic in the rank (bonds clip at their bounds,
+        and a near-full-rank network merges cheaply), so: double the rank until
+        it is too costly, then bisect below that."""
+        dense = 3 * rows * lay.in_features * lay.out_features
+        top = max(lay.rank_bounds())
+
+        def fits(r: int) -> bool:
+            return fixed_order_macs(lay.with_ranks(r), rows) <= dense
+        if not fits(1):
+            return 1
+        ok = 1
+        while ok < top and fits(min(2 * ok, top)):
+            ok = min(2 * ok, top)
+        if ok == top:
+            return top
+        lo, hi = ok, min(2 * ok, top) - 1  # ok fits; 2 * ok does not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    @staticmethod
+    def _note_if_slower(program: Program, name: str, lay: TTLayout, rows: int) -> None:
+        tn, dense = fixed_order_macs(lay, rows), 3 * rows * lay.in_features * lay.out_features
+        if tn > dense:
+            program.notes[name] = (f"slower than dense at {rows} rows: {tn / rows:,.0f} vs {dense / rows:,.0f} "
+                                   "multiply-adds per row, forward and backward")
 
     def _cap(self, lay) -> int:
         """Largest rank whose network keeps at most ``max_layer_ratio`` of the dense weight."""

@@ -14,7 +14,7 @@ from .base import Pass, register_pass
 __all__ = ["PlanContractions"]
 
 
-def _example_rows(node: fx.Node, lookup: bool) -> tuple[int, int] | None:
+def example_rows(node: fx.Node, lookup: bool) -> tuple[int, int] | None:
     """``(batch, rows)`` the layer saw when traced: rows = batch x the other leading
     dims (for an embedding lookup: x every dim of the ids). A layer passed to a
     fused call (``get_attr``) sees the rows of that call's input."""
@@ -61,7 +61,7 @@ class PlanContractions(Pass):
         for node, mod in program.modules():
             if not isinstance(mod, TNModule):
                 continue
-            example = _example_rows(node, lookup=isinstance(mod, TTMEmbedding))
+            example = example_rows(node, lookup=isinstance(mod, TTMEmbedding))
             rows = set()
             if example is not None:
                 batch, traced = example

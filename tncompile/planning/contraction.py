@@ -22,9 +22,10 @@ from typing import Sequence
 import cotengra as ctg
 
 from .. import tuning
+from ..formats.indices import BATCH, planner_problem
 from ..runtime.plans import ContractionPlan, Step
 
-__all__ = ["plan_contraction"]
+__all__ = ["plan_contraction", "fixed_order_macs"]
 
 Indices = tuple[str, ...]
 
@@ -161,6 +162,8 @@ def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str
     if n > 2:
         exact = n <= tuning.EXACT_SEARCH_MAX_TENSORS
         for minimize in ("flops", f"combo-{int(write_weight)}"):
+            if strategies is not None and f"cotengra-{minimize.split('-')[0]}" not in strategies:
+                continue  # not asked for: skip the search
             if exact:
                 ssa = ctg.optimal_optimize(list(inputs), output, sizes, minimize=minimize)
             else:
@@ -188,3 +191,17 @@ def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str
             x for k, x in enumerate(steps[-1].a_idx) if k not in steps[-1].a_axes) == output[:1],
         batch=batch if any(batch in ix for ix in inputs) else None,
         sizes={k: int(v) for k, v in sizes.items() if k != batch})
+
+
+def fixed_order_macs(layout, rows: int, transpose: bool = False) -> int:
+    """Multiply-adds of a training step's forward and backward (every operand's
+    gradient) of ``layout``'s network over ``rows`` rows, in the cheaper of the
+    two fixed orders (left-to-right, merge-the-cores-first): no search, cheap
+    enough to evaluate at every candidate rank. :func:`plan_contraction`
+    considers both orders, so what it picks costs about as much or less (it
+    weighs memory traffic too). The dense layer's count is ``3 * rows * in * out``."""
+    inputs, output, sizes = planner_problem(layout, transpose)
+    plan = plan_contraction(inputs, output, {**sizes, BATCH: int(rows)}, batch=BATCH,
+                            strategies=[k for k in ("left-to-right", "merge-cores-first")
+                                        if k == "left-to-right" or _merge_first(list(inputs), BATCH)])
+    return plan.fwd_flops + plan.bwd_flops

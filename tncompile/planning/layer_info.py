@@ -6,6 +6,7 @@ from typing import Any
 from torch import nn
 
 from ..formats.indices import BATCH, planner_problem
+from ..runtime.plans import ContractionPlan
 from ..runtime.tt_layers import TTMTiedLinear
 from .contraction import plan_contraction
 from .lookup import per_id_macs, plan_lookup
@@ -32,7 +33,9 @@ def ranks_str(ranks) -> str:
 
 def layer_info(module: nn.Module) -> dict[str, Any] | None:
     """Format, layout, sizes and per-token FLOPs of a tensorized or pending layer;
-    ``None`` for any other module."""
+    ``None`` for any other module. A planned TT layer's FLOPs are per row of its
+    largest planned row count (merging cores is shared by the rows); otherwise
+    those of the order planned for one token."""
     layout = getattr(module, "layout", None)
     if layout is None or not hasattr(layout, "format"):
         return None
@@ -57,8 +60,12 @@ def layer_info(module: nn.Module) -> dict[str, Any] | None:
             info["dense_flops_per_token"] = 0
             info["tn_flops_per_token"] = 2 * per_id_macs(layout, plan_lookup(layout, 4096).split)
         else:
-            # the order the executor runs for a single token
-            inputs, output, sizes = planner_problem(layout, transpose=bool(tied))
             info["dense_flops_per_token"] = layout.dense_flops(1)
-            info["tn_flops_per_token"] = 2 * plan_contraction(inputs, output, {**sizes, BATCH: 1}).fwd_flops
+            planned = [p for p in (module.__dict__.get("_plans") or {}).values() if isinstance(p, ContractionPlan)]
+            if planned:  # per row of the largest planned row count (the traced rows, or a batch size asked for)
+                plan = max(planned, key=lambda p: p.rows)
+                info["tn_flops_per_token"] = 2 * plan.fwd_flops / max(plan.rows, 1)
+            else:  # not planned yet: the order the planner picks for a single token
+                inputs, output, sizes = planner_problem(layout, transpose=bool(tied))
+                info["tn_flops_per_token"] = 2 * plan_contraction(inputs, output, {**sizes, BATCH: 1}).fwd_flops
     return info
