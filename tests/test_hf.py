@@ -92,3 +92,24 @@ def test_dropout_follows_train_eval_after_export(gpt2):
     assert torch.equal(c(input_ids=ids).logits, c(input_ids=ids).logits)
     c.train()
     assert not torch.equal(c(input_ids=ids).logits, c(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("family", ["bert-mlm", "roberta-mlm"])
+def test_tied_head_with_padding_to_dense_matches_compiled(family):
+    """A head tied to an embedding with a padding row (BertForMaskedLM, RoBERTa):
+    to_dense() equals the compiled model to float rounding, padding ids included."""
+    torch.manual_seed(0)
+    common = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128, max_position_embeddings=64)
+    if family == "bert-mlm":
+        model = transformers.BertForMaskedLM(transformers.BertConfig(**common)).eval()
+    else:
+        model = transformers.RobertaForMaskedLM(transformers.RobertaConfig(**common, pad_token_id=1)).eval()
+    ids = torch.randint(3, 1000, (2, 16))
+    ids[:, -3:] = model.config.pad_token_id
+    c = tncompile.compile(model, target_ratio=0.3, example_inputs={"input_ids": ids}).eval()
+    assert any(isinstance(m, TTMTiedLinear) for m in c.tensorized_modules().values())
+    dense = c.to_dense().eval()
+    with torch.no_grad():
+        got, want = c(input_ids=ids).logits, dense(input_ids=ids).logits
+    assert ((got - want).norm() / want.norm()) < 1e-5

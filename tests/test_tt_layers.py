@@ -85,8 +85,8 @@ def test_ttm_embedding_matches_dense_table(V, D, d, rank, pad):
     out = emb(ids)
     table = emb.weight()
     ref = table[ids]
-    if pad:
-        ref = ref * (ids != 1).unsqueeze(-1)
+    if pad:  # nn.Embedding's meaning: the row's value, no gradient from these positions
+        ref = torch.where((ids == 1).unsqueeze(-1), ref.detach(), ref)
     assert out.shape == (3, 5, D)
     assert torch.allclose(out, ref, atol=1e-10)
     g = torch.randn_like(out)
@@ -106,16 +106,25 @@ def test_ttm_gradcheck_and_tied_head_gradcheck():
     assert torch.allclose(head(x), x @ emb.weight().t() + head.bias, atol=1e-10)
 
 
-def test_padding_idx_row_is_zero_and_gets_no_gradient():
+def test_padding_idx_row_is_the_tables_and_gets_no_gradient():
+    """nn.Embedding's meaning: a padding lookup returns the stored row (zero for a
+    zero dense row at full rank) and sends no gradient; to_dense keeps that row, so a
+    tied head reading it matches the dense model exactly."""
     dense = nn.Embedding(50, 8, padding_idx=0).double()
     emb = TTMEmbedding.from_embedding(dense, rank=10 ** 6, num_cores=2)
     only_pad = torch.zeros(4, dtype=torch.long)
     out = emb(only_pad)
-    assert torch.equal(out, torch.zeros_like(out))
+    assert torch.allclose(out, torch.zeros_like(out), atol=1e-12)
     out.sum().backward()
     assert all(c.grad is None or torch.count_nonzero(c.grad) == 0 for c in emb.cores)
     ids = torch.tensor([0, 5, 49])
     assert torch.allclose(emb(ids), dense(ids), atol=1e-10)
+    with torch.no_grad():  # a padding row that is not zero (e.g. trained through a tied head)
+        emb.cores[0].add_(0.1)
+    assert emb(only_pad).abs().max() > 0.01
+    back = emb.to_dense_module()
+    torch.testing.assert_close(back(ids), emb(ids))
+    torch.testing.assert_close(back.weight, emb.weight())
 
 
 def test_embedding_errors():

@@ -43,6 +43,7 @@ class Decompose(Pass):
             else:
                 new = TTLinear.from_linear(mod.dense, rank=None, layout=mod.layout, init=opts.init,
                                            generator=gen)
+                _share_bias(new, mod.dense)
             new.train(mod.training)
             built[name] = new
             gm.set_submodule(name, new)
@@ -52,11 +53,17 @@ class Decompose(Pass):
             if mod.tied_to not in built:
                 raise ValueError(f"{name} is tied to {mod.tied_to}, which is not being decomposed")
             head = TTMTiedLinear(built[mod.tied_to], bias=mod.dense.bias is not None)
-            if mod.dense.bias is not None:
-                with torch.no_grad():
-                    head.bias.copy_(mod.dense.bias)
+            _share_bias(head, mod.dense)
             gm.set_submodule(name, head)
         return program
+
+
+def _share_bias(layer, dense) -> None:
+    """The dense layer's own bias ``Parameter`` becomes the layer's: a bias the
+    model shares elsewhere (HF's ``decoder.bias is predictions.bias``) stays one
+    parameter, trained and counted once."""
+    if isinstance(getattr(dense, "bias", None), torch.nn.Parameter):
+        layer.bias = dense.bias
 
 
 def _pending(program: Program) -> dict[str, PendingLayer]:

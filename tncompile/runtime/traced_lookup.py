@@ -151,8 +151,9 @@ def ttm_lookup(ids: Tensor, cores: list[Tensor], gates: list[Tensor], split: int
                embedding_dim: int, padding_idx: int | None) -> list[Tensor]:
     """Rows ``ids (T,)`` of the TTM table ``cores`` (gates ``gates`` on each
     core's right bond but the last's) -> ``[out (T, embedding_dim), L, R]``:
-    the rows, zero at ``padding_idx``, and the two half tables (kept for the
-    backward). Ids are checked against ``num_embeddings`` (:func:`check_ids`)."""
+    the rows and the two half tables (kept for the backward). Positions
+    holding ``padding_idx`` send no gradient (``nn.Embedding``'s meaning).
+    Ids are checked against ``num_embeddings`` (:func:`check_ids`)."""
     check_ids(ids, num_embeddings)
     with _no_autocast(ids.device.type):
         left, right = half_tables(gated(cores, gates), split)
@@ -165,8 +166,6 @@ def ttm_lookup(ids: Tensor, cores: list[Tensor], gates: list[Tensor], split: int
         out = _gathered_product(left, right, i, j).reshape(lookup.shape[0], -1)[:, :embedding_dim]
         if inverse is not None:
             out = out.index_select(0, inverse)
-        if padding_idx is not None:
-            out = out * (ids != padding_idx).unsqueeze(-1).to(out.dtype)
         return [out.contiguous(), left.contiguous(), right.contiguous()]
 
 

@@ -308,8 +308,11 @@ class TTMEmbedding(TNModule):
 
     Each id is split into mode digits ``(i_1..i_d)`` (row-major over
     ``row_modes``); the slices ``G_k[:, i_k]`` are gathered and contracted.
-    ``padding_idx`` keeps ``nn.Embedding``'s meaning: its output is zero and
-    it sends no gradient to the cores.
+    ``padding_idx`` keeps ``nn.Embedding``'s meaning: a lookup of it returns
+    the table's row and sends no gradient to the cores. (TT-SVD of a zero row
+    gives a row near zero; as the cores are shared by every row, training
+    other rows moves it, where ``nn.Embedding``'s stays fixed. A tied head
+    reads the same row, so ``to_dense()`` matches exactly.)
 
     Shapes
     ------
@@ -406,8 +409,8 @@ class TTMEmbedding(TNModule):
             out = out[:, : lay.embedding_dim]
         if inverse is not None:
             out = out.index_select(0, inverse)
-        if self.padding_idx is not None:
-            out = out * (flat != self.padding_idx).unsqueeze(-1).to(out.dtype)
+        if self.padding_idx is not None:  # the row's value, no gradient from these positions
+            out = torch.where((flat == self.padding_idx).unsqueeze(-1), out.detach(), out)
         return out.reshape(*ids.shape, lay.embedding_dim)
 
     def _traced_forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -426,9 +429,7 @@ class TTMEmbedding(TNModule):
         emb = nn.Embedding(self.num_embeddings, self.embedding_dim, padding_idx=self.padding_idx,
                            device=self.cores[0].device, dtype=self.cores[0].dtype)
         with torch.no_grad():
-            emb.weight.copy_(self.weight())
-            if self.padding_idx is not None:
-                emb.weight[self.padding_idx].zero_()
+            emb.weight.copy_(self.weight())  # the padding row as stored, as a lookup returns it
         return emb
 
     def extra_repr(self) -> str:
