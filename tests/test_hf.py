@@ -113,3 +113,28 @@ def test_tied_head_with_padding_to_dense_matches_compiled(family):
     with torch.no_grad():
         got, want = c(input_ids=ids).logits, dense(input_ids=ids).logits
     assert ((got - want).norm() / want.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_decoders_compile_from_input_ids_alone(family):
+    """No use_cache=False needed: the trace fixes it (a training graph returns no
+    key/value cache), the compiled model and to_dense() both take input_ids alone."""
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=2000, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=2000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    model.eval()
+    ids = torch.randint(0, 2000, (2, 16))
+    c = tncompile.compile(model, target_ratio=0.3, example_inputs={"input_ids": ids}).eval()
+    assert c.program.inputs.constants == {"use_cache": False}
+    with torch.no_grad():
+        out = c(input_ids=ids)
+        assert out.past_key_values is None
+        dense = c.to_dense()(input_ids=ids).logits
+    assert ((out.logits - dense).norm() / dense.norm()) < 1e-5
+    with pytest.raises(ValueError, match="use_cache=True"):
+        tncompile.compile(model, target_ratio=0.3, example_inputs={"input_ids": ids, "use_cache": True})

@@ -55,7 +55,9 @@ class CompiledModel(nn.Module):
         """A plain module with every network multiplied back into a dense layer.
 
         Tied heads stay tied to the rebuilt embedding. The result takes the
-        same inputs as the compiled graph.
+        same inputs as the compiled model (after a ``torch.export`` trace:
+        inputs fixed at trace time, such as ``use_cache=False``, may be left
+        out, by a forward pre-hook that binds them).
         """
         gm = copy.deepcopy(self.model)
         dense: dict[int, nn.Module] = {}
@@ -76,6 +78,9 @@ class CompiledModel(nn.Module):
                         head.bias.copy_(m.bias)
                 gm.set_submodule(t, head)
         gm.recompile()
+        if self._program.inputs.frontend == "export":
+            spec = self._program.inputs
+            gm.register_forward_pre_hook(lambda _, args, kwargs: spec.bind(args, kwargs), with_kwargs=True)
         return gm
 
     def extra_repr(self) -> str:

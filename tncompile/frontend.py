@@ -120,9 +120,28 @@ def _dynamic_shapes(model: nn.Module, args: tuple, kwargs: dict):
     return {k: pytree.tree_map(spec, v) for k, v in bound.arguments.items()}
 
 
+def _without_cache(model: nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` with ``use_cache=False`` when ``model.forward`` takes ``use_cache``
+    (HF decoders) and the caller did not set it: a key/value cache is generation
+    state, which a training graph neither needs nor can return (``torch.export``
+    rejects GPT-2's ``DynamicCache`` output; Llama's would be dropped)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if "use_cache" not in params:
+        return kwargs
+    if kwargs.get("use_cache"):
+        raise ValueError(f"example_inputs set use_cache=True for {type(model).__name__}: tncompile compiles "
+                         "training graphs, which return no key/value cache. Leave use_cache out (it is "
+                         "then fixed to False) or set it to False.")
+    return {**kwargs, "use_cache": False}
+
+
 def _trace_export(model: nn.Module, args: tuple, kwargs: dict, fx_err: Exception
                   ) -> tuple[fx.GraphModule, InputSpec]:
     name = type(model).__name__
+    kwargs = _without_cache(model, kwargs)
     try:
         dynamic = _dynamic_shapes(model, args, kwargs)
     except TypeError as e:
@@ -134,8 +153,8 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict, fx_err: Exception
             f"could not capture {name}: torch.fx failed ({type(fx_err).__name__}: {fx_err}) and "
             f"torch.export(strict=False) on example_inputs failed ({type(ex_err).__name__}: "
             f"{str(ex_err).splitlines()[0] if str(ex_err) else ''}). Check that the model runs on "
-            f"example_inputs; non-tensor outputs such as caches must be turned off "
-            f"(e.g. use_cache=False in example_inputs)."
+            f"example_inputs; outputs that are not tensors (or containers of them) must be turned "
+            f"off in example_inputs."
         ) from ex_err
     stateful = ep.module()
     graph = stateful.graph
