@@ -62,7 +62,7 @@ def main() -> None:
                                                  compiled.tensorized_modules().items()}
     opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=args.lr, gate_lr=args.gate_lr, weight_decay=0.01))
     ctl = tncompile.RankController(compiled, opt, target_ratio=start_ratio / args.late_factor,
-                                   truncate_every=args.truncate_every)
+                                   truncate_every=args.truncate_every, schedule="comera")  # the paper's rule: the README's figures
     history = tncompile.fit(compiled, padded(batches(*train, args.batch_size, seed=0), args.seq), F.cross_entropy,
                             opt, ctl, early_steps=args.early_steps, late_steps=args.late_steps, log_every=5)
     total = args.early_steps + args.late_steps

@@ -136,7 +136,7 @@ def main() -> None:
     opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=args.lr, gate_lr=args.gate_lr, weight_decay=0.01))
     sched = warmup(opt, warm)
     ctl = tncompile.RankController(compiled, opt, target_ratio=compiled_ratio / args.late_factor,
-                                   truncate_every=100)
+                                   truncate_every=100, schedule="comera")  # the paper's rule: the README's figures
     stream = batches(*train, args.batch_size, seed=0)
 
     def dev_accuracy(model):

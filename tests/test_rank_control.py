@@ -65,7 +65,7 @@ def _late_controller(target_ratio, target_loss):
     compiled = _mlp_compiled()
     opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
     ctl = tncompile.RankController(compiled, opt, target_ratio=target_ratio, core_weight=0.0,
-                                   target_loss=target_loss)
+                                   target_loss=target_loss, schedule="comera")  # CoMERA's rule under test
     ctl.start_late_stage()
     return compiled, ctl
 

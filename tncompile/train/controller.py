@@ -27,10 +27,21 @@ end below ``S*``; ``stop_at_target=True`` trains only the task loss once
 ``S <= S*``. The choice is a
 ``torch.where`` on device tensors: no host sync, so it can be captured in a
 CUDA graph. The core l2 term stays on in both stages.
+
+That rule is ``schedule="comera"``. It does not promise to reach ``S*``
+(an MLP asked for 0.05 ended at 0.146 in 600 steps). The default,
+``schedule="budget"``, does: in the late stage the early penalty stays on and
+every cut also removes the least important ranks (by ``|g|`` times the norms
+of the two core slices the rank joins) until the model is within a budget
+that falls linearly from the ratio at the stage switch to ``S*`` over the
+first ``1 - recovery`` of ``late_steps``; the rest of the steps train the
+task loss at ``S*`` (recovery). Without ``late_steps`` the first late-stage
+cut goes to ``S*`` at once.
 """
 from __future__ import annotations
 
 import math
+import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +55,7 @@ from .truncation import Cut, check_optimizer, remap_optimizer
 __all__ = ["RankController", "RankEvent", "param_groups"]
 
 STAGES = ("early", "late")
+SCHEDULES = ("budget", "comera")
 
 
 def _owners(compiled) -> dict[str, TNModule]:
@@ -162,8 +174,17 @@ class RankController:
         How truncation treats optimizer state: slice it (exact; per-element
         optimizers only) or drop the state of the cut parameters.
     stop_at_target : bool
-        Late stage: once the size is at or under ``target_ratio``, train only
-        the task loss (CoMERA's rule, the default, keeps trading).
+        ``schedule="comera"``: once the size is at or under ``target_ratio``,
+        train only the task loss (CoMERA's rule keeps trading).
+    schedule : {"budget", "comera"}
+        Late stage: cut to a budget falling to ``target_ratio`` (reaches it,
+        see the module doc), or CoMERA's scalarized rule.
+    late_steps : int or None
+        Length of the late stage (``tncompile.fit`` sets it): the budget
+        schedule's time scale.
+    recovery : float in [0, 1)
+        ``schedule="budget"``: share of ``late_steps`` trained at the target
+        after the last cut.
     """
 
     def __init__(self, compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -171,7 +192,8 @@ class RankController:
                  core_weight: float = 1e-5, size_weight: float = 1.0, threshold: float = 1e-2,
                  truncate_every: int = 100, target_loss: float | None = None,
                  loss_smoothing: float = 0.98, allow_layer_removal: bool = False,
-                 optimizer_state: str = "slice", stop_at_target: bool = False):
+                 optimizer_state: str = "slice", stop_at_target: bool = False,
+                 schedule: str = "budget", late_steps: int | None = None, recovery: float = 0.3):
         if not hasattr(compiled, "tensorized_modules") or not hasattr(compiled, "program"):
             raise TypeError(f"RankController expects a CompiledModel, got {type(compiled).__name__}")
         self.compiled = compiled
@@ -191,6 +213,12 @@ class RankController:
             raise ValueError(f"RankController: loss_smoothing must be in [0, 1), got {loss_smoothing!r}")
         if target_loss is not None:
             _check_positive("target_loss", target_loss)
+        if schedule not in SCHEDULES:
+            raise ValueError(f"RankController: schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if late_steps is not None and not (isinstance(late_steps, int) and late_steps >= 0):
+            raise ValueError(f"RankController: late_steps must be an int >= 0 or None, got {late_steps!r}")
+        if not (isinstance(recovery, (int, float)) and 0.0 <= recovery < 1.0):
+            raise ValueError(f"RankController: recovery must be in [0, 1), got {recovery!r}")
         start = _compiled_ratio(compiled)
         if not (isinstance(target_ratio, (int, float)) and 0 < target_ratio < start):
             raise ValueError(f"RankController: target_ratio must be in (0, {start:.6g}), the ratio the "
@@ -207,6 +235,10 @@ class RankController:
         self.allow_layer_removal = allow_layer_removal
         self.stop_at_target = bool(stop_at_target)
         self.optimizer_state = optimizer_state
+        self.schedule, self.late_steps, self.recovery = schedule, late_steps, float(recovery)
+        self._late_start: int | None = None        # step at which the late stage began
+        self._late_start_ratio: float | None = None
+        self.recovering = False                   # budget schedule: the last cut is done
         self.stage = "early"
         self.steps_done = 0
         self.version = 0   # bumped whenever shapes or the stage change
@@ -217,6 +249,14 @@ class RankController:
         self.last_choice: torch.Tensor | None = None  # late stage: True where the task loss was chosen
         self._refresh()
         self._check_optimizer_covers_gates()
+        if schedule == "budget" and not allow_layer_removal:
+            floor = (self._other_params + sum(_network_size([1] * len(m.layout.ranks), m.layout.site_sizes)
+                                              for m in self._layers.values())) / self._original
+            if self.target_ratio < floor:
+                raise ValueError(f"RankController: target_ratio={target_ratio:g} cannot be reached: with every "
+                                 f"rank at 1 the model is at {floor:.4g} ({self._other_params:,} parameters "
+                                 f"are not in TT/TTM layers). Aim at least that high, compress more layers, "
+                                 f"or pass allow_layer_removal=True.")
 
     # ------------------------------------------------------------ bookkeeping
     def _refresh(self) -> None:
@@ -306,6 +346,8 @@ class RankController:
         if self.stage == "early":
             self._track(task_loss)
             return self.early_penalty()
+        if self.schedule == "budget":  # cuts enforce the size; gates keep their pull until the last cut
+            return self._core_term() if self.recovering else self.early_penalty()
         return self.late_objective(task_loss) - task_loss
 
     def _track(self, task_loss: torch.Tensor) -> None:
@@ -361,6 +403,7 @@ class RankController:
                                    "call penalty() during the early stage or pass target_loss=")
             self._target_loss = smoothed.detach().clone()
         self.stage = "late"
+        self._late_start, self._late_start_ratio = self.steps_done, self.compiled.ratio
         self.version += 1
 
     # ------------------------------------------------------------ truncation
@@ -373,14 +416,51 @@ class RankController:
             self.start_late_stage()
             stage_changed = True
         event = RankEvent(self.steps_done, self.stage, stage_changed)
-        if self.truncate_every and self.steps_done % self.truncate_every == 0:
+        budget = self._due_budget()
+        if budget is not None:
+            cut = self.truncate(budget=budget)
+            event.truncated, event.removed = cut.truncated, cut.removed
+            if budget <= self.target_ratio:
+                self.recovering = True  # the objective changes: captured steps are stale
+                self.version += 1
+        elif self.truncate_every and self.steps_done % self.truncate_every == 0:
             cut = self.truncate()
             event.truncated, event.removed = cut.truncated, cut.removed
         return event
 
+    def final_cut_step(self) -> int | None:
+        """``schedule="budget"``: the step of the last cut (to ``target_ratio``), once
+        the late stage has begun; then the recovery steps follow."""
+        if self.schedule != "budget" or self._late_start is None:
+            return None
+        if self.late_steps is None:  # no time scale: the first cut point goes to the target
+            every = self.truncate_every or 1
+            return self._late_start + every - (self._late_start % every)
+        return self._late_start + max(1, math.ceil((1.0 - self.recovery) * self.late_steps))
+
+    def budget(self) -> float | None:
+        """``schedule="budget"``: the ratio the late stage allows now (falls linearly
+        from the ratio at the stage switch to ``target_ratio`` at :meth:`final_cut_step`)."""
+        final = self.final_cut_step()
+        if final is None:
+            return None
+        start = self._late_start_ratio if self._late_start_ratio is not None else self.compiled.ratio
+        share = min(1.0, (self.steps_done - self._late_start) / max(1, final - self._late_start))
+        return max(self.target_ratio, start + (self.target_ratio - start) * share)
+
+    def _due_budget(self) -> float | None:
+        """The budget to cut to at this step, or ``None`` when no budget cut is due."""
+        if self.stage != "late" or self.schedule != "budget" or self.recovering:
+            return None
+        final = self.final_cut_step()
+        due = self.steps_done >= final or (self.truncate_every and self.steps_done % self.truncate_every == 0)
+        return (self.target_ratio if self.steps_done >= final else self.budget()) if due else None
+
     @torch.no_grad()
-    def truncate(self) -> RankEvent:
-        """Cut every switched-off rank now (cores, gates, optimizer state, plans).
+    def truncate(self, budget: float | None = None) -> RankEvent:
+        """Cut every switched-off rank now (cores, gates, optimizer state, plans),
+        and with ``budget`` also the least important ranks until the model's
+        ratio is at most ``budget`` (:meth:`importance`; every bond keeps one).
 
         This decides what to cut from the gates; the edits run as passes
         through a pipeline on ``compiled.program`` -- ``truncate_ranks`` (slice
@@ -408,6 +488,8 @@ class RankController:
                                                        *mod.gates._parameters.values())]
             elif any(idx.numel() != r for idx, r in zip(kept, mod.layout.ranks)):
                 keep[name] = kept
+        if budget is not None:
+            keep.update(self._budget_keep(budget, keep, set(collapse)))
         if not keep and not collapse:
             return event
         truncate = TruncateRanks(keep)
@@ -419,12 +501,68 @@ class RankController:
         self._refresh()
         return event
 
+    def importance(self, name: str) -> list[torch.Tensor]:
+        """Per bond of layer ``name``, each rank's weight in the product:
+        ``|g_i| * ||G_k[..., i]|| * ||G_{k+1}[i, ...]||`` (a rank the gate keeps
+        on but whose core slices are small matters little too)."""
+        mod = self._layers[name]
+        cores = list(mod.cores._parameters.values())
+        out = []
+        for k, g in enumerate(mod.gates._parameters.values()):
+            left = cores[k].detach().reshape(-1, cores[k].shape[-1]).norm(dim=0)
+            right = cores[k + 1].detach().reshape(cores[k + 1].shape[0], -1).norm(dim=1)
+            out.append(g.detach().abs() * left * right)
+        return out
+
+    def _budget_keep(self, budget: float, keep: dict[str, list[torch.Tensor]],
+                     removed: set[str]) -> dict[str, list[torch.Tensor]]:
+        """Which ranks each layer keeps so that the model's ratio is at most
+        ``budget``: from the ranks kept after dropping switched-off ones, the
+        one with the smallest share of its bond's importance is dropped, one at
+        a time, globally (every bond keeps one). Shares, not raw importances:
+        core norms differ between layers and bonds, and a narrow boundary bond
+        (4 ranks) must not lose ranks before a wide inner one (48)."""
+        limit = budget * self._original - self._other_params
+        kept: dict[str, list[list[int]]] = {}
+        scores: dict[str, list[list[float]]] = {}
+        size = 0
+        for name, mod in self._layers.items():
+            if name in removed:
+                continue
+            # each rank's share of its bond's total importance: comparable across bonds and layers
+            imp = [(t / t.sum().clamp_min(1e-30)).double().cpu().tolist() for t in self.importance(name)]
+            on = ([idx.cpu().tolist() for idx in keep[name]] if name in keep
+                  else [list(range(r)) for r in mod.layout.ranks])
+            kept[name] = [sorted(b) for b in on]
+            scores[name] = imp
+            size += _network_size([len(b) for b in kept[name]], mod.layout.site_sizes)
+        heap = [(scores[n][k][i], n, k, i) for n, bonds in kept.items() for k, b in enumerate(bonds) for i in b]
+        heapq.heapify(heap)
+        while size > limit and heap:
+            _, name, k, i = heapq.heappop(heap)
+            bonds = kept[name]
+            if len(bonds[k]) <= 1:
+                continue
+            sites = self._layers[name].layout.site_sizes
+            before = _network_size([len(b) for b in bonds], sites)
+            bonds[k].remove(i)
+            size += _network_size([len(b) for b in bonds], sites) - before
+        out = {}
+        for name, bonds in kept.items():
+            ranks = self._layers[name].layout.ranks
+            if name in keep or any(len(b) != r for b, r in zip(bonds, ranks)):
+                device = next(iter(self._layers[name].gates._parameters.values())).device
+                out[name] = [torch.tensor(b, dtype=torch.long, device=device) for b in bonds]
+        return out
+
     # ------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Schedule, targets and loss average (not the model or optimizer)."""
         return {"stage": self.stage, "steps_done": self.steps_done, "version": self.version,
                 "target_loss": self._target_loss, "ema": self._ema, "ema_weight": self._ema_w,
-                "early_steps": self.early_steps, "target_ratio": self.target_ratio}
+                "early_steps": self.early_steps, "target_ratio": self.target_ratio,
+                "late_steps": self.late_steps, "late_start": self._late_start,
+                "late_start_ratio": self._late_start_ratio, "recovering": self.recovering}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (into a controller built on the
@@ -438,10 +576,15 @@ class RankController:
         self._ema = state["ema"]
         self._ema_w = state["ema_weight"]
         self.early_steps = state["early_steps"]
+        self.late_steps = state.get("late_steps", self.late_steps)
+        self._late_start = state.get("late_start")
+        self._late_start_ratio = state.get("late_start_ratio")
+        self.recovering = bool(state.get("recovering", False))
         self._refresh()
 
     def __repr__(self) -> str:
-        return (f"RankController(stage={self.stage}, step={self.steps_done}, ratio={self.ratio:.5f}, "
+        return (f"RankController(stage={self.stage}, schedule={self.schedule}, step={self.steps_done}, "
+                f"ratio={self.ratio:.5f}, "
                 f"target_ratio={self.target_ratio:g}, layers={len(self._layers)})")
 
 

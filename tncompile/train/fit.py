@@ -100,6 +100,7 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
     history = history if history is not None else History()
     if controller.stage == "early":
         controller.early_steps = early_steps
+    controller.late_steps = late_steps  # the budget schedule's time scale
     total = early_steps + late_steps
     start = controller.steps_done
     eval_every = eval_every or (early_steps if early_steps else None)
