@@ -43,3 +43,23 @@ def test_no_graph_breaks_and_same_gradients(build, one_op, monkeypatch):
     for gt, p in zip(grads_t, compiled.parameters()):
         torch.testing.assert_close(gt, p.grad, rtol=1e-3, atol=1e-5)
     torch._dynamo.reset()
+
+
+def test_first_compiled_call_plans_new_row_counts_without_a_graph_break():
+    """torch.compile(compiled) before any eager call, at row counts nobody planned:
+    the plan is searched while tracing and becomes a constant of the graph."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                              torch.nn.ReLU(), torch.nn.Linear(512, 8))
+    compiled = tncompile.compile(mlp, target_ratio=0.2)  # fx trace, no example inputs: nothing planned
+    assert not any(m.plans for m in compiled.tensorized_modules().values())
+    fast = torch.compile(compiled, fullgraph=True)
+    x = torch.randn(32, 256, requires_grad=True)
+    fast(x).sum().backward()
+    got = x.grad.clone()
+    x.grad = None
+    compiled(x).sum().backward()
+    torch.testing.assert_close(got, x.grad)
+    for rows in (100, 7):
+        x = torch.randn(rows, 256)
+        torch.testing.assert_close(fast(x), compiled(x))

@@ -319,7 +319,8 @@ def contract(plan: ContractionPlan, operands: Sequence[torch.Tensor],
     if not torch.compiler.is_compiling():
         return PlannedContraction.apply(plan, bias, *operands)
     if plan.sizes is not None and tuning.TRACE_CONTRACTION_AS_ONE_OP:  # one opaque op each way
-        return traced_contract(list(operands), bias, plan_key(plan))[0]
+        # a plan fetched while tracing (TNModule.plan_for) carries its registry key
+        return traced_contract(list(operands), bias, plan._traced_key)[0]
     fused = bias if bias is not None and fuses_bias(plan) else None
     out = _finish(plan, _forward(plan, list(operands), fused)[-1])
     if bias is not None and fused is None:
@@ -328,4 +329,4 @@ def contract(plan: ContractionPlan, operands: Sequence[torch.Tensor],
 
 
 # the traced form of contract() builds on the names above (it imports them from here)
-from .traced_contract import plan_key, traced_contract  # noqa: E402
+from .traced_contract import traced_contract  # noqa: E402

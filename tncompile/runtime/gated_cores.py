@@ -40,8 +40,10 @@ def gated_grads(g_gated: list[Tensor], cores: list[Tensor], gates: list[Tensor])
 _LIB = torch.library.Library("tncompile", "FRAGMENT")
 _LIB.define("gate_cores(Tensor[] cores, Tensor[] gates) -> Tensor[]")
 _LIB.define("gate_cores_backward(Tensor[] grads, Tensor[] cores, Tensor[] gates) -> Tensor[]")
-_LIB.impl("gate_cores", gated, "CompositeExplicitAutograd")
-_LIB.impl("gate_cores_backward", gated_grads, "CompositeExplicitAutograd")
+_LIB.impl("gate_cores", lambda cores, gates: [t.contiguous() for t in gated(cores, gates)],
+          "CompositeExplicitAutograd")  # contiguous, as the fake kernels promise (a gradient may come strided)
+_LIB.impl("gate_cores_backward", lambda grads, cores, gates: [t.contiguous() for t in gated_grads(grads, cores, gates)],
+          "CompositeExplicitAutograd")
 gate_cores = torch.ops.tncompile.gate_cores.default
 gate_cores_backward = torch.ops.tncompile.gate_cores_backward.default
 

@@ -22,9 +22,18 @@ from .native.traced import empty_grad, separate_outputs
 from .plan_program import program_for
 from .plans import ContractionPlan
 
-__all__ = ["traced_contract", "plan_key"]
+__all__ = ["traced_contract", "plan_key", "register"]
 
 _PLANS: dict[int, ContractionPlan] = {}
+
+
+def register(plan: ContractionPlan) -> ContractionPlan:
+    """Put ``plan`` in the registry (eagerly, before tracing reads it) and note its
+    key on it, so traced code reads the key as an attribute of a constant."""
+    key = id(plan)
+    _PLANS[key] = plan
+    object.__setattr__(plan, "_traced_key", key)
+    return plan
 
 
 @torch.compiler.assume_constant_result

@@ -29,6 +29,7 @@ from .executor import autocast_state, contract, same_autocast
 from .gated_cores import gate_cores
 from .native import kernels_for
 from .plans import ContractionPlan, LookupPlan, bucket_of, get_planner
+from .traced_contract import register
 from .traced_lookup import check_ids, half_tables, split_ids, ttm_lookup
 from .tt_chain import chain_kernels, tt_chain
 
@@ -190,12 +191,27 @@ class TNModule(nn.Module):
         return planner_problem(self.layout, self.transposed)
 
     def plan_for(self, rows: int) -> ContractionPlan:
-        """The plan for ``rows`` rows: a dict lookup once its bucket is planned."""
+        """The plan for ``rows`` rows: a dict lookup once its bucket is planned.
+        Under ``torch.compile`` the plan is fetched (and a new bucket planned:
+        the search runs eagerly, no graph break) by one call whose result is a
+        constant of the graph."""
         bucket = bucket_of(rows)
+        if torch.compiler.is_compiling():  # the plan is a constant of the traced graph
+            return self._plan_while_tracing(bucket)
         plan = self.plans.get(bucket)
         if plan is None:
             plan = self.plan_bucket(bucket)
         return plan
+
+    @torch.compiler.assume_constant_result
+    def _plan_while_tracing(self, bucket: int):
+        """The plan of ``bucket``, planned now if new (run eagerly while tracing;
+        the cache is not read by traced code, so no guard sees it change).
+        Registered for ``tncompile::traced_contract`` (:func:`.traced_contract.register`)."""
+        plan = self.plans.get(bucket)
+        if plan is None:
+            plan = self.plan_bucket(bucket)
+        return register(plan) if isinstance(plan, ContractionPlan) else plan
 
     @torch.compiler.disable  # planning is host-side search: never traced into a compiled graph
     def plan_bucket(self, bucket: int) -> ContractionPlan:
