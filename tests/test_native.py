@@ -9,7 +9,7 @@ from torch import nn
 
 from tncompile import tuning
 from tncompile.runtime import TTMEmbedding, TTMTiedLinear
-from tncompile.runtime import tt_layers
+from tncompile.runtime import traced_lookup
 from tncompile.runtime.tt_layers import _GatheredProduct
 
 f64 = torch.float64
@@ -92,10 +92,10 @@ def test_ttm_embedding_native_equals_eager_and_dense(ops, monkeypatch, pad):
             calls.append(name)
             return getattr(ops, name)
 
-    monkeypatch.setattr(tt_layers, "kernels_for", lambda t: Spy())
+    monkeypatch.setattr(traced_lookup, "kernels_for", lambda t: Spy())
     native_out, native_grads = run()
     assert calls == ["gathered_product", "gathered_product_backward"]  # the head is a matrix product
-    monkeypatch.setattr(tt_layers, "kernels_for", lambda t: None)
+    monkeypatch.setattr(traced_lookup, "kernels_for", lambda t: None)
     eager_out, eager_grads = run()
     torch.testing.assert_close(native_out, eager_out)
     for a, b in zip(native_grads, eager_grads):

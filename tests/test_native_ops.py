@@ -74,7 +74,7 @@ def test_planned_contraction_as_one_op(rows, bias):
     from torch import nn
 
     from tncompile.runtime import TTLinear
-    from tncompile.runtime.traced_contract import plan_key, traced_contract
+    from tncompile.runtime.traced_contract import register, traced_contract
     from tncompile.runtime.tt_layers import _drop_boundary
     layer = TTLinear.from_linear(nn.Linear(48, 60, bias=bias).double(), rank=4)
     lay = layer.layout
@@ -82,7 +82,7 @@ def test_planned_contraction_as_one_op(rows, bias):
     h = F.pad(x, (0, lay.padded_in - 48)).reshape(rows, *lay.in_modes).requires_grad_()
     cores = [c.detach().requires_grad_() for c in _drop_boundary(layer.scaled_cores())]
     b = layer.bias.detach().requires_grad_() if bias else None
-    key = plan_key(layer.plan_for(rows))
+    key = register(layer.plan_for(rows))._traced_key
     torch.library.opcheck(torch.ops.tncompile.traced_contract.default, ([h, *cores], b, key))
     out = traced_contract([h, *cores], b, key)[0]
     torch.testing.assert_close(out.reshape(rows, -1)[:, :60], layer(x))

@@ -142,7 +142,7 @@ class AssignRanks(Pass):
         1). The cost is not monotonic in the rank (bonds clip at their bounds,
         and a near-full-rank network merges cheaply), so: double the rank until
         it is too costly, then bisect below that."""
-        dense = 3 * rows * lay.in_features * lay.out_features
+        dense = _dense_step_macs(lay, rows)
         top = max(lay.rank_bounds())
 
         def fits(r: int) -> bool:
@@ -165,7 +165,7 @@ class AssignRanks(Pass):
 
     @staticmethod
     def _note_if_slower(program: Program, name: str, lay: TTLayout, rows: int) -> None:
-        tn, dense = fixed_order_macs(lay, rows), 3 * rows * lay.in_features * lay.out_features
+        tn, dense = fixed_order_macs(lay, rows), _dense_step_macs(lay, rows)
         if tn > dense:
             program.notes[name] = (f"slower than dense at {rows} rows: {tn / rows:,.0f} vs {dense / rows:,.0f} "
                                    "multiply-adds per row, forward and backward")
@@ -181,3 +181,9 @@ class AssignRanks(Pass):
             else:
                 hi = mid - 1
         return lo
+
+
+def _dense_step_macs(lay: TTLayout, rows: int) -> int:
+    """Multiply-adds of the dense layer's training step over ``rows`` rows:
+    forward, input gradient and weight gradient, ``rows * in * out`` each."""
+    return 3 * rows * lay.in_features * lay.out_features

@@ -8,7 +8,8 @@ reshapes and permuted copies per layer, each a kernel to generate and compile.
 its fake kernel gives the output's and intermediates' shapes from the plan,
 and its backward is one more opaque call (``traced_contract_backward``) that
 runs the plan's generated backward on the saved intermediates. A plan is
-named by an integer key (:func:`plan_key`) in a process-wide registry.
+named by an integer key in a process-wide registry (:func:`register`, done
+for every plan a layer fetches while traced).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from .native.traced import empty_grad, separate_outputs
 from .plan_program import program_for
 from .plans import ContractionPlan
 
-__all__ = ["traced_contract", "plan_key", "register"]
+__all__ = ["traced_contract", "register"]
 
 _PLANS: dict[int, ContractionPlan] = {}
 
@@ -34,14 +35,6 @@ def register(plan: ContractionPlan) -> ContractionPlan:
     _PLANS[key] = plan
     object.__setattr__(plan, "_traced_key", key)
     return plan
-
-
-@torch.compiler.assume_constant_result
-def plan_key(plan: ContractionPlan) -> int:
-    """The registry key of ``plan`` (a constant while tracing); the registry keeps it alive."""
-    key = id(plan)
-    _PLANS[key] = plan
-    return key
 
 
 def _shapes(plan: ContractionPlan, operands) -> tuple[list[int], list[list[int]]]:

@@ -32,7 +32,8 @@ from .. import tuning
 from .gated_cores import gated, gated_grads
 from .native import kernels_for
 
-__all__ = ["half_tables", "split_ids", "ttm_lookup"]
+__all__ = ["half_tables", "split_ids", "distinct_ids", "check_ids", "gathered_product",
+           "gathered_product_backward", "ttm_lookup"]
 
 
 def _merge_left(left: Tensor, core: Tensor) -> Tensor:
@@ -103,22 +104,50 @@ def split_ids(flat: Tensor, m_right: int) -> tuple[Tensor, Tensor]:
     return i, flat - i * m_right
 
 
-def _gathered_product(left: Tensor, right: Tensor, i: Tensor, j: Tensor) -> Tensor:
+def gathered_product(left: Tensor, right: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    """``out[t] = left[i[t]] @ right[j[t]]``: the native kernel where it applies
+    (CPU fp32/fp64, no autocast, not traced), else two gathers and a ``bmm``."""
     native = kernels_for(left) if left.dtype == right.dtype else None
     if native is not None:
         return native.gathered_product(left, right, i, j)
     return torch.bmm(left.index_select(0, i), right.index_select(0, j))
 
 
-def _gathered_product_backward(grad: Tensor, left: Tensor, right: Tensor, i: Tensor,
-                               j: Tensor) -> tuple[Tensor, Tensor]:
+def gathered_product_backward(grad: Tensor, left: Tensor, right: Tensor, i: Tensor, j: Tensor,
+                              need_left: bool = True, need_right: bool = True
+                              ) -> tuple[Tensor | None, Tensor | None]:
+    """The gradients of ``left`` and ``right`` (``None`` where not needed). The
+    fallback rebuilds the gathered slices rather than keeping them, and gives
+    every ``bmm`` contiguous operands (CPU ``bmm`` on transposed batch views
+    falls back to one small GEMM per id)."""
     native = kernels_for(grad) if grad.dtype == left.dtype == right.dtype else None
     if native is not None:
-        return native.gathered_product_backward(grad, left, right, i, j, True, True)
-    b_t = right.transpose(1, 2).contiguous().index_select(0, j)
-    a_t = left.transpose(1, 2).contiguous().index_select(0, i)
-    return (left.new_zeros(left.shape).index_add_(0, i, torch.bmm(grad, b_t).to(left.dtype)),
-            right.new_zeros(right.shape).index_add_(0, j, torch.bmm(a_t, grad).to(right.dtype)))
+        g_left, g_right = native.gathered_product_backward(grad, left, right, i, j, need_left, need_right)
+        return (g_left if need_left else None), (g_right if need_right else None)
+    grad = grad.contiguous()
+    g_left = g_right = None
+    if need_left:
+        b_t = right.transpose(1, 2).contiguous().index_select(0, j)          # (T, N_R, r)
+        # new_zeros, not zeros_like: R arrives as a transposed view, and index_add_
+        # into a strided destination takes a slow path (7 ms instead of 1 at 4096 ids)
+        g_left = left.new_zeros(left.shape).index_add_(0, i, torch.bmm(grad, b_t).to(left.dtype))
+    if need_right:
+        a_t = left.transpose(1, 2).contiguous().index_select(0, i)           # (T, r, N_L)
+        g_right = right.new_zeros(right.shape).index_add_(0, j, torch.bmm(a_t, grad).to(right.dtype))
+    return g_left, g_right
+
+
+def distinct_ids(flat: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``(ids to look up, inverse)``: on CPU, for batches of at least
+    ``tuning.DEDUP_MIN_IDS`` ids of which under ``tuning.DEDUP_BELOW`` are
+    distinct, the distinct ids and where each id finds its row; else the ids
+    and ``None``. (``torch.unique``'s output size depends on the data: never on a
+    device, whose step must stay capturable.)"""
+    if flat.numel() >= tuning.DEDUP_MIN_IDS and flat.device.type == "cpu":
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        if unique.numel() < tuning.DEDUP_BELOW * flat.numel():
+            return unique, inverse
+    return flat, None
 
 
 def _no_autocast(device_type: str):
@@ -131,13 +160,13 @@ def _no_autocast(device_type: str):
     return torch.autocast(device_type=device_type, enabled=False) if active else contextlib.nullcontext()
 
 
-def check_ids(ids: Tensor, num_embeddings: int, who: str = "TTMEmbedding") -> None:
-    """Ids must lie in ``[0, num_embeddings)``: on CPU a host read (an
-    ``IndexError`` naming the bad id), elsewhere a device-side assert
-    (``torch._assert_async``: no host sync, so a step stays capturable)."""
+def check_ids(ids: Tensor, num_embeddings: int, who: str = "TTMEmbedding", host_read: bool = True) -> None:
+    """Ids must lie in ``[0, num_embeddings)``: on CPU (and ``host_read``) a host
+    read, an ``IndexError`` naming the bad id; otherwise a device-side assert
+    (``torch._assert_async``: no host sync, so a step stays capturable or traceable)."""
     if ids.numel() == 0:
         return
-    if ids.device.type != "cpu":
+    if ids.device.type != "cpu" or not host_read:
         torch._assert_async(((ids >= 0) & (ids < num_embeddings)).all(),
                             f"{who}: an id is out of range [0, {num_embeddings})")
         return
@@ -157,13 +186,9 @@ def ttm_lookup(ids: Tensor, cores: list[Tensor], gates: list[Tensor], split: int
     check_ids(ids, num_embeddings)
     with _no_autocast(ids.device.type):
         left, right = half_tables(gated(cores, gates), split)
-        lookup, inverse = ids, None
-        if ids.device.type == "cpu" and ids.numel() >= tuning.DEDUP_MIN_IDS:  # a data-dependent size: fine here
-            unique, inv = torch.unique(ids, return_inverse=True)
-            if unique.numel() < tuning.DEDUP_BELOW * ids.numel():
-                lookup, inverse = unique, inv
+        lookup, inverse = distinct_ids(ids)  # a data-dependent size is fine inside the op
         i, j = split_ids(lookup, right.shape[0])
-        out = _gathered_product(left, right, i, j).reshape(lookup.shape[0], -1)[:, :embedding_dim]
+        out = gathered_product(left, right, i, j).reshape(lookup.shape[0], -1)[:, :embedding_dim]
         if inverse is not None:
             out = out.index_select(0, inverse)
         return [out.contiguous(), left.contiguous(), right.contiguous()]
@@ -198,7 +223,7 @@ def ttm_lookup_backward(grad: Tensor, ids: Tensor, cores: list[Tensor], gates: l
         if padded_cols != grad.shape[1]:
             grad = F.pad(grad, (0, padded_cols - grad.shape[1]))
         i, j = split_ids(ids, right.shape[0])
-        g_left, g_right = _gathered_product_backward(
+        g_left, g_right = gathered_product_backward(
             grad.reshape(ids.shape[0], left.shape[1], right.shape[2]).contiguous(), left, right, i, j)
         g_gated = _half_tables_backward(gated(cores, gates), split, g_left, g_right)
         return [t.contiguous() for t in gated_grads(g_gated, cores, gates)]

@@ -30,7 +30,8 @@ from .gated_cores import gate_cores
 from .native import kernels_for
 from .plans import ContractionPlan, LookupPlan, bucket_of, get_planner
 from .traced_contract import register
-from .traced_lookup import check_ids, half_tables, split_ids, ttm_lookup
+from .traced_lookup import (check_ids, distinct_ids, gathered_product, gathered_product_backward, half_tables,
+                            split_ids, ttm_lookup)
 from .tt_chain import chain_kernels, tt_chain
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of"]
@@ -90,6 +91,11 @@ def _apply_matrix(module: "TNModule", x: torch.Tensor, bias, in_dim: int, in_mod
     return y.reshape(*lead, out_dim)
 
 
+def _require_int_ids(ids: torch.Tensor) -> None:
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"TTMEmbedding expects integer ids, got {ids.dtype}")
+
+
 def _drop_boundary(cores: list[torch.Tensor]) -> list[torch.Tensor]:
     """Cores without their size-1 boundary bonds (first core's left, last core's right)."""
     cores = list(cores)
@@ -99,13 +105,8 @@ def _drop_boundary(cores: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class _GatheredProduct(torch.autograd.Function):
-    """``out[t] = L[i[t]] @ R[j[t]]`` with a backward that scatters into ``L`` and ``R``.
-
-    On CPU (fp32/fp64, no autocast) this is one native kernel each way that
-    never materializes the gathered slices (:mod:`.native`). Otherwise: the
-    gathered slices are rebuilt in backward rather than kept, and every
-    batched product gets contiguous operands (CPU ``bmm`` on transposed batch
-    views falls back to one small GEMM per id).
+    """``out[t] = L[i[t]] @ R[j[t]]`` with a backward that scatters into ``L`` and ``R``
+    (:func:`.traced_lookup.gathered_product`: one native kernel each way on CPU).
 
     Shapes: ``L (M_L, N_L, r)``, ``R (M_R, r, N_R)``, ``i, j (T,)`` -> ``(T, N_L, N_R)``.
     """
@@ -114,29 +115,14 @@ class _GatheredProduct(torch.autograd.Function):
     def forward(ctx, left, right, i, j):
         ctx.save_for_backward(left, right, i, j)
         ctx.autocast = autocast_state(left.device.type)
-        ctx.native = kernels_for(left) if left.dtype == right.dtype else None
-        if ctx.native is not None:
-            return ctx.native.gathered_product(left, right, i, j)
-        return torch.bmm(left.index_select(0, i), right.index_select(0, j))
+        return gathered_product(left, right, i, j)
 
     @staticmethod
     def backward(ctx, grad):
         left, right, i, j = ctx.saved_tensors
-        need_left, need_right = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        if ctx.native is not None:
-            g_left, g_right = ctx.native.gathered_product_backward(grad, left, right, i, j, need_left, need_right)
-            return (g_left if need_left else None), (g_right if need_right else None), None, None
-        grad = grad.contiguous()
-        g_left = g_right = None
         with same_autocast(ctx.autocast):
-            if need_left:
-                b_t = right.transpose(1, 2).contiguous().index_select(0, j)          # (T, N_R, r)
-                # new_zeros, not zeros_like: R arrives as a transposed view, and index_add_
-                # into a strided destination takes a slow path (7 ms instead of 1 at 4096 ids)
-                g_left = left.new_zeros(left.shape).index_add_(0, i, torch.bmm(grad, b_t).to(left.dtype))
-            if need_right:
-                a_t = left.transpose(1, 2).contiguous().index_select(0, i)           # (T, r, N_L)
-                g_right = right.new_zeros(right.shape).index_add_(0, j, torch.bmm(a_t, grad).to(right.dtype))
+            g_left, g_right = gathered_product_backward(grad, left, right, i, j, ctx.needs_input_grad[0],
+                                                        ctx.needs_input_grad[1])
         return g_left, g_right, None, None
 
 
@@ -379,15 +365,9 @@ class TTMEmbedding(TNModule):
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         """Ids must be integers in ``[0, num_embeddings)`` (:func:`.traced_lookup.check_ids`:
-        a host read on CPU, a device-side assert elsewhere)."""
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise TypeError(f"TTMEmbedding expects integer ids, got {ids.dtype}")
-        if torch.compiler.is_compiling():  # traced: a device-side assert, never a host read
-            if ids.numel():
-                torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
-                                    f"TTMEmbedding: an id is out of range [0, {self.num_embeddings})")
-            return
-        check_ids(ids, self.num_embeddings)
+        a host read on CPU, a device-side assert elsewhere and while traced)."""
+        _require_int_ids(ids)
+        check_ids(ids, self.num_embeddings, host_read=not torch.compiler.is_compiling())
 
     @torch.compiler.disable
     def plan_bucket(self, bucket: int) -> LookupPlan:  # type: ignore[override]
@@ -406,12 +386,7 @@ class TTMEmbedding(TNModule):
         self._check_ids(ids)
         first_cpu_use(ids)
         flat = ids.reshape(-1).long()
-        lookup, inverse = flat, None
-        # distinct ids only on CPU: torch.unique's output size depends on the data (no capture)
-        if flat.numel() >= tuning.DEDUP_MIN_IDS and flat.device.type == "cpu":
-            unique, inv = torch.unique(flat, return_inverse=True)
-            if unique.numel() < tuning.DEDUP_BELOW * flat.numel():
-                lookup, inverse = unique, inv
+        lookup, inverse = distinct_ids(flat)
         rows = lookup.shape[0]
         if len(lay.row_modes) == 1:
             table = self.scaled_cores()[0].reshape(lay.row_modes[0], lay.col_modes[0])
@@ -432,8 +407,7 @@ class TTMEmbedding(TNModule):
     def _traced_forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Under ``torch.compile``: the whole lookup as one opaque op each way
         (``tncompile::ttm_lookup``, :mod:`.traced_lookup`), not ~8 inductor kernels."""
-        if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
-            raise TypeError(f"TTMEmbedding expects integer ids, got {ids.dtype}")
+        _require_int_ids(ids)  # the range is checked inside the op, on real data
         flat = ids.reshape(-1).long()
         split = self.plan_for(flat.shape[0]).split
         out = ttm_lookup(flat, list(self.cores._parameters.values()),
