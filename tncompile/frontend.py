@@ -8,7 +8,9 @@ exported ATen graph is then *outlined*: the nodes of each compressible layer
 (``aten.linear``, ``aten.embedding``, HF ``Conv1D``'s ``view/addmm/view``) and
 of each ``nn.Dropout`` are folded back into one ``call_module`` node on the
 model's own module, found through ``node.meta["nn_module_stack"]``. Both paths
-therefore hand the passes the same kind of graph.
+therefore hand the passes the same kind of graph. Mixture-of-experts weights
+(fused 3-D parameters multiplied by a grouped GEMM) are outlined into an
+:class:`~tncompile.runtime.experts.ExpertLinear` named after the parameter.
 """
 from __future__ import annotations
 
@@ -23,15 +25,45 @@ from torch.utils import _pytree as pytree
 from .errors import TraceError
 from .ir.program import InputSpec
 from .layers import is_compressible
+from .runtime.module_kinds import runs_as
 
 __all__ = ["trace", "split_example_inputs"]
 
 
 class LeafTracer(fx.Tracer):
-    """fx tracer that keeps compressible layers as leaves."""
+    """fx tracer that keeps compressible layers as leaves. A subclass of
+    ``nn.Embedding`` / ``nn.Linear`` with a forward of its own (BART's
+    positional embedding adds an offset, scaled embeddings multiply) is traced
+    into, so that its extra operations stay in the graph around the plain
+    lookup / product (``canonicalize`` makes that a module call)."""
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if own_forward(m):
+            return False
         return is_compressible(m) or super().is_leaf_module(m, qualname)
+
+
+def own_forward(module: nn.Module) -> bool:
+    """An ``nn.Embedding`` / ``nn.Linear`` subclass whose forward is not the base class's."""
+    return ((isinstance(module, nn.Embedding) and not runs_as(module, nn.Embedding))
+            or (isinstance(module, nn.Linear) and not runs_as(module, nn.Linear)))
+
+
+def plain_copy(module: nn.Module) -> nn.Module:
+    """A plain ``nn.Embedding`` / ``nn.Linear`` on ``module``'s own parameters
+    (the same ``Parameter`` objects: ties and the user's training see them)."""
+    if isinstance(module, nn.Embedding):
+        plain = nn.Embedding(1, 1, device="meta")
+        for attr in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
+                     "scale_grad_by_freq", "sparse"):
+            setattr(plain, attr, getattr(module, attr))
+        plain.weight = module.weight
+    else:
+        plain = nn.Linear(1, 1, bias=module.bias is not None, device="meta")
+        plain.in_features, plain.out_features = module.in_features, module.out_features
+        plain.weight, plain.bias = module.weight, module.bias
+    plain.train(module.training)
+    return plain
 
 
 def split_example_inputs(example_inputs: Any) -> tuple[tuple, dict] | None:
@@ -165,8 +197,28 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict, fx_err: Exception
     gm = fx.GraphModule(stateful, graph, class_name=name)
     gm._tracer_cls, gm._tracer_extras = None, {}
     _outline_modules(gm, model)
+    _outline_experts(gm)
     gm.training = model.training
     return gm, InputSpec.from_example("export", args, kwargs)
+
+
+_CORE_OPS = {torch.ops.aten.embedding.default: 1, torch.ops.aten.linear.default: 0}  # op -> input position
+
+
+def _outline_core_op(gm: fx.GraphModule, path: str, module: nn.Module, nodes: list[fx.Node]) -> None:
+    """Replace the single ``aten.embedding`` / ``aten.linear`` among a module's
+    nodes by a call of a plain copy of it (:func:`plain_copy`) at ``path``."""
+    core = [n for n in nodes if n.target in _CORE_OPS]
+    want = torch.ops.aten.embedding.default if isinstance(module, nn.Embedding) else torch.ops.aten.linear.default
+    if len(core) != 1 or core[0].target is not want:
+        return  # not one plain lookup / product: leave the ATen ops (the layer stays dense)
+    node = core[0]
+    gm.set_submodule(path, plain_copy(module), strict=False)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_module(path, (node.args[_CORE_OPS[node.target]],))
+    new.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")}
+    node.replace_all_uses_with(new)
+    gm.graph.erase_node(node)
 
 
 def _outline_target(module: nn.Module) -> bool:
@@ -190,6 +242,10 @@ def _outline_modules(gm: fx.GraphModule, model: nn.Module) -> None:
         if _outline_target(module):
             groups.setdefault(key, (path, []))[1].append(node)
     for path, nodes in groups.values():
+        module = model.get_submodule(path)
+        if own_forward(module):  # only its lookup / product: its own extra operations stay in the graph
+            _outline_core_op(gm, path, module, nodes)
+            continue
         members = set(nodes)
         tensor_inputs = {a for n in nodes for a in n.all_input_nodes
                          if a not in members and a.op != "get_attr"
@@ -208,3 +264,64 @@ def _outline_modules(gm: fx.GraphModule, model: nn.Module) -> None:
     gm.graph.eliminate_dead_code()
     gm.delete_all_unused_submodules()
     gm.recompile()
+
+
+# grouped GEMMs of mixture-of-experts layers: (rows sorted by expert, (experts, in, out), offsets)
+GROUPED_MM_OPS = frozenset({"aten::_grouped_mm", "transformers::grouped_mm_fallback", "tncompile::grouped_mm"})
+
+
+def _op_name(node: fx.Node) -> str | None:
+    name = getattr(node.target, "name", None)
+    return name() if callable(name) and node.op == "call_function" else None
+
+
+def _expert_weight(arg) -> tuple[fx.Node, bool] | None:
+    """``(get_attr node, transposed)`` when ``arg`` reads a 3-D parameter as
+    ``(experts, in, out)``: the parameter itself (stored transposed) or
+    ``transpose(W, -2, -1)`` of an ``(experts, out, in)`` one."""
+    if not isinstance(arg, fx.Node):
+        return None
+    if arg.op == "get_attr":
+        return arg, True
+    if (arg.op == "call_function" and arg.target in (torch.ops.aten.transpose.int, torch.transpose)
+            and isinstance(arg.args[0], fx.Node) and arg.args[0].op == "get_attr"
+            and len(arg.users) == 1 and {d % 3 for d in arg.args[1:3]} == {1, 2}):
+        return arg.args[0], False
+    return None
+
+
+def _outline_experts(gm: fx.GraphModule) -> None:
+    """Fold each grouped GEMM over a fused expert parameter into a ``call_module``
+    of an :class:`~tncompile.runtime.experts.ExpertLinear` at the parameter's path."""
+    from .runtime.experts import ExpertLinear
+
+    changed = False
+    for node in list(gm.graph.nodes):
+        if _op_name(node) not in GROUPED_MM_OPS:
+            continue
+        args = list(node.args) + [node.kwargs[k] for k in ("weight", "offs") if k in node.kwargs]
+        if len(args) != 3 or set(node.kwargs) - {"weight", "offs"}:
+            continue
+        found = _expert_weight(args[1])
+        if found is None:
+            continue
+        attr, transposed = found
+        try:
+            param = gm.get_parameter(attr.target)
+        except AttributeError:
+            continue
+        if param.dim() != 3 or len(attr.users) != 1:
+            continue  # the parameter is read elsewhere too: leave the graph as it is
+        parent_path, _, leaf = attr.target.rpartition(".")
+        parent = gm.get_submodule(parent_path)
+        del parent._parameters[leaf]
+        gm.set_submodule(attr.target, ExpertLinear(param, transposed=transposed), strict=False)
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_module(attr.target, (args[0], args[2]))
+        new.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", "nn_module_stack")}
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()

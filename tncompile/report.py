@@ -74,6 +74,7 @@ def build_report(program) -> Report:
     rows: list[LayerRow] = []
     seen = set()
     counted: set[int] = set()
+    first_name: dict[int, str] = {}  # a module called under several names (a shared table's lookups)
     for node, mod in program.modules():
         if node.target in seen:
             continue
@@ -81,11 +82,16 @@ def build_report(program) -> Report:
         info = layer_info(mod)
         if info is not None:
             tn = info["tn_params"] if info["tn_params"] is not None else info["dense_params"]
+            shared = first_name.setdefault(id(mod), node.target)
+            alias = shared != node.target or getattr(mod, "kind", None) == "alias"
+            if alias:
+                tn = 0
             rows.append(LayerRow(node.target, info["format"], info["modes"], info["ranks"],
                                  info["dense_params"], tn,
                                  info.get("dense_flops_per_token"), info.get("tn_flops_per_token"),
                                  "; ".join(filter(None, [
-                                     "pending" if info["pending"] else
+                                     "pending" if info["pending"] else "",
+                                     f"same network as {getattr(mod, 'tied_to', None) or shared}" if alias else
                                      ("shares cores with its embedding" if "tied" in info["format"] else ""),
                                      program.notes.get(node.target, "")]))))
         elif node.target in program.notes and hasattr(mod, "dense_params"):  # collapsed by rank adaptation

@@ -75,16 +75,21 @@ class _Base:
         return replace(self, ranks=normalize_ranks(ranks, self.rank_bounds()))
 
     @property
+    def copies(self) -> int:
+        """Networks of this layout the layer holds (its experts; 1 for a plain layer)."""
+        return getattr(self, "experts", 1)
+
+    @property
     def dense_params(self) -> int:
-        """Parameters of the dense weight this layout replaces (unpadded)."""
+        """Parameters of the dense weight(s) this layout replaces (unpadded)."""
         a, b = self.dense_shape
-        return a * b
+        return self.copies * a * b
 
     def num_params(self, include_gates: bool = True) -> int:
-        """Parameters of the cores (and rank gates) at the assigned ranks."""
+        """Parameters of the cores (and rank gates) at the assigned ranks, all copies."""
         r = self.full_ranks
         cores = sum(r[k] * s * r[k + 1] for k, s in enumerate(self.site_sizes))
-        return cores + (sum(self.ranks) if include_gates else 0)
+        return self.copies * (cores + (sum(self.ranks) if include_gates else 0))
 
     @property
     def ratio(self) -> float:
@@ -92,7 +97,8 @@ class _Base:
 
     def describe(self) -> str:
         ranks = "pending" if self.ranks is None else ",".join(map(str, self.ranks))
-        return f"{self.format} modes={self.modes_str()} ranks=[{ranks}]"
+        experts = f" experts={self.copies}" if self.copies > 1 else ""
+        return f"{self.format} modes={self.modes_str()} ranks=[{ranks}]{experts}"
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,10 @@ class TTLayout(_Base):
         Factorizations of the padded sizes; ``prod(in_modes) >= in_features``.
     ranks : tuple of int or None
         Internal bond ranks, ``len == len(in_modes) + len(out_modes) - 1``.
+    experts : int
+        Number of networks of this layout the layer holds: a mixture-of-experts
+        layer has one per expert (same modes and ranks, own cores and gates).
+        Parameter counts cover all of them; shapes and costs are per network.
     """
 
     in_features: int = 0
@@ -114,14 +124,17 @@ class TTLayout(_Base):
     in_modes: tuple[int, ...] = ()
     out_modes: tuple[int, ...] = ()
     format: str = "TT"
+    experts: int = 1
 
     @classmethod
     def for_shape(cls, in_features: int, out_features: int, num_cores: int = 3,
-                  ranks: int | Sequence[int] | None = None) -> "TTLayout":
-        """Balanced layout with ``num_cores`` cores per side."""
+                  ranks: int | Sequence[int] | None = None, experts: int = 1) -> "TTLayout":
+        """Balanced layout with ``num_cores`` cores per side (``experts`` networks of it)."""
+        if not (isinstance(experts, int) and experts >= 1):
+            raise ValueError(f"experts must be an int >= 1, got {experts!r}")
         lay = cls(ranks=None, in_features=in_features, out_features=out_features,
                   in_modes=factorize(in_features, num_cores),
-                  out_modes=factorize(out_features, num_cores))
+                  out_modes=factorize(out_features, num_cores), experts=experts)
         return lay if ranks is None else lay.with_ranks(ranks)
 
     @property

@@ -5,6 +5,7 @@ from .. import tuning
 from ..formats.layout import TTLayout
 from ..ir.program import Program
 from ..planning import fixed_order_macs
+from ..runtime.experts import experts_rows
 from .base import Pass, register_pass
 from .pending import PendingLayer
 from .plan_contractions import example_rows
@@ -126,13 +127,15 @@ class AssignRanks(Pass):
 
     @staticmethod
     def _traced_rows(program: Program, owners: dict[str, PendingLayer]) -> dict[str, int]:
-        """Rows each TT linear multiplied when traced (largest over its call sites)."""
+        """Rows each TT network multiplied when traced (largest over its call
+        sites; an expert's share of its layer's rows)."""
         rows: dict[str, int] = {}
         for node, mod in program.modules():
             if node.target in owners and isinstance(mod.layout, TTLayout):
                 seen = example_rows(node, lookup=False)
                 if seen is not None:
-                    rows[node.target] = max(rows.get(node.target, 0), seen[1])
+                    per_network = experts_rows(seen[1], mod.layout.experts)
+                    rows[node.target] = max(rows.get(node.target, 0), per_network)
         return rows
 
     @staticmethod

@@ -17,6 +17,9 @@ dropout    ``nn.Dropout`` modules stay modules (they follow ``train()`` /
            ``F.dropout(x, p=p, training=t, inplace=False)``
 linear     a ``call_module`` of an ``nn.Linear`` when the weight (and bias)
            are one module's own; otherwise ``F.linear(x, w, b)``
+embedding  a ``call_module`` of an ``nn.Embedding`` when ``F.embedding``
+           reads the weight of a module fx traced into (a subclass with a
+           forward of its own: its other operations stay around the call)
 ========== ==========================================================
 
 In-place spellings (``nn.ReLU(inplace=True)``, ``relu_``, ``dropout(...,
@@ -154,6 +157,53 @@ def _fold_linear(m: Match) -> None:
             m.graph.erase_node(read)
 
 
+# ---------------------------------------------------------------- embedding
+_EMBEDDINGS = {F.embedding: (1, 0, ("padding_idx", "max_norm", "norm_type", "scale_grad_by_freq", "sparse")),
+               aten.embedding.default: (0, 1, ("padding_idx", "scale_grad_by_freq", "sparse"))}
+
+
+def _embedding_module_at(node: fx.Node, gm: fx.GraphModule) -> str | None:
+    """The path of the container fx made for the module whose weight an
+    embedding call reads (a bare ``nn.Module`` holding that weight), else ``None``."""
+    weight_at, _, _ = _EMBEDDINGS[node.target]
+    path = _owner_of(_arg(node, weight_at, "weight", None), gm, "weight")
+    if path is None:
+        return None
+    try:
+        mod = gm.get_submodule(path)
+    except AttributeError:
+        return None
+    if type(mod) is not nn.Module or mod._modules or mod.weight.dim() != 2:
+        return None
+    return path
+
+
+def _fold_embedding(m: Match) -> None:
+    gm, node = m.gm, m.root
+    weight_at, ids_at, options = _EMBEDDINGS[node.target]
+    path = _embedding_module_at(node, gm)
+    read = _arg(node, weight_at, "weight", None)
+    holder = gm.get_submodule(path)
+    values = {name: _arg(node, 2 + i, name, None) for i, name in enumerate(options)}
+    padding = values["padding_idx"]
+    emb = nn.Embedding(*holder.weight.shape, padding_idx=None if padding in (None, -1) else padding,
+                       max_norm=values.get("max_norm"), norm_type=values.get("norm_type") or 2.0,
+                       scale_grad_by_freq=bool(values["scale_grad_by_freq"]), sparse=bool(values["sparse"]),
+                       device="meta")
+    emb.weight = holder.weight
+    for name, t in holder._parameters.items():  # other tensors the traced forward reads stay reachable
+        if name != "weight":
+            emb.register_parameter(name, t)
+    for name, t in holder._buffers.items():
+        emb.register_buffer(name, t)
+    emb.train(holder.training)
+    gm.set_submodule(path, emb)
+    ids = _arg(node, ids_at, "input" if node.target is F.embedding else "indices", None)
+    m.replace_root(lambda g: g.call_module(path, (ids,)))
+    if not read.users:
+        m.graph.erase_node(read)
+
+
 def _canonical_linear(m: Match) -> None:
     n = m.root
     _call(m, F.linear, (n.args[0], _arg(n, 1, "weight", None), _arg(n, 2, "bias", None)))
@@ -179,6 +229,8 @@ RULES = [
     Rule("linear-module", Pat.call(_LINEARS, kwargs=("weight", "bias"),
                                    where=lambda n, gm: _linear_module_at(gm, n) is not None), _fold_linear),
     Rule("linear-function", Pat.call({aten.linear.default}, kwargs=("weight", "bias")), _canonical_linear),
+    Rule("embedding-module", Pat.call(set(_EMBEDDINGS), where=lambda n, gm: _embedding_module_at(n, gm) is not None),
+         _fold_embedding),
 ]
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..ir.program import Program
 from ..runtime.collapsed import CollapsedLayer
+from ..runtime.experts import TTExperts
 from ..runtime.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
 from .base import Pass, register_pass
 from .truncate_ranks import require_layers
@@ -57,6 +58,9 @@ def _collapsed(mod: nn.Module, others, reason: str) -> dict[int, CollapsedLayer]
     dtype, device = mod.cores[0].dtype, mod.cores[0].device
     if isinstance(mod, TTLinear):
         return {id(mod): CollapsedLayer("linear", mod.out_features, mod.layout.dense_params, mod.bias,
+                                        dtype, device, reason)}
+    if isinstance(mod, TTExperts):
+        return {id(mod): CollapsedLayer("experts", mod.out_features, mod.layout.dense_params, None,
                                         dtype, device, reason)}
     if isinstance(mod, TTMEmbedding):
         out = {id(mod): CollapsedLayer("embedding", mod.embedding_dim, mod.layout.dense_params, None,

@@ -5,6 +5,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..ir.program import Program
+from ..runtime.experts import TTExperts
 from ..runtime.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
 from .base import Pass, register_pass
 from .pending import PendingLayer
@@ -16,7 +17,8 @@ __all__ = ["Decompose"]
 class Decompose(Pass):
     """Build the cores of every pending layer at its assigned ranks:
     TT-SVD of the dense weight (``init="svd"``) or a variance-matched random
-    draw (``init="random"``). Tied heads then share their embedding's cores."""
+    draw (``init="random"``). Tied heads then share their embedding's cores,
+    and other lookups of the same table (aliases) become the embedding itself."""
 
     name = "decompose"
 
@@ -40,6 +42,9 @@ class Decompose(Pass):
             if mod.kind == "embedding":
                 new = TTMEmbedding.from_embedding(mod.dense, rank=None, layout=mod.layout, init=opts.init,
                                                   generator=gen)
+            elif mod.kind == "experts":
+                new = TTExperts.from_experts(mod.dense, rank=None, layout=mod.layout, init=opts.init,
+                                             generator=gen)
             else:
                 new = TTLinear.from_linear(mod.dense, rank=None, layout=mod.layout, init=opts.init,
                                            generator=gen)
@@ -52,6 +57,9 @@ class Decompose(Pass):
                 continue
             if mod.tied_to not in built:
                 raise ValueError(f"{name} is tied to {mod.tied_to}, which is not being decomposed")
+            if mod.kind == "alias":  # another lookup of the same table: the same module
+                gm.set_submodule(name, built[mod.tied_to])
+                continue
             head = TTMTiedLinear(built[mod.tied_to], bias=mod.dense.bias is not None)
             _share_bias(head, mod.dense)
             gm.set_submodule(name, head)

@@ -24,8 +24,10 @@ class PendingLayer(nn.Module):
     layout : TTLayout or TTMLayout
         For a tied head, the layout of the embedding it is tied to.
     kind : str
-        ``"linear"``, ``"conv1d"``, ``"embedding"`` or ``"tied"`` (a linear
-        head sharing its weight with the embedding ``tied_to``).
+        ``"linear"``, ``"conv1d"``, ``"embedding"``, ``"experts"``, ``"tied"``
+        (a linear head sharing its weight with the embedding ``tied_to``) or
+        ``"alias"`` (another lookup of the table of the embedding ``tied_to``:
+        the two become one module).
     """
 
     is_pending = True
@@ -34,7 +36,8 @@ class PendingLayer(nn.Module):
         super().__init__()
         self.dense = dense
         self.layout = layout
-        self.kind = "tied" if tied_to is not None else kind_of(dense)
+        kind = kind_of(dense)
+        self.kind = kind if tied_to is None else "alias" if kind == "embedding" else "tied"
         self.tied_to = tied_to
 
     @property
@@ -45,11 +48,11 @@ class PendingLayer(nn.Module):
         return self.dense(*args, **kwargs)
 
     def projected_params(self) -> int:
-        """Parameters this layer's network will have (0 for a tied head)."""
+        """Parameters this layer's network will have (0 for a tied head or an alias)."""
         if self.tied_to is not None:
             return 0
         return self.layout.num_params() if self.layout.ranks is not None else self.weight.numel()
 
     def extra_repr(self) -> str:
-        tie = f", tied_to={self.tied_to}" if self.tied_to else ""
+        tie = f", {'alias of' if self.kind == 'alias' else 'tied_to='}{self.tied_to}" if self.tied_to else ""
         return f"pending {self.layout.describe()}, kind={self.kind}{tie}"

@@ -7,6 +7,8 @@ from torch import fx
 from tqdm.auto import tqdm
 
 from ..ir.program import Program
+from ..formats.layout import TTLayout
+from ..runtime.experts import experts_rows
 from ..runtime.plans import bucket_of
 from ..runtime.tt_layers import TNModule, TTMEmbedding
 from .base import Pass, register_pass
@@ -69,7 +71,8 @@ class PlanContractions(Pass):
                 rows.update(b * (traced // max(batch, 1)) for b in batch_sizes)
             else:
                 rows.update(batch_sizes)
-            for r in rows:
+            copies = mod.layout.copies if isinstance(mod.layout, TTLayout) else 1
+            for r in {experts_rows(r, copies) for r in rows}:  # an expert multiplies its share of the rows
                 key = (id(mod), bucket_of(r))
                 if key not in seen:
                     seen.add(key)

@@ -8,7 +8,7 @@ from torch import nn
 from .. import tuning
 from ..formats.layout import TTLayout, TTMLayout
 from ..ir.program import Program
-from ..layers import is_compressible, is_embedding, is_linear
+from ..layers import is_compressible, is_embedding, is_experts, is_linear
 from ..runtime.module_kinds import linear_weight_of
 from .base import Pass, register_pass
 from .pending import PendingLayer
@@ -19,9 +19,10 @@ __all__ = ["Tensorize"]
 
 @register_pass
 class Tensorize(Pass):
-    """Replace every selected ``nn.Linear`` / HF ``Conv1D`` / ``nn.Embedding``
-    with a :class:`PendingLayer` carrying a balanced TT (linears) or TTM
-    (embeddings) layout. Ranks are left for ``assign_ranks``.
+    """Replace every selected ``nn.Linear`` / HF ``Conv1D`` / ``nn.Embedding`` /
+    mixture-of-experts weight (:class:`~tncompile.runtime.experts.ExpertLinear`)
+    with a :class:`PendingLayer` carrying a balanced TT (linears; one network
+    per expert) or TTM (embeddings) layout. Ranks are left for ``assign_ranks``.
 
     A layer stays dense, with the reason in ``program.notes``, when it is
     excluded, too small to gain (fewer than ``min_params`` weights, or a side
@@ -87,12 +88,14 @@ class Tensorize(Pass):
                 continue
             embeddings = [n for n in group if is_embedding(modules[n])]
             heads = [n for n in group if isinstance(modules[n], nn.Linear)]
-            ok = (len(embeddings) == 1 and len(heads) == len(group) - 1
-                  and all(n in selected for n in group) and embeddings[0] in layouts)
-            if ok:
-                for h in heads:
-                    tied_to[h] = embeddings[0]
-                    program.notes.pop(h, None)
+            ok = (len(embeddings) >= 1 and len(heads) + len(embeddings) == len(group)
+                  and all(n in selected for n in group) and embeddings[0] in layouts
+                  and len({_lookup_options(modules[n]) for n in embeddings}) == 1)
+            if ok:  # one network: the first embedding owns it, other lookups and heads share it
+                for other in (*embeddings[1:], *heads):
+                    tied_to[other] = embeddings[0]
+                    layouts.pop(other, None)
+                    program.notes.pop(other, None)
                 continue
             for n in group:
                 layouts.pop(n, None)
@@ -119,12 +122,18 @@ class Tensorize(Pass):
             cols, rows = linear_weight_of(mod).shape  # rows=in, cols=out
             cores = opts.linear_cores
             make = TTLayout.for_shape
+        elif is_experts(mod):  # one network per expert, of one layout
+            rows, cols, cores = mod.in_features, mod.out_features, opts.linear_cores
+
+            def make(r, c, k, experts=mod.num_experts):
+                return TTLayout.for_shape(r, c, k, experts=experts)
         else:  # pragma: no cover - filtered by the caller
             return None, "not a compressible layer"
         if not mod.weight.is_floating_point():
             return None, f"weight dtype {mod.weight.dtype} is not floating point"
-        if mod.weight.numel() < self.min_params:
-            return None, f"too small to gain ({mod.weight.numel():,} weights < {self.min_params:,})"
+        per_network = mod.weight.numel() // getattr(mod, "num_experts", 1)
+        if per_network < self.min_params:
+            return None, f"too small to gain ({per_network:,} weights < {self.min_params:,})"
         try:
             layout = make(rows, cols, cores)
         except ValueError as e:
@@ -133,3 +142,9 @@ class Tensorize(Pass):
             return None, (f"too small to gain: even rank 1 keeps more than "
                           f"{self.max_layer_ratio:.0%} of the dense weight")
         return layout, None
+
+
+def _lookup_options(emb: nn.Embedding) -> tuple:
+    """What besides the table decides a lookup's result and gradient: embeddings
+    sharing a table are one network only when these agree."""
+    return (emb.padding_idx, emb.max_norm, emb.scale_grad_by_freq, emb.sparse)

@@ -51,12 +51,29 @@ class Cut:
     def apply(self, t: torch.Tensor) -> torch.Tensor:
         """Slice ``t`` (shaped like ``old``) the way ``old`` was sliced."""
         for dim, idx in self.index.items():
-            t = t.index_select(dim, idx.to(t.device))
+            t = _take(t, dim, idx.to(t.device))
         return t.contiguous()
+
+
+def _take(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+    """``t``'s positions ``idx`` along ``dim``: ``idx (k,)`` the same for every
+    slice, or ``idx (n, k)`` per slice ``t[i]`` of the leading dim (experts)."""
+    if idx.dim() == 1:
+        return t.index_select(dim, idx)
+    shape = [1] * t.dim()
+    shape[0], shape[dim] = idx.shape
+    full = list(t.shape)
+    full[dim] = idx.shape[1]
+    return t.gather(dim, idx.reshape(shape).expand(full))
 
 
 def cut_ranks(module: TNModule, keep: Sequence[torch.Tensor]) -> list[Cut]:
     """Keep only ranks ``keep[k]`` (sorted index tensors) of every internal bond ``k``.
+
+    For a layer of stacked networks (:class:`~tncompile.runtime.experts.TTExperts`,
+    cores ``(experts, r, n, r)``) ``keep[k]`` may be ``(experts, k)``: each
+    expert's own kept positions, in the order they are to be stored (a
+    permutation of one expert's bond leaves its matrix unchanged).
 
     The cores and gates are replaced by new ``nn.Parameter`` objects holding
     the kept slices and the layout's ranks are updated. The cached plans are
@@ -70,13 +87,17 @@ def cut_ranks(module: TNModule, keep: Sequence[torch.Tensor]) -> list[Cut]:
     if len(keep) != len(layout.ranks):
         raise ValueError(f"expected {len(layout.ranks)} index sets, got {len(keep)}")
     keep = [k.to(torch.long).cpu() for k in keep]
+    stacked = getattr(module, "stacked", 0)  # leading dims of stacked networks (experts)
     for k, (idx, r) in enumerate(zip(keep, layout.ranks)):
-        if idx.numel() == 0:
+        if idx.dim() not in (1, 1 + stacked) or (idx.dim() == 2 and idx.shape[0] != layout.copies):
+            raise ValueError(f"bond {k}: expected kept indices of shape (k,)"
+                             f"{f' or ({layout.copies}, k)' if stacked else ''}, got {tuple(idx.shape)}")
+        if idx.shape[-1] == 0:
             raise ValueError(f"bond {k} would keep no rank; a layer must keep rank >= 1 "
                              "(collapse it instead)")
         if int(idx.max()) >= r or int(idx.min()) < 0:
             raise ValueError(f"bond {k} index out of range for rank {r}")
-    changed = [idx.numel() != r for idx, r in zip(keep, layout.ranks)]
+    changed = [idx.shape[-1] != r for idx, r in zip(keep, layout.ranks)]
     if not any(changed):
         return []
     cuts: list[Cut] = []
@@ -85,7 +106,7 @@ def cut_ranks(module: TNModule, keep: Sequence[torch.Tensor]) -> list[Cut]:
     for k, (key, core) in enumerate(cores):
         index: dict[int, torch.Tensor] = {}
         if k > 0 and changed[k - 1]:
-            index[0] = keep[k - 1]
+            index[stacked] = keep[k - 1]
         if k < last and changed[k]:
             index[core.dim() - 1] = keep[k]
         if index:
@@ -93,8 +114,8 @@ def cut_ranks(module: TNModule, keep: Sequence[torch.Tensor]) -> list[Cut]:
             cuts.append(cut)
     for k, (key, gate) in enumerate(list(module.gates._parameters.items())):
         if changed[k]:
-            cuts.append(_replace(module.gates, key, gate, {0: keep[k]}))
-    module.layout = dataclasses.replace(layout, ranks=tuple(int(i.numel()) for i in keep))
+            cuts.append(_replace(module.gates, key, gate, {stacked: keep[k]}))
+    module.layout = dataclasses.replace(layout, ranks=tuple(int(i.shape[-1]) for i in keep))
     return cuts
 
 

@@ -40,9 +40,9 @@ def layer_info(module: nn.Module) -> dict[str, Any] | None:
     if layout is None or not hasattr(layout, "format"):
         return None
     pending = getattr(module, "is_pending", False)  # a PendingLayer (tensorize's placeholder)
-    tied = getattr(module, "tied_to", None) if pending else isinstance(module, TTMTiedLinear)
+    tied = (module.kind == "tied") if pending else isinstance(module, TTMTiedLinear)
     info: dict[str, Any] = {
-        "format": layout.format + ("-tied" if tied else ""),
+        "format": layout.format + ("-tied" if tied else "") + (f"x{layout.copies}" if layout.copies > 1 else ""),
         "modes": layout.modes_str(),
         "ranks": list(layout.ranks) if layout.ranks is not None else None,
         "pending": bool(pending),

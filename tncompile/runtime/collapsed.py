@@ -16,19 +16,20 @@ class CollapsedLayer(nn.Module):
     Shapes
     ------
     linear: ``(..., in_features) -> (..., out_features)``;
-    embedding: ids ``(...) -> (..., out_features)``.
+    embedding: ids ``(...) -> (..., out_features)``;
+    experts: ``x (rows, in_features), offs -> (rows, out_features)``.
     """
 
     def __init__(self, kind: str, out_features: int, dense_params: int, bias: nn.Parameter | None,
                  dtype: torch.dtype, device: torch.device | None = None, reason: str = ""):
         super().__init__()
-        if kind not in ("linear", "embedding"):
-            raise ValueError(f"kind must be 'linear' or 'embedding', got {kind!r}")
+        if kind not in ("linear", "embedding", "experts"):
+            raise ValueError(f"kind must be 'linear', 'embedding' or 'experts', got {kind!r}")
         self.kind, self.out_features, self.dense_params, self.reason = kind, out_features, dense_params, reason
         self.bias = bias
         self.register_buffer("_like", torch.empty(0, dtype=dtype, device=device), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *routing) -> torch.Tensor:  # experts also get their offsets
         lead = x.shape if self.kind == "embedding" else x.shape[:-1]
         out = torch.zeros(*lead, self.out_features, dtype=self._like.dtype, device=x.device)
         return out + self.bias if self.bias is not None else out

@@ -133,6 +133,7 @@ class TNModule(nn.Module):
     cores: nn.ParameterList
     gates: nn.ParameterList
     transposed = False  # a tied head applies its embedding's matrix transposed
+    stacked = 0  # leading dims of stacked networks on cores and gates (1 for experts)
     transient_state = ("_chain_choice", "_fused_choice")  # caches, not saved with the model
 
     def _init_params(self, layout, device, dtype) -> None:

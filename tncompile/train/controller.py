@@ -250,7 +250,7 @@ class RankController:
         self._refresh()
         self._check_optimizer_covers_gates()
         if schedule == "budget" and not allow_layer_removal:
-            floor = (self._other_params + sum(_network_size([1] * len(m.layout.ranks), m.layout.site_sizes)
+            floor = (self._other_params + sum(_layer_size([1] * len(m.layout.ranks), m.layout)
                                               for m in self._layers.values())) / self._original
             if self.target_ratio < floor:
                 raise ValueError(f"RankController: target_ratio={target_ratio:g} cannot be reached: with every "
@@ -286,8 +286,9 @@ class RankController:
         return {n: tuple(m.layout.ranks) for n, m in self._layers.items()}
 
     def active_ranks(self) -> dict[str, tuple[int, ...]]:
-        """Ranks that are switched on now (``|g| >= threshold``); reads the gates (host sync)."""
-        return {n: tuple(int((g.detach().abs() >= self.threshold).sum()) for g in m.gates._parameters.values())
+        """Ranks that are switched on now (``|g| >= threshold``; for experts, the
+        most any expert has on: the ranks they share); reads the gates (host sync)."""
+        return {n: tuple(int(_on_count(g.detach().abs() >= self.threshold)) for g in m.gates._parameters.values())
                 for n, m in self._layers.items()}
 
     @property
@@ -314,14 +315,13 @@ class RankController:
         One pass over the gates serves both."""
         hard_total = soft_total = 0
         for m in self._layers.values():
-            sites = m.layout.site_sizes
             mags = [g.abs() for g in m.gates._parameters.values()]
-            counts = [(a.detach() >= self.threshold).to(a.dtype).sum() for a in mags]
+            counts = [_on_count((a.detach() >= self.threshold).to(a.dtype)) for a in mags]
             if not self.allow_layer_removal:  # truncation keeps every bond at rank >= 1
                 counts = [c.clamp_min(1) for c in counts]
-            hard_total = hard_total + _network_size(counts, sites)
-            if soft:
-                soft_total = soft_total + _network_size([a.sum() for a in mags], sites)
+            hard_total = hard_total + _layer_size(counts, m.layout)
+            if soft:  # experts: each expert's own network, summed
+                soft_total = soft_total + _network_size([a.sum(-1) for a in mags], m.layout.site_sizes).sum()
         hard = (hard_total + self._other_params) / self._original
         return hard, ((soft_total + self._other_params) / self._original if soft else None)
 
@@ -476,17 +476,17 @@ class RankController:
         for name, mod in self._layers.items():
             kept = []
             for k, g in enumerate(mod.gates._parameters.values()):
-                on = (g.abs() >= self.threshold).nonzero().flatten()
-                if on.numel() == 0:
+                on = _switched_on(g.abs(), self.threshold)
+                if on.shape[-1] == 0:
                     if self.allow_layer_removal:
                         collapse[name] = f"removed by rank adaptation: every rank of bond {k} switched off"
                         break
-                    on = g.abs().argmax().view(1)  # a bond keeps its strongest rank
+                    on = g.abs().argmax(-1).unsqueeze(-1)  # a bond keeps its strongest rank
                 kept.append(on)
             if name in collapse:
                 dropped += [Cut(p, None, {}) for p in (*mod.cores._parameters.values(),
                                                        *mod.gates._parameters.values())]
-            elif any(idx.numel() != r for idx, r in zip(kept, mod.layout.ranks)):
+            elif any(idx.shape[-1] != r for idx, r in zip(kept, mod.layout.ranks)):
                 keep[name] = kept
         if budget is not None:
             keep.update(self._budget_keep(budget, keep, set(collapse)))
@@ -504,13 +504,15 @@ class RankController:
     def importance(self, name: str) -> list[torch.Tensor]:
         """Per bond of layer ``name``, each rank's weight in the product:
         ``|g_i| * ||G_k[..., i]|| * ||G_{k+1}[i, ...]||`` (a rank the gate keeps
-        on but whose core slices are small matters little too)."""
+        on but whose core slices are small matters little too). Experts:
+        ``(experts, r)`` per bond, each expert's own."""
         mod = self._layers[name]
+        lead = mod.stacked
         cores = list(mod.cores._parameters.values())
         out = []
         for k, g in enumerate(mod.gates._parameters.values()):
-            left = cores[k].detach().reshape(-1, cores[k].shape[-1]).norm(dim=0)
-            right = cores[k + 1].detach().reshape(cores[k + 1].shape[0], -1).norm(dim=1)
+            left = cores[k].detach().flatten(lead, -2).norm(dim=-2)
+            right = cores[k + 1].detach().flatten(lead + 1).norm(dim=-1)
             out.append(g.detach().abs() * left * right)
         return out
 
@@ -525,17 +527,27 @@ class RankController:
         limit = budget * self._original - self._other_params
         kept: dict[str, list[list[int]]] = {}
         scores: dict[str, list[list[float]]] = {}
+        ordered: dict[str, list[torch.Tensor]] = {}  # experts: each expert's candidates, strongest first
         size = 0
         for name, mod in self._layers.items():
             if name in removed:
                 continue
+            on = keep[name] if name in keep else [torch.arange(r, device=g.device).expand(*g.shape[:-1], r)
+                                                  for r, g in zip(mod.layout.ranks, mod.gates._parameters.values())]
             # each rank's share of its bond's total importance: comparable across bonds and layers
-            imp = [(t / t.sum().clamp_min(1e-30)).double().cpu().tolist() for t in self.importance(name)]
-            on = ([idx.cpu().tolist() for idx in keep[name]] if name in keep
-                  else [list(range(r)) for r in mod.layout.ranks])
-            kept[name] = [sorted(b) for b in on]
-            scores[name] = imp
-            size += _network_size([len(b) for b in kept[name]], mod.layout.site_sizes)
+            shares = [(t / t.sum(-1, keepdim=True).clamp_min(1e-30)).double() for t in self.importance(name)]
+            if mod.stacked:  # positions: the j-th strongest rank of every expert, scored by the strongest of them
+                ordered[name], kept[name], scores[name] = [], [], []
+                for share, idx in zip(shares, on):
+                    cand = share.gather(-1, idx.to(share.device))
+                    order = cand.argsort(-1, descending=True)
+                    ordered[name].append(idx.to(share.device).gather(-1, order))
+                    kept[name].append(list(range(idx.shape[-1])))
+                    scores[name].append(cand.gather(-1, order).amax(0).cpu().tolist())
+            else:
+                kept[name] = [sorted(idx.cpu().tolist()) for idx in on]
+                scores[name] = [s.cpu().tolist() for s in shares]
+            size += _layer_size([len(b) for b in kept[name]], mod.layout)
         heap = [(scores[n][k][i], n, k, i) for n, bonds in kept.items() for k, b in enumerate(bonds) for i in b]
         heapq.heapify(heap)
         while size > limit and heap:
@@ -543,16 +555,19 @@ class RankController:
             bonds = kept[name]
             if len(bonds[k]) <= 1:
                 continue
-            sites = self._layers[name].layout.site_sizes
-            before = _network_size([len(b) for b in bonds], sites)
+            layout = self._layers[name].layout
+            before = _layer_size([len(b) for b in bonds], layout)
             bonds[k].remove(i)
-            size += _network_size([len(b) for b in bonds], sites) - before
+            size += _layer_size([len(b) for b in bonds], layout) - before
         out = {}
         for name, bonds in kept.items():
             ranks = self._layers[name].layout.ranks
             if name in keep or any(len(b) != r for b, r in zip(bonds, ranks)):
                 device = next(iter(self._layers[name].gates._parameters.values())).device
-                out[name] = [torch.tensor(b, dtype=torch.long, device=device) for b in bonds]
+                if name in ordered:  # positions are a prefix of each expert's strongest-first order
+                    out[name] = [idx[:, :len(b)].to(device) for idx, b in zip(ordered[name], bonds)]
+                else:
+                    out[name] = [torch.tensor(b, dtype=torch.long, device=device) for b in bonds]
         return out
 
     # ------------------------------------------------------------ checkpoints
@@ -593,6 +608,27 @@ def _network_size(widths: list, sites: tuple[int, ...]):
     (cores ``w[k-1] * n_k * w[k]`` with unit boundaries, plus the gates)."""
     full = [1, *widths, 1]
     return sum(full[k] * n * full[k + 1] for k, n in enumerate(sites)) + sum(widths)
+
+
+def _layer_size(widths: list, layout) -> Any:
+    """Parameters of a layer whose networks (one, or one per expert) have bond ``widths``."""
+    return layout.copies * _network_size(widths, layout.site_sizes)
+
+
+def _on_count(on: torch.Tensor) -> torch.Tensor:
+    """Ranks of a bond switched on: ``on (r,)`` counted; ``on (experts, r)``: the
+    most any expert has on (the experts' networks share their ranks)."""
+    return on.sum(-1).reshape(-1).amax()
+
+
+def _switched_on(mags: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Indices a bond keeps: where ``mags (r,) >= threshold``; for ``mags
+    (experts, r)``, each expert's strongest ranks, as many as the expert with
+    the most on has (``(experts, k)``, strongest first)."""
+    if mags.dim() == 1:
+        return (mags >= threshold).nonzero().flatten()
+    k = int((mags >= threshold).sum(-1).max())
+    return mags.argsort(-1, descending=True)[:, :k]
 
 
 def _compiled_ratio(compiled) -> float:
