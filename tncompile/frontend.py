@@ -49,6 +49,28 @@ def own_forward(module: nn.Module) -> bool:
             or (isinstance(module, nn.Linear) and not runs_as(module, nn.Linear)))
 
 
+def rehome_reads(gm: fx.GraphModule, path: str, keep: tuple[str, ...] = ("weight", "bias")) -> None:
+    """Move the tensors the graph reads of the module at ``path`` (a scale
+    buffer, ...) other than ``keep`` to the graph module's root, so that the
+    module can be replaced by a layer that does not hold them."""
+    for node in gm.graph.nodes:
+        owner, _, leaf = str(node.target).rpartition(".")
+        if node.op != "get_attr" or owner != path or leaf in keep:
+            continue
+        holder = gm.get_submodule(path)
+        value = getattr(holder, leaf)
+        name = f"{path}.{leaf}".replace(".", "_")
+        while hasattr(gm, name):
+            name += "_"
+        if isinstance(value, nn.Parameter):
+            gm.register_parameter(name, value)
+        elif isinstance(value, torch.Tensor):
+            gm.register_buffer(name, value, persistent=leaf not in holder._non_persistent_buffers_set)
+        else:
+            setattr(gm, name, value)
+        node.target = name
+
+
 def plain_copy(module: nn.Module) -> nn.Module:
     """A plain ``nn.Embedding`` / ``nn.Linear`` on ``module``'s own parameters
     (the same ``Parameter`` objects: ties and the user's training see them)."""
@@ -213,6 +235,7 @@ def _outline_core_op(gm: fx.GraphModule, path: str, module: nn.Module, nodes: li
     if len(core) != 1 or core[0].target is not want:
         return  # not one plain lookup / product: leave the ATen ops (the layer stays dense)
     node = core[0]
+    rehome_reads(gm, path)
     gm.set_submodule(path, plain_copy(module), strict=False)
     with gm.graph.inserting_before(node):
         new = gm.graph.call_module(path, (node.args[_CORE_OPS[node.target]],))

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from ..frontend import rehome_reads
 from ..ir.program import Program
 from ..runtime.module_kinds import runs_as
 from .base import Pass, register_pass
@@ -191,12 +192,8 @@ def _fold_embedding(m: Match) -> None:
                        scale_grad_by_freq=bool(values["scale_grad_by_freq"]), sparse=bool(values["sparse"]),
                        device="meta")
     emb.weight = holder.weight
-    for name, t in holder._parameters.items():  # other tensors the traced forward reads stay reachable
-        if name != "weight":
-            emb.register_parameter(name, t)
-    for name, t in holder._buffers.items():
-        emb.register_buffer(name, t)
     emb.train(holder.training)
+    rehome_reads(gm, path, keep=("weight",))  # other tensors the traced forward reads stay reachable
     gm.set_submodule(path, emb)
     ids = _arg(node, ids_at, "input" if node.target is F.embedding else "indices", None)
     m.replace_root(lambda g: g.call_module(path, (ids,)))
