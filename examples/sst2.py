@@ -12,7 +12,8 @@ initial weights and the same batches:
    trained ``--early-steps`` steps in CoMERA's early stage (l1 on the rank
    gates, l2 on the cores; switched-off ranks are cut every 100 steps);
 3. **late**: the same run continued ``--late-steps`` steps in the late stage,
-   aiming at a further ``--late-factor`` x smaller model.
+   aiming at a further ``--late-factor`` x smaller model (``--schedule budget``,
+   the default, ends at or below it; ``--schedule comera`` is the paper's rule).
 
 Dev accuracy, whole-model ratio and the train-step time at a fixed
 32 x 64 batch (dense / after early / after late, interleaved in one run) go to
@@ -102,6 +103,9 @@ def main() -> None:
     ap.add_argument("--gate-lr", type=float, default=1e-2)
     ap.add_argument("--target-ratio", type=float, default=0.05, help="compile size (whole model)")
     ap.add_argument("--late-factor", type=float, default=4.0, help="late stage: this much smaller again")
+    ap.add_argument("--schedule", choices=("budget", "comera"), default="budget",
+                    help="late-stage rule: 'budget' (tncompile's default: cuts fall to the target, then recovery "
+                         "steps) or 'comera' (the paper's loss-trading rule)")
     ap.add_argument("--quick", action="store_true", help="tiny run (smoke test): 500 rows, 12 steps each")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = ap.parse_args()
@@ -136,7 +140,7 @@ def main() -> None:
     opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=args.lr, gate_lr=args.gate_lr, weight_decay=0.01))
     sched = warmup(opt, warm)
     ctl = tncompile.RankController(compiled, opt, target_ratio=compiled_ratio / args.late_factor,
-                                   truncate_every=100, schedule="comera")  # the paper's rule: the README's figures
+                                   truncate_every=100, schedule=args.schedule)
     stream = batches(*train, args.batch_size, seed=0)
 
     def dev_accuracy(model):

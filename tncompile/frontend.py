@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 from .errors import TraceError
 from .ir.program import InputSpec
 from .layers import is_compressible
+from .runtime.experts import ExpertLinear
 from .runtime.module_kinds import runs_as
 
 __all__ = ["trace", "split_example_inputs"]
@@ -316,8 +317,6 @@ def _expert_weight(arg) -> tuple[fx.Node, bool] | None:
 def _outline_experts(gm: fx.GraphModule) -> None:
     """Fold each grouped GEMM over a fused expert parameter into a ``call_module``
     of an :class:`~tncompile.runtime.experts.ExpertLinear` at the parameter's path."""
-    from .runtime.experts import ExpertLinear
-
     changed = False
     for node in list(gm.graph.nodes):
         if _op_name(node) not in GROUPED_MM_OPS:
