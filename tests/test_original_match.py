@@ -45,6 +45,10 @@ def test_full_rank_compiled_model_equals_the_original(family):
         enc, dec = compiled.model.model.encoder if family != "t5" else compiled.model.encoder, \
             compiled.model.model.decoder if family != "t5" else compiled.model.decoder
         assert isinstance(enc.embed_tokens, TTMEmbedding) and enc.embed_tokens is dec.embed_tokens
+        dense = compiled.to_dense()
+        prefix = "model." if family != "t5" else ""
+        assert (dense.get_submodule(f"{prefix}encoder.embed_tokens").weight
+                is dense.get_submodule(f"{prefix}decoder.embed_tokens").weight)
 
 
 class _ShiftedScaled(nn.Embedding):

@@ -54,7 +54,8 @@ class CompiledModel(nn.Module):
     def to_dense(self) -> fx.GraphModule:
         """A plain module with every network multiplied back into a dense layer.
 
-        Tied heads stay tied to the rebuilt embedding. The result takes the
+        Tied heads stay tied to the rebuilt embedding, and a table looked up
+        from several places stays one table. The result takes the
         same inputs as the compiled model (after a ``torch.export`` trace:
         inputs fixed at trace time, such as ``use_cache=False``, may be left
         out, by a forward pre-hook that binds them).
@@ -64,8 +65,9 @@ class CompiledModel(nn.Module):
         targets = [n.target for n in gm.graph.nodes if n.op in ("call_module", "get_attr")]
         tn = {t: m for t in dict.fromkeys(targets) if isinstance(m := module_at(gm, t), TNModule)}
         for t, m in tn.items():
-            if not isinstance(m, TTMTiedLinear):
-                dense[id(m)] = m.to_dense_module()
+            if not isinstance(m, TTMTiedLinear):  # a table looked up from two places stays one table
+                if id(m) not in dense:
+                    dense[id(m)] = m.to_dense_module()
                 gm.set_submodule(t, dense[id(m)])
         for t, m in tn.items():
             if isinstance(m, TTMTiedLinear):

@@ -15,6 +15,7 @@ therefore hand the passes the same kind of graph. Mixture-of-experts weights
 from __future__ import annotations
 
 import inspect
+import warnings
 from typing import Any
 
 import torch
@@ -213,7 +214,8 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict, fx_err: Exception
         ) from ex_err
     stateful = ep.module()
     graph = stateful.graph
-    for node in list(graph.nodes):  # shape guards live in an unpicklable submodule
+    shapes = _shape_constraints(graph, ep.range_constraints)
+    for node in list(graph.nodes):  # shape guards live in an unpicklable submodule: InputSpec.shapes checks them
         if node.op == "call_module" and node.target == "_guards_fn":
             graph.erase_node(node)
     graph._tracer_cls = None  # export's tracer cannot re-trace the code when unpickling
@@ -222,7 +224,55 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict, fx_err: Exception
     _outline_modules(gm, model)
     _outline_experts(gm)
     gm.training = model.training
-    return gm, InputSpec.from_example("export", args, kwargs)
+    spec = InputSpec.from_example("export", args, kwargs)
+    spec.shapes = shapes
+    _warn_size_one(spec)
+    return gm, spec
+
+
+def _warn_size_one(spec: InputSpec) -> None:
+    """torch.export fixes every size-1 dim of the example inputs: say so at compile time."""
+    fixed = [f"{name} dim {i}" for name, dims in spec.shapes for i, d in enumerate(dims) if d == 1]
+    if fixed:
+        warnings.warn(f"example_inputs have size 1 at {', '.join(fixed)}: torch.export fixes size-1 dims, so the "
+                      "compiled model accepts only size 1 there. Pass examples of size >= 2 (e.g. a batch of 2) "
+                      "to keep those dims dynamic.", stacklevel=4)
+
+
+def _finite(bound) -> int | None:
+    """A range bound as an ``int``; ``None`` for an infinite or missing one."""
+    if bound is None or "oo" in str(bound):
+        return None
+    try:
+        return int(bound)
+    except (TypeError, ValueError):
+        return None
+
+
+def _shape_constraints(graph: fx.Graph, ranges: dict) -> tuple:
+    """``InputSpec.shapes`` of an exported graph: every tensor input's sizes,
+    fixed (``int``) or a symbol with its range."""
+    out = []
+    for node in graph.nodes:
+        val = node.meta.get("val") if node.op == "placeholder" else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        dims = []
+        for d in val.shape:
+            if isinstance(d, int):
+                dims.append(int(d))
+                continue
+            expr = d.node.expr
+            if getattr(expr, "is_number", False):  # specialized by the trace
+                dims.append(int(expr))
+                continue
+            if not getattr(expr, "is_Symbol", False):
+                dims.append(("", 0, None))  # a size computed from others: checked through them
+                continue
+            vr = ranges.get(expr)
+            dims.append((str(expr), _finite(getattr(vr, "lower", None)) or 0, _finite(getattr(vr, "upper", None))))
+        out.append((node.name, tuple(dims)))
+    return tuple(out)
 
 
 _CORE_OPS = {torch.ops.aten.embedding.default: 1, torch.ops.aten.linear.default: 0}  # op -> input position

@@ -38,6 +38,13 @@ class InputSpec:
         omit them and may not change them.
     described : dict
         ``name -> "dtype[shape]"`` of the example inputs, for the dump.
+    shapes : tuple
+        ``torch.export``'s shape constraints on the tensor inputs, in the
+        order the graph takes them: ``(name, dims)``, each dim an ``int`` (the
+        trace fixed it: the model's code made it static, e.g. ``len(x)``) or
+        ``(symbol, low, high)`` (``high`` ``None`` when unbounded). Checked on
+        every call: a graph run at shapes it was not traced for can return wrong
+        values without an error.
     """
 
     frontend: str
@@ -45,6 +52,7 @@ class InputSpec:
     kwarg_names: tuple[str, ...] = ()
     constants: dict[str, Any] = field(default_factory=dict)
     described: dict[str, str] = field(default_factory=dict)
+    shapes: tuple = ()
 
     @classmethod
     def from_example(cls, frontend: str, args: tuple, kwargs: dict) -> "InputSpec":
@@ -74,7 +82,40 @@ class InputSpec:
                 bound[k] = self.constants[k]
             elif k not in bound:
                 raise TypeError(f"compiled model is missing input {k!r}; traced inputs: {self._traced()}")
-        return args, {k: bound[k] for k in self.kwarg_names}
+        kwargs = {k: bound[k] for k in self.kwarg_names}
+        if self.shapes:
+            self.check_shapes(args, kwargs)
+        return args, kwargs
+
+    def check_shapes(self, args: tuple, kwargs: dict) -> None:
+        """Raise ``ValueError`` naming the constraint when a tensor input breaks
+        one of :attr:`shapes` (a fixed size, a range, two sizes that must agree)."""
+        tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if len(tensors) != len(self.shapes):
+            return  # another structure: the graph's own checks report it
+        seen: dict[str, tuple[str, int, int]] = {}
+        for t, (name, dims) in zip(tensors, self.shapes):
+            if t.dim() != len(dims):
+                raise ValueError(f"input {name!r} was traced with {len(dims)} dims, got shape {tuple(t.shape)}")
+            for i, (size, want) in enumerate(zip(t.shape, dims)):
+                if isinstance(want, int):
+                    if size != want:
+                        raise ValueError(
+                            f"input {name!r} dim {i} is {size}, but the trace fixed it to {want}: the model's code "
+                            f"made that size static (e.g. len(x), x.shape[{i}] used as a number, or a size-1 example "
+                            f"dim). Compile with example_inputs of the size you run, or make the code shape-generic.")
+                    continue
+                symbol, low, high = want
+                if size < low and not (low == 2 and size == 1) or (high is not None and size > high):
+                    raise ValueError(f"input {name!r} dim {i} is {size}, outside the range [{low}, "
+                                     f"{'inf' if high is None else high}] the model was traced for")
+                if not symbol:
+                    continue
+                if symbol in seen and seen[symbol][2] != size:
+                    other, j, other_size = seen[symbol]
+                    raise ValueError(f"input {name!r} dim {i} is {size} but input {other!r} dim {j} is {other_size}: "
+                                     "the trace requires them equal")
+                seen.setdefault(symbol, (name, i, size))
 
     def _traced(self) -> str:
         return ", ".join(f"{k}: {v}" for k, v in self.described.items()) or "()"
