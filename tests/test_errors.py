@@ -160,3 +160,13 @@ def test_save_rejects_non_compiled(tmp_path):
     torch.save({"a": 1}, tmp_path / "junk")
     with pytest.raises(ValueError, match="not a tncompile file"):
         tncompile.load(tmp_path / "junk")
+
+
+@pytest.mark.parametrize("kw", [{}, {"linear_cores": 20}, {"exclude_modules": "all"}])
+def test_nothing_tensorizable_is_an_error_not_ratio_one(kw):
+    """Only small layers, too many cores, or everything excluded: the target cannot be
+    met, and compile says why instead of returning the model at ratio 1.0."""
+    small = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = small if not kw else mlp((64, 128, 10))
+    with pytest.raises(ValueError, match=r"no layer could be tensorized, so the model stays at ratio 1.*: "):
+        tncompile.compile(model, target_ratio=0.1, **kw)

@@ -371,3 +371,48 @@ def test_param_groups_partition_the_parameters():
     assert len(ids) == len(set(ids)) == len(list(compiled.parameters()))
     assert math.isclose(sum(p.numel() for g in groups for p in g["params"]),
                         compiled.ratio * compiled.program.original_params)
+
+
+def test_nonfinite_loss_stays_out_of_the_average_and_raises_or_is_skipped():
+    compiled = _mlp_compiled(torch.float32)
+    opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.1, nonfinite="skip")
+    ctl.penalty(torch.tensor(2.0))
+    ctl.step()
+    before = ctl.smoothed_loss().clone()
+    for bad in (math.nan, math.inf):
+        ctl.penalty(torch.tensor(bad))
+        ctl.step()
+    assert torch.equal(ctl.smoothed_loss(), before)  # never folded into the late stage's target
+    ctl.start_late_stage()
+    assert torch.isfinite(ctl.target_loss)
+
+    strict = tncompile.RankController(compiled, opt, target_ratio=0.1)  # nonfinite="raise" by default
+    strict.penalty(torch.tensor(math.nan))
+    with pytest.raises(FloatingPointError, match="1 non-finite task loss"):
+        strict.step()
+
+
+def test_nonfinite_gates_are_never_cut_from():
+    compiled = _mlp_compiled(torch.float32)
+    opt = torch.optim.Adam(tncompile.param_groups(compiled, lr=1e-3))
+    names = list(tncompile.RankController(compiled, opt, target_ratio=0.1).layers)
+    before = {n: m.layout.ranks for n, m in compiled.tensorized_modules().items()}
+    with torch.no_grad():
+        compiled.tensorized_modules()[names[0]].gates[0][0] = math.nan
+        for n in names[1:]:
+            compiled.tensorized_modules()[n].gates[0][1:] = 0.0  # switched off: cut
+    with pytest.raises(FloatingPointError, match="not finite"):
+        tncompile.RankController(compiled, opt, target_ratio=0.1).truncate()
+    assert {n: m.layout.ranks for n, m in compiled.tensorized_modules().items()} == before  # nothing half-cut
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.1, nonfinite="skip")
+    with pytest.warns(RuntimeWarning, match="not cutting"):
+        event = ctl.truncate()
+    assert names[0] not in event.truncated and compiled.tensorized_modules()[names[0]].layout.ranks == before[names[0]]
+    assert all(compiled.tensorized_modules()[n].layout.ranks[0] == 1 for n in names[1:])
+
+
+def test_nonfinite_setting_is_checked():
+    compiled = _mlp_compiled(torch.float32)
+    with pytest.raises(ValueError, match="nonfinite must be one of"):
+        tncompile.RankController(compiled, None, target_ratio=0.1, nonfinite="ignore")

@@ -40,7 +40,9 @@ class AssignRanks(Pass):
     ------
     ValueError
         If rank 1 everywhere (and ``rank_pattern``) is already above the
-        target; the message gives the smallest reachable ratio.
+        target; the message gives the smallest reachable ratio. Also when no
+        layer could be tensorized at all (too small, excluded, unsupported)
+        and the model is above the target; the message gives the reasons.
     """
 
     name = "assign_ranks"
@@ -66,6 +68,9 @@ class AssignRanks(Pass):
             if isinstance(mod, PendingLayer) and mod.tied_to is None:
                 owners.setdefault(node.target, mod)
         if not owners:
+            ratio = program.num_params() / max(program.original_params, 1)
+            if ratio > opts.target_ratio:
+                raise ValueError(_nothing_to_compress(program, opts.target_ratio, ratio))
             return program
         weights = {id(m.weight) for m in owners.values()}
         unique = {id(p): p for p in program.graph_module.parameters() if id(p) not in weights}
@@ -190,3 +195,14 @@ def _dense_step_macs(lay: TTLayout, rows: int) -> int:
     """Multiply-adds of the dense layer's training step over ``rows`` rows:
     forward, input gradient and weight gradient, ``rows * in * out`` each."""
     return 3 * rows * lay.in_features * lay.out_features
+
+
+def _nothing_to_compress(program: Program, target: float, ratio: float) -> str:
+    """Why no layer could be tensorized, for the error ``compile`` raises."""
+    reasons = list(program.notes.items())
+    shown = "; ".join(f"{name}: {why}" for name, why in reasons[:5])
+    more = f" (and {len(reasons) - 5} more)" if len(reasons) > 5 else ""
+    return (f"target_ratio={target:g} cannot be reached: no layer could be tensorized, so the model stays at "
+            f"ratio {ratio:.4g}. {shown or 'the traced graph has no compressible layer'}{more}. Lower "
+            f"tncompile.tuning.MIN_LAYER_PARAMS (or pass Tensorize(min_params=...) in passes), use fewer cores (linear_cores / embedding_cores), or "
+            f"widen target_modules / exclude_modules.")

@@ -40,8 +40,9 @@ cut goes to ``S*`` at once.
 """
 from __future__ import annotations
 
-import math
 import heapq
+import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +57,7 @@ __all__ = ["RankController", "RankEvent", "param_groups"]
 
 STAGES = ("early", "late")
 SCHEDULES = ("budget", "comera")
+NONFINITE = ("raise", "skip")
 
 
 def _owners(compiled) -> dict[str, TNModule]:
@@ -185,6 +187,14 @@ class RankController:
     recovery : float in [0, 1)
         ``schedule="budget"``: share of ``late_steps`` trained at the target
         after the last cut.
+    nonfinite : {"raise", "skip"}
+        What a non-finite task loss or gate does. Either way it never reaches
+        the loss average (the late stage's target) nor a cut. ``"raise"``:
+        ``FloatingPointError`` -- for a loss on CPU at the next :meth:`step`;
+        on a GPU at the next truncation (counted on the device: no host sync
+        per step); for gates when a truncation reads them.
+        ``"skip"``: such losses are left out of the average and layers with
+        non-finite gates are not cut that time (a warning names them).
     """
 
     def __init__(self, compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -193,7 +203,8 @@ class RankController:
                  truncate_every: int = 100, target_loss: float | None = None,
                  loss_smoothing: float = 0.98, allow_layer_removal: bool = False,
                  optimizer_state: str = "slice", stop_at_target: bool = False,
-                 schedule: str = "budget", late_steps: int | None = None, recovery: float = 0.3):
+                 schedule: str = "budget", late_steps: int | None = None, recovery: float = 0.3,
+                 nonfinite: str = "raise"):
         if not hasattr(compiled, "tensorized_modules") or not hasattr(compiled, "program"):
             raise TypeError(f"RankController expects a CompiledModel, got {type(compiled).__name__}")
         self.compiled = compiled
@@ -219,6 +230,8 @@ class RankController:
             raise ValueError(f"RankController: late_steps must be an int >= 0 or None, got {late_steps!r}")
         if not (isinstance(recovery, (int, float)) and 0.0 <= recovery < 1.0):
             raise ValueError(f"RankController: recovery must be in [0, 1), got {recovery!r}")
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"RankController: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         start = _compiled_ratio(compiled)
         if not (isinstance(target_ratio, (int, float)) and 0 < target_ratio < start):
             raise ValueError(f"RankController: target_ratio must be in (0, {start:.6g}), the ratio the "
@@ -236,6 +249,8 @@ class RankController:
         self.stop_at_target = bool(stop_at_target)
         self.optimizer_state = optimizer_state
         self.schedule, self.late_steps, self.recovery = schedule, late_steps, float(recovery)
+        self.nonfinite = nonfinite
+        self._bad_losses: torch.Tensor | None = None  # non-finite task losses not yet reported (device)
         self._late_start: int | None = None        # step at which the late stage began
         self._late_start_ratio: float | None = None
         self.recovering = False                   # budget schedule: the last cut is done
@@ -343,6 +358,7 @@ class RankController:
         """
         if not isinstance(task_loss, torch.Tensor) or task_loss.dim() != 0:
             raise ValueError("RankController.penalty expects the scalar task-loss tensor")
+        self._count_nonfinite(task_loss)
         if self.stage == "early":
             self._track(task_loss)
             return self.early_penalty()
@@ -350,14 +366,35 @@ class RankController:
             return self._core_term() if self.recovering else self.early_penalty()
         return self.late_objective(task_loss) - task_loss
 
+    def _count_nonfinite(self, task_loss: torch.Tensor) -> None:
+        """Count a non-finite task loss on its device (no host read here: :meth:`step`
+        reports it on CPU, the next truncation elsewhere)."""
+        bad = ~torch.isfinite(task_loss.detach())
+        if self._bad_losses is None or self._bad_losses.device != bad.device:
+            self._bad_losses = torch.zeros((), dtype=torch.int64, device=bad.device)
+        self._bad_losses.add_(bad.to(torch.int64))  # in place: a captured graph replays it
+
+    def _report_nonfinite_losses(self) -> None:
+        """At a host sync point: raise for the non-finite losses counted on the device."""
+        if self._bad_losses is None or self.nonfinite != "raise":
+            return
+        count = int(self._bad_losses)
+        if count:
+            self._bad_losses.zero_()
+            raise FloatingPointError(f"RankController: {count} non-finite task loss(es) by step "
+                                     f"{self.steps_done}; they were kept out of the loss average. Fix the loss "
+                                     "(learning rate, inputs) or pass nonfinite='skip' to go on without them.")
+
     def _track(self, task_loss: torch.Tensor) -> None:
         value = task_loss.detach().to(torch.float32)
         if self._ema is None or self._ema.device != value.device:
             self._ema = torch.zeros((), dtype=torch.float32, device=value.device)
             self._ema_w = torch.zeros((), dtype=torch.float32, device=value.device)
-        # both updates are in place on the device: a captured graph replays them
-        self._ema.mul_(self.loss_smoothing).add_(value, alpha=1.0 - self.loss_smoothing)
-        self._ema_w.mul_(self.loss_smoothing).add_(1.0 - self.loss_smoothing)
+        # both updates are in place on the device (a captured graph replays them); a
+        # non-finite loss leaves both as they were
+        keep = 1.0 - torch.isfinite(value).to(torch.float32) * (1.0 - self.loss_smoothing)
+        self._ema.mul_(keep).add_(torch.nan_to_num(value, nan=0.0, posinf=0.0, neginf=0.0) * (1.0 - keep))
+        self._ema_w.mul_(keep).add_(1.0 - keep)
 
     def smoothed_loss(self) -> torch.Tensor | None:
         """Bias-corrected moving average of the early-stage task loss (a device tensor)."""
@@ -411,6 +448,8 @@ class RankController:
         """Call after ``optimizer.step()``: advance the schedule; every
         ``truncate_every`` steps cut switched-off ranks (host sync only then)."""
         self.steps_done += 1
+        if self._bad_losses is not None and self._bad_losses.device.type == "cpu":
+            self._report_nonfinite_losses()  # a free read on CPU; on a GPU the next truncation reads it
         stage_changed = False
         if self.stage == "early" and self.early_steps is not None and self.steps_done >= self.early_steps:
             self.start_late_stage()
@@ -470,10 +509,14 @@ class RankController:
         state is then sliced to match.
         """
         event = RankEvent(self.steps_done, self.stage)
+        self._report_nonfinite_losses()
         keep: dict[str, list[torch.Tensor]] = {}
         collapse: dict[str, str] = {}
         dropped: list[Cut] = []
+        unreadable = self._nonfinite_gates()
         for name, mod in self._layers.items():
+            if name in unreadable:
+                continue
             kept = []
             for k, g in enumerate(mod.gates._parameters.values()):
                 on = _switched_on(g.abs(), self.threshold)
@@ -489,7 +532,7 @@ class RankController:
             elif any(idx.shape[-1] != r for idx, r in zip(kept, mod.layout.ranks)):
                 keep[name] = kept
         if budget is not None:
-            keep.update(self._budget_keep(budget, keep, set(collapse)))
+            keep.update(self._budget_keep(budget, keep, set(collapse) | unreadable))
         if not keep and not collapse:
             return event
         truncate = TruncateRanks(keep)
@@ -500,6 +543,20 @@ class RankController:
         self.version += 1
         self._refresh()
         return event
+
+    def _nonfinite_gates(self) -> set[str]:
+        """Layers whose gates hold NaN / inf (host read: truncation syncs anyway).
+        ``nonfinite="raise"`` raises naming them; ``"skip"`` leaves them uncut."""
+        bad = {name for name, mod in self._layers.items()
+               if not all(bool(torch.isfinite(g).all()) for g in mod.gates._parameters.values())}
+        if bad and self.nonfinite == "raise":
+            raise FloatingPointError(f"RankController: rank gates of {sorted(bad)[:3]} are not finite at step "
+                                     f"{self.steps_done}; cutting from them would drop every rank. Lower the "
+                                     f"learning rate (gate_lr) or pass nonfinite='skip' to leave them uncut.")
+        if bad:
+            warnings.warn(f"RankController: not cutting {sorted(bad)[:3]}: their rank gates are not finite "
+                          f"(step {self.steps_done})", RuntimeWarning, stacklevel=3)
+        return bad
 
     def importance(self, name: str) -> list[torch.Tensor]:
         """Per bond of layer ``name``, each rank's weight in the product:
