@@ -11,6 +11,15 @@ from tncompile.runtime.experts import ExpertLinear, TTExperts
 from tncompile.runtime.grouped import grouped_mm
 
 
+def _random_tt(in_f, out_f, rank, experts):
+    """A TTExperts with normal cores (gates at one)."""
+    tt = TTExperts(TTLayout.for_shape(in_f, out_f, 2, ranks=rank, experts=experts))
+    with torch.no_grad():
+        for p in tt.cores:
+            p.normal_()
+    return tt
+
+
 def _routing(rows_per_expert):
     offs = torch.tensor(rows_per_expert).cumsum(0).to(torch.int32)
     return offs, int(offs[-1])
@@ -79,10 +88,7 @@ def _functional(tt, x, offs, values):
 
 def test_gates_are_per_expert():
     torch.manual_seed(0)
-    tt = TTExperts(TTLayout.for_shape(4, 6, 2, ranks=3, experts=2))
-    with torch.no_grad():
-        for p in tt.cores:
-            p.normal_()
+    tt = _random_tt(4, 6, 3, 2)
     offs, rows = _routing([2, 2])
     x = torch.randn(rows, 4)
     before = tt(x, offs)
@@ -97,10 +103,7 @@ def test_cut_keeps_each_experts_own_ranks_and_slices_optimizer_state_the_same_wa
     """Per-expert index sets: a pure permutation changes nothing, a cut keeps
     each expert's chosen ranks, and Cut.apply slices state like the parameter."""
     torch.manual_seed(0)
-    tt = TTExperts(TTLayout.for_shape(4, 6, 2, ranks=3, experts=2))
-    with torch.no_grad():
-        for p in tt.cores:
-            p.normal_()
+    tt = _random_tt(4, 6, 3, 2)
         for g in tt.gates:
             g.uniform_(0.5, 1.5)
     offs, rows = _routing([3, 2])
@@ -220,10 +223,7 @@ def test_controller_cuts_each_experts_own_switched_off_rank():
 
 def test_tt_experts_under_torch_compile_fullgraph():
     torch.manual_seed(0)
-    tt = TTExperts(TTLayout.for_shape(8, 8, 2, ranks=2, experts=2))
-    with torch.no_grad():
-        for p in tt.cores:
-            p.normal_()
+    tt = _random_tt(8, 8, 2, 2)
     offs, rows = _routing([3, 2])
     x = torch.randn(rows, 8)
     compiled = torch.compile(tt, fullgraph=True, backend="aot_eager")
