@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,3 +250,23 @@ def test_chain_only_for_few_rows_and_rejects_bad_cores(ops, monkeypatch):
         ops.tt_chain_forward(torch.randn(1, 24), [cores[0], cores[1][:2], *cores[2:]], gates, None, 2)
     with pytest.raises(RuntimeError, match="tt_chain: x has 23 features"):
         ops.tt_chain_forward(torch.randn(1, 23), cores, gates, None, 2)
+
+
+def test_build_is_named_by_its_sources(tmp_path, monkeypatch):
+    """Two checkouts sharing the extension cache keep a build each (named by a hash
+    of the sources, headers and flags) instead of rebuilding over each other."""
+    import shutil
+
+    from tncompile.runtime import native
+
+    name = native.build_name()
+    assert name.startswith("tncompile_native_") and name == native.build_name()
+    copies = []
+    for src in native._SOURCES:
+        dst = tmp_path / Path(src).name
+        shutil.copy(src, dst)
+        copies.append(str(dst))
+    monkeypatch.setattr(native, "_SOURCES", copies)
+    assert native.build_name() == name  # same contents elsewhere: the same build
+    Path(copies[0]).write_text(Path(copies[0]).read_text() + "\n// edited\n")
+    assert native.build_name() != name

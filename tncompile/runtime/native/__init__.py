@@ -16,8 +16,10 @@ Where PyTorch has no fast op for what a TT/TTM layer needs:
   (``tensor_checks.h``: their argument checks).
 
 The build needs a C++ compiler and ninja (what ``torch.utils.cpp_extension``
-needs); it takes ~15-30 s (2 cores) once per machine and torch version (cached under
-``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without
+needs); it takes ~15-60 s (2 cores) once per machine, torch version and
+source version (cached under ``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``, named by a hash of the sources:
+:func:`build_name`), announced by one line on stderr. Without
 them, or with ``TNCOMPILE_NATIVE=0``, :func:`native_ops` returns ``None`` and
 callers use the eager path, which gives the same results; a failed build is
 reported once as a warning.
@@ -36,7 +38,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["native_ops", "native_status", "native_kernels", "kernels_for", "traceable_kernels", "watch"]
+__all__ = ["native_ops", "native_status", "native_kernels", "kernels_for", "traceable_kernels", "watch",
+           "build_name"]
 
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _SOURCES = [str(Path(__file__).with_name(name))
@@ -48,20 +51,38 @@ log = logging.getLogger("tncompile.native")
 
 
 def _flags() -> list[str]:
-    # the headers' hash is a build argument so that editing one rebuilds (torch hashes only sources and flags)
-    header = hashlib.sha1(b"".join(h.read_bytes() for h in _HEADERS)).hexdigest()[:12]
-    flags = ["-O3", "-fopenmp", f"-DTNCOMPILE_HEADER_{header}"]  # OpenMP: at::parallel_for uses torch's threads
+    flags = ["-O3", "-fopenmp"]  # OpenMP: at::parallel_for uses torch's threads (headers: in build_name)
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags.append("-march=native")  # built on the machine it runs on: use its vector units
     return flags
 
 
+def build_name() -> str:
+    """The extension's name: ``tncompile_native_<hash of sources, headers and flags>``.
+    Two checkouts (or versions) sharing ``TORCH_EXTENSIONS_DIR`` then each keep
+    their own build instead of rebuilding over each other; identical sources share one."""
+    digest = hashlib.sha1()
+    for path in [*_SOURCES, *map(str, _HEADERS)]:
+        digest.update(Path(path).name.encode() + Path(path).read_bytes())
+    digest.update(" ".join(_flags()).encode())
+    return f"tncompile_native_{digest.hexdigest()[:16]}"
+
+
+def _built(name: str) -> bool:
+    """Whether a finished build of ``name`` is in the extension cache."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+
+
 def _build():
     from torch.utils.cpp_extension import load  # imported lazily: it is slow to import
 
-    log.info("tncompile: loading the native CPU kernels (compiled on the first use on a machine, ~15-30 s)")
+    name = build_name()
+    if not _built(name):  # one line, so that a first run does not sit silent for half a minute
+        log.warning("tncompile: building the native CPU kernels (once per machine and version, ~15-60 s)...")
     start = time.perf_counter()
-    load(name="tncompile_native", sources=_SOURCES, extra_cflags=_flags(),
+    load(name=name, sources=_SOURCES, extra_cflags=_flags(),
          extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     took = time.perf_counter() - start
     if took > 2.0:
