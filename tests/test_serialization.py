@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import tncompile
-from tncompile.serialization import UnsafeFileError, allow_module_class
+from tncompile.serialization import UnsafeFileError, _digest, allow_module_class
 from tncompile.zoo import mlp, small_encoder
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -26,14 +26,18 @@ class Payload:
         return (Path.touch, (self.marker,))
 
 
-def _rewrite_manifest(src: Path, dst: Path, edit) -> None:
-    """Copy a tncompile file, letting ``edit(manifest)`` change its JSON manifest (tensors unchanged)."""
+def _rewrite_manifest(src: Path, dst: Path, edit, reseal: bool = True) -> None:
+    """Copy a tncompile file, letting ``edit(manifest)`` change its JSON manifest (tensors
+    unchanged). ``reseal``: recompute the checksum, as a crafted (not damaged) file would."""
     with safe_open(str(src), framework="pt") as f:
         meta = dict(f.metadata())
     manifest = json.loads(meta["manifest"])
     edit(manifest)
     meta["manifest"] = json.dumps(manifest)
-    save_file(load_file(src), dst, metadata=meta)
+    tensors = load_file(src)
+    if reseal:
+        meta["sha256"] = _digest(tensors, meta["manifest"])
+    save_file(tensors, dst, metadata=meta)
 
 
 def _nodes(manifest):
@@ -110,6 +114,34 @@ def test_crafted_manifest_is_refused(saved, tmp_path, attack, named):
     _rewrite_manifest(path, edit_path, edit)
     with pytest.raises(UnsafeFileError, match=named.split(".")[-1]):
         tncompile.load(edit_path)
+
+
+def test_damaged_manifest_is_detected(saved, tmp_path):
+    """A changed manifest (here: the traced graph's notes) is caught by the checksum."""
+    _, path, _ = saved
+
+    def edit(manifest):
+        manifest["notes"] = {"x": "flipped"}
+    bad = tmp_path / "bad.tnc"
+    _rewrite_manifest(path, bad, edit, reseal=False)
+    with pytest.raises(ValueError, match="damaged"):
+        tncompile.load(bad)
+
+
+def test_killed_saves_leave_no_temporaries(saved, tmp_path):
+    """A save killed mid-write leaves its temporary behind (no finally runs); the next
+    save to the same file removes those of processes that are gone."""
+    compiled, path, _ = saved
+    import subprocess
+    import sys
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = path.parent / f"{path.name}.{gone.stdout.strip()}.abc123.tmp"
+    orphan.write_bytes(b"partial")
+    unrelated = path.parent / "other.tnc.1.xyz.tmp"
+    unrelated.write_bytes(b"")
+    tncompile.save(compiled, path)
+    assert not orphan.exists() and unrelated.exists()
+    assert sorted(p.name for p in path.parent.glob(f"{path.name}*")) == [path.name]
 
 
 def test_damaged_tensors_are_detected(saved, tmp_path):

@@ -14,7 +14,9 @@ refuses them unless called with ``trust=True`` (:mod:`.legacy`).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import glob
 import hashlib
 import json
 import os
@@ -78,11 +80,13 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
         "compiled_ratio": prog.compiled_ratio,
         "training": enc.encode(_training_state(compiled, optimizer, controller, extra, rng), "the training state"),
     }
-    metadata = {"format": FORMAT, "version": str(VERSION), "manifest": json.dumps(manifest),
-                "sha256": _digest(enc.tensors)}
+    text = json.dumps(manifest)
+    metadata = {"format": FORMAT, "version": str(VERSION), "manifest": text,
+                "sha256": _digest(enc.tensors, text)}
     path = Path(path)
     directory = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=directory)
+    _remove_orphaned_temporaries(path, directory)
+    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.{os.getpid()}.", suffix=".tmp", dir=directory)
     try:
         os.close(fd)
         save_file(enc.tensors, tmp, metadata=metadata)
@@ -95,6 +99,27 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _remove_orphaned_temporaries(path: Path, directory: Path) -> None:
+    """Delete temporaries of earlier saves to ``path`` whose process is gone (killed
+    mid-write: no ``finally`` ran). Each is named ``<file>.<pid>.<random>.tmp``."""
+    for tmp in directory.glob(f"{glob.escape(path.name)}.*.tmp"):
+        pid = tmp.name[len(path.name) + 1:].split(".", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # exists, owned by someone else
+        return True
+    return True
 
 
 def _umask() -> int:
@@ -116,9 +141,12 @@ def _sync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
+def _digest(tensors: dict[str, torch.Tensor], manifest: str | None = None) -> str:
+    """SHA-256 over the manifest (the graph's code, layouts, ...) when given, then
+    every tensor's name, dtype, shape and bytes, in name order."""
     h = hashlib.sha256()
+    if manifest is not None:
+        h.update(manifest.encode() + b"\0")
     for key in sorted(tensors, key=lambda k: int(k[1:]) if k[1:].isdigit() else k):
         t = tensors[key].contiguous()
         h.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
@@ -191,8 +219,10 @@ def load(path: str | os.PathLike, map_location=None, *, trust: bool = False) -> 
     if int(metadata.get("version", 0)) > VERSION:
         raise ValueError(f"{path} was written by a newer tncompile (format {metadata['version']}); upgrade tncompile")
     tensors = load_file(path)
-    if _digest(tensors) != metadata.get("sha256"):
-        raise ValueError(f"{path} is damaged: its tensors do not match the checksum saved with them")
+    # new files' checksum covers the manifest too; earlier ones covered the tensors alone
+    expected = metadata.get("sha256")
+    if expected not in (_digest(tensors, metadata.get("manifest")), _digest(tensors)):
+        raise ValueError(f"{path} is damaged: its contents do not match the checksum saved with them")
     try:
         manifest = json.loads(metadata["manifest"])
     except (KeyError, json.JSONDecodeError) as e:
