@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 from time import perf_counter
 from typing import Any, Callable, Iterable
 
@@ -80,6 +81,9 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
     cuda_graph : {"auto", True, False}
         Each step runs through :class:`~tncompile.train.TrainStep`: captured
         as CUDA graphs on a GPU (``"auto"``), eagerly elsewhere.
+    progress : bool
+        A progress bar on stderr: redrawn in a terminal; when stderr is not a
+        terminal (a log file, CI), a line every 30 s.
 
     Returns
     -------
@@ -109,8 +113,10 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
         history.ranks.append((0, {k: list(v) for k, v in controller.active_ranks().items()}))
     train_step = TrainStep(compiled, optimizer, loss_fn, controller=controller, cuda_graph=cuda_graph,
                            grad_clip=grad_clip)
-    bar = tqdm(total=total, initial=min(start, total), desc="fit", disable=not progress or None,
-               dynamic_ncols=True)
+    interactive = sys.stderr.isatty()
+    # not a terminal (a log file, CI): still report, every 30 s instead of redrawing
+    bar = tqdm(total=total, initial=min(start, total), desc="fit", disable=not progress,
+               dynamic_ncols=True, mininterval=0.1 if interactive else 30.0)
     was_training = compiled.training
     compiled.train()
     try:
