@@ -104,6 +104,7 @@ def test_cut_keeps_each_experts_own_ranks_and_slices_optimizer_state_the_same_wa
     each expert's chosen ranks, and Cut.apply slices state like the parameter."""
     torch.manual_seed(0)
     tt = _random_tt(4, 6, 3, 2)
+    with torch.no_grad():
         for g in tt.gates:
             g.uniform_(0.5, 1.5)
     offs, rows = _routing([3, 2])
