@@ -24,10 +24,11 @@ from torch.fx.passes.shape_prop import ShapeProp
 from torch.utils import _pytree as pytree
 
 from .errors import TraceError
+from .ir.modules import rehome_reads
 from .ir.program import InputSpec
 from .layers import is_compressible
 from .runtime.experts import ExpertLinear
-from .runtime.module_kinds import runs_as
+from .runtime.module_kinds import embedding_on, linear_on, runs_as
 
 __all__ = ["trace", "split_example_inputs"]
 
@@ -51,43 +52,12 @@ def own_forward(module: nn.Module) -> bool:
             or (isinstance(module, nn.Linear) and not runs_as(module, nn.Linear)))
 
 
-def rehome_reads(gm: fx.GraphModule, path: str, keep: tuple[str, ...] = ("weight", "bias")) -> None:
-    """Move the tensors the graph reads of the module at ``path`` (a scale
-    buffer, ...) other than ``keep`` to the graph module's root, so that the
-    module can be replaced by a layer that does not hold them."""
-    for node in gm.graph.nodes:
-        owner, _, leaf = str(node.target).rpartition(".")
-        if node.op != "get_attr" or owner != path or leaf in keep:
-            continue
-        holder = gm.get_submodule(path)
-        value = getattr(holder, leaf)
-        name = f"{path}.{leaf}".replace(".", "_")
-        while hasattr(gm, name):
-            name += "_"
-        if isinstance(value, nn.Parameter):
-            gm.register_parameter(name, value)
-        elif isinstance(value, torch.Tensor):
-            gm.register_buffer(name, value, persistent=leaf not in holder._non_persistent_buffers_set)
-        else:
-            setattr(gm, name, value)
-        node.target = name
-
-
 def plain_copy(module: nn.Module) -> nn.Module:
-    """A plain ``nn.Embedding`` / ``nn.Linear`` on ``module``'s own parameters
-    (the same ``Parameter`` objects: ties and the user's training see them)."""
+    """A plain ``nn.Embedding`` / ``nn.Linear`` on ``module``'s own parameters."""
     if isinstance(module, nn.Embedding):
-        plain = nn.Embedding(1, 1, device="meta")
-        for attr in ("num_embeddings", "embedding_dim", "padding_idx", "max_norm", "norm_type",
-                     "scale_grad_by_freq", "sparse"):
-            setattr(plain, attr, getattr(module, attr))
-        plain.weight = module.weight
-    else:
-        plain = nn.Linear(1, 1, bias=module.bias is not None, device="meta")
-        plain.in_features, plain.out_features = module.in_features, module.out_features
-        plain.weight, plain.bias = module.weight, module.bias
-    plain.train(module.training)
-    return plain
+        return embedding_on(module.weight, module.padding_idx, module.max_norm, module.norm_type,
+                            module.scale_grad_by_freq, module.sparse, module.training)
+    return linear_on(module.weight, module.bias, module.training)
 
 
 def split_example_inputs(example_inputs: Any) -> tuple[tuple, dict] | None:

@@ -1,9 +1,10 @@
-"""Small helpers on module trees, shared by the IR and its printers."""
+"""Small helpers on module trees, shared by the IR, its printers, the frontend and the passes."""
 from __future__ import annotations
 
-from torch import nn
+import torch
+from torch import fx, nn
 
-__all__ = ["count_params", "module_at"]
+__all__ = ["count_params", "module_at", "rehome_reads"]
 
 
 def count_params(module: nn.Module) -> int:
@@ -19,3 +20,25 @@ def module_at(root: nn.Module, target: str) -> nn.Module | None:
     except AttributeError:
         return None
     return mod if isinstance(mod, nn.Module) else None
+
+
+def rehome_reads(gm: fx.GraphModule, path: str, keep: tuple[str, ...] = ("weight", "bias")) -> None:
+    """Move the tensors the graph reads of the module at ``path`` (a scale
+    buffer, ...) other than ``keep`` to the graph module's root, so that the
+    module can be replaced by a layer that does not hold them."""
+    for node in gm.graph.nodes:
+        owner, _, leaf = str(node.target).rpartition(".")
+        if node.op != "get_attr" or owner != path or leaf in keep:
+            continue
+        holder = gm.get_submodule(path)
+        value = getattr(holder, leaf)
+        name = f"{path}.{leaf}".replace(".", "_")
+        while hasattr(gm, name):
+            name += "_"
+        if isinstance(value, nn.Parameter):
+            gm.register_parameter(name, value)
+        elif isinstance(value, torch.Tensor):
+            gm.register_buffer(name, value, persistent=leaf not in holder._non_persistent_buffers_set)
+        else:
+            setattr(gm, name, value)
+        node.target = name

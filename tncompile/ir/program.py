@@ -106,7 +106,9 @@ class InputSpec:
                             f"dim). Compile with example_inputs of the size you run, or make the code shape-generic.")
                     continue
                 symbol, low, high = want
-                if size < low and not (low == 2 and size == 1) or (high is not None and size > high):
+                # a lower bound of 2 is export's 0/1 specialization, which lets size 1 through as PyTorch does
+                too_small = size < low and not (low == 2 and size == 1)
+                if too_small or (high is not None and size > high):
                     raise ValueError(f"input {name!r} dim {i} is {size}, outside the range [{low}, "
                                      f"{'inf' if high is None else high}] the model was traced for")
                 if not symbol:

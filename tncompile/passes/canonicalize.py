@@ -33,9 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ..frontend import rehome_reads
+from ..ir.modules import rehome_reads
 from ..ir.program import Program
-from ..runtime.module_kinds import runs_as
+from ..runtime.module_kinds import embedding_on, linear_on, runs_as
 from .base import Pass, register_pass
 from .rules import Match, Pat, Rule, apply_rules
 
@@ -146,12 +146,7 @@ def _fold_linear(m: Match) -> None:
     reads = [a for a in (_arg(node, 1, "weight", None), _arg(node, 2, "bias", None)) if a is not None]
     mod = gm.get_submodule(path)
     if not runs_as(mod, nn.Linear):  # stand a real nn.Linear on the same parameters
-        out_f, in_f = mod.weight.shape
-        lin = nn.Linear(in_f, out_f, bias="bias" in mod._parameters, device="meta")
-        lin.weight = mod.weight
-        lin.bias = mod._parameters.get("bias")
-        lin.train(mod.training)
-        gm.set_submodule(path, lin)
+        gm.set_submodule(path, linear_on(mod.weight, mod._parameters.get("bias"), mod.training))
     m.replace_root(lambda g: g.call_module(path, (node.args[0],)))
     for read in reads:  # the weight and bias reads, unless something else uses them too
         if not read.users:
@@ -187,12 +182,9 @@ def _fold_embedding(m: Match) -> None:
     holder = gm.get_submodule(path)
     values = {name: _arg(node, 2 + i, name, None) for i, name in enumerate(options)}
     padding = values["padding_idx"]
-    emb = nn.Embedding(*holder.weight.shape, padding_idx=None if padding in (None, -1) else padding,
-                       max_norm=values.get("max_norm"), norm_type=values.get("norm_type") or 2.0,
-                       scale_grad_by_freq=bool(values["scale_grad_by_freq"]), sparse=bool(values["sparse"]),
-                       device="meta")
-    emb.weight = holder.weight
-    emb.train(holder.training)
+    emb = embedding_on(holder.weight, None if padding in (None, -1) else padding, values.get("max_norm"),
+                       values.get("norm_type") or 2.0, bool(values["scale_grad_by_freq"]), bool(values["sparse"]),
+                       holder.training)
     rehome_reads(gm, path, keep=("weight",))  # other tensors the traced forward reads stay reachable
     gm.set_submodule(path, emb)
     ids = _arg(node, ids_at, "input" if node.target is F.embedding else "indices", None)

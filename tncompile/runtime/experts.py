@@ -93,15 +93,9 @@ class TTExperts(TNModule):
         super().__init__()
         if not isinstance(layout, TTLayout):
             raise TypeError(f"TTExperts needs a TTLayout, got {type(layout).__name__}")
-        if layout.ranks is None:
-            raise ValueError("TTExperts needs a layout with ranks; call layout.with_ranks(r) first")
-        self.layout = layout
-        kw = {"device": device, "dtype": dtype}
-        experts = layout.experts
-        self.cores = nn.ParameterList(nn.Parameter(torch.zeros(experts, *s, **kw)) for s in layout.core_shapes())
-        self.gates = nn.ParameterList(nn.Parameter(torch.ones(experts, r, **kw)) for r in layout.ranks)
+        self._init_params(layout, device, dtype)
         self.in_features, self.out_features = layout.in_features, layout.out_features
-        self.num_experts = experts
+        self.num_experts = layout.experts
         self.transposed_storage = bool(transposed_storage)
 
     @classmethod
@@ -162,18 +156,15 @@ class TTExperts(TNModule):
             pieces.append(_apply_matrix(self, x[start:end], None, lay.in_features, lay.in_modes,
                                         lay.out_features, lay.padded_out, contract_rows))
             done = end
-        if done < x.shape[0]:  # rows past the last expert's block (none in a plain MoE block)
+        if done < x.shape[0] or not pieces:  # rows past the last expert's block (none in a plain MoE block)
             pieces.append(x.new_zeros(x.shape[0] - done, self.out_features))
-        return torch.cat(pieces) if len(pieces) > 1 else pieces[0] if pieces else x.new_zeros(0, self.out_features)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
     def to_dense_module(self) -> ExpertLinear:
         with torch.no_grad():
             w = self.weight()
             w = w.transpose(-2, -1) if self.transposed_storage else w
             return ExpertLinear(nn.Parameter(w.contiguous().clone()), transposed=self.transposed_storage)
-
-    def extra_repr(self) -> str:
-        return f"{self.layout.describe()}, params={self.compressed_params():,}"
 
 
 def experts_rows(rows: int, experts: int) -> int:

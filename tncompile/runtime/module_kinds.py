@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["is_hf_conv1d", "linear_weight_of", "runs_as"]
+__all__ = ["is_hf_conv1d", "linear_weight_of", "runs_as", "linear_on", "embedding_on"]
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:
@@ -20,6 +20,25 @@ def linear_weight_of(module: nn.Module) -> torch.Tensor:
     if is_hf_conv1d(module):
         return module.weight.t()  # HF Conv1D stores [in, out]
     raise TypeError(f"{type(module).__name__} is not a linear layer")
+
+
+def linear_on(weight: nn.Parameter, bias: nn.Parameter | None, training: bool = True) -> nn.Linear:
+    """A plain ``nn.Linear`` holding these very ``Parameter`` objects (not copies:
+    ties, and the optimizer the user built, still see them)."""
+    out_f, in_f = weight.shape
+    lin = nn.Linear(in_f, out_f, bias=bias is not None, device="meta")
+    lin.weight, lin.bias = weight, bias
+    return lin.train(training)
+
+
+def embedding_on(weight: nn.Parameter, padding_idx: int | None = None, max_norm: float | None = None,
+                 norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False,
+                 training: bool = True) -> nn.Embedding:
+    """A plain ``nn.Embedding`` holding this very ``Parameter`` (see :func:`linear_on`)."""
+    emb = nn.Embedding(*weight.shape, padding_idx=padding_idx, max_norm=max_norm, norm_type=norm_type,
+                       scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, device="meta")
+    emb.weight = weight
+    return emb.train(training)
 
 
 def runs_as(module: nn.Module, cls: type) -> bool:

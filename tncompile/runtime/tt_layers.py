@@ -137,13 +137,16 @@ class TNModule(nn.Module):
     transient_state = ("_chain_choice", "_fused_choice")  # caches, not saved with the model
 
     def _init_params(self, layout, device, dtype) -> None:
+        """Zero cores and unit gates for ``layout`` (with a leading dim of
+        ``layout.copies`` when the layer stacks networks: ``stacked``)."""
         if layout.ranks is None:
             raise ValueError(f"{type(self).__name__} needs a layout with ranks; "
                              "call layout.with_ranks(r) first")
         self.layout = layout
         kw = {"device": device, "dtype": dtype}
-        self.cores = nn.ParameterList(nn.Parameter(torch.zeros(s, **kw)) for s in layout.core_shapes())
-        self.gates = nn.ParameterList(nn.Parameter(torch.ones(r, **kw)) for r in layout.ranks)
+        lead = (layout.copies,) * self.stacked
+        self.cores = nn.ParameterList(nn.Parameter(torch.zeros(*lead, *s, **kw)) for s in layout.core_shapes())
+        self.gates = nn.ParameterList(nn.Parameter(torch.ones(*lead, r, **kw)) for r in layout.ranks)
 
     def scaled_cores(self) -> list[torch.Tensor]:
         """Cores with each gate multiplied into its left core's right bond."""
