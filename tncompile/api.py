@@ -10,6 +10,7 @@ from torch import nn
 from . import frontend
 from .compiled import CompiledModel
 from .ir.program import Program, count_params
+from .layers import is_compressible
 from .options import CompileOptions, check_target_ratio
 from .passes import Pass, Pipeline, default_pipeline
 
@@ -25,6 +26,10 @@ def _pipeline(passes: Pipeline | Sequence[Pass | str] | None) -> Pipeline:
         return Pipeline(passes.passes)  # a copy: running never edits the caller's pipeline
     if isinstance(passes, (str, Pass)):
         passes = [passes]
+    if not isinstance(passes, (list, tuple)):
+        raise TypeError(f"passes must be a Pipeline, or a list of pass names / Pass objects, got "
+                        f"{type(passes).__name__} {passes!r}; e.g. passes=tncompile.default_pipeline()"
+                        ".insert_after('tensorize', MyPass())")
     return Pipeline(passes)
 
 
@@ -89,14 +94,17 @@ def compile(
     -------
     CompiledModel
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"tncompile.compile expects an nn.Module, got {type(model).__name__}")
+    _check_model(model)
     check_target_ratio(target_ratio)
     options = CompileOptions(target_ratio=target_ratio, target_modules=target_modules,
                              exclude_modules=exclude_modules, rank_pattern=rank_pattern, init=init,
                              batch_sizes=batch_sizes, linear_cores=linear_cores,
                              embedding_cores=embedding_cores, seed=seed, prefer=prefer)
     pipeline = _pipeline(passes)
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be True or False, got {type(inplace).__name__} {inplace!r} "
+                        "(True swaps the compressed layers into the model you pass)")
+    _check_dump_dir(dump_dir)
     dump_dir = dump_dir if dump_dir is not None else os.environ.get(DUMP_ENV) or None
     work = model if inplace else copy.deepcopy(model)
     gm, inputs = frontend.trace(work, example_inputs)
@@ -108,6 +116,35 @@ def compile(
     if inplace:
         _swap_into(model, program)
     return compiled
+
+
+def _check_model(model: Any) -> None:
+    """What ``compile`` cannot take as a model, with the fix."""
+    if isinstance(model, CompiledModel):
+        raise TypeError("model is already a CompiledModel; compile the original dense model again "
+                        "(or compiled.to_dense()) to compress it to another target_ratio, or shrink it "
+                        "further by training with tncompile.RankController")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tncompile.compile expects an nn.Module, got {type(model).__name__}")
+    if is_compressible(model):
+        kind = type(model).__name__
+        single = ("tncompile.runtime.TTMEmbedding.from_embedding(layer, rank=...)" if isinstance(model, nn.Embedding)
+                  else "tncompile.runtime.TTLinear.from_linear(layer, rank=...)")
+        raise TypeError(f"the model is a single {kind}: compile() compresses the layers inside a model. "
+                        f"Use {single} for one layer, or compile(nn.Sequential(layer), ...)")
+
+
+def _check_dump_dir(dump_dir: Any) -> None:
+    if dump_dir is None:
+        return
+    if not isinstance(dump_dir, (str, os.PathLike)):
+        raise TypeError(f"dump_dir must be a directory path or None, got {type(dump_dir).__name__} {dump_dir!r}")
+    if not str(dump_dir).strip():
+        raise ValueError("dump_dir is empty; give a directory to write the IR after every pass into "
+                         "(e.g. dump_dir='ir_dumps'), or None to not dump")
+    if os.path.exists(dump_dir) and not os.path.isdir(dump_dir):
+        raise ValueError(f"dump_dir {str(dump_dir)!r} is a file, not a directory; give a directory to "
+                         "write the IR dumps into")
 
 
 def _swap_into(model: nn.Module, program: Program) -> None:

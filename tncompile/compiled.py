@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from torch import fx, nn
@@ -36,7 +37,11 @@ class CompiledModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         args, kwargs = self._program.inputs.bind(args, kwargs)
-        return self.model(*args, **kwargs)
+        try:
+            return self.model(*args, **kwargs)
+        except TypeError as e:  # only now look at why: no cost on calls that fit
+            _explain_call(self.model, args, kwargs, e)
+            raise
 
     @property
     def ratio(self) -> float:
@@ -87,3 +92,14 @@ class CompiledModel(nn.Module):
 
     def extra_repr(self) -> str:
         return f"ratio={self.ratio:.4f}, frontend={self._program.inputs.frontend}"
+
+
+def _explain_call(model: fx.GraphModule, args: tuple, kwargs: dict, error: TypeError) -> None:
+    """Raise a ``TypeError`` naming the compiled model's inputs when ``error``
+    came from a call that does not fit them (not from inside the model)."""
+    signature = inspect.signature(model.forward)
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError as mismatch:
+        raise TypeError(f"the compiled {model.__class__.__name__} takes {signature} (the traced model's "
+                        f"inputs): {mismatch}") from error

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.fx.passes.shape_prop import ShapeProp
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
 from .errors import TraceError
@@ -128,10 +128,37 @@ def _propagate_shapes(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs:
     values = [bound.arguments.get(p.target, p.args[0] if p.args else None) for p in placeholders]
     try:
         with torch.no_grad():
-            ShapeProp(gm).propagate(*values)
-    except Exception as e:
-        raise ValueError(f"example_inputs do not fit {type(model).__name__}: running the model "
-                         f"on them failed with {type(e).__name__}: {e}") from e
+            _ShapeRecorder(gm).run(*values)
+    except _NodeFailed as failed:
+        e, node = failed.__cause__, failed.node
+        where = (f"layer {node.target!r} ({type(gm.get_submodule(node.target)).__name__})"
+                 if node.op == "call_module" else f"the operation {node.name!r} ({node.format_node()})")
+        raise ValueError(f"example_inputs do not fit {type(model).__name__}: {where} failed with "
+                         f"{type(e).__name__}: {e}") from e
+
+
+class _NodeFailed(Exception):
+    def __init__(self, node: fx.Node):
+        super().__init__(node.format_node())
+        self.node = node
+
+
+class _ShapeRecorder(fx.Interpreter):
+    """Run the graph once and record each value's ``tensor_meta`` (what fx's
+    ``ShapeProp`` does, but a failure names the node and keeps its real cause
+    instead of printing a traceback to stderr)."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            result = super().run_node(n)
+        except Exception as e:
+            raise _NodeFailed(n) from e
+        tensors = [v for v in pytree.tree_leaves(result) if isinstance(v, torch.Tensor)]
+        if tensors:
+            n.meta["tensor_meta"] = fx.node.map_aggregate(
+                result, lambda v: _extract_tensor_metadata(v) if isinstance(v, torch.Tensor) else v)
+        n.meta["type"] = type(result)
+        return result
 
 
 # ----------------------------------------------------------------- export path

@@ -6,7 +6,9 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["CompileOptions", "check_target_ratio", "PREFER"]
+from .passes.selection import check_entry
+
+__all__ = ["CompileOptions", "check_target_ratio", "check_batch_sizes", "PREFER", "MAX_ROWS"]
 
 #: ``compile(prefer=...)``: what wins when a network at the budget's rank would cost
 #: more to run than its dense layer.
@@ -23,6 +25,29 @@ def check_target_ratio(target_ratio: Any, argument: str = "target_ratio") -> flo
         raise ValueError(f"{argument} must be in (0, 1], got {target_ratio!r}; it is "
                          f"params(compiled) / params(model), e.g. 0.05 for 20x smaller")
     return value
+
+
+#: Most rows a contraction is planned for (beyond it index arithmetic overflows int32
+#: kernels and no device holds the activations).
+MAX_ROWS = 2**31 - 1
+
+
+def check_batch_sizes(batch_sizes: Any, argument: str = "batch_sizes") -> list[int] | None:
+    """Validate ``compile(batch_sizes=...)``: ``None`` or a list of ints in ``[1, 2**31)``."""
+    if batch_sizes is None:
+        return None
+    example = f"e.g. {argument}=[32, 256]"
+    if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, (list, tuple, set, frozenset, range)):
+        raise TypeError(f"{argument} must be a list of positive ints, got {type(batch_sizes).__name__} "
+                        f"{batch_sizes!r}; {example}")
+    out = []
+    for b in batch_sizes:
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral):
+            raise TypeError(f"{argument} entries must be ints, got {type(b).__name__} {b!r}; {example}")
+        if not 1 <= b <= MAX_ROWS:
+            raise ValueError(f"{argument} entries must be in [1, {MAX_ROWS}], got {b!r}; {example}")
+        out.append(int(b))
+    return sorted(set(out))
 
 
 @dataclass
@@ -52,6 +77,17 @@ class CompileOptions:
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
         if self.rank_pattern is not None:
+            if not isinstance(self.rank_pattern, dict):
+                raise TypeError(f"rank_pattern must be a dict {{module-name suffix or 're:<regex>': rank}}, "
+                                f"got {type(self.rank_pattern).__name__} {self.rank_pattern!r}; "
+                                "e.g. rank_pattern={'fc1': 8}")
             for k, v in self.rank_pattern.items():
+                if not isinstance(k, str):
+                    raise TypeError(f"rank_pattern keys must be module-name suffixes or 're:<regex>' "
+                                    f"strings, got {k!r}")
+                check_entry(k, "rank_pattern")
                 if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                     raise ValueError(f"rank_pattern[{k!r}] must be a positive int rank, got {v!r}")
+        self.batch_sizes = check_batch_sizes(self.batch_sizes)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
+            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__} {self.seed!r}")

@@ -9,7 +9,7 @@ from ..runtime.experts import experts_rows
 from .base import Pass, register_pass
 from .pending import PendingLayer
 from .plan_contractions import example_rows
-from .selection import pattern_lookup
+from .selection import check_pattern_keys, pattern_lookup
 
 __all__ = ["AssignRanks"]
 
@@ -77,6 +77,7 @@ class AssignRanks(Pass):
         base = sum(p.numel() for p in unique.values())
         budget = opts.target_ratio * program.original_params
 
+        check_pattern_keys(owners, opts.rank_pattern, "rank_pattern")
         fixed = {n: r for n in owners if (r := pattern_lookup(n, opts.rank_pattern)) is not None}
         caps = {n: self._cap(m.layout) for n, m in owners.items()}
         rows = self._traced_rows(program, owners)

@@ -228,6 +228,10 @@ def _run_checked(p: Pass, program: Program) -> Program:
             program = result
         try:
             program.graph.lint()
+            outputs = sum(n.op == "output" for n in program.graph.nodes)
+            if outputs != 1:
+                raise RuntimeError(f"the graph has {outputs} output nodes, it needs exactly one "
+                                   "(a pass may replace the output's arguments, never remove the node)")
             program.graph_module.recompile()
         except Exception as e:
             raise PassError(p.name, RuntimeError(f"left an invalid graph: {e}")) from e

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Sequence
 
-__all__ = ["matches", "select_modules", "pattern_lookup"]
+__all__ = ["matches", "select_modules", "pattern_lookup", "check_entry", "check_pattern_keys"]
 
 
 def _entries(spec: str | Sequence[str] | None, argument: str) -> list[str]:
@@ -39,18 +39,32 @@ def select_modules(names: Iterable[str], target: str | Sequence[str] | None,
     excludes = _entries(exclude, "exclude_modules")
     for argument, entries in (("target_modules", targets), ("exclude_modules", excludes)):
         for e in entries:
-            if e.startswith("re:"):
-                try:
-                    re.compile(e[3:])
-                except re.error as err:
-                    raise ValueError(f"{argument} entry {e!r} is not a valid regex: {err}") from err
-            if not any(matches(n, e) for n in names):
-                shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
-                raise ValueError(f"{argument} entry {e!r} matches no compressible module; "
-                                 f"compressible modules are: {shown}")
+            check_entry(e, argument, names)
     chosen = {n for n in names if any(matches(n, e) for e in targets)}
     excluded = {n for n in chosen if any(matches(n, e) for e in excludes)}
     return chosen - excluded, excluded
+
+
+def check_entry(entry: str, argument: str, names: Sequence[str] | None = None,
+                what: str = "compressible module") -> None:
+    """Raise ``ValueError`` if ``entry`` is a bad ``re:`` regex or (given
+    ``names``) matches none of them."""
+    if entry.startswith("re:"):
+        try:
+            re.compile(entry[3:])
+        except re.error as err:
+            raise ValueError(f"{argument} entry {entry!r} is not a valid regex: {err}") from err
+    if names is not None and not any(matches(n, entry) for n in names):
+        shown = ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
+        raise ValueError(f"{argument} entry {entry!r} matches no {what}; {what}s are: {shown}")
+
+
+def check_pattern_keys(names: Iterable[str], pattern: dict[str, int] | None, argument: str) -> None:
+    """Every key of ``pattern`` must match one of ``names`` (a key that matches
+    nothing is a typo that would otherwise be silently ignored)."""
+    names = sorted(names)
+    for key in pattern or {}:
+        check_entry(key, argument, names, what="tensorized layer")
 
 
 def pattern_lookup(name: str, pattern: dict[str, int] | None) -> int | None:

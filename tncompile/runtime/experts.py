@@ -20,7 +20,7 @@ from ..formats.decompose import random_cores, tt_from_linear_weight, tt_to_dense
 from ..formats.layout import TTLayout
 from .executor import contract
 from .grouped import group_bounds, grouped_mm
-from .tt_layers import INITS, TNModule, _apply_matrix, _drop_boundary
+from .tt_layers import INITS, TNModule, _apply_matrix, _drop_boundary, check_input_dtype
 
 __all__ = ["ExpertLinear", "TTExperts", "experts_rows"]
 
@@ -137,6 +137,7 @@ class TTExperts(TNModule):
     def forward(self, x: Tensor, offs: Tensor) -> Tensor:
         if x.dim() != 2 or x.shape[-1] != self.in_features:
             raise ValueError(f"TTExperts expected x of shape (rows, {self.in_features}), got {tuple(x.shape)}")
+        check_input_dtype(self, x)
         if x.device.type != "cpu" or torch.compiler.is_compiling():
             return grouped_mm(x, self.weight().transpose(-2, -1), offs)
         return self._per_expert(x, offs)

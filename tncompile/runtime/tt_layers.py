@@ -73,6 +73,7 @@ def _apply_matrix(module: "TNModule", x: torch.Tensor, bias, in_dim: int, in_mod
 
     ``x``: ``(..., in_dim)`` -> ``(..., out_dim)``.
     """
+    check_input_dtype(module, x)
     if x.shape[-1] != in_dim:
         raise ValueError(f"{type(module).__name__} expected last dim {in_dim}, got shape {tuple(x.shape)}")
     first_cpu_use(x)
@@ -89,6 +90,21 @@ def _apply_matrix(module: "TNModule", x: torch.Tensor, bias, in_dim: int, in_mod
     if padded_out != out_dim:
         return y.reshape(rows, padded_out)[:, :out_dim].reshape(*lead, out_dim)
     return y.reshape(*lead, out_dim)
+
+
+def check_input_dtype(module: nn.Module, x: torch.Tensor) -> None:
+    """Raise ``TypeError`` when ``x``'s dtype is not the layer's (as ``nn.Linear`` does,
+    but saying which layer and the fix); autocast regions mix dtypes on purpose."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{type(module).__name__}: the input must be a Tensor, got {type(x).__name__}")
+    dtype = next(iter(module.cores._parameters.values())).dtype if hasattr(module, "cores") else None
+    if dtype is None or x.dtype == dtype or torch.is_autocast_enabled(x.device.type):
+        return
+    if not (x.is_floating_point() or x.is_complex()):
+        raise TypeError(f"{type(module).__name__}: the input is {x.dtype}; it takes floating-point inputs "
+                        f"of the layer's dtype: x.to({dtype})")
+    raise TypeError(f"{type(module).__name__}: the input is {x.dtype} but the layer's cores are {dtype}; "
+                    f"cast the input (x.to({dtype})) or the model (compiled.to({x.dtype}))")
 
 
 def _require_int_ids(ids: torch.Tensor) -> None:

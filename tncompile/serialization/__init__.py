@@ -67,6 +67,19 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
     """
     if not isinstance(compiled, CompiledModel):
         raise TypeError(f"tncompile.save expects a CompiledModel, got {type(compiled).__name__}")
+    path = _file_path(path, "save")
+    directory = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise IsADirectoryError(f"tncompile.save: {str(path)!r} is a directory; give a file path, "
+                                f"e.g. {str(path / 'model.tnc')!r}")
+    if not directory.is_dir():
+        raise FileNotFoundError(f"tncompile.save: the directory {str(directory)!r} of {str(path)!r} does not "
+                                "exist; create it first (os.makedirs)")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"tncompile.save: optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__} {optimizer!r}")
+    if controller is not None and not (hasattr(controller, "state_dict") and hasattr(controller, "penalty")):
+        raise TypeError(f"tncompile.save: controller must be a RankController, got {type(controller).__name__}")
     prog = compiled.program
     enc = Encoder()
     manifest = {
@@ -83,8 +96,6 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
     text = json.dumps(manifest)
     metadata = {"format": FORMAT, "version": str(VERSION), "manifest": text,
                 "sha256": _digest(enc.tensors, text)}
-    path = Path(path)
-    directory = path.parent if str(path.parent) else Path(".")
     _remove_orphaned_temporaries(path, directory)
     fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.{os.getpid()}.", suffix=".tmp", dir=directory)
     try:
@@ -99,6 +110,13 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _file_path(path: Any, verb: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+        raise TypeError(f"tncompile.{verb}: path must be a file path (str or os.PathLike), got "
+                        f"{type(path).__name__} {path!r}")
+    return Path(path)
 
 
 def _remove_orphaned_temporaries(path: Path, directory: Path) -> None:
@@ -204,7 +222,17 @@ def load(path: str | os.PathLike, map_location=None, *, trust: bool = False) -> 
     ValueError
         Not a tncompile file, written by a newer tncompile, or damaged.
     """
-    path = Path(path)
+    path = _file_path(path, "load")
+    if path.is_dir():
+        raise IsADirectoryError(f"tncompile.load: {str(path)!r} is a directory; give the file tncompile.save wrote")
+    if not path.exists():
+        raise FileNotFoundError(f"tncompile.load: no file {str(path)!r}")
+    if map_location is not None:
+        try:
+            torch.device(map_location)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"tncompile.load: map_location={map_location!r} is not a device "
+                             "(e.g. 'cpu', 'cuda', 'cuda:1' or a torch.device)") from e
     kind = _file_kind(path)
     if kind == "pickle":
         if not trust:
@@ -258,7 +286,7 @@ def _metadata(path: Path) -> dict[str, str]:
         with safe_open(str(path), framework="pt") as f:
             return dict(f.metadata() or {})
     except Exception as e:  # safetensors raises its own error types for bad headers
-        raise ValueError(f"{path} is not a readable tncompile file: {e}") from e
+        raise ValueError(f"{path} is not a readable tncompile file (truncated by an interrupted copy, or damaged): {e}") from e
 
 
 def _load_v1(path: Path, map_location) -> CompiledModel:
@@ -295,6 +323,9 @@ def resume(compiled: CompiledModel, optimizer: torch.optim.Optimizer | None = No
     >>> ctl = tncompile.RankController(compiled, opt, target_ratio=0.01)
     >>> extra = tncompile.resume(compiled, opt, ctl)
     """
+    if not isinstance(compiled, CompiledModel):
+        raise TypeError(f"tncompile.resume expects the CompiledModel tncompile.load returned, got "
+                        f"{type(compiled).__name__}")
     state = getattr(compiled, "training_state", None)
     if state is None:
         raise ValueError("this model carries no training state: load it with tncompile.load from a file "

@@ -85,6 +85,13 @@ def param_groups(compiled: nn.Module, lr: float, *, core_lr: float | None = None
     """
     if not hasattr(compiled, "tensorized_modules"):
         raise TypeError(f"param_groups expects a CompiledModel, got {type(compiled).__name__}")
+    for name, value in (("lr", lr), ("core_lr", core_lr), ("gate_lr", gate_lr), ("weight_decay", weight_decay)):
+        if value is None and name != "lr":
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value < 0 or (value == 0 and name != "weight_decay"):
+            raise ValueError(f"param_groups: {name} must be a finite number > 0"
+                             f"{' (>= 0 for weight_decay)' if name == 'weight_decay' else ''}, got {value!r}")
     owners = _owners(compiled).values()
     cores = {id(p): p for m in owners for p in m.cores._parameters.values()}
     gates = {id(p): p for m in owners for p in m.gates._parameters.values()}
@@ -343,13 +350,22 @@ class RankController:
     def early_penalty(self) -> torch.Tensor:
         """``rank_weight * sum|g| / #g + core_weight * sum ||G||^2``."""
         gates = list(self._gates())
+        if not gates:  # every layer was removed: nothing left to pull on
+            return self._zero()
         count = sum(g.numel() for g in gates)
         l1 = torch.stack([g.abs().sum() for g in gates]).sum() / count
         return self.rank_weight * l1 + self._core_term()
 
     def _core_term(self) -> torch.Tensor:
-        sq = torch.stack([c.pow(2).sum() for c in self._cores()]).sum()
-        return self.core_weight * sq
+        cores = list(self._cores())
+        if not cores:
+            return self._zero()
+        return self.core_weight * torch.stack([c.pow(2).sum() for c in cores]).sum()
+
+    def _zero(self) -> torch.Tensor:
+        """A zero penalty on the model's device (once every layer has been removed)."""
+        first = next(self.compiled.parameters(), None)
+        return torch.zeros((), device=first.device if first is not None else None)
 
     def penalty(self, task_loss: torch.Tensor) -> torch.Tensor:
         """The stage's extra loss: train on ``task_loss + penalty(task_loss)``.
@@ -361,6 +377,9 @@ class RankController:
         self._count_nonfinite(task_loss)
         if self.stage == "early":
             self._track(task_loss)
+        if not self._layers:  # every layer was removed: plain training from here on
+            return task_loss.new_zeros(())
+        if self.stage == "early":
             return self.early_penalty()
         if self.schedule == "budget":  # cuts enforce the size; gates keep their pull until the last cut
             return self._core_term() if self.recovering else self.early_penalty()
@@ -411,6 +430,8 @@ class RankController:
         """The scalarized late-stage loss (replaces ``task_loss``); see the module doc."""
         if self._target_loss is None:
             raise RuntimeError("late stage has no target loss; call start_late_stage() first")
+        if not self._layers:  # every layer was removed: nothing left to trade against the loss
+            return task_loss
         if self._target_loss.device != task_loss.device:  # once: no copy per step (capturable)
             self._target_loss = self._target_loss.to(task_loss.device)
         target = self._target_loss.to(task_loss.dtype)
@@ -542,6 +563,11 @@ class RankController:
         remap_optimizer(self.optimizer, truncate.cuts + dropped, self.optimizer_state)
         self.version += 1
         self._refresh()
+        if collapse and not self._layers:
+            warnings.warn(f"RankController: rank adaptation removed every TT/TTM layer (step {self.steps_done}); "
+                          f"the model is at ratio {self.compiled.ratio:.4g} and trains on without a rank "
+                          "penalty. Pass allow_layer_removal=False to keep each layer at rank >= 1.",
+                          RuntimeWarning, stacklevel=2)
         return event
 
     def _nonfinite_gates(self) -> set[str]:
@@ -639,6 +665,11 @@ class RankController:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved (into a controller built on the
         reloaded model and optimizer)."""
+        missing = [k for k in ("stage", "steps_done", "version", "target_loss", "ema", "ema_weight", "early_steps")
+                   if k not in state] if isinstance(state, dict) else ["(not a dict)"]
+        if missing:
+            raise ValueError(f"RankController.load_state_dict: not a controller state (missing {missing}); "
+                             "pass what RankController.state_dict() returned")
         if state["stage"] not in STAGES:
             raise ValueError(f"unknown stage {state['stage']!r} in controller state")
         self.stage = state["stage"]

@@ -5,6 +5,7 @@ import itertools
 import os
 import sys
 from time import perf_counter
+from collections import abc
 from typing import Any, Callable, Iterable
 
 import torch
@@ -95,6 +96,17 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
     for name, value in (("early_steps", early_steps), ("late_steps", late_steps)):
         if not (isinstance(value, int) and value >= 0):
             raise ValueError(f"fit: {name} must be an int >= 0, got {value!r}")
+    for name, value, allow_none in (("log_every", log_every, False), ("eval_every", eval_every, True),
+                                    ("checkpoint_every", checkpoint_every, True)):
+        if value is None and allow_none:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"fit: {name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
+    if not isinstance(train_loader, abc.Iterable) or isinstance(train_loader, (str, bytes, torch.Tensor)):
+        raise TypeError(f"fit: train_loader must be an iterable of (inputs, targets) batches (a DataLoader, "
+                        f"a list), got {type(train_loader).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"fit: loss_fn must be callable as loss_fn(outputs, targets), got {type(loss_fn).__name__}")
     if (checkpoint_path is None) != (checkpoint_every is None):
         raise ValueError("fit: give checkpoint_path and checkpoint_every together")
     if controller.compiled is not compiled:

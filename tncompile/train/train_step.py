@@ -193,6 +193,9 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         with self._autocast():
             loss = self.loss_fn(call_model(self._forward, inputs), targets)
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(f"TrainStep: loss_fn must return a scalar tensor (to backpropagate through), got "
+                            f"{type(loss).__name__} {loss!r}")
         if loss.dim() != 0:
             raise ValueError(f"TrainStep: loss_fn must return a scalar, got shape {tuple(loss.shape)}")
         total = loss.float() + self.controller.penalty(loss.float()) if self.controller is not None else loss

@@ -48,7 +48,8 @@ def check_optimizer(optimizer: torch.optim.Optimizer | None, mode: str) -> None:
 
 
 def remap_optimizer(optimizer: torch.optim.Optimizer | None, cuts: Sequence[Cut], mode: str = "slice") -> None:
-    """Point ``optimizer`` at the new parameters and slice (or reset) their state.
+    """Point ``optimizer`` at the new parameters and slice (or reset) their state
+    (LBFGS: its flat curvature history over all parameters is dropped).
 
     A cut whose ``new`` is ``None`` removes the parameter from its group.
     """
@@ -63,7 +64,14 @@ def remap_optimizer(optimizer: torch.optim.Optimizer | None, cuts: Sequence[Cut]
                 params.append(p)
             elif cut.new is not None:
                 params.append(cut.new)
-        group["params"] = params
+        # in place: optimizers that keep their own reference to the list (LBFGS's
+        # ``_params``) must see the new parameters too, or they stop training them
+        group["params"][:] = params
+    if isinstance(optimizer, torch.optim.LBFGS):
+        # its state is one flat history over all parameters: no longer the right length
+        optimizer.state.clear()
+        optimizer._numel_cache = None  # its cached total size of the parameters
+        return
     for cut in cuts:
         state = optimizer.state.pop(cut.old, None)
         if not state or cut.new is None or mode == "reset":
