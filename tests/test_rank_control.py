@@ -416,3 +416,52 @@ def test_nonfinite_setting_is_checked():
     compiled = _mlp_compiled(torch.float32)
     with pytest.raises(ValueError, match="nonfinite must be one of"):
         tncompile.RankController(compiled, None, target_ratio=0.1, nonfinite="ignore")
+
+
+def test_training_goes_on_after_every_layer_is_removed():
+    """Rank adaptation may collapse every TT layer: it says so once, the penalty
+    becomes zero, and fit keeps training the rest (no internal error)."""
+    torch.manual_seed(0)
+    compiled = tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3)
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.1, allow_layer_removal=True, early_steps=0)
+    with torch.no_grad():
+        for mod in ctl.layers.values():
+            for g in mod.gates:
+                g.zero_()
+    with pytest.warns(RuntimeWarning, match="removed every TT/TTM layer"):
+        event = ctl.truncate()
+    assert event.removed == ["0"] and not ctl.layers
+    assert isinstance(compiled.model.get_submodule("0"), CollapsedLayer)
+    x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+    task = nn.functional.cross_entropy(compiled(x), y)
+    assert float(ctl.penalty(task)) == 0.0
+    ctl.start_late_stage()
+    assert ctl.late_objective(task) is task
+    history = tncompile.fit(compiled, [(x, y)], nn.functional.cross_entropy, opt, ctl, early_steps=0,
+                            late_steps=30, progress=False)
+    assert history.loss[-1] < history.loss[0]
+
+
+def test_lbfgs_with_reset_trains_cut_cores():
+    """LBFGS keeps its own reference to the parameter list and one flat history over
+    all parameters: after a cut it must train the new cores (not silently skip them)."""
+    torch.manual_seed(0)
+    compiled = tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3)
+    opt = torch.optim.LBFGS(compiled.parameters(), lr=0.1)
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.16, optimizer_state="reset", early_steps=0)
+    x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(compiled(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    _zero_gate_entries(ctl, fraction=0.3)
+    assert ctl.truncate().truncated
+    before = {n: p.detach().clone() for n, p in compiled.named_parameters()}
+    opt.step(closure)
+    unchanged = [n for n, p in compiled.named_parameters() if torch.equal(before[n], p)]
+    assert not unchanged, f"LBFGS stopped training {unchanged}"

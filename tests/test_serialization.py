@@ -144,6 +144,25 @@ def test_killed_saves_leave_no_temporaries(saved, tmp_path):
     assert sorted(p.name for p in path.parent.glob(f"{path.name}*")) == [path.name]
 
 
+def test_save_mode_follows_umask_and_syncs_file_and_directory(saved, monkeypatch):
+    """Like any file the user creates (not 0600), written durably: the file's data
+    is fsynced before the rename and its directory entry after it."""
+    import os
+    import stat
+    compiled, path, _ = saved
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")),
+                                                 real_fsync(fd))[1])
+    old = os.umask(0o022)
+    try:
+        tncompile.save(compiled, path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+    assert len(synced) == 2 and synced[0].endswith(".tmp") and synced[1] == str(path.parent)
+
+
 def test_damaged_tensors_are_detected(saved, tmp_path):
     _, path, _ = saved
     data = bytearray(path.read_bytes())

@@ -274,8 +274,11 @@ def _file_kind(path: Path) -> str:
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(9)
-    if len(head) == 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") + 8 <= size:
-        return "safetensors"  # an 8-byte header length, then the JSON header
+    if len(head) == 9 and head[8:9] == b"{":  # an 8-byte header length, then the JSON header
+        if int.from_bytes(head[:8], "little") + 8 > size:
+            raise ValueError(f"{path} is a truncated tncompile file ({size:,} bytes, shorter than its own "
+                             "header): an interrupted copy or save; copy or save it again")
+        return "safetensors"
     if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
         return "pickle"
     raise ValueError(f"{path} is not a tncompile file (save it with tncompile.save)")
