@@ -2,6 +2,7 @@
 
     python examples/demo.py                          # generated task
     python examples/demo.py --data ../shared/data/sst2   # SST-2 (BERT vocab beside it)
+    TNCOMPILE_DATA=../shared/data python examples/demo.py  # the same
 
 Steps: build the paper's model (6 layers, d_model 768, 12 heads, d_ff 3072,
 vocab 30522, sequence 128, 3 classes); compile it to the paper's starting
@@ -18,6 +19,7 @@ import multiprocessing as mp
 import os
 import statistics
 import time
+import sys
 from pathlib import Path
 
 import torch
@@ -27,6 +29,9 @@ from tqdm.auto import tqdm
 import tncompile
 from tncompile.runtime.cpu_allocator import retain_freed_memory
 from tncompile.zoo import six_encoder
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import DATA_ENV, data_dir  # noqa: E402
 
 PAPER_RATIO = 1 / 44.9   # the official CoMERA code's starting ranks give a 44.9x smaller model
 SEQ = 128
@@ -150,8 +155,9 @@ def compare(batch: int, steps: int) -> dict:
 # ------------------------------------------------------------------ main
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default=os.environ.get("TNCOMPILE_DATA"),
-                    help="SST-2 folder (train.tsv, dev.tsv; ../bert-base-uncased/vocab.txt beside it)")
+    ap.add_argument("--data", default=data_dir("sst2") if os.environ.get(DATA_ENV) else None,
+                    help=f"SST-2 folder (train.tsv, dev.tsv; ../bert-base-uncased/vocab.txt beside it); "
+                         f"default ${DATA_ENV}/sst2 when {DATA_ENV} is set, else a generated task")
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)

@@ -8,7 +8,7 @@ stage on SST-2, then a late stage aiming ``--late-factor`` x smaller, cutting
 switched-off ranks every ``--truncate-every`` steps. Batches are padded to a
 fixed ``--seq`` so that step times are comparable along the run.
 
-Writes ``benchmarks/results/six_encoder_late.json`` (ranks, ratio and median
+Writes ````runs/six_encoder_late/six_encoder_late.json`` (ranks, ratio and median
 step time at the start and the end) and ``six_encoder_late.png`` (rank
 evolution, size, step time and loss over the run).
 """
@@ -27,6 +27,7 @@ from tncompile.runtime.cpu_allocator import retain_freed_memory
 from tncompile.zoo import six_encoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import DATA_ENV, data_dir, out_dir  # noqa: E402
 from demo import batches, load_sst2  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def padded(stream, seq: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "sst2"))
+    ap.add_argument("--data", default=data_dir("sst2"), help=f"SST-2 folder (default: ${DATA_ENV}/sst2)")
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--early-steps", type=int, default=100)
@@ -49,17 +50,22 @@ def main() -> None:
     ap.add_argument("--truncate-every", type=int, default=25)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--gate-lr", type=float, default=3e-2)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=out_dir("six_encoder_late"),
+                    help="output folder (the README's figures: --out benchmarks/results)")
     args = ap.parse_args()
     retain_freed_memory()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    print(f"loading SST-2 from {args.data} ...", flush=True)
     train = load_sst2(Path(args.data), "train", max_len=args.seq)
+    print("compiling the six-encoder to CoMERA's starting size ...", flush=True)
     compiled = tncompile.compile(six_encoder(num_classes=2, max_len=128), target_ratio=PAPER_RATIO,
                                  init="random", batch_sizes=[args.batch_size * args.seq])
     start_ratio, start_ranks = compiled.ratio, {n: list(m.layout.ranks) for n, m in
                                                  compiled.tensorized_modules().items()}
+    print(f"compiled: ratio {start_ratio:.5f}; training {args.early_steps} early + {args.late_steps} late steps "
+          f"(a progress line every 30 s when not on a terminal)", flush=True)
     opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=args.lr, gate_lr=args.gate_lr, weight_decay=0.01))
     ctl = tncompile.RankController(compiled, opt, target_ratio=start_ratio / args.late_factor,
                                    truncate_every=args.truncate_every, schedule="comera")  # the paper's rule: the README's figures

@@ -1,6 +1,6 @@
 """SST-2 from scratch: dense vs tncompile (early stage) vs rank-adapted (late stage).
 
-    python examples/sst2.py --data ../shared/data/sst2          # ~25 min on 2 cores
+    python examples/sst2.py --data ../shared/data/sst2          # ~25 min on 2 cores (writes runs/sst2/)
     python examples/sst2.py --data ../shared/data/sst2 --quick  # ~30 s smoke run
 
 A 4-layer transformer classifier (d_model 256, 4 heads, d_ff 1024, BERT's
@@ -17,7 +17,8 @@ initial weights and the same batches:
 
 Dev accuracy, whole-model ratio and the train-step time at a fixed
 32 x 64 batch (dense / after early / after late, interleaved in one run) go to
-``benchmarks/results/sst2.json``; the rank evolution to ``sst2_ranks.png``.
+``runs/sst2/sst2.json`` (``--out`` to change; the README's table used
+``--out benchmarks/results``); the rank evolution to ``sst2_ranks.png``.
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from tncompile.runtime.cpu_allocator import retain_freed_memory
 from tncompile.zoo import SixEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from paths import DATA_ENV, data_dir, out_dir  # noqa: E402
 from demo import accuracy, batches, collate, load_sst2  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +96,7 @@ def step_times(models: dict, batch, rounds: int, steps_per_round: int) -> dict[s
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "sst2"))
+    ap.add_argument("--data", default=data_dir("sst2"), help=f"SST-2 folder (default: ${DATA_ENV}/sst2)")
     ap.add_argument("--dense-steps", type=int, default=2000)
     ap.add_argument("--early-steps", type=int, default=2000)
     ap.add_argument("--late-steps", type=int, default=2000)
@@ -107,7 +109,8 @@ def main() -> None:
                     help="late-stage rule: 'budget' (tncompile's default: cuts fall to the target, then recovery "
                          "steps) or 'comera' (the paper's loss-trading rule)")
     ap.add_argument("--quick", action="store_true", help="tiny run (smoke test): 500 rows, 12 steps each")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=out_dir("sst2"),
+                    help="output folder (the README's figures: --out benchmarks/results)")
     args = ap.parse_args()
     if args.quick:
         args.dense_steps = args.early_steps = args.late_steps = 12

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-DATA = Path(os.environ.get("TNCOMPILE_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+DATA = Path(os.environ.get("TNCOMPILE_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
 @pytest.fixture(autouse=True)
@@ -17,7 +17,7 @@ def _seed():
 @pytest.fixture
 def data_dir():
     if not DATA.exists():
-        pytest.skip(f"shared data not found at {DATA} (set TNCOMPILE_SHARED_DATA)")
+        pytest.skip(f"shared data not found at {DATA} (set TNCOMPILE_DATA)")
     return DATA
 
 

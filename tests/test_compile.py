@@ -203,6 +203,7 @@ def test_report_rows_as_data_match_the_planner():
     assert ff1["ratio"] == pytest.approx(ff1["params"] / ff1["dense_params"])
     layer = compiled.model.get_submodule("layers.0.ff1")
     inputs, output, sizes = layer.planner_problem()
-    assert ff1["flops_now"] == 2 * plan_contraction(inputs, output, {**sizes, "b": 1}).fwd_flops
+    rows_assumed = tncompile.tuning.ASSUMED_ROWS  # traced without shapes: per row over the assumed rows
+    assert ff1["flops_now"] == 2 * plan_contraction(inputs, output, {**sizes, "b": rows_assumed}).fwd_flops / rows_assumed
     assert rows["token_embedding"]["format"] == "TTM" and rows["token_embedding"]["flops_now"] > 0
     assert rows["classifier"]["format"] == "dense" and "too small" in rows["classifier"]["note"]

@@ -55,6 +55,25 @@ def test_fit_runs_both_stages_and_records_history(tmp_path):
     assert json.loads((tmp_path / "h.json").read_text())["step"][-1] == 20
 
 
+def test_rank_plot_names_every_layer_and_line():
+    """Legends beside the panels: every layer's colour (past 3 and past 12), the
+    stage-switch and truncation lines; the step-time median fits a short run."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+    history = tncompile.History()
+    layers = [f"layers.{i}.ff1" for i in range(14)]
+    for step in range(1, 25):
+        history.record(step, 1.0 / step, 1.0 / step, 0.1, 10.0 + step % 3, "early" if step < 12 else "late")
+    history.ranks = [(0, {n: [8, 8] for n in layers}), (12, {n: [4, 8] for n in layers})]
+    history.events = [{"step": 12, "kind": "late_stage"}, {"step": 18, "kind": "truncation"}]
+    fig = history.figure()
+    labels = [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+    plt.close(fig)
+    assert set(layers) <= set(labels)
+    assert "late stage begins" in labels and "ranks cut" in labels
+    assert "rolling median (3 steps)" in labels
+
+
 def test_fit_rejects_bad_batches_and_mismatched_controller():
     compiled, opt, ctl = _setup()
     with pytest.raises(ValueError, match="pair"):

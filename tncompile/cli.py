@@ -50,7 +50,10 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="tncompile", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="tncompile", description="Compile a model into tensor-train form and show what came out.",
+        epilog="example: tncompile inspect tncompile.zoo:six_encoder --target-ratio 0.05 --batch-sizes 32",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="compile a model and print its report and final IR")
     ins.add_argument("factory", help="<module>:<callable> returning a model or (model, example_inputs)")

@@ -52,8 +52,17 @@ class CompiledModel(nn.Module):
         """Per layer: format, modes, ranks, params dense -> compiled, ratio, FLOPs per token."""
         return build_report(self._program)
 
+    def get_submodule(self, target: str) -> nn.Module:
+        """``nn.Module.get_submodule``, also by the original model's names:
+        ``compiled.get_submodule("layers.0.ff1")`` is ``compiled.model.layers[0].ff1``."""
+        try:
+            return super().get_submodule(target)
+        except AttributeError:
+            return self.model.get_submodule(target)
+
     def tensorized_modules(self) -> dict[str, TNModule]:
-        """``name -> TT/TTM layer`` for every tensorized node."""
+        """``name -> TT/TTM layer`` for every tensorized node, named as in the
+        original model (``compiled.tensorized_modules()["layers.0.ff1"]``)."""
         return {node.target: m for node, m in self._program.modules() if isinstance(m, TNModule)}
 
     def to_dense(self) -> fx.GraphModule:

@@ -38,6 +38,12 @@ MAX_MODE_PADDING = 0.25
 #: ... and each unit of padding share costs this much against balance when choosing.
 PAD_PENALTY = 0.1
 
+# ---------------------------------------------------------------- compile: ranks
+#: ``compile(prefer="speed")`` compares a TT network's training step with its dense
+#: layer's over the rows each layer saw when traced; traced without example inputs
+#: (no shapes), it assumes this many (a small training batch of vectors).
+ASSUMED_ROWS = 32
+
 # ---------------------------------------------------------------- runtime: TT linear over few rows
 #: Up to this many rows one native chain call beats the planned executor (chain time
 #: over plan time, interleaved: 0.59-0.76 at 4 rows, 0.70-0.90 at 6, 0.78-1.04 at 8).

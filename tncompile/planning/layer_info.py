@@ -5,6 +5,7 @@ from typing import Any
 
 from torch import nn
 
+from .. import tuning
 from ..formats.indices import BATCH, planner_problem
 from ..runtime.plans import ContractionPlan
 from ..runtime.tt_layers import TTMTiedLinear
@@ -65,7 +66,8 @@ def layer_info(module: nn.Module) -> dict[str, Any] | None:
             if planned:  # per row of the largest planned row count (the traced rows, or a batch size asked for)
                 plan = max(planned, key=lambda p: p.rows)
                 info["tn_flops_per_token"] = 2 * plan.fwd_flops / max(plan.rows, 1)
-            else:  # not planned yet: the order the planner picks for a single token
+            else:  # not planned yet (no shapes traced): per row over the rows compile assumed
+                rows = tuning.ASSUMED_ROWS
                 inputs, output, sizes = planner_problem(layout, transpose=bool(tied))
-                info["tn_flops_per_token"] = 2 * plan_contraction(inputs, output, {**sizes, BATCH: 1}).fwd_flops
+                info["tn_flops_per_token"] = 2 * plan_contraction(inputs, output, {**sizes, BATCH: rows}).fwd_flops / rows
     return info

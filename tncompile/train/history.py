@@ -65,57 +65,87 @@ class History:
             json.dump(self.to_dict(), f)
 
     def plot(self, path: str | os.PathLike, title: str | None = None, max_layers: int = 24) -> None:
-        """Write a PNG: per-layer ranks (sum over bonds), model ratio, step time and loss over steps.
+        """Write :meth:`figure` as a PNG to ``path``."""
+        import matplotlib.pyplot as plt
 
-        Stage switches and truncations are marked with vertical lines.
+        fig = self.figure(title, max_layers)
+        fig.savefig(path, dpi=110, bbox_inches="tight")
+        plt.close(fig)
+
+    def figure(self, title: str | None = None, max_layers: int = 24):
+        """A matplotlib figure: per-layer ranks (sum over bonds), model ratio, step time and loss over steps.
+
+        Every layer's colour is in a legend beside the plots (the first
+        ``max_layers`` layers are drawn); the stage switch (dashed) and the rank
+        truncations (dotted) are vertical lines, named in the legend of the
+        size panel. The step-time median rolls over a window that fits the run.
         """
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.lines import Line2D
 
         if not self.step:
             raise ValueError("nothing to plot: the history is empty")
-        fig, (ax_r, ax_s, ax_t, ax_l) = plt.subplots(4, 1, figsize=(9, 12), sharex=True)
+        fig, (ax_r, ax_s, ax_t, ax_l) = plt.subplots(4, 1, figsize=(12, 12), sharex=True)
         layers = list(self.ranks[0][1]) if self.ranks else []
+        drawn = layers[:max_layers]
         steps = [s for s, _ in self.ranks]
-        cmap = plt.get_cmap("viridis")
-        for i, name in enumerate(layers[:max_layers]):
+        cmap = plt.get_cmap("tab20" if len(drawn) <= 20 else "viridis")
+        for i, name in enumerate(drawn):
             totals = [sum(r[name]) if name in r else 0 for _, r in self.ranks]
-            ax_r.plot(steps, totals, drawstyle="steps-post", color=cmap(i / max(1, min(len(layers), max_layers) - 1)), lw=1,
-                      label=name if len(layers) <= 12 else None)
+            colour = cmap(i % 20) if len(drawn) <= 20 else cmap(i / max(1, len(drawn) - 1))
+            ax_r.plot(steps, totals, drawstyle="steps-post", color=colour, lw=1, label=name)
         ax_r.set_ylabel("rank (sum over bonds)")
         ax_r.set_title(title or "rank evolution")
-        if 0 < len(layers) <= 12:
-            ax_r.legend(fontsize=6, ncol=2)
-        elif len(layers) > max_layers:
-            ax_r.text(0.99, 0.95, f"first {max_layers} of {len(layers)} layers", ha="right", va="top",
-                      transform=ax_r.transAxes, fontsize=8)
-        ax_s.plot(self.step, self.ratio, color="tab:blue")
+        if drawn:
+            heading = f"layers (first {max_layers} of {len(layers)})" if len(layers) > max_layers else "layers"
+            ax_r.legend(fontsize=6, title=heading, title_fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                        ncol=1 if len(drawn) <= 12 else 2, frameon=False)
+        ax_s.plot(self.step, self.ratio, color="tab:blue", label="model ratio")
         ax_s.set_yscale("log")
         ax_s.set_ylabel("model ratio (params / dense)")
+        marks = [Line2D([], [], color="tab:blue", label="model ratio")]
+        kinds = {ev["kind"] for ev in self.events}
+        if "late_stage" in kinds:
+            marks.append(Line2D([], [], color="k", ls="--", label="late stage begins"))
+        if kinds - {"late_stage"}:
+            marks.append(Line2D([], [], color="tab:orange", ls=":", label="ranks cut"))
+        ax_s.legend(handles=marks, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+        width = _median_window(len(self.step_ms))
+        median = _rolling_median(self.step_ms, width)
         ax_t.plot(self.step, self.step_ms, color="tab:gray", lw=0.4, alpha=0.5, label="step")
-        ax_t.plot(self.step, _rolling_median(self.step_ms), color="tab:green", label="rolling median (51 steps)")
+        ax_t.plot(self.step, median, color="tab:green", label=f"rolling median ({width} steps)")
         ax_t.set_ylabel("step time (ms)")
-        ax_t.set_ylim(0, 1.5 * max(_rolling_median(self.step_ms)))
-        ax_t.legend(fontsize=7)
+        ax_t.set_ylim(0, 1.5 * max(median))
+        ax_t.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
         ax_l.plot(self.step, self.task_loss, color="tab:gray", lw=0.5, alpha=0.6, label="task loss")
         ax_l.plot(self.step, _smooth(self.task_loss), color="tab:red", label="task loss (smoothed)")
+        handles, labels = ax_l.get_legend_handles_labels()
         if self.evals:
             ax_e = ax_l.twinx()
             for k in self.evals[0][1]:
-                ax_e.plot([s for s, e in self.evals], [e[k] for _, e in self.evals], "o-", ms=3, label=k)
+                ax_e.plot([s for s, e in self.evals], [e[k] for _, e in self.evals], "o-", ms=3, label=f"eval: {k}")
             ax_e.set_ylabel("eval")
-            ax_e.legend(fontsize=7, loc="upper center")
+            more_handles, more_labels = ax_e.get_legend_handles_labels()
+            handles, labels = handles + more_handles, labels + more_labels
+        ax_l.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.08 if self.evals else 1.01, 1.0),
+                    frameon=False)
         ax_l.set_ylabel("loss")
         ax_l.set_xlabel("step")
-        ax_l.legend(fontsize=7)
         for ev in self.events:
             style = {"color": "k", "ls": "--"} if ev["kind"] == "late_stage" else {"color": "tab:orange", "ls": ":", "lw": 0.6}
             for ax in (ax_r, ax_s, ax_t, ax_l):
                 ax.axvline(ev["step"], **style)
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
+        return fig
+
+
+def _median_window(count: int, widest: int = 51) -> int:
+    """An odd window about a tenth of the run (3 at least, ``widest`` at most):
+    a 51-step window over a 24-step run would draw one flat line."""
+    width = max(3, min(widest, count // 10))
+    return width if width % 2 else width + 1
 
 
 def _rolling_median(values: list[float], width: int = 51) -> list[float]:
