@@ -129,7 +129,8 @@ def _check_model(model: Any) -> None:
     if is_compressible(model):
         kind = type(model).__name__
         single = ("tncompile.runtime.TTMEmbedding.from_embedding(layer, rank=...)" if isinstance(model, nn.Embedding)
-                  else "tncompile.runtime.TTLinear.from_linear(layer, rank=...)")
+                  else "tncompile.runtime.TTMEmbeddingBag.from_embedding_bag(layer, rank=...)"
+                  if isinstance(model, nn.EmbeddingBag) else "tncompile.runtime.TTLinear.from_linear(layer, rank=...)")
         raise TypeError(f"the model is a single {kind}: compile() compresses the layers inside a model. "
                         f"Use {single} for one layer, or compile(nn.Sequential(layer), ...)")
 

@@ -15,6 +15,7 @@ therefore hand the passes the same kind of graph. Mixture-of-experts weights
 from __future__ import annotations
 
 import inspect
+import operator
 import warnings
 from typing import Any
 
@@ -292,6 +293,35 @@ def _outline_core_op(gm: fx.GraphModule, path: str, module: nn.Module, nodes: li
     gm.graph.erase_node(node)
 
 
+_BAG_OPS = {torch.ops.aten.embedding_bag.padding_idx, torch.ops.aten.embedding_bag.default,
+            torch.ops.aten._embedding_bag.default, torch.ops.aten._embedding_bag_forward_only.default}
+
+
+def _outline_bag(gm: fx.GraphModule, path: str, module: nn.EmbeddingBag, nodes: list[fx.Node]) -> None:
+    """Replace the ``aten.embedding_bag`` of an ``nn.EmbeddingBag`` (args: weight,
+    indices, offsets, scale_grad_by_freq, mode, sparse, per_sample_weights, ...)
+    by a call of the module with ``(indices, offsets, per_sample_weights)``; the
+    reshape and offsets export made for a 2-D input stay in the graph."""
+    bags = [n for n in nodes if n.target in _BAG_OPS]
+    if len(bags) != 1:
+        return
+    node = bags[0]
+    args = list(node.args) + [None] * (9 - len(node.args))
+    outputs = [u for u in node.users if u.target is operator.getitem]
+    result = [u for u in outputs if u.args[1] == 0]
+    if len(result) != 1 or any(u.users for u in outputs if u.args[1] != 0) or len(outputs) != len(node.users):
+        return  # something reads the bag's other outputs: leave the ATen op
+    indices, offsets, weights = args[1], args[2], args[6]
+    gm.set_submodule(path, module, strict=False)
+    with gm.graph.inserting_before(node):
+        new = gm.graph.call_module(path, (indices, offsets), {"per_sample_weights": weights} if weights is not None else {})
+    new.meta = {k: v for k, v in result[0].meta.items() if k in ("val", "tensor_meta", "nn_module_stack")}
+    result[0].replace_all_uses_with(new)
+    for u in outputs:
+        gm.graph.erase_node(u)
+    gm.graph.erase_node(node)
+
+
 def _outline_target(module: nn.Module) -> bool:
     return is_compressible(module) or isinstance(module, nn.Dropout)
 
@@ -314,6 +344,9 @@ def _outline_modules(gm: fx.GraphModule, model: nn.Module) -> None:
             groups.setdefault(key, (path, []))[1].append(node)
     for path, nodes in groups.values():
         module = model.get_submodule(path)
+        if isinstance(module, nn.EmbeddingBag):
+            _outline_bag(gm, path, module, nodes)
+            continue
         if own_forward(module):  # only its lookup / product: its own extra operations stay in the graph
             _outline_core_op(gm, path, module, nodes)
             continue

@@ -6,7 +6,7 @@ from torch import nn
 from .runtime.experts import ExpertLinear
 from .runtime.module_kinds import is_hf_conv1d
 
-__all__ = ["is_linear", "is_embedding", "is_experts", "is_compressible", "kind_of"]
+__all__ = ["is_linear", "is_embedding", "is_embedding_bag", "is_experts", "is_compressible", "kind_of"]
 
 
 def is_linear(module: nn.Module) -> bool:
@@ -17,23 +17,29 @@ def is_embedding(module: nn.Module) -> bool:
     return isinstance(module, nn.Embedding)
 
 
+def is_embedding_bag(module: nn.Module) -> bool:
+    return isinstance(module, nn.EmbeddingBag)
+
+
 def is_experts(module: nn.Module) -> bool:
     """A mixture-of-experts weight outlined by the frontend (:class:`~tncompile.runtime.experts.ExpertLinear`)."""
     return isinstance(module, ExpertLinear)
 
 
 def is_compressible(module: nn.Module) -> bool:
-    return is_linear(module) or is_embedding(module) or is_experts(module)
+    return is_linear(module) or is_embedding(module) or is_embedding_bag(module) or is_experts(module)
 
 
 def kind_of(module: nn.Module) -> str:
-    """``"linear"``, ``"conv1d"``, ``"embedding"`` or ``"experts"``."""
+    """``"linear"``, ``"conv1d"``, ``"embedding"``, ``"embedding_bag"`` or ``"experts"``."""
     if is_hf_conv1d(module):
         return "conv1d"
     if isinstance(module, nn.Linear):
         return "linear"
     if isinstance(module, nn.Embedding):
         return "embedding"
+    if isinstance(module, nn.EmbeddingBag):
+        return "embedding_bag"
     if is_experts(module):
         return "experts"
     raise TypeError(f"{type(module).__name__} is not compressible")

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..ir.program import Program
 from ..runtime.collapsed import CollapsedLayer
+from ..runtime.embedding_bag import TTMEmbeddingBag
 from ..runtime.experts import TTExperts
 from ..runtime.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
 from .base import Pass, register_pass
@@ -62,6 +63,9 @@ def _collapsed(mod: nn.Module, others, reason: str) -> dict[int, CollapsedLayer]
     if isinstance(mod, TTExperts):
         return {id(mod): CollapsedLayer("experts", mod.out_features, mod.layout.dense_params, None,
                                         dtype, device, reason)}
+    if isinstance(mod, TTMEmbeddingBag):
+        return {id(mod): CollapsedLayer("embedding_bag", mod.embedding_dim, mod.layout.dense_params, None,
+                                        dtype, device, reason, include_last_offset=mod.include_last_offset)}
     if isinstance(mod, TTMEmbedding):
         out = {id(mod): CollapsedLayer("embedding", mod.embedding_dim, mod.layout.dense_params, None,
                                        dtype, device, reason)}

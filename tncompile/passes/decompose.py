@@ -6,6 +6,7 @@ from tqdm.auto import tqdm
 
 from ..ir.program import Program
 from ..runtime.experts import TTExperts
+from ..runtime.embedding_bag import TTMEmbeddingBag
 from ..runtime.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
 from .base import Pass, register_pass
 from .pending import PendingLayer
@@ -39,7 +40,10 @@ class Decompose(Pass):
         built: dict[str, torch.nn.Module] = {}
         owners = [(n, m) for n, m in pending.items() if m.tied_to is None]
         for name, mod in tqdm(owners, desc="decompose", disable=None, leave=False):
-            if mod.kind == "embedding":
+            if mod.kind == "embedding_bag":
+                new = TTMEmbeddingBag.from_embedding_bag(mod.dense, rank=None, layout=mod.layout,
+                                                         init=opts.init, generator=gen)
+            elif mod.kind == "embedding":
                 new = TTMEmbedding.from_embedding(mod.dense, rank=None, layout=mod.layout, init=opts.init,
                                                   generator=gen)
             elif mod.kind == "experts":

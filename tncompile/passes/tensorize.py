@@ -8,7 +8,7 @@ from torch import nn
 from .. import tuning
 from ..formats.layout import TTLayout, TTMLayout
 from ..ir.program import Program
-from ..layers import is_compressible, is_embedding, is_experts, is_linear
+from ..layers import is_compressible, is_embedding, is_embedding_bag, is_experts, is_linear
 from ..runtime.module_kinds import linear_weight_of
 from .base import Pass, register_pass
 from .pending import PendingLayer
@@ -111,7 +111,7 @@ class Tensorize(Pass):
         return program
 
     def _layout(self, mod: nn.Module, opts) -> tuple[TTLayout | TTMLayout | None, str | None]:
-        if is_embedding(mod):
+        if is_embedding(mod) or is_embedding_bag(mod):
             if mod.max_norm is not None:
                 return None, "max_norm is set (TTM rows cannot be renormalized in place)"
             if mod.sparse:

@@ -7,7 +7,8 @@ buckets nobody planned yet.
 """
 from .collapsed import CollapsedLayer
 from .plans import ContractionPlan, LookupPlan, Step, bucket_of
+from .embedding_bag import TTMEmbeddingBag
 from .tt_layers import TNModule, TTLinear, TTMEmbedding, TTMTiedLinear
 
-__all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "CollapsedLayer",
+__all__ = ["TTLinear", "TTMEmbedding", "TTMEmbeddingBag", "TTMTiedLinear", "TNModule", "CollapsedLayer",
            "ContractionPlan", "LookupPlan", "Step", "bucket_of"]
