@@ -16,7 +16,7 @@ LAYERS = [
     ("runtime", ("tncompile.runtime",)),
     ("planning", ("tncompile.planning",)),
     ("ir", ("tncompile.ir",)),
-    ("compile", ("tncompile.layers", "tncompile.options", "tncompile.frontend", "tncompile.passes",
+    ("compile", ("tncompile.layers", "tncompile.options", "tncompile.frontend", "tncompile.nn_trace", "tncompile.passes",
                  "tncompile.report")),
     ("product", ("tncompile.compiled", "tncompile.api", "tncompile.serialization")),
     ("train", ("tncompile.train",)),

@@ -28,6 +28,8 @@ from .errors import TraceError
 from .ir.modules import rehome_reads
 from .ir.program import InputSpec
 from .layers import is_compressible
+from .nn_trace import attention_parts, traced_call
+from .runtime.attention import SelfAttention
 from .runtime.experts import ExpertLinear
 from .runtime.module_kinds import embedding_on, linear_on, runs_as
 
@@ -44,7 +46,20 @@ class LeafTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if own_forward(m):
             return False
-        return is_compressible(m) or super().is_leaf_module(m, qualname)
+        return is_compressible(m) or isinstance(m, SelfAttention) or super().is_leaf_module(m, qualname)
+
+    def call_module(self, m: nn.Module, forward, args: tuple, kwargs: dict):
+        """``nn.TransformerEncoder`` and its parts run a traceable spelling (:mod:`.nn_trace`)."""
+        spelled = traced_call(m, args, kwargs)
+        if spelled is None:
+            return super().call_module(m, forward, args, kwargs)
+        path = self.path_of_module(m)
+        with fx.proxy.ScopeContextManager(self.scope, fx.proxy.Scope(path, type(m))) as _scope:
+            self.module_stack[_scope.module_path] = (path, _scope.module_type)
+            try:
+                return spelled()
+            finally:
+                self.module_stack.popitem()
 
 
 def own_forward(module: nn.Module) -> bool:
@@ -88,8 +103,9 @@ def trace(model: nn.Module, example_inputs: Any = None) -> tuple[fx.GraphModule,
     example = split_example_inputs(example_inputs)
     name = type(model).__name__
     try:
-        graph = LeafTracer().trace(model)
-        gm = fx.GraphModule(model, graph, class_name=name)
+        with attention_parts(model):  # nn.MultiheadAttention's projections as modules, while tracing
+            graph = LeafTracer().trace(model)
+            gm = fx.GraphModule(model, graph, class_name=name)
     except Exception as fx_err:  # fx raises many kinds
         if example is None:
             raise TraceError(

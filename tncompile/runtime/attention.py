@@ -1,0 +1,99 @@
+"""``SelfAttention``: what ``nn.MultiheadAttention`` does between its two projections.
+
+``nn.MultiheadAttention`` keeps its input projection as a raw ``in_proj_weight``
+and calls ``F.multi_head_attention_forward``, so neither its ``3E x E`` input
+projection nor its output projection is a layer a tracer can see, and
+``nn.TransformerEncoder`` branches on tensors (its inference fast path), so
+torch.fx cannot trace it at all. The fx frontend therefore spells a
+self-attention call as three modules: ``in_proj`` (an ``nn.Linear`` holding the
+very ``in_proj_weight`` / ``in_proj_bias``), this module, and ``out_proj`` --
+the two projections then compress like any linear. Its dropout follows
+``train()`` / ``eval()`` as the original's does.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["SelfAttention", "additive_mask"]
+
+
+def additive_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, batch: int, heads: int,
+                  queries: int, keys: int, dtype: torch.dtype) -> Tensor | None:
+    """``nn.MultiheadAttention``'s two masks as one float mask ``(batch, heads | 1, queries, keys)``
+    to add to the scores (``True`` in a boolean mask means: do not attend)."""
+    def as_float(mask: Tensor) -> Tensor:
+        if mask.dtype == torch.bool:
+            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+        return mask.to(dtype)
+
+    merged = None
+    if attn_mask is not None:
+        m = as_float(attn_mask)
+        merged = m.reshape(batch, heads, queries, keys) if m.dim() == 3 else m.reshape(1, 1, queries, keys)
+    if key_padding_mask is not None:
+        pad = as_float(key_padding_mask).reshape(batch, 1, 1, keys)
+        merged = pad if merged is None else merged + pad
+    return merged
+
+
+class SelfAttention(nn.Module):
+    """Scaled dot-product attention over a packed ``q | k | v`` projection.
+
+    Parameters
+    ----------
+    num_heads : int
+    dropout : float
+        On the attention weights, in training mode only.
+    batch_first : bool
+        As in ``nn.MultiheadAttention``.
+
+    Shapes
+    ------
+    ``qkv (L, N, 3E)`` (``(N, L, 3E)`` if ``batch_first``, ``(L, 3E)`` unbatched) ->
+    ``(attention (like qkv with E columns), weights (N, L, L) or (N, H, L, L) or None)``.
+    """
+
+    def __init__(self, num_heads: int, dropout: float = 0.0, batch_first: bool = False):
+        super().__init__()
+        self.num_heads, self.dropout, self.batch_first = num_heads, float(dropout), batch_first
+
+    def forward(self, qkv: Tensor, attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
+                need_weights: bool = False, average_attn_weights: bool = True) -> tuple[Tensor, Tensor | None]:
+        unbatched = qkv.dim() == 2
+        if unbatched:
+            qkv = qkv.unsqueeze(0 if self.batch_first else 1)
+            if key_padding_mask is not None:
+                key_padding_mask = key_padding_mask.unsqueeze(0)
+        if not self.batch_first:
+            qkv = qkv.transpose(0, 1)
+        batch, length, width = qkv.shape
+        embed, heads = width // 3, self.num_heads
+        q, k, v = qkv.reshape(batch, length, 3, heads, embed // heads).permute(2, 0, 3, 1, 4).unbind(0)
+        mask = additive_mask(attn_mask, key_padding_mask, batch, heads, length, length, q.dtype)
+        p = self.dropout if self.training else 0.0
+        weights = None
+        if need_weights:  # the weights themselves are asked for: no fused kernel
+            scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+            if mask is not None:
+                scores = scores + mask
+            weights = scores.softmax(-1)
+            out = F.dropout(weights, p) @ v if p else weights @ v
+            if average_attn_weights:
+                weights = weights.mean(1)
+            if unbatched:
+                weights = weights.squeeze(0)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        out = out.transpose(1, 2).reshape(batch, length, embed)
+        if not self.batch_first:
+            out = out.transpose(0, 1)
+        if unbatched:
+            out = out.squeeze(0 if self.batch_first else 1)
+        return out, weights
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.num_heads}, dropout={self.dropout}, batch_first={self.batch_first}"
