@@ -19,7 +19,7 @@ LAYERS = [
     ("compile", ("tncompile.layers", "tncompile.options", "tncompile.frontend", "tncompile.nn_trace", "tncompile.passes",
                  "tncompile.report")),
     ("product", ("tncompile.compiled", "tncompile.api", "tncompile.serialization")),
-    ("train", ("tncompile.train",)),
+    ("train", ("tncompile.train", "tncompile.distributed")),
     ("entry", ("tncompile", "tncompile.cli", "tncompile.__main__", "tncompile.zoo")),
 ]
 

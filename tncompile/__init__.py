@@ -5,7 +5,7 @@ Layers (imports go one way, downward; ``tests/test_architecture.py`` checks it):
 ``planning``) > ``tncompile.runtime`` > ``formats`` / ``tuning`` / ``errors``.
 See ARCHITECTURE.md.
 """
-from . import formats, ir, passes, planning, runtime, train, tuning
+from . import distributed, formats, ir, passes, planning, runtime, train, tuning
 from .api import compile
 from .compiled import CompiledModel
 from .errors import PassError, TNCompileError, TraceError
@@ -23,5 +23,5 @@ __version__ = "0.1.0"
 
 __all__ = ["compile", "save", "load", "resume", "fit", "History", "Pass", "FunctionPass", "Pipeline", "register_pass",
            "default_pipeline", "RankController", "RankEvent", "param_groups", "TrainStep", "dry_run", "CompiledModel", "Report",
-           "TNCompileError", "TraceError", "PassError", "formats", "ir", "passes", "planning", "runtime", "train",
+           "TNCompileError", "TraceError", "PassError", "distributed", "formats", "ir", "passes", "planning", "runtime", "train",
            "tuning", "__version__"]

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -65,6 +66,8 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
     over ``path`` only once complete (and the directory entry synced), so a
     crash leaves any previous file intact.
     """
+    while not isinstance(compiled, CompiledModel) and isinstance(getattr(compiled, "module", None), nn.Module):
+        compiled = compiled.module  # a DDP / DistributedModel wrapper: save what it wraps
     if not isinstance(compiled, CompiledModel):
         raise TypeError(f"tncompile.save expects a CompiledModel, got {type(compiled).__name__}")
     path = _file_path(path, "save")
@@ -352,5 +355,12 @@ def resume(compiled: CompiledModel, optimizer: torch.optim.Optimizer | None = No
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        per_rank = (state.get("extra") or {}).get("rng_per_rank")
+        if per_rank and torch.distributed.is_available() and torch.distributed.is_initialized():
+            # a checkpoint of a distributed run: each rank gets its own stream back (ranks the
+            # saving run did not have keep rank 0's, so a larger world repeats rank 0's masks)
+            me = torch.distributed.get_rank()
+            if me < len(per_rank):
+                torch.set_rng_state(per_rank[me])
     compiled.training_state = None
     return dict(state.get("extra") or {})

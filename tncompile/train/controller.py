@@ -51,6 +51,8 @@ from torch import nn
 
 from ..passes import CollapseLayers, Pipeline, Replan, TruncateRanks
 from ..runtime.tt_layers import TNModule, TTMTiedLinear
+from .distributed import (active_group, broadcast_from_rank0, check_same_everywhere, mean_over_processes,
+                          unwrap)
 from .truncation import Cut, check_optimizer, remap_optimizer
 
 __all__ = ["RankController", "RankEvent", "param_groups"]
@@ -83,6 +85,7 @@ def param_groups(compiled: nn.Module, lr: float, *, core_lr: float | None = None
     Each group carries a ``"name"`` key. Learning rates and weight decays
     not given default to ``lr`` / ``weight_decay`` (gates: no decay).
     """
+    compiled = unwrap(compiled)
     if not hasattr(compiled, "tensorized_modules"):
         raise TypeError(f"param_groups expects a CompiledModel, got {type(compiled).__name__}")
     for name, value in (("lr", lr), ("core_lr", core_lr), ("gate_lr", gate_lr), ("weight_decay", weight_decay)):
@@ -202,6 +205,12 @@ class RankController:
         per step); for gates when a truncation reads them.
         ``"skip"``: such losses are left out of the average and layers with
         non-finite gates are not cut that time (a warning names them).
+    process_group : torch.distributed group, optional
+        Processes that train replicas together (default: all of them when
+        ``torch.distributed`` is initialized). The task loss is averaged over
+        them before it steers anything, and every cut is decided from rank 0's
+        cores and gates and checked to agree (:mod:`tncompile.distributed`).
+        ``compiled`` may be a DDP / :class:`~tncompile.distributed.DistributedModel` wrapper.
     """
 
     def __init__(self, compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
@@ -211,7 +220,8 @@ class RankController:
                  loss_smoothing: float = 0.98, allow_layer_removal: bool = False,
                  optimizer_state: str = "slice", stop_at_target: bool = False,
                  schedule: str = "budget", late_steps: int | None = None, recovery: float = 0.3,
-                 nonfinite: str = "raise"):
+                 nonfinite: str = "raise", process_group: Any = None):
+        compiled = unwrap(compiled)  # a DDP / DistributedModel wrapper: the compiled model inside
         if not hasattr(compiled, "tensorized_modules") or not hasattr(compiled, "program"):
             raise TypeError(f"RankController expects a CompiledModel, got {type(compiled).__name__}")
         self.compiled = compiled
@@ -257,6 +267,7 @@ class RankController:
         self.optimizer_state = optimizer_state
         self.schedule, self.late_steps, self.recovery = schedule, late_steps, float(recovery)
         self.nonfinite = nonfinite
+        self.process_group = active_group(process_group)  # None: one process
         self._bad_losses: torch.Tensor | None = None  # non-finite task losses not yet reported (device)
         self._late_start: int | None = None        # step at which the late stage began
         self._late_start_ratio: float | None = None
@@ -374,16 +385,17 @@ class RankController:
         """
         if not isinstance(task_loss, torch.Tensor) or task_loss.dim() != 0:
             raise ValueError("RankController.penalty expects the scalar task-loss tensor")
-        self._count_nonfinite(task_loss)
+        agreed = mean_over_processes(task_loss.detach(), self.process_group)  # every process: the same loss
+        self._count_nonfinite(agreed)
         if self.stage == "early":
-            self._track(task_loss)
+            self._track(agreed)
         if not self._layers:  # every layer was removed: plain training from here on
             return task_loss.new_zeros(())
         if self.stage == "early":
             return self.early_penalty()
         if self.schedule == "budget":  # cuts enforce the size; gates keep their pull until the last cut
             return self._core_term() if self.recovering else self.early_penalty()
-        return self.late_objective(task_loss) - task_loss
+        return self.late_objective(task_loss, agreed) - task_loss
 
     def _count_nonfinite(self, task_loss: torch.Tensor) -> None:
         """Count a non-finite task loss on its device (no host read here: :meth:`step`
@@ -426,8 +438,10 @@ class RankController:
         """The late stage's task-loss target (set when the late stage starts)."""
         return self._target_loss
 
-    def late_objective(self, task_loss: torch.Tensor) -> torch.Tensor:
-        """The scalarized late-stage loss (replaces ``task_loss``); see the module doc."""
+    def late_objective(self, task_loss: torch.Tensor, agreed: torch.Tensor | None = None) -> torch.Tensor:
+        """The scalarized late-stage loss (replaces ``task_loss``); see the module doc.
+        ``agreed``: the task loss the branch is chosen by (averaged over the
+        processes when distributed; ``task_loss`` otherwise)."""
         if self._target_loss is None:
             raise RuntimeError("late stage has no target loss; call start_late_stage() first")
         if not self._layers:  # every layer was removed: nothing left to trade against the loss
@@ -435,7 +449,8 @@ class RankController:
         if self._target_loss.device != task_loss.device:  # once: no copy per step (capturable)
             self._target_loss = self._target_loss.to(task_loss.device)
         target = self._target_loss.to(task_loss.dtype)
-        d_loss = (task_loss.detach() - target) / target.abs().clamp_min(1e-12)
+        chooser = (agreed if agreed is not None else task_loss.detach()).to(task_loss.dtype)
+        d_loss = (chooser - target) / target.abs().clamp_min(1e-12)
         hard, soft = self._size_ratios()
         d_size = (hard.to(task_loss.dtype) - self.target_ratio) / self.target_ratio
         size_term = self.size_weight * soft.to(task_loss.dtype) / self.target_ratio
@@ -530,6 +545,10 @@ class RankController:
         state is then sliced to match.
         """
         event = RankEvent(self.steps_done, self.stage)
+        # every process decides from rank 0's numbers (replicas agree anyway; this makes sure)
+        broadcast_from_rank0([p for m in self._layers.values()
+                              for p in (*m.cores._parameters.values(), *m.gates._parameters.values())],
+                             self.process_group)
         self._report_nonfinite_losses()
         keep: dict[str, list[torch.Tensor]] = {}
         collapse: dict[str, str] = {}
@@ -555,6 +574,7 @@ class RankController:
         if budget is not None:
             keep.update(self._budget_keep(budget, keep, set(collapse) | unreadable))
         if not keep and not collapse:
+            self._check_ranks_agree()
             return event
         truncate = TruncateRanks(keep)
         edits = ([truncate] if keep else []) + ([CollapseLayers(collapse)] if collapse else []) + [Replan()]
@@ -563,12 +583,21 @@ class RankController:
         remap_optimizer(self.optimizer, truncate.cuts + dropped, self.optimizer_state)
         self.version += 1
         self._refresh()
+        self._check_ranks_agree()
         if collapse and not self._layers:
             warnings.warn(f"RankController: rank adaptation removed every TT/TTM layer (step {self.steps_done}); "
                           f"the model is at ratio {self.compiled.ratio:.4g} and trains on without a rank "
                           "penalty. Pass allow_layer_removal=False to keep each layer at rank >= 1.",
                           RuntimeWarning, stacklevel=2)
         return event
+
+    def _check_ranks_agree(self) -> None:
+        """Distributed: every process must hold the same layers at the same ranks
+        (:class:`~.distributed.RankMismatchError` on all of them otherwise)."""
+        if self.process_group is None:
+            return
+        flat = [len(self._layers)] + [r for m in self._layers.values() for r in (len(m.layout.ranks), *m.layout.ranks)]
+        check_same_everywhere(flat, self.process_group, "the TT ranks after a truncation")
 
     def _nonfinite_gates(self) -> set[str]:
         """Layers whose gates hold NaN / inf (host read: truncation syncs anyway).

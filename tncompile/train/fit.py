@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..serialization import save
 from .controller import RankController
+from .distributed import DistributedModel, rank, save_on_rank0, unwrap
 from .history import History
 from .train_step import TrainStep
 
@@ -47,7 +47,7 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
         eval_every: int | None = None, log_every: int = 10, grad_clip: float | None = None,
         checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int | None = None,
         history: History | None = None, scheduler: Any = None, cuda_graph: bool | str = "auto",
-        progress: bool = True) -> History:
+        progress: bool = True, ddp: dict[str, Any] | None = None) -> History:
     """Train ``compiled`` for ``early_steps`` early-stage then ``late_steps``
     late-stage steps of CoMERA's rank-adaptive schedule.
 
@@ -84,7 +84,14 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
         as CUDA graphs on a GPU (``"auto"``), eagerly elsewhere.
     progress : bool
         A progress bar on stderr: redrawn in a terminal; when stderr is not a
-        terminal (a log file, CI), a line every 30 s.
+        terminal (a log file, CI), a line every 30 s. Only rank 0 shows it
+        when distributed.
+    ddp : dict, optional
+        Train under ``DistributedDataParallel`` with these keyword arguments
+        (``{}`` for the defaults; ``torch.distributed`` must be initialized):
+        the model is wrapped in a :class:`~tncompile.distributed.DistributedModel`,
+        rebuilt after every cut. ``compiled`` may also be such a wrapper already.
+        Checkpoints are written by rank 0.
 
     Returns
     -------
@@ -109,6 +116,8 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
         raise TypeError(f"fit: loss_fn must be callable as loss_fn(outputs, targets), got {type(loss_fn).__name__}")
     if (checkpoint_path is None) != (checkpoint_every is None):
         raise ValueError("fit: give checkpoint_path and checkpoint_every together")
+    wrapper = _distributed_wrapper(compiled, ddp)
+    compiled = unwrap(compiled)
     if controller.compiled is not compiled:
         raise ValueError("fit: the controller was built for a different model")
     if controller.optimizer is not optimizer:
@@ -123,11 +132,12 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
     ratio = controller.ratio
     if start == 0 and not history.ranks:
         history.ranks.append((0, {k: list(v) for k, v in controller.active_ranks().items()}))
-    train_step = TrainStep(compiled, optimizer, loss_fn, controller=controller, cuda_graph=cuda_graph,
+    train_step = TrainStep(wrapper or compiled, optimizer, loss_fn, controller=controller, cuda_graph=cuda_graph,
                            grad_clip=grad_clip)
     interactive = sys.stderr.isatty()
     # not a terminal (a log file, CI): still report, every 30 s instead of redrawing
-    bar = tqdm(total=total, initial=min(start, total), desc="fit", disable=not progress,
+    bar = tqdm(total=total, initial=min(start, total), desc="fit",
+               disable=not progress or rank(controller.process_group) != 0,
                dynamic_ncols=True, mininterval=0.1 if interactive else 30.0)
     was_training = compiled.training
     compiled.train()
@@ -156,9 +166,10 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
             if eval_fn is not None and ((eval_every and step % eval_every == 0) or step == total):
                 history.evals.append((step, _evaluate(eval_fn, compiled)))
             if checkpoint_path is not None and step % checkpoint_every == 0:
-                save(compiled, checkpoint_path, optimizer=optimizer, controller=controller,
-                     extra={"history": history,
-                            "scheduler": scheduler.state_dict() if scheduler is not None else None})
+                save_on_rank0(compiled, checkpoint_path, controller.process_group, optimizer=optimizer,
+                              controller=controller,
+                              extra={"history": history,
+                                     "scheduler": scheduler.state_dict() if scheduler is not None else None})
             bar.update(1)
             bar.set_postfix(loss=f"{task_value:.4f}", ratio=f"{ratio:.4g}", ms=f"{step_ms:.0f}",
                             stage=controller.stage, refresh=False)
@@ -166,6 +177,25 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
         bar.close()
         compiled.train(was_training)
     return history
+
+
+def _distributed_wrapper(model: nn.Module, ddp: dict[str, Any] | None):
+    """The :class:`DistributedModel` to train through, or ``None`` (one process)."""
+    if ddp is None:
+        if unwrap(model) is not model and not isinstance(model, DistributedModel):
+            raise TypeError("fit: a plain DistributedDataParallel wrapper keeps reducing the parameters a rank cut "
+                            "replaces; pass the compiled model with fit(..., ddp=dict(...)) or wrap it in "
+                            "tncompile.distributed.DistributedModel")
+        return model if isinstance(model, DistributedModel) else None
+    if not isinstance(ddp, dict):
+        raise TypeError(f"fit: ddp must be a dict of DistributedDataParallel keyword arguments, got "
+                        f"{type(ddp).__name__}")
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise RuntimeError("fit(ddp=...): torch.distributed is not initialized; call "
+                           "torch.distributed.init_process_group(...) first (or launch with torchrun)")
+    if isinstance(model, DistributedModel):
+        raise ValueError("fit: the model is already a DistributedModel; leave out ddp=")
+    return DistributedModel(unwrap(model), **ddp)
 
 
 def _evaluate(eval_fn, compiled: nn.Module) -> dict[str, float]:

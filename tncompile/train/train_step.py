@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .distributed import unwrap
 from .capture_cache import CaptureCache
 
 __all__ = ["TrainStep", "call_model", "make_capturable"]
@@ -114,6 +115,8 @@ class TrainStep:
                  controller=None, cuda_graph: bool | str = "auto", amp: str | None = None, *,
                  grad_clip: float | None = None, max_graphs: int = 8, warmup_steps: int = 2,
                  max_batch: int | None = None, compile: bool = False):
+        wrapper = compiled if unwrap(compiled) is not compiled else None  # DDP / DistributedModel
+        compiled = unwrap(compiled)
         params = [p for p in compiled.parameters()]
         if not params:
             raise ValueError("TrainStep: the model has no parameters to train")
@@ -121,6 +124,10 @@ class TrainStep:
             raise TypeError(f"TrainStep: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not callable(loss_fn):
             raise TypeError("TrainStep: loss_fn must be callable as loss_fn(outputs, targets)")
+        if controller is not None and wrapper is not None and not hasattr(wrapper, "after_step"):
+            raise TypeError("TrainStep: a plain DistributedDataParallel wrapper keeps reducing the parameters a "
+                            "rank cut replaces; wrap the compiled model in tncompile.distributed.DistributedModel("
+                            "compiled, **ddp_kwargs) instead (it rebuilds DDP after each cut)")
         if controller is not None and getattr(controller, "compiled", None) is not compiled:
             raise ValueError("TrainStep: the controller was built for a different model")
         if amp is not None and amp not in AMP_DTYPES:
@@ -143,7 +150,8 @@ class TrainStep:
         if self.use_graphs and compile:
             raise ValueError("TrainStep: compile=True applies to the eager path; with CUDA graphs the "
                              "captured step already removes the per-op overhead")
-        self._forward = torch.compile(compiled) if compile else compiled
+        self.wrapper = wrapper
+        self._forward = torch.compile(wrapper or compiled) if compile else (wrapper or compiled)
         if self.use_graphs:
             make_capturable(optimizer)
         self.cache = CaptureCache(max_graphs, warmup_steps)
@@ -217,6 +225,8 @@ class TrainStep:
             loss, self.last_total = self._graph_step(inputs, targets, leaves, spec)
         if self.controller is not None:
             self.last_event = self.controller.step()
+            if self.wrapper is not None and hasattr(self.wrapper, "after_step"):
+                self.wrapper.after_step(self.last_event)  # a new DDP wrapper over cut parameters
         return loss
 
     def _graph_step(self, inputs, targets, leaves, spec) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,226 @@
+"""Rank-adaptive training under DistributedDataParallel: 2 processes, gloo on
+127.0.0.1, bounded in time. Replicas stay identical across cuts and the stage
+switch, the run equals one process averaging the same micro-batches, every
+process makes the same late-stage choices, and mismatched cuts raise everywhere."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import tncompile
+from tncompile.distributed import DistributedModel, RankMismatchError
+from tncompile.zoo import mlp
+
+WORLD = 2
+STEPS = 24
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _batches(rank: int, steps: int = STEPS):
+    g = torch.Generator().manual_seed(100 + rank)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(16, 64, generator=g)
+        out.append((x, (x[:, :10]).argmax(1)))
+    return out
+
+
+def _setup(schedule="budget"):
+    torch.manual_seed(0)
+    compiled = tncompile.compile(mlp((64, 256, 256, 10)), target_ratio=0.3)
+    opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=3e-3, gate_lr=3e-2))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.12, early_steps=8, late_steps=16,
+                                   truncate_every=4, schedule=schedule, recovery=0.25)
+    return compiled, opt, ctl
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _same_on_all(t: torch.Tensor) -> bool:
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(WORLD)]
+    dist.all_gather(sizes, torch.tensor([t.numel()]))
+    if len({int(s) for s in sizes}) != 1:
+        return False
+    got = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(got, t.contiguous())
+    return all(torch.equal(g, got[0]) for g in got)
+
+
+# ---------------------------------------------------------------- workers (one per process)
+def _worker(rank: int, port: int, scenario: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        result = SCENARIOS[scenario](rank, Path(out_dir))
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _train_ddp(rank: int, out: Path) -> dict:
+    compiled, opt, ctl = _setup()
+    model = DistributedModel(compiled)
+    identical, ranks = [], []
+    for x, y in _batches(rank):
+        task = F.cross_entropy(model(x), y)
+        (task + ctl.penalty(task)).backward()
+        opt.step()
+        opt.zero_grad()
+        model.after_step(ctl.step())
+        identical.append(_same_on_all(_flat(compiled)))
+        ranks.append(ctl.ranks())
+    return {"identical": identical, "rebuilds": model.rebuilds, "ratio": compiled.ratio,
+            "ranks": {k: list(v) for k, v in ctl.ranks().items()}, "params": _flat(compiled).tolist(),
+            "stage": ctl.stage}
+
+
+def _comera_choices(rank: int, out: Path) -> dict:
+    compiled, opt, ctl = _setup(schedule="comera")
+    choices = []
+    for x, y in _batches(rank):
+        task = F.cross_entropy(compiled(x), y)  # no DDP here: replicas drift, the choice must not
+        (task + ctl.penalty(task)).backward()
+        opt.step()
+        opt.zero_grad()
+        ctl.step()
+        if ctl.last_choice is not None:
+            choices.append(bool(ctl.last_choice))
+    agreed = _same_on_all(torch.tensor(choices, dtype=torch.int64))
+    return {"choices": choices, "agreed": agreed}
+
+
+def _mismatch(rank: int, out: Path) -> dict:
+    compiled, opt, ctl = _setup()
+    ctl.start_late_stage(target_loss=1.0)
+    try:
+        ctl.truncate(budget=0.25 if rank == 0 else 0.15)  # different budgets: different cuts
+    except RankMismatchError as e:
+        return {"raised": str(e)}
+    return {"raised": None}
+
+
+def _fit_with_checkpoint(rank: int, out: Path) -> dict:
+    compiled, opt, ctl = _setup()
+    torch.manual_seed(1000 + rank)  # each rank's own random stream
+    history = tncompile.fit(compiled, _batches(rank), F.cross_entropy, opt, ctl, early_steps=8, late_steps=16,
+                            ddp={}, checkpoint_path=out / "ckpt.tnc", checkpoint_every=12, progress=False)
+    same = _same_on_all(_flat(compiled))
+    loaded = tncompile.load(out / "ckpt.tnc")
+    opt2 = torch.optim.AdamW(tncompile.param_groups(loaded, lr=3e-3, gate_lr=3e-2))
+    ctl2 = tncompile.RankController(loaded, opt2, target_ratio=0.12, early_steps=8, late_steps=16,
+                                    truncate_every=4, recovery=0.25)
+    extra = tncompile.resume(loaded, opt2, ctl2)
+    mine = extra["rng_per_rank"][rank]
+    return {"identical": same, "ratio": compiled.ratio, "steps": len(history.step),
+            "own_rng_restored": bool(torch.equal(torch.get_rng_state(), mine)),
+            "streams_differ": not torch.equal(extra["rng_per_rank"][0], extra["rng_per_rank"][1])}
+
+
+def _own_loop(rank: int, out: Path) -> dict:
+    """One process start for three checks (starting processes costs more than they do)."""
+    return {"train": _train_ddp(rank, out), "comera": _comera_choices(rank, out), "mismatch": _mismatch(rank, out)}
+
+
+SCENARIOS = {"own_loop": _own_loop, "checkpoint": _fit_with_checkpoint}
+
+
+@pytest.fixture(scope="module")
+def own_loop(tmp_path_factory):
+    return _run("own_loop", tmp_path_factory.mktemp("ddp"))
+
+
+def _run(scenario: str, tmp_path: Path, timeout: float = 240.0) -> list[dict]:
+    ctx = mp.start_processes(_worker, args=(_free_port(), scenario, str(tmp_path)), nprocs=WORLD, join=False,
+                             start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"distributed scenario {scenario!r} did not finish in {timeout:.0f} s (a hang)")
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+@pytest.mark.slow
+def test_replicas_stay_identical_across_cuts_and_equal_one_process(own_loop):
+    results = [r["train"] for r in own_loop]
+    for r in results:
+        assert all(r["identical"]), "replicas diverged"
+        assert r["rebuilds"] >= 2, "the DDP wrapper was not rebuilt after the cuts"
+        assert r["stage"] == "late" and r["ratio"] <= 0.12
+    assert results[0]["ranks"] == results[1]["ranks"]
+    # one process taking both micro-batches of every step and averaging their gradients
+    # (each micro-batch's gradient of task + penalty, halved and summed: what DDP's all-reduce computes)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers: a GEMM's sums depend on how its threads split it
+    try:
+        compiled, opt, ctl = _one_process_reference()
+    finally:
+        torch.set_num_threads(threads)
+    assert {k: list(v) for k, v in ctl.ranks().items()} == results[0]["ranks"]
+    assert torch.equal(_flat(compiled), torch.tensor(results[0]["params"])), "not bitwise equal to one process"
+
+
+def _one_process_reference():
+    compiled, opt, ctl = _setup()
+    for (x0, y0), (x1, y1) in zip(_batches(0), _batches(1)):
+        tasks = [F.cross_entropy(compiled(x), y) for x, y in ((x0, y0), (x1, y1))]
+        agreed = (tasks[0].detach() + tasks[1].detach()) / 2
+        penalty = ctl.penalty(agreed)
+        params = [p for p in compiled.parameters() if p.requires_grad]
+        grads = [torch.autograd.grad(t + penalty, params, retain_graph=True) for t in tasks]
+        for p, g0, g1 in zip(params, *grads):
+            p.grad = g0 / 2 + g1 / 2
+        opt.step()
+        opt.zero_grad()
+        ctl.step()
+    return compiled, opt, ctl
+
+
+@pytest.mark.slow
+def test_late_stage_choices_agree_on_every_process(own_loop):
+    results = [r["comera"] for r in own_loop]
+    assert results[0]["choices"] and results[0]["agreed"] and results[1]["agreed"]
+    assert results[0]["choices"] == results[1]["choices"]
+
+
+@pytest.mark.slow
+def test_mismatched_cuts_raise_on_every_process(own_loop):
+    results = [r["mismatch"] for r in own_loop]
+    for r in results:
+        assert r["raised"] and "differ between processes" in r["raised"]
+
+
+@pytest.mark.slow
+def test_fit_with_ddp_checkpoints_from_rank0_and_restores_each_rank_stream(tmp_path):
+    results = _run("checkpoint", tmp_path)
+    for r in results:
+        assert r["identical"] and r["steps"] == 24 and r["ratio"] <= 0.12
+        assert r["own_rng_restored"] and r["streams_differ"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".tnc") == ["ckpt.tnc"]
+
+
+def test_ddp_without_a_process_group_is_a_clear_error():
+    compiled, opt, ctl = _setup()
+    with pytest.raises(RuntimeError, match="torch.distributed is not initialized"):
+        tncompile.fit(compiled, _batches(0), F.cross_entropy, opt, ctl, early_steps=1, late_steps=1, ddp={})
+    with pytest.raises(RuntimeError, match="DistributedModel: torch.distributed is not initialized"):
+        DistributedModel(compiled)
+    with pytest.raises(TypeError, match="ddp must be a dict"):
+        tncompile.fit(compiled, _batches(0), F.cross_entropy, opt, ctl, early_steps=1, late_steps=1, ddp=True)

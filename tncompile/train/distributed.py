@@ -1,0 +1,188 @@
+"""Rank-adaptive training across processes (``torch.distributed``, DDP).
+
+Rank truncation replaces parameters, which a ``DistributedDataParallel``
+wrapper built earlier no longer reduces, and CoMERA's late-stage rule reads the
+loss, which differs per process. So, when ``torch.distributed`` is initialized
+(or a ``process_group`` is given):
+
+* :class:`~tncompile.train.controller.RankController` averages the task loss
+  over the processes (one scalar all-reduce per step, on the loss's device: no
+  host sync on CUDA) before it enters the loss average or the late-stage rule;
+* a truncation first broadcasts every TT/TTM layer's cores and gates from rank
+  0, so every process decides the same cut from the same numbers, then gathers
+  the new ranks from every process and raises :class:`RankMismatchError` on all
+  of them (never a hang) if any differ;
+* :class:`DistributedModel` wraps a compiled model in DDP and rebuilds the DDP
+  wrapper (with your keyword arguments) after each cut: call its
+  :meth:`~DistributedModel.after_step` with the controller's event, or let
+  ``tncompile.fit(..., ddp=dict(...))`` / ``TrainStep`` do it.
+
+``fit``, ``TrainStep``, ``param_groups``, ``RankController`` and ``save``
+accept such a wrapper (or a plain DDP one) in place of the compiled model
+(:func:`unwrap`).
+"""
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..serialization import save
+
+__all__ = ["DistributedModel", "RankMismatchError", "unwrap", "active_group", "world_size", "rank",
+           "mean_over_processes", "broadcast_from_rank0", "check_same_everywhere", "save_on_rank0"]
+
+
+class RankMismatchError(RuntimeError):
+    """Processes ended a truncation with different ranks (raised on every process)."""
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The compiled model inside a :class:`DistributedModel`, a DDP or a
+    ``DataParallel`` wrapper (any depth); ``model`` itself otherwise."""
+    while isinstance(model, (DistributedModel, nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def active_group(process_group: Any = None) -> Any:
+    """The group to agree over: ``process_group`` if given, else the default group
+    when ``torch.distributed`` is initialized with more than one process, else ``None``."""
+    if process_group is not None:
+        return process_group
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def world_size(group: Any) -> int:
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (0 when not distributed)."""
+    group = active_group(group)
+    return dist.get_rank(group) if group is not None else 0
+
+
+def mean_over_processes(value: torch.Tensor, group: Any) -> torch.Tensor:
+    """``value`` averaged over the processes of ``group`` (a new tensor; one all-reduce)."""
+    if group is None:
+        return value
+    out = value.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+    return out / world_size(group)
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor], group: Any) -> None:
+    """Overwrite ``tensors`` in place with rank 0's values."""
+    if group is None:
+        return
+    src = dist.get_global_rank(group, 0) if group is not dist.group.WORLD else 0
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t.data, src=src, group=group)
+
+
+def check_same_everywhere(values: list[int], group: Any, what: str) -> None:
+    """Raise :class:`RankMismatchError` on every process of ``group`` unless all of
+    them hold the same ``values`` (one all-gather of a small integer tensor)."""
+    if group is None:
+        return
+    device = _collective_device(group)
+    mine = torch.tensor([len(values), *values], dtype=torch.int64, device=device)
+    length = torch.tensor([mine.numel()], dtype=torch.int64, device=device)
+    longest = length.clone()
+    dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=group)
+    padded = torch.full((int(longest),), -1, dtype=torch.int64, device=device)
+    padded[: mine.numel()] = mine
+    gathered = [torch.empty_like(padded) for _ in range(world_size(group))]
+    dist.all_gather(gathered, padded, group=group)
+    differ = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
+    if differ:
+        raise RankMismatchError(f"{what} differ between processes: rank 0 has {_values(gathered[0])}, rank "
+                                f"{differ[0]} has {_values(gathered[differ[0]])}. Every process must run the same "
+                                "steps with the same controller settings (and cut only through the controller).")
+
+
+def _values(t: torch.Tensor) -> list[int]:
+    n = int(t[0])
+    return t[1:1 + n].tolist()
+
+
+def _collective_device(group: Any) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def save_on_rank0(compiled: nn.Module, path: Any, group: Any = None, **save_kwargs: Any) -> None:
+    """``tncompile.save`` by rank 0 alone (atomically, as always), with every
+    process's CPU random state in the file (``extra["rng_per_rank"]``) so that
+    :func:`tncompile.resume` gives each rank its own back. All processes wait
+    until the file is complete."""
+    group = active_group(group)
+    if group is None:
+        save(unwrap(compiled), path, **save_kwargs)
+        return
+    mine = torch.get_rng_state()
+    states = [torch.empty_like(mine) for _ in range(world_size(group))]
+    dist.all_gather(states, mine, group=group)
+    if dist.get_rank(group) == 0:
+        extra = dict(save_kwargs.pop("extra", None) or {})
+        extra["rng_per_rank"] = states
+        save(unwrap(compiled), path, extra=extra, **save_kwargs)
+    dist.barrier(group=group)
+
+
+class DistributedModel(nn.Module):
+    """A compiled model under ``DistributedDataParallel`` that survives rank cuts.
+
+    Parameters
+    ----------
+    compiled : CompiledModel
+    **ddp_kwargs
+        Passed to ``torch.nn.parallel.DistributedDataParallel`` every time the
+        wrapper is (re)built (``device_ids``, ``bucket_cap_mb``, ...).
+
+    Call it like the model. After each ``optimizer.step()`` and
+    ``controller.step()``, call :meth:`after_step` with the event: when ranks
+    were cut it builds a new DDP wrapper over the new parameters (the old one
+    is released so its gradient hooks go too).
+    """
+
+    def __init__(self, compiled: nn.Module, **ddp_kwargs: Any):
+        super().__init__()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("DistributedModel: torch.distributed is not initialized; call "
+                               "torch.distributed.init_process_group(...) first (torchrun does the environment)")
+        self.module = unwrap(compiled)
+        self.ddp_kwargs = dict(ddp_kwargs)
+        self.rebuilds = 0
+        self._build()
+
+    def _build(self) -> None:
+        self.__dict__.pop("_ddp", None)
+        gc.collect()  # the old reducer's hooks are removed when it is freed
+        # not a registered submodule: the parameters belong to ``module`` alone
+        self.__dict__["_ddp"] = nn.parallel.DistributedDataParallel(self.module, **self.ddp_kwargs)
+
+    @property
+    def ddp(self) -> nn.parallel.DistributedDataParallel:
+        return self.__dict__["_ddp"]
+
+    def forward(self, *args, **kwargs):
+        return self.ddp(*args, **kwargs)
+
+    def after_step(self, event: Any = None) -> bool:
+        """Rebuild the DDP wrapper if ``event`` says shapes changed (or when called
+        with no event). Returns whether it did."""
+        if event is not None and not getattr(event, "shapes_changed", False):
+            return False
+        self._build()
+        self.rebuilds += 1
+        return True
