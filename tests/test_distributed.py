@@ -132,9 +132,42 @@ def _fit_with_checkpoint(rank: int, out: Path) -> dict:
             "streams_differ": not torch.equal(extra["rng_per_rank"][0], extra["rng_per_rank"][1])}
 
 
+def _every_runtime_path(rank: int, out: Path) -> dict:
+    """The six-encoder (TTM lookups, fused feed-forward blocks over 256 rows, native
+    dropout, planned executor) and an MLP over 4 rows (the native chain): replicas
+    identical at every step through cuts and the stage switch."""
+    from tncompile.zoo import small_encoder
+    torch.manual_seed(0)
+    encoder = tncompile.compile(small_encoder(max_len=64), target_ratio=0.3, init="random")
+    tiny = tncompile.compile(mlp((64, 256, 256, 10)), target_ratio=0.3)
+    identical, kinds = [], set()
+    for compiled, make_batch in ((encoder, lambda g: (torch.randint(1, 1000, (4, 64), generator=g),
+                                                      torch.randint(0, 3, (4,), generator=g))),
+                                 (tiny, lambda g: (torch.randn(4, 64, generator=g), torch.randint(0, 10, (4,),
+                                                                                                   generator=g)))):
+        kinds |= {type(m).__name__ for m in compiled.modules()}
+        opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=3e-3, gate_lr=3e-2))
+        ctl = tncompile.RankController(compiled, opt, target_ratio=0.6 * compiled.ratio, early_steps=4,
+                                       late_steps=8, truncate_every=2)
+        model = DistributedModel(compiled)
+        g = torch.Generator().manual_seed(7 + rank)
+        torch.manual_seed(50 + rank)  # dropout masks differ per process, as they would
+        for _ in range(12):
+            x, y = make_batch(g)
+            task = F.cross_entropy(model(x), y)
+            (task + ctl.penalty(task)).backward()
+            opt.step()
+            opt.zero_grad()
+            model.after_step(ctl.step())
+            identical.append(_same_on_all(_flat(compiled)))
+        identical.append(compiled.ratio <= 0.6 * ctl.compiled.program.compiled_ratio + 1e-9)
+    return {"identical": identical, "kinds": sorted(kinds)}
+
+
 def _own_loop(rank: int, out: Path) -> dict:
-    """One process start for three checks (starting processes costs more than they do)."""
-    return {"train": _train_ddp(rank, out), "comera": _comera_choices(rank, out), "mismatch": _mismatch(rank, out)}
+    """One process start for four checks (starting processes costs more than they do)."""
+    return {"train": _train_ddp(rank, out), "comera": _comera_choices(rank, out), "mismatch": _mismatch(rank, out),
+            "paths": _every_runtime_path(rank, out)}
 
 
 SCENARIOS = {"own_loop": _own_loop, "checkpoint": _fit_with_checkpoint}
@@ -194,6 +227,13 @@ def _one_process_reference():
 
 
 @pytest.mark.slow
+def test_every_runtime_path_keeps_replicas_identical(own_loop):
+    for r in own_loop:
+        assert all(r["paths"]["identical"])
+        assert {"TTMEmbedding", "TTLinear", "FastDropout"} <= set(r["paths"]["kinds"])
+
+
+@pytest.mark.slow
 def test_late_stage_choices_agree_on_every_process(own_loop):
     results = [r["comera"] for r in own_loop]
     assert results[0]["choices"] and results[0]["agreed"] and results[1]["agreed"]
@@ -214,6 +254,16 @@ def test_fit_with_ddp_checkpoints_from_rank0_and_restores_each_rank_stream(tmp_p
         assert r["identical"] and r["steps"] == 24 and r["ratio"] <= 0.12
         assert r["own_rng_restored"] and r["streams_differ"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".tnc") == ["ckpt.tnc"]
+    # the 2-process checkpoint resumes in one process too (it then keeps rank 0's stream)
+    loaded = tncompile.load(tmp_path / "ckpt.tnc")
+    opt = torch.optim.AdamW(tncompile.param_groups(loaded, lr=3e-3, gate_lr=3e-2))
+    ctl = tncompile.RankController(loaded, opt, target_ratio=0.12, early_steps=8, late_steps=16, truncate_every=4,
+                                   recovery=0.25)
+    extra = tncompile.resume(loaded, opt, ctl)
+    assert ctl.steps_done == 24 and torch.equal(torch.get_rng_state(), extra["rng_per_rank"][0])
+    x, y = _batches(0)[12]
+    F.cross_entropy(loaded(x), y).backward()
+    opt.step()
 
 
 def test_ddp_without_a_process_group_is_a_clear_error():
