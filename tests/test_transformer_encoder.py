@@ -95,6 +95,33 @@ def test_compresses_trains_saves_and_densifies(tmp_path):
     torch.testing.assert_close(dense(ids, padding, causal), out, rtol=1e-5, atol=1e-5)
 
 
+def test_inference_fast_path_zeros_at_padded_positions_are_kept():
+    """In eval mode without autograd the original encoder runs on nested tensors and
+    returns zeros at padded positions (then the final norm); the compiled one too."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+    model = _PaddedEncoder(nn.TransformerEncoder(layer, 2, norm=nn.LayerNorm(64))).eval()  # nested tensors on
+    compiled = compile_full_rank(model, None).eval()
+    x = torch.randn(3, 10, 64)
+    padding = torch.zeros(3, 10, dtype=torch.bool)
+    padding[1:, -3:] = True
+    with torch.no_grad():
+        want = model(x, padding)
+        got = compiled(x, padding)
+    assert torch.equal(want[1, -1], model.enc.norm.bias.detach())  # the fast path ran in the original
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled(x, padding), model(x, padding), rtol=1e-5, atol=1e-5)  # with autograd
+
+
+class _PaddedEncoder(nn.Module):
+    def __init__(self, enc):
+        super().__init__()
+        self.enc = enc
+
+    def forward(self, x, padding):
+        return self.enc(x, src_key_padding_mask=padding)
+
+
 class SelfAttentionBlock(nn.Module):
     def __init__(self, batch_first):
         super().__init__()

@@ -29,7 +29,7 @@ from .ir.modules import rehome_reads
 from .ir.program import InputSpec
 from .layers import is_compressible
 from .nn_trace import attention_parts, traced_call
-from .runtime.attention import SelfAttention
+from .runtime.attention import NestedPadding, SelfAttention
 from .runtime.experts import ExpertLinear
 from .runtime.module_kinds import embedding_on, linear_on, runs_as
 
@@ -46,7 +46,7 @@ class LeafTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if own_forward(m):
             return False
-        return is_compressible(m) or isinstance(m, SelfAttention) or super().is_leaf_module(m, qualname)
+        return is_compressible(m) or isinstance(m, (SelfAttention, NestedPadding)) or super().is_leaf_module(m, qualname)
 
     def call_module(self, m: nn.Module, forward, args: tuple, kwargs: dict):
         """``nn.TransformerEncoder`` and its parts run a traceable spelling (:mod:`.nn_trace`)."""

@@ -14,8 +14,10 @@ fx-traceable spelling of their training-mode math instead:
   ``nn.Linear`` on the module's own ``in_proj_weight`` / ``in_proj_bias``),
   :class:`~tncompile.runtime.attention.SelfAttention` and ``out_proj``.
 
-``in_proj`` and ``attend`` are attached to each ``nn.MultiheadAttention`` only
-while tracing (:func:`attention_parts`), so the user's model keeps its state dict.
+``in_proj`` and ``attend`` are attached to each ``nn.MultiheadAttention`` (and
+``nested_padding`` to an encoder whose inference fast path returns zeros at
+padded positions) only while tracing (:func:`attention_parts`), so the user's
+model keeps its state dict.
 Other calls (cross-attention, separate q/k/v weights, subclasses with a forward
 of their own) stay one opaque module call, as before.
 """
@@ -26,7 +28,7 @@ from typing import Any, Callable, Iterator
 
 from torch import nn
 
-from .runtime.attention import SelfAttention
+from .runtime.attention import NestedPadding, SelfAttention
 from .runtime.module_kinds import linear_on, runs_as
 
 __all__ = ["attention_parts", "traced_call"]
@@ -42,17 +44,21 @@ def _packed(mha: nn.Module) -> bool:
 def attention_parts(model: nn.Module) -> Iterator[None]:
     """Attach ``in_proj`` and ``attend`` to every packed ``nn.MultiheadAttention``
     of ``model`` for the duration of a trace."""
-    added = []
-    for mha in model.modules():
-        if isinstance(mha, nn.MultiheadAttention) and _packed(mha) and "in_proj" not in mha._modules:
-            mha.add_module("in_proj", linear_on(mha.in_proj_weight, mha.in_proj_bias, mha.training))
-            mha.add_module("attend", SelfAttention(mha.num_heads, mha.dropout, mha.batch_first).train(mha.training))
-            added.append(mha)
+    added: list[tuple[nn.Module, str]] = []
+    for mod in model.modules():
+        if isinstance(mod, nn.MultiheadAttention) and _packed(mod) and "in_proj" not in mod._modules:
+            mod.add_module("in_proj", linear_on(mod.in_proj_weight, mod.in_proj_bias, mod.training))
+            mod.add_module("attend", SelfAttention(mod.num_heads, mod.dropout, mod.batch_first).train(mod.training))
+            added += [(mod, "in_proj"), (mod, "attend")]
+        elif isinstance(mod, nn.TransformerEncoder) and getattr(mod, "use_nested_tensor", False) \
+                and "nested_padding" not in mod._modules:
+            mod.add_module("nested_padding", NestedPadding(getattr(mod, "mask_check", True)).train(mod.training))
+            added.append((mod, "nested_padding"))
     try:
         yield
     finally:
-        for mha in added:
-            del mha._modules["in_proj"], mha._modules["attend"]
+        for mod, name in added:
+            del mod._modules[name]
 
 
 def _self_attention(mha: nn.Module, query, key, value, key_padding_mask=None, need_weights: bool = True,
@@ -86,6 +92,8 @@ def _encoder(encoder: nn.Module, src, mask=None, src_key_padding_mask=None, is_c
     out = src
     for layer in encoder.layers:
         out = layer(out, src_mask=mask, is_causal=bool(is_causal), src_key_padding_mask=src_key_padding_mask)
+    if mask is None and src_key_padding_mask is not None and "nested_padding" in encoder._modules:
+        out = encoder.nested_padding(out, src, src_key_padding_mask)  # the fast path's zeros, in inference
     return encoder.norm(out) if encoder.norm is not None else out
 
 

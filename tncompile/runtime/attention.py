@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["SelfAttention", "additive_mask"]
+__all__ = ["SelfAttention", "NestedPadding", "additive_mask"]
 
 
 def additive_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, batch: int, heads: int,
@@ -97,3 +97,37 @@ class SelfAttention(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_heads={self.num_heads}, dropout={self.dropout}, batch_first={self.batch_first}"
+
+
+class NestedPadding(nn.Module):
+    """Zeros at padded positions, when ``nn.TransformerEncoder``'s inference fast path would give them.
+
+    In eval mode without autograd, an encoder built with
+    ``enable_nested_tensor=True`` runs on nested tensors when it gets a
+    (left-aligned) ``src_key_padding_mask`` and no ``mask``, and its output is
+    zero at every padded position (before the final norm). The traced encoder
+    computes those positions like any other, so this module reproduces the
+    zeros under the same conditions -- the compiled model then matches the
+    original in every mode, also where a pooling reads padded positions.
+
+    Shapes
+    ------
+    ``out (N, S, E)``, ``src (N, S, E)``, ``key_padding_mask (N, S)`` -> ``(N, S, E)``.
+    """
+
+    def __init__(self, mask_check: bool = True):
+        super().__init__()
+        self.mask_check = mask_check
+
+    def forward(self, out: Tensor, src: Tensor, key_padding_mask: Tensor) -> Tensor:
+        if (self.training or torch.is_grad_enabled() or not torch.backends.mha.get_fastpath_enabled()
+                or src.dim() != 3 or torch.is_autocast_enabled() or src.device.type not in ("cpu", "cuda", "xpu")):
+            return out
+        keep = key_padding_mask.logical_not()
+        if self.mask_check and (torch.compiler.is_compiling()
+                                or not torch._nested_tensor_from_mask_left_aligned(src, keep)):
+            return out
+        return out.masked_fill(keep.logical_not().unsqueeze(-1), 0.0)
+
+    def extra_repr(self) -> str:
+        return f"mask_check={self.mask_check}"
