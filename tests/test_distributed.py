@@ -170,7 +170,63 @@ def _own_loop(rank: int, out: Path) -> dict:
             "paths": _every_runtime_path(rank, out)}
 
 
-SCENARIOS = {"own_loop": _own_loop, "checkpoint": _fit_with_checkpoint}
+def _dropout_setup():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    compiled = tncompile.compile(model, target_ratio=0.3)
+    opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=3e-3, gate_lr=3e-2))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.12, early_steps=8, late_steps=16,
+                                   truncate_every=4, recovery=0.25)
+    return compiled, opt, ctl
+
+
+def _resume_is_exact(rank: int, out: Path) -> dict:
+    """Uninterrupted 24 steps vs. loading the step-12 checkpoint, resuming and going on."""
+    import shutil
+
+    def keep_step_12(model):  # eval_fn at step 24 runs before that step's save: the file holds step 12
+        if rank == 0:
+            shutil.copy(out / "run.tnc", out / "half.tnc")
+        return 0.0
+
+    kwargs = dict(early_steps=8, late_steps=16, ddp={}, progress=False)
+    compiled, opt, ctl = _dropout_setup()
+    torch.manual_seed(1000 + rank)  # each rank draws its own dropout masks
+    tncompile.fit(compiled, _batches(rank), F.cross_entropy, opt, ctl, checkpoint_path=out / "run.tnc",
+                  checkpoint_every=12, eval_fn=keep_step_12, eval_every=24, **kwargs)
+    uninterrupted = _flat(compiled)
+    dist.barrier()
+    torch.manual_seed(12345)  # whatever the process drew since: resume must restore each rank's stream
+    loaded = tncompile.load(out / "half.tnc")
+    opt = torch.optim.AdamW(tncompile.param_groups(loaded, lr=3e-3, gate_lr=3e-2))
+    ctl = tncompile.RankController(loaded, opt, target_ratio=0.12, early_steps=8, late_steps=16, truncate_every=4,
+                                   recovery=0.25)
+    extra = tncompile.resume(loaded, opt, ctl)
+    assert ctl.steps_done == 12
+    tncompile.fit(loaded, _batches(rank), F.cross_entropy, opt, ctl, history=extra["history"], **kwargs)
+    return {"exact": bool(torch.equal(_flat(loaded), uninterrupted)), "same_on_all": _same_on_all(_flat(loaded))}
+
+
+def _checkpoints(rank: int, out: Path) -> dict:
+    (out / "a").mkdir(exist_ok=True)
+    (out / "b").mkdir(exist_ok=True)
+    return {"fit": _fit_with_checkpoint(rank, out / "a"), "resume": _resume_is_exact(rank, out / "b")}
+
+
+SCENARIOS = {"own_loop": _own_loop, "checkpoints": _checkpoints}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ckpt")
+    return out, _run("checkpoints", out)
+
+
+@pytest.mark.slow
+def test_resume_from_a_two_process_checkpoint_is_bitwise_the_uninterrupted_run(checkpoints):
+    for r in checkpoints[1]:
+        assert r["resume"]["same_on_all"] and r["resume"]["exact"]
 
 
 @pytest.fixture(scope="module")
@@ -248,8 +304,8 @@ def test_mismatched_cuts_raise_on_every_process(own_loop):
 
 
 @pytest.mark.slow
-def test_fit_with_ddp_checkpoints_from_rank0_and_restores_each_rank_stream(tmp_path):
-    results = _run("checkpoint", tmp_path)
+def test_fit_with_ddp_checkpoints_from_rank0_and_restores_each_rank_stream(checkpoints):
+    tmp_path, results = checkpoints[0] / "a", [r["fit"] for r in checkpoints[1]]
     for r in results:
         assert r["identical"] and r["steps"] == 24 and r["ratio"] <= 0.12
         assert r["own_rng_restored"] and r["streams_differ"]
