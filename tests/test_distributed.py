@@ -164,10 +164,45 @@ def _every_runtime_path(rank: int, out: Path) -> dict:
     return {"identical": identical, "kinds": sorted(kinds)}
 
 
+def _fsdp2_matches_ddp(rank: int, out: Path) -> dict:
+    """Root-only ``fully_shard`` of a compiled model, early stage with the rank
+    penalty: the full weights equal the DDP run's bitwise at every step; a cut
+    is refused with a clear error."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def run(wrap):
+        torch.manual_seed(0)
+        compiled = tncompile.compile(mlp((64, 256, 256, 10)), target_ratio=0.3)
+        model = wrap(compiled)
+        opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=3e-3, gate_lr=3e-2))
+        ctl = tncompile.RankController(compiled, opt, target_ratio=0.2, early_steps=None, truncate_every=0)
+        weights = []
+        for x, y in _batches(rank, 6):
+            task = F.cross_entropy(model(x), y)
+            (task + ctl.penalty(task)).backward()
+            opt.step()
+            opt.zero_grad()
+            ctl.step()
+            weights.append(torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
+                                      for p in compiled.parameters()]))
+        return weights, ctl
+
+    ddp, _ = run(DistributedModel)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fsdp, ctl = run(lambda c: fully_shard(c, mesh=mesh))
+    try:
+        ctl.truncate()
+        refused = None
+    except NotImplementedError as e:
+        refused = str(e)
+    return {"equal": [bool(torch.equal(a, b)) for a, b in zip(ddp, fsdp)], "refused": refused}
+
+
 def _own_loop(rank: int, out: Path) -> dict:
     """One process start for four checks (starting processes costs more than they do)."""
     return {"train": _train_ddp(rank, out), "comera": _comera_choices(rank, out), "mismatch": _mismatch(rank, out),
-            "paths": _every_runtime_path(rank, out)}
+            "paths": _every_runtime_path(rank, out), "fsdp2": _fsdp2_matches_ddp(rank, out)}
 
 
 def _dropout_setup():
@@ -287,6 +322,13 @@ def test_every_runtime_path_keeps_replicas_identical(own_loop):
     for r in own_loop:
         assert all(r["paths"]["identical"])
         assert {"TTMEmbedding", "TTLinear", "FastDropout"} <= set(r["paths"]["kinds"])
+
+
+@pytest.mark.slow
+def test_fsdp2_root_only_equals_ddp_bitwise_and_refuses_cuts_clearly(own_loop):
+    for r in own_loop:
+        assert r["fsdp2"]["equal"] and all(r["fsdp2"]["equal"])
+        assert "sharded by FSDP2" in r["fsdp2"]["refused"]
 
 
 @pytest.mark.slow

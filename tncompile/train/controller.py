@@ -545,6 +545,7 @@ class RankController:
         state is then sliced to match.
         """
         event = RankEvent(self.steps_done, self.stage)
+        _refuse_sharded(self._layers)
         # every process decides from rank 0's numbers (replicas agree anyway; this makes sure)
         broadcast_from_rank0([p for m in self._layers.values()
                               for p in (*m.cores._parameters.values(), *m.gates._parameters.values())],
@@ -718,6 +719,21 @@ class RankController:
         return (f"RankController(stage={self.stage}, schedule={self.schedule}, step={self.steps_done}, "
                 f"ratio={self.ratio:.5f}, "
                 f"target_ratio={self.target_ratio:g}, layers={len(self._layers)})")
+
+
+def _refuse_sharded(layers: dict[str, TNModule]) -> None:
+    """Cutting FSDP2-sharded cores needs gather -> cut -> reshard, which is not built yet:
+    say so (on every process alike, before any collective) instead of failing inside one."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    sharded = [n for n, m in layers.items() if any(isinstance(p, DTensor) for p in m.parameters())]
+    if sharded:
+        raise NotImplementedError(
+            f"RankController: {sharded[:3]} are sharded by FSDP2 (fully_shard); cutting sharded ranks is not "
+            "supported yet. Train rank adaptation under DDP (tncompile.distributed.DistributedModel or "
+            "fit(..., ddp={})); under FSDP2 use the early stage only (early_steps=None, truncate_every=0).")
 
 
 def _network_size(widths: list, sites: tuple[int, ...]):
