@@ -73,17 +73,22 @@ def _worker(rank: int, port: int, scenario: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+def _ddp_step(model: DistributedModel, opt, ctl, x, y) -> bool:
+    """One training step through the DDP wrapper; are the replicas identical after it?"""
+    task = F.cross_entropy(model(x), y)
+    (task + ctl.penalty(task)).backward()
+    opt.step()
+    opt.zero_grad()
+    model.after_step(ctl.step())
+    return _same_on_all(_flat(model.module))
+
+
 def _train_ddp(rank: int, out: Path) -> dict:
     compiled, opt, ctl = _setup()
     model = DistributedModel(compiled)
     identical, ranks = [], []
     for x, y in _batches(rank):
-        task = F.cross_entropy(model(x), y)
-        (task + ctl.penalty(task)).backward()
-        opt.step()
-        opt.zero_grad()
-        model.after_step(ctl.step())
-        identical.append(_same_on_all(_flat(compiled)))
+        identical.append(_ddp_step(model, opt, ctl, x, y))
         ranks.append(ctl.ranks())
     return {"identical": identical, "rebuilds": model.rebuilds, "ratio": compiled.ratio,
             "ranks": {k: list(v) for k, v in ctl.ranks().items()}, "params": _flat(compiled).tolist(),
@@ -153,13 +158,7 @@ def _every_runtime_path(rank: int, out: Path) -> dict:
         g = torch.Generator().manual_seed(7 + rank)
         torch.manual_seed(50 + rank)  # dropout masks differ per process, as they would
         for _ in range(12):
-            x, y = make_batch(g)
-            task = F.cross_entropy(model(x), y)
-            (task + ctl.penalty(task)).backward()
-            opt.step()
-            opt.zero_grad()
-            model.after_step(ctl.step())
-            identical.append(_same_on_all(_flat(compiled)))
+            identical.append(_ddp_step(model, opt, ctl, *make_batch(g)))
         identical.append(compiled.ratio <= 0.6 * ctl.compiled.program.compiled_ratio + 1e-9)
     return {"identical": identical, "kinds": sorted(kinds)}
 
