@@ -34,6 +34,19 @@ def test_speed_keeps_every_network_at_most_as_costly_as_dense(rows):
     assert "slower than dense" not in str(compiled.report())
 
 
+@pytest.mark.parametrize("batch_sizes,rows", [(None, 32), ([1], 1), ([4, 256], 256)])
+def test_without_shapes_speed_uses_batch_sizes_or_32_rows(batch_sizes, rows):
+    """Traced by fx without example_inputs there are no shapes: the rule still holds,
+    over the largest of batch_sizes, else tuning.ASSUMED_ROWS (32)."""
+    assert tncompile.tuning.ASSUMED_ROWS == 32
+    compiled = tncompile.compile(_mlp(), target_ratio=0.05, batch_sizes=batch_sizes)
+    for name, layer in _tt_layers(compiled).items():
+        tn, dense = _step_macs(layer, rows)
+        assert tn <= dense, (name, layer.layout.ranks)
+    small = tncompile.compile(_mlp(), target_ratio=0.05, batch_sizes=batch_sizes, prefer="size")
+    assert any(_step_macs(layer, rows)[0] > _step_macs(layer, rows)[1] for layer in _tt_layers(small).values())
+
+
 def test_size_grows_ranks_past_that_and_the_report_flags_it():
     x = torch.randn(32, 256)
     fast = tncompile.compile(_mlp(), target_ratio=0.05, example_inputs=(x,))

@@ -41,7 +41,8 @@ PAD_PENALTY = 0.1
 # ---------------------------------------------------------------- compile: ranks
 #: ``compile(prefer="speed")`` compares a TT network's training step with its dense
 #: layer's over the rows each layer saw when traced; traced without example inputs
-#: (no shapes), it assumes this many (a small training batch of vectors).
+#: (no shapes) and without ``batch_sizes``, it assumes this many (a small training
+#: batch of vectors).
 ASSUMED_ROWS = 32
 
 # ---------------------------------------------------------------- runtime: TT linear over few rows

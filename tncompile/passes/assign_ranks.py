@@ -30,7 +30,8 @@ class AssignRanks(Pass):
 
     With ``compile(prefer="speed")`` (the default) no TT linear gets a rank
     at which a training step (forward and backward) over the rows it saw when
-    traced (``tuning.ASSUMED_ROWS`` when traced without shapes) costs more
+    traced (without shapes: the largest of ``batch_sizes``, else
+    ``tuning.ASSUMED_ROWS``) costs more
     multiply-adds than its dense layer's, ``3 * rows * in * out`` (costed in the cheaper fixed order,
     :func:`tncompile.planning.fixed_order_macs`). With ``prefer="size"``, and for ranks fixed by
     ``rank_pattern``, such layers are noted in ``program.notes`` (the report
@@ -139,8 +140,9 @@ class AssignRanks(Pass):
         for node, mod in program.modules():
             if node.target in owners and isinstance(mod.layout, TTLayout):
                 seen = example_rows(node, lookup=False)
-                # no shapes (fx without example_inputs): assume a small batch, never skip the check
-                traced = seen[1] if seen is not None else tuning.ASSUMED_ROWS
+                # no shapes (fx without example_inputs): the rows asked for with batch_sizes,
+                # else a small batch -- never skip the check
+                traced = seen[1] if seen is not None else max(program.options.batch_sizes or [tuning.ASSUMED_ROWS])
                 per_network = experts_rows(traced, mod.layout.experts)
                 rows[node.target] = max(rows.get(node.target, 0), per_network)
         return rows
