@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -270,3 +271,25 @@ def test_build_is_named_by_its_sources(tmp_path, monkeypatch):
     assert native.build_name() == name  # same contents elsewhere: the same build
     Path(copies[0]).write_text(Path(copies[0]).read_text() + "\n// edited\n")
     assert native.build_name() != name
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_a_live_one_kept(tmp_path, monkeypatch, caplog):
+    """torch waits without limit on a build's lock file: one left by a killed build
+    (older than any real build) is removed with a notice; a fresh one -- another
+    process building now -- is left for torch to wait on."""
+    import logging
+
+    from tncompile.runtime import native
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = "tncompile_native_locktest"
+    assert native.clear_stale_lock(name) is False  # no lock: nothing to do
+    lock = tmp_path / name / "lock"
+    lock.touch()
+    assert native.clear_stale_lock(name) is False and lock.exists()  # fresh: someone is building
+    aged = time.time() - native.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (aged, aged))
+    with caplog.at_level(logging.WARNING, logger="tncompile.native"):
+        assert native.clear_stale_lock(name) is True
+    assert not lock.exists()
+    assert "stale native-build lock" in caplog.text and str(lock) in caplog.text

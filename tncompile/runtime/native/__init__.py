@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["native_ops", "native_status", "native_kernels", "kernels_for", "traceable_kernels", "watch",
-           "build_name"]
+           "build_name", "clear_stale_lock"]
 
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _SOURCES = [str(Path(__file__).with_name(name))
@@ -75,10 +75,37 @@ def _built(name: str) -> bool:
     return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
 
 
+STALE_LOCK_SECONDS = 600.0  # a build takes ~15-60 s: a lock this old was left by a killed build
+
+
+def clear_stale_lock(name: str, max_age_s: float = STALE_LOCK_SECONDS) -> bool:
+    """Remove the build lock of ``name`` when it is older than ``max_age_s``.
+
+    ``torch.utils.cpp_extension`` guards a build with a lock file and waits,
+    without limit, while it exists; a build killed mid-way (Ctrl-C twice, a
+    CI timeout, OOM) leaves it behind and every later import would hang.
+    Returns whether a lock was removed (announced by one line on stderr)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    lock = Path(_get_build_directory(name, verbose=False)) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < max_age_s:
+        return False  # another process may be building right now: wait for it as torch does
+    with contextlib.suppress(FileNotFoundError):  # a racing process may have removed it first
+        lock.unlink()
+    log.warning("tncompile: removed a stale native-build lock left by an interrupted build "
+                "(%s, %.0f min old)", lock, age / 60)
+    return True
+
+
 def _build():
     from torch.utils.cpp_extension import load  # imported lazily: it is slow to import
 
     name = build_name()
+    clear_stale_lock(name)
     if not _built(name):  # one line, so that a first run does not sit silent for half a minute
         log.warning("tncompile: building the native CPU kernels (once per machine and version, ~15-60 s)...")
     start = time.perf_counter()
