@@ -143,6 +143,29 @@ def test_falls_back_where_the_kernel_does_not_apply(ops, spy):
         tt_feed_forward(many, first, second, "tanh")
 
 
+def test_layers_with_forward_hooks_run_their_own_forward(ops, fuse_small, spy):
+    """A hook on either layer (a user's activation hook, an FSDP2 unit's gather/free)
+    sees the layer's true input and output: the block runs unfused."""
+    first, second = _tt(30, 70, 4, seed=7), _tt(70, 20, 5, seed=8)
+    x = torch.randn(12, 30)
+    want = second(F.gelu(first(x)))
+    seen = []
+    for hook_on, kind in [(first, "forward"), (second, "pre"), (first, "global")]:
+        spy.clear()
+        if kind == "forward":
+            handle = hook_on.register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape)))
+        elif kind == "pre":
+            handle = hook_on.register_forward_pre_hook(lambda m, args: seen.append(tuple(args[0].shape)))
+        else:
+            handle = nn.modules.module.register_module_forward_hook(lambda m, a, out: seen.append(m is hook_on))
+        torch.testing.assert_close(tt_feed_forward(x, first, second, "gelu"), want)
+        handle.remove()
+        assert not spy, f"fused past a {kind} hook"
+    assert seen[:2] == [(12, 70), (12, 70)] and True in seen[2:]
+    tt_feed_forward(x, first, second, "gelu")
+    assert spy  # hooks removed: fused again
+
+
 def test_flop_guard_skips_blocks_where_merging_costs_more(ops, monkeypatch):
     first, second = _tt(30, 70, 4, seed=7), _tt(70, 20, 5, seed=8)
     x = torch.randn(tuning.FUSE_MIN_ROWS, 30)

@@ -52,7 +52,7 @@ def uses_fused_kernel(x: torch.Tensor, first: nn.Module, second: nn.Module):
     """The native ops when :func:`tt_feed_forward` would fuse the block for
     input ``x``, else ``None``. The flop comparison is cached on ``second``
     per bucket and ranks."""
-    if not (runs_as(first, TTLinear) and runs_as(second, TTLinear)):
+    if not (runs_as(first, TTLinear) and runs_as(second, TTLinear)) or _hooked(first) or _hooked(second):
         return None
     rows = x.numel() // first.in_features if first.in_features else 0
     if rows < tuning.FUSE_MIN_ROWS:
@@ -68,6 +68,14 @@ def uses_fused_kernel(x: torch.Tensor, first: nn.Module, second: nn.Module):
         planned = first.plan_for(bucket).fwd_flops + second.plan_for(bucket).fwd_flops
         cheap = cache[key] = fused_macs(first, second, bucket) <= tuning.FUSE_FLOP_SLACK * planned
     return ops if cheap else None
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs forward hooks (its own or global ones)."""
+    from torch.nn.modules import module as module_mod
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module_mod._global_forward_hooks
+                or module_mod._global_forward_pre_hooks)
 
 
 def tt_feed_forward(x: torch.Tensor, first: nn.Module, second: nn.Module, activation: str) -> torch.Tensor:
