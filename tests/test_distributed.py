@@ -163,45 +163,112 @@ def _every_runtime_path(rank: int, out: Path) -> dict:
     return {"identical": identical, "kinds": sorted(kinds)}
 
 
-def _fsdp2_matches_ddp(rank: int, out: Path) -> dict:
-    """Root-only ``fully_shard`` of a compiled model, early stage with the rank
-    penalty: the full weights equal the DDP run's bitwise at every step; a cut
-    is refused with a clear error."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def _full(p: torch.Tensor) -> torch.Tensor:
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
 
-    def run(wrap):
+
+def _encoder_batches(rank: int, steps: int = 12):
+    g = torch.Generator().manual_seed(10 + rank)
+    return [(torch.randint(0, 1000, (4, 16), generator=g), torch.randint(0, 2, (4,), generator=g))
+            for _ in range(steps)]
+
+
+def _cut_run(rank: int, model: str, wrap) -> dict:
+    """Train with rank cuts through ``wrap(compiled)``; the full weights after every step."""
+    from torch.distributed.tensor import DTensor
+
+    from tncompile.zoo import small_encoder
+    if model == "mlp":
+        compiled, opt, ctl = _setup()
+        batches = _batches(rank)
+    else:
         torch.manual_seed(0)
-        compiled = tncompile.compile(mlp((64, 256, 256, 10)), target_ratio=0.3)
-        model = wrap(compiled)
+        compiled = tncompile.compile(small_encoder(max_len=16), target_ratio=0.3)
+        batches = _encoder_batches(rank)
+    wrapped = wrap(compiled)
+    if model != "mlp":  # FSDP2: the optimizer is built over the shards, as usual
         opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=3e-3, gate_lr=3e-2))
-        ctl = tncompile.RankController(compiled, opt, target_ratio=0.2, early_steps=None, truncate_every=0)
-        weights = []
-        for x, y in _batches(rank, 6):
-            task = F.cross_entropy(model(x), y)
-            (task + ctl.penalty(task)).backward()
-            opt.step()
-            opt.zero_grad()
-            ctl.step()
-            weights.append(torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().reshape(-1)
-                                      for p in compiled.parameters()]))
-        return weights, ctl
+        ctl = tncompile.RankController(compiled, opt, target_ratio=0.15, early_steps=4, late_steps=8,
+                                       truncate_every=2)
+    elif not isinstance(wrapped, DistributedModel):  # the MLP's optimizer came first: move it onto the shards
+        opt.param_groups.clear()
+        opt.state.clear()
+        for group in tncompile.param_groups(compiled, lr=3e-3, gate_lr=3e-2):
+            opt.add_param_group(group)
+        ctl.optimizer = opt
+    weights, cuts, sharded_after_cuts = [], 0, []
+    for x, y in batches:
+        task = F.cross_entropy(wrapped(x), y)
+        (task + ctl.penalty(task)).backward()
+        opt.step()
+        opt.zero_grad()
+        event = ctl.step()
+        if isinstance(wrapped, DistributedModel):
+            wrapped.after_step(event)
+        elif event.shapes_changed:
+            cuts += 1
+            held = {id(p) for g in opt.param_groups for p in g["params"]}
+            sharded_after_cuts.append(all(isinstance(p, DTensor) and id(p) in held for p in compiled.parameters())
+                                      and all(isinstance(v, DTensor) for st in opt.state.values()
+                                              for k, v in st.items() if k != "step"))
+        weights.append(torch.cat([_full(p) for p in compiled.parameters()]))
+    return {"weights": weights, "ranks": ctl.ranks(), "cuts": cuts, "sharded": sharded_after_cuts,
+            "compiled": compiled, "opt": opt, "ctl": ctl}
 
-    ddp, _ = run(DistributedModel)
-    mesh = init_device_mesh("cpu", (WORLD,))
-    fsdp, ctl = run(lambda c: fully_shard(c, mesh=mesh))
+
+def _fsdp2_cuts(rank: int, out: Path) -> dict:
+    """FSDP2 with rank cuts by gather -> cut -> reshard, against DDP: root-only (MLP) and one
+    unit per encoder block (reshard_after_forward=False: bitwise; True: the gates' penalty
+    gradient joins after the reduce-scatter, so within rounding); saving gathers the shards."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from tncompile.distributed import block_units, shard
+    report = {}
+    for name, model, kwargs in (("root", "mlp", dict(units="root")),
+                                ("blocks", "encoder", dict(units="blocks", reshard_after_forward=False)),
+                                ("blocks_resharded", "encoder", dict(units="blocks"))):
+        ddp = _cut_run(rank, model, DistributedModel)
+        fsdp = _cut_run(rank, model, lambda c: shard(c, **kwargs))
+        units = sum(isinstance(m, FSDPModule) for m in fsdp["compiled"].modules())
+        report[name] = {
+            "bitwise": [bool(torch.equal(a, b)) for a, b in zip(ddp["weights"], fsdp["weights"])],
+            "max_diff": max(float((a - b).abs().max()) for a, b in zip(ddp["weights"], fsdp["weights"])),
+            "same_ranks": ddp["ranks"] == fsdp["ranks"], "cuts": fsdp["cuts"], "sharded": fsdp["sharded"],
+            "units": units, "blocks": len(block_units(fsdp["compiled"]))}
+    # saving a sharded model: every process gathers, rank 0 writes the whole model; shards stay
+    compiled, opt, ctl = fsdp["compiled"], fsdp["opt"], fsdp["ctl"]
+    from tncompile.distributed import save_on_rank0
+    shards = [id(p) for p in compiled.parameters()]
+    save_on_rank0(compiled, out / "fsdp.tnc", optimizer=opt, controller=ctl)
+    kept = shards == [id(p) for p in compiled.parameters()] and all(
+        id(p) in set(shards) for g in opt.param_groups for p in g["params"])
+    loaded = tncompile.load(out / "fsdp.tnc")
+    same_weights = torch.equal(torch.cat([_full(p) for p in compiled.parameters()]), _flat(loaded))
     try:
-        ctl.truncate()
+        tncompile.save(compiled, out / "plain.tnc")
+        plain_save = None
+    except ValueError as e:
+        plain_save = str(e)
+    x, y = _encoder_batches(rank)[0]
+    F.cross_entropy(compiled(x), y).backward()  # trains on after the save
+    opt.step()
+    # fully_shard applied directly: tncompile does not know how to re-shard after a cut
+    direct, d_opt, d_ctl = _setup()
+    fully_shard(direct)
+    try:
+        d_ctl.truncate()
         refused = None
     except NotImplementedError as e:
         refused = str(e)
-    return {"equal": [bool(torch.equal(a, b)) for a, b in zip(ddp, fsdp)], "refused": refused}
+    report["save"] = {"kept_shards": kept, "same_weights": bool(same_weights), "plain_save": plain_save,
+                      "refused": refused}
+    return report
 
 
 def _own_loop(rank: int, out: Path) -> dict:
     """One process start for four checks (starting processes costs more than they do)."""
     return {"train": _train_ddp(rank, out), "comera": _comera_choices(rank, out), "mismatch": _mismatch(rank, out),
-            "paths": _every_runtime_path(rank, out), "fsdp2": _fsdp2_matches_ddp(rank, out)}
+            "paths": _every_runtime_path(rank, out), "fsdp2": _fsdp2_cuts(rank, out)}
 
 
 def _dropout_setup():
@@ -324,10 +391,25 @@ def test_every_runtime_path_keeps_replicas_identical(own_loop):
 
 
 @pytest.mark.slow
-def test_fsdp2_root_only_equals_ddp_bitwise_and_refuses_cuts_clearly(own_loop):
+def test_fsdp2_cuts_by_gather_cut_reshard_equal_ddp(own_loop):
     for r in own_loop:
-        assert r["fsdp2"]["equal"] and all(r["fsdp2"]["equal"])
-        assert "sharded by FSDP2" in r["fsdp2"]["refused"]
+        fsdp = r["fsdp2"]
+        for name in ("root", "blocks", "blocks_resharded"):
+            run = fsdp[name]
+            assert run["same_ranks"] and run["cuts"] >= 2, name
+            assert run["sharded"] and all(run["sharded"]), f"{name}: not re-sharded after a cut"
+        assert all(fsdp["root"]["bitwise"]) and all(fsdp["blocks"]["bitwise"])
+        assert fsdp["blocks_resharded"]["max_diff"] < 1e-3
+        assert fsdp["root"]["units"] == 1 and fsdp["blocks"]["blocks"] == 2 and fsdp["blocks"]["units"] > 2
+
+
+@pytest.mark.slow
+def test_fsdp2_saves_whole_and_refuses_what_it_cannot_reshard(own_loop):
+    for r in own_loop:
+        save = r["fsdp2"]["save"]
+        assert save["kept_shards"] and save["same_weights"]
+        assert "save_on_rank0" in save["plain_save"]
+        assert "tncompile.distributed.shard" in save["refused"]
 
 
 @pytest.mark.slow

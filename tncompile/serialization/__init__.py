@@ -70,6 +70,10 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
         compiled = compiled.module  # a DDP / DistributedModel wrapper: save what it wraps
     if not isinstance(compiled, CompiledModel):
         raise TypeError(f"tncompile.save expects a CompiledModel, got {type(compiled).__name__}")
+    if _sharded(compiled):
+        raise ValueError("tncompile.save: the model is sharded by FSDP2 (its parameters are DTensor shards); "
+                         "call tncompile.distributed.save_on_rank0(compiled, path, optimizer=...) on every "
+                         "process: it gathers the shards and rank 0 writes the file")
     path = _file_path(path, "save")
     directory = path.parent if str(path.parent) else Path(".")
     if path.is_dir():
@@ -113,6 +117,16 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def _sharded(compiled: CompiledModel) -> bool:
+    """Whether a parameter is an FSDP2 shard (``DTensor``): such a model is saved whole by
+    ``save_on_rank0``, which gathers the shards on every process first."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in compiled.parameters())
 
 
 def _file_path(path: Any, verb: str) -> Path:

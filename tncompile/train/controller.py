@@ -53,6 +53,7 @@ from ..passes import CollapseLayers, Pipeline, Replan, TruncateRanks
 from ..runtime.tt_layers import TNModule, TTMTiedLinear
 from .distributed import (active_group, broadcast_from_rank0, check_same_everywhere, mean_over_processes,
                           unwrap)
+from .sharding import full_tensor, gathered
 from .truncation import Cut, check_optimizer, remap_optimizer
 
 __all__ = ["RankController", "RankEvent", "param_groups"]
@@ -321,7 +322,7 @@ class RankController:
     def active_ranks(self) -> dict[str, tuple[int, ...]]:
         """Ranks that are switched on now (``|g| >= threshold``; for experts, the
         most any expert has on: the ranks they share); reads the gates (host sync)."""
-        return {n: tuple(int(_on_count(g.detach().abs() >= self.threshold)) for g in m.gates._parameters.values())
+        return {n: tuple(int(_on_count(g.detach().abs() >= self.threshold)) for g in _full_gates(m))
                 for n, m in self._layers.items()}
 
     @property
@@ -336,11 +337,11 @@ class RankController:
     # ------------------------------------------------------------ objective
     def _gates(self):
         for m in self._layers.values():
-            yield from m.gates._parameters.values()
+            yield from _full_gates(m)
 
     def _cores(self):
         for m in self._layers.values():
-            yield from m.cores._parameters.values()
+            yield from map(full_tensor, m.cores._parameters.values())
 
     def _size_ratios(self, soft: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Model ratio with every bond's rank counted from its gate: entries
@@ -348,7 +349,7 @@ class RankController:
         One pass over the gates serves both."""
         hard_total = soft_total = 0
         for m in self._layers.values():
-            mags = [g.abs() for g in m.gates._parameters.values()]
+            mags = [g.abs() for g in _full_gates(m)]
             counts = [_on_count((a.detach() >= self.threshold).to(a.dtype)) for a in mags]
             if not self.allow_layer_removal:  # truncation keeps every bond at rank >= 1
                 counts = [c.clamp_min(1) for c in counts]
@@ -543,9 +544,16 @@ class RankController:
         rank become their bias) and ``replan`` -- so they are linted, recorded
         in its history and dumped like compile-time passes. The optimizer's
         state is then sliced to match.
+
+        A model sharded by :func:`tncompile.distributed.shard` (FSDP2) is
+        gathered first and sharded again after the cut, optimizer state
+        included (:func:`~.sharding.gathered`).
         """
+        with gathered(self.compiled, self.optimizer):
+            return self._truncate(budget)
+
+    def _truncate(self, budget: float | None) -> RankEvent:
         event = RankEvent(self.steps_done, self.stage)
-        _refuse_sharded(self._layers)
         # every process decides from rank 0's numbers (replicas agree anyway; this makes sure)
         broadcast_from_rank0([p for m in self._layers.values()
                               for p in (*m.cores._parameters.values(), *m.gates._parameters.values())],
@@ -721,19 +729,10 @@ class RankController:
                 f"target_ratio={self.target_ratio:g}, layers={len(self._layers)})")
 
 
-def _refuse_sharded(layers: dict[str, TNModule]) -> None:
-    """Cutting FSDP2-sharded cores needs gather -> cut -> reshard, which is not built yet:
-    say so (on every process alike, before any collective) instead of failing inside one."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return
-    sharded = [n for n, m in layers.items() if any(isinstance(p, DTensor) for p in m.parameters())]
-    if sharded:
-        raise NotImplementedError(
-            f"RankController: {sharded[:3]} are sharded by FSDP2 (fully_shard); cutting sharded ranks is not "
-            "supported yet. Train rank adaptation under DDP (tncompile.distributed.DistributedModel or "
-            "fit(..., ddp={})); under FSDP2 use the early stage only (early_steps=None, truncate_every=0).")
+def _full_gates(m: TNModule) -> list[torch.Tensor]:
+    """A layer's gates, whole: FSDP2 shards gathered (differentiably), so that the penalty
+    and rank counts see every rank on every process."""
+    return [full_tensor(g) for g in m.gates._parameters.values()]
 
 
 def _network_size(widths: list, sites: tuple[int, ...]):

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..serialization import save
+from .sharding import full_parameters
 
 __all__ = ["DistributedModel", "RankMismatchError", "unwrap", "active_group", "world_size", "rank",
            "mean_over_processes", "broadcast_from_rank0", "check_same_everywhere", "save_on_rank0"]
@@ -124,19 +125,26 @@ def save_on_rank0(compiled: nn.Module, path: Any, group: Any = None, **save_kwar
     """``tncompile.save`` by rank 0 alone (atomically, as always), with every
     process's CPU random state in the file (``extra["rng_per_rank"]``) so that
     :func:`tncompile.resume` gives each rank its own back. All processes wait
-    until the file is complete."""
+    until the file is complete.
+
+    A model sharded by :func:`~.sharding.shard` (FSDP2) is saved whole: every
+    process gathers the shards (and the ``optimizer=`` states) for the write
+    and keeps its shards afterwards.
+    """
     group = active_group(group)
-    if group is None:
-        save(unwrap(compiled), path, **save_kwargs)
-        return
-    mine = torch.get_rng_state()
-    states = [torch.empty_like(mine) for _ in range(world_size(group))]
-    dist.all_gather(states, mine, group=group)
-    if dist.get_rank(group) == 0:
-        extra = dict(save_kwargs.pop("extra", None) or {})
-        extra["rng_per_rank"] = states
-        save(unwrap(compiled), path, extra=extra, **save_kwargs)
-    dist.barrier(group=group)
+    compiled = unwrap(compiled)
+    with full_parameters(compiled, save_kwargs.get("optimizer")):
+        if group is None:
+            save(compiled, path, **save_kwargs)
+            return
+        mine = torch.get_rng_state()
+        states = [torch.empty_like(mine) for _ in range(world_size(group))]
+        dist.all_gather(states, mine, group=group)
+        if dist.get_rank(group) == 0:
+            extra = dict(save_kwargs.pop("extra", None) or {})
+            extra["rng_per_rank"] = states
+            save(compiled, path, extra=extra, **save_kwargs)
+        dist.barrier(group=group)
 
 
 class DistributedModel(nn.Module):
