@@ -1,4 +1,4 @@
-"""Rank-adaptive training on 1 vs 2 processes (DDP over gloo), and what one cut costs.
+"""Rank-adaptive training on 1 vs 2 processes (DDP or FSDP2 over gloo), and what one cut costs.
 
     python benchmarks/bench_distributed.py [--batch 4] [--seq 64] [--steps 12] [--small]
 
@@ -9,8 +9,12 @@ The six-encoder at CoMERA's 44.9x-smaller start (``--small``: the 2-layer
 * **1 process** with all the machine's threads vs **2 processes** with half the
   threads each, every process taking ``--batch`` sequences per step: samples per
   second of the whole job (both run in this one invocation, one after the other);
-* **one cut** in the 2-process run: the controller's truncation (broadcast from
-  rank 0, cut, rank check) and the DDP rebuild that follows, timed on rank 0.
+* **2 processes under FSDP2** (``tncompile.distributed.shard``, one unit per
+  encoder block): the same, with parameters and optimizer state sharded;
+* **one cut** to 70% of the current size (``truncate(budget=...)``), timed on
+  rank 0: under DDP the controller's truncation (broadcast from rank 0, cut,
+  rank check) plus the DDP rebuild that follows; under FSDP2 the whole gather
+  -> cut -> reshard, optimizer state included.
 
 On one machine the 2 processes share the same cores, so this measures the
 overhead of the distributed machinery (all-reduces, rebuilds), not scaling.
@@ -33,7 +37,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import tncompile
-from tncompile.distributed import DistributedModel
+from tncompile.distributed import DistributedModel, shard
 from tncompile.zoo import six_encoder, small_encoder
 
 from common import machine, write_json
@@ -47,7 +51,7 @@ def _model(small: bool):
     return tncompile.compile(model, target_ratio=0.3 if small else PAPER_RATIO, init="random")
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+def _worker(rank: int, world: int, port: int, mode: str, args: argparse.Namespace, out: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     distributed = world > 1
     if distributed:
@@ -55,9 +59,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
     try:
         compiled = _model(args.small)
         vocab = compiled.get_submodule("token_embedding").num_embeddings
+        model = {"single": lambda c: c, "ddp": DistributedModel, "fsdp2": shard}[mode](compiled)
         opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=3e-4, gate_lr=3e-2))
         ctl = tncompile.RankController(compiled, opt, target_ratio=0.5 * compiled.ratio, early_steps=10**9)
-        model = DistributedModel(compiled) if distributed else compiled
         g = torch.Generator().manual_seed(rank)
         times = []
         for step in range(args.steps + 2):
@@ -71,15 +75,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             if distributed:
                 dist.barrier()
             times.append(time.perf_counter() - start)
-        cut_ms = rebuild_ms = None
-        with torch.no_grad():  # switch off half of every bond, then time the cut
-            for m in ctl.layers.values():
-                for gate in m.gates:
-                    gate[gate.numel() // 2:] = 0.0
+        rebuild_ms = None
+        before = compiled.ratio
         start = time.perf_counter()
-        event = ctl.truncate()
+        event = ctl.truncate(budget=0.7 * before)  # the least important ranks: the same cut in every mode
         cut_ms = 1e3 * (time.perf_counter() - start)
-        if distributed:
+        if mode == "ddp":
             start = time.perf_counter()
             model.after_step(event)
             rebuild_ms = 1e3 * (time.perf_counter() - start)
@@ -87,19 +88,20 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str
             step_s = statistics.median(times[2:])  # the first steps plan and warm up
             Path(out).write_text(json.dumps({"step_ms": 1e3 * step_s, "samples_per_s": world * args.batch / step_s,
                                              "cut_ms": cut_ms, "ddp_rebuild_ms": rebuild_ms,
+                                             "ratio_before_cut": before, "ratio_after_cut": compiled.ratio,
                                              "threads_per_process": torch.get_num_threads()}))
     finally:
         if distributed:
             dist.destroy_process_group()
 
 
-def _run(world: int, args: argparse.Namespace) -> dict:
+def _run(world: int, mode: str, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        mp.start_processes(_worker, args=(world, port, args, out), nprocs=world, join=True, start_method="spawn")
+        mp.start_processes(_worker, args=(world, port, mode, args, out), nprocs=world, join=True, start_method="spawn")
         return json.loads(Path(out).read_text())
 
 
@@ -110,16 +112,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--small", action="store_true", help="the 2-layer small_encoder instead of the six-encoder")
     args = ap.parse_args()
-    one, two = _run(1, args), _run(2, args)
+    one, two, sharded = _run(1, "single", args), _run(2, "ddp", args), _run(2, "fsdp2", args)
     result = {"benchmark": "distributed", "model": "small_encoder" if args.small else "six_encoder",
               "batch_per_process": args.batch, "seq": args.seq, "steps": args.steps,
-              "one_process": one, "two_processes": two,
-              "throughput_ratio_2_over_1": two["samples_per_s"] / one["samples_per_s"], **machine()}
+              "one_process": one, "two_processes": two, "two_processes_fsdp2": sharded,
+              "throughput_ratio_2_over_1": two["samples_per_s"] / one["samples_per_s"],
+              "throughput_ratio_fsdp2_over_ddp": sharded["samples_per_s"] / two["samples_per_s"],
+              "cut_ratio_fsdp2_reshard_over_ddp_cut_and_rebuild":
+                  sharded["cut_ms"] / (two["cut_ms"] + two["ddp_rebuild_ms"]), **machine()}
     write_json("distributed.json", result)
     print(f"1 process: {one['samples_per_s']:.1f} samples/s ({one['step_ms']:.0f} ms/step); "
           f"2 processes: {two['samples_per_s']:.1f} samples/s ({two['step_ms']:.0f} ms/step), "
           f"{result['throughput_ratio_2_over_1']:.2f}x; one cut {two['cut_ms']:.0f} ms + DDP rebuild "
-          f"{two['ddp_rebuild_ms']:.0f} ms (1 process: cut {one['cut_ms']:.0f} ms)")
+          f"{two['ddp_rebuild_ms']:.0f} ms (1 process: cut {one['cut_ms']:.0f} ms); FSDP2 per block: "
+          f"{sharded['samples_per_s']:.1f} samples/s, one cut (gather -> cut -> reshard) {sharded['cut_ms']:.0f} ms")
 
 
 if __name__ == "__main__":
