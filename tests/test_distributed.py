@@ -216,6 +216,35 @@ def _cut_run(rank: int, model: str, wrap) -> dict:
             "compiled": compiled, "opt": opt, "ctl": ctl}
 
 
+def _whole_matches_full_tensor() -> dict:
+    """``whole`` (one packed all-gather) against DTensor's own ``full_tensor`` per tensor,
+    values and gradients, on uneven shards (5 rows over 2 processes, 1 row, 4 rows)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from tncompile.train.sharding import summed_over_shards, whole
+    mesh = init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(3)
+    fulls = [torch.randn(5, dtype=torch.float64), torch.randn(1, 3, dtype=torch.float64),
+             torch.randn(4, 2, 2, dtype=torch.float64)]
+    shards = [distribute_tensor(t, mesh, [Shard(0)]).requires_grad_() for t in fulls]
+
+    def loss(tensors):
+        return sum((t.pow(3) * torch.arange(t.numel(), dtype=t.dtype).view(t.shape)).sum() for t in tensors)
+    got = whole(shards)
+    want = [s.full_tensor() for s in shards]
+    grads_got = torch.autograd.grad(loss(got), shards)
+    grads_want = torch.autograd.grad(loss(want), shards)
+    squares = torch.stack([s.to_local().pow(2).sum() for s in shards])
+    total = summed_over_shards(squares, mesh.get_group())
+    (g_total,) = torch.autograd.grad(total.sum() * 3, shards[:1])
+    return {"values": all(torch.equal(a, b) for a, b in zip(got, want)),
+            "full": all(torch.equal(a, b) for a, b in zip(got, fulls)),
+            "grads": all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(grads_got, grads_want)),
+            "sums": torch.allclose(total, torch.stack([t.pow(2).sum() for t in fulls])),
+            "sum_grad": torch.allclose(g_total.to_local(), 6 * shards[0].to_local())}
+
+
 def _fsdp2_cuts(rank: int, out: Path) -> dict:
     """FSDP2 with rank cuts by gather -> cut -> reshard, against DDP: root-only (MLP) and one
     unit per encoder block (reshard_after_forward=False: bitwise; True: the gates' penalty
@@ -260,6 +289,7 @@ def _fsdp2_cuts(rank: int, out: Path) -> dict:
         refused = None
     except NotImplementedError as e:
         refused = str(e)
+    report["whole"] = _whole_matches_full_tensor()
     report["save"] = {"kept_shards": kept, "same_weights": bool(same_weights), "plain_save": plain_save,
                       "refused": refused}
     return report
@@ -410,6 +440,7 @@ def test_fsdp2_saves_whole_and_refuses_what_it_cannot_reshard(own_loop):
         assert save["kept_shards"] and save["same_weights"]
         assert "save_on_rank0" in save["plain_save"]
         assert "tncompile.distributed.shard" in save["refused"]
+        assert r["fsdp2"]["whole"] == {"values": True, "full": True, "grads": True, "sums": True, "sum_grad": True}
 
 
 @pytest.mark.slow

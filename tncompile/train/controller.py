@@ -53,7 +53,7 @@ from ..passes import CollapseLayers, Pipeline, Replan, TruncateRanks
 from ..runtime.tt_layers import TNModule, TTMTiedLinear
 from .distributed import (active_group, broadcast_from_rank0, check_same_everywhere, mean_over_processes,
                           unwrap)
-from .sharding import full_tensor, gathered
+from .sharding import gathered, is_shard, summed_over_shards, whole
 from .truncation import Cut, check_optimizer, remap_optimizer
 
 __all__ = ["RankController", "RankEvent", "param_groups"]
@@ -322,8 +322,8 @@ class RankController:
     def active_ranks(self) -> dict[str, tuple[int, ...]]:
         """Ranks that are switched on now (``|g| >= threshold``; for experts, the
         most any expert has on: the ranks they share); reads the gates (host sync)."""
-        return {n: tuple(int(_on_count(g.detach().abs() >= self.threshold)) for g in _full_gates(m))
-                for n, m in self._layers.items()}
+        return {n: tuple(int(_on_count(g.detach().abs() >= self.threshold)) for g in gates)
+                for n, gates in self._whole_gates().items()}
 
     @property
     def ratio(self) -> float:
@@ -335,21 +335,38 @@ class RankController:
         return float(self._size_ratios(soft=False)[0])
 
     # ------------------------------------------------------------ objective
-    def _gates(self):
-        for m in self._layers.values():
-            yield from _full_gates(m)
+    def _whole_gates(self) -> dict[str, list[torch.Tensor]]:
+        """Every layer's gates, whole: FSDP2 shards gathered in one all-gather
+        (differentiably), so the penalty and rank counts see every rank."""
+        names = [(n, len(m.gates._parameters)) for n, m in self._layers.items()]
+        flat = whole([g for m in self._layers.values() for g in m.gates._parameters.values()])
+        out, start = {}, 0
+        for name, count in names:
+            out[name], start = flat[start:start + count], start + count
+        return out
 
-    def _cores(self):
-        for m in self._layers.values():
-            yield from map(full_tensor, m.cores._parameters.values())
+    def _gates(self):
+        for gates in self._whole_gates().values():
+            yield from gates
+
+    def _core_squares(self) -> list[torch.Tensor]:
+        """``||G||^2`` of every core; FSDP2 shards: local sums, added over processes in one all-reduce."""
+        cores = [c for m in self._layers.values() for c in m.cores._parameters.values()]
+        local = [c.to_local() if is_shard(c) else c for c in cores]
+        sums = torch.stack([c.pow(2).sum() for c in local]) if local else None
+        if sums is not None and any(is_shard(c) for c in cores):
+            group = next(c for c in cores if is_shard(c)).device_mesh.get_group()
+            sharded = torch.tensor([is_shard(c) for c in cores], device=sums.device)
+            sums = torch.where(sharded, summed_over_shards(sums * sharded, group), sums)
+        return list(sums) if sums is not None else []
 
     def _size_ratios(self, soft: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Model ratio with every bond's rank counted from its gate: entries
         ``>= threshold`` (hard) and, if ``soft``, the sum of ``|g|`` (differentiable).
         One pass over the gates serves both."""
         hard_total = soft_total = 0
-        for m in self._layers.values():
-            mags = [g.abs() for g in _full_gates(m)]
+        for m, gates in zip(self._layers.values(), self._whole_gates().values()):
+            mags = [g.abs() for g in gates]
             counts = [_on_count((a.detach() >= self.threshold).to(a.dtype)) for a in mags]
             if not self.allow_layer_removal:  # truncation keeps every bond at rank >= 1
                 counts = [c.clamp_min(1) for c in counts]
@@ -369,10 +386,10 @@ class RankController:
         return self.rank_weight * l1 + self._core_term()
 
     def _core_term(self) -> torch.Tensor:
-        cores = list(self._cores())
-        if not cores:
+        squares = self._core_squares()
+        if not squares:
             return self._zero()
-        return self.core_weight * torch.stack([c.pow(2).sum() for c in cores]).sum()
+        return self.core_weight * torch.stack(squares).sum()
 
     def _zero(self) -> torch.Tensor:
         """A zero penalty on the model's device (once every layer has been removed)."""
@@ -727,12 +744,6 @@ class RankController:
         return (f"RankController(stage={self.stage}, schedule={self.schedule}, step={self.steps_done}, "
                 f"ratio={self.ratio:.5f}, "
                 f"target_ratio={self.target_ratio:g}, layers={len(self._layers)})")
-
-
-def _full_gates(m: TNModule) -> list[torch.Tensor]:
-    """A layer's gates, whole: FSDP2 shards gathered (differentiably), so that the penalty
-    and rank counts see every rank on every process."""
-    return [full_tensor(g) for g in m.gates._parameters.values()]
 
 
 def _network_size(widths: list, sites: tuple[int, ...]):

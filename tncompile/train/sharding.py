@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["shard", "is_sharded", "full_tensor", "gathered", "full_parameters", "block_units", "ShardPlan"]
+__all__ = ["shard", "is_sharded", "full_tensor", "whole", "summed_over_shards", "gathered", "full_parameters", "block_units", "ShardPlan"]
 
 _PLAN_KEY = "_tncompile_shard_plan"
 _BLOCK = re.compile(r"^(.*?\.\d+)\.")  # the outermost numbered container: layers.3, bert.encoder.layer.11
@@ -75,6 +76,14 @@ def is_sharded(model: nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
+def is_shard(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (an FSDP2 shard)."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter or not dist.is_available():
+        return False
+    DTensor, _ = _dtensor()
+    return isinstance(t, DTensor)
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t`` whole: an FSDP2 shard (``DTensor``) all-gathered, differentiably (its
     gradient flows back to the shard); any other tensor as it is."""
@@ -82,6 +91,99 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
         return t
     DTensor, _ = _dtensor()
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def whole(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every tensor whole, FSDP2 shards gathered in ONE all-gather (differentiably).
+
+    The penalty reads every gate each step; one collective per gate would
+    cost more than the step. The local dim-0 shards (``Shard(0)``, FSDP2's
+    layout) are packed into one padded buffer per process, all-gathered, and
+    cut back into whole tensors. Backward hands each process the gradient of
+    its own rows only: every process computes the same function of the same
+    whole tensors, so that is the exact gradient of its shard. Tensors that
+    are not ``Shard(0)`` shards are gathered one by one (``full_tensor``).
+    """
+    if not dist.is_available():
+        return list(tensors)
+    DTensor, _ = _dtensor()
+    from torch.distributed.tensor import Shard
+    packed = [i for i, t in enumerate(tensors)
+              if isinstance(t, DTensor) and tuple(t.placements) == (Shard(0),)]
+    chosen = set(packed)
+    out = [t if i in chosen else full_tensor(t) for i, t in enumerate(tensors)]  # the rest: one by one
+    if not packed:
+        return out
+    mesh = tensors[packed[0]].device_mesh
+    if any(tensors[i].device_mesh is not mesh for i in packed):
+        return [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
+    world, me = mesh.size(), mesh.get_local_rank()
+    rows = [_chunk_rows(tensors[i].shape[0], world) for i in packed]
+    width = [math.prod(tensors[i].shape[1:]) for i in packed]
+    sent = [sum(r[rank] * w for r, w in zip(rows, width)) for rank in range(world)]
+    locals_ = [tensors[i].to_local() for i in packed]
+    for local, r, i in zip(locals_, rows, packed):
+        if local.shape[0] != r[me]:
+            return [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
+    gathered = _GatherPacked.apply(mesh.get_group(), me, max(sent), sent[me], *locals_)
+    parts = gathered.view(world, max(sent))
+    for k, i in enumerate(packed):
+        pieces = []
+        for rank in range(world):
+            start = sum(rows[j][rank] * width[j] for j in range(k))
+            pieces.append(parts[rank, start:start + rows[k][rank] * width[k]])
+        out[i] = torch.cat(pieces).view(tensors[i].shape)
+    return out
+
+
+def _chunk_rows(n: int, world: int) -> list[int]:
+    """Rows of each process's ``Shard(0)`` piece: ``torch.chunk`` semantics, empty pieces last."""
+    step = -(-n // world) if n else 0
+    return [max(0, min(step, n - rank * step)) for rank in range(world)]
+
+
+class _GatherPacked(torch.autograd.Function):
+    """All-gather the concatenated local pieces (padded to ``length``); backward: this
+    process's own segment of the gradient (every process computed the same function)."""
+
+    @staticmethod
+    def forward(ctx, group, me, length, mine, *locals_):
+        ctx.me, ctx.length, ctx.shapes = me, length, [t.shape for t in locals_]
+        buf = locals_[0].new_zeros(length)
+        if mine:
+            torch.cat([t.reshape(-1) for t in locals_], out=buf[:mine])
+        out = buf.new_empty(length * dist.get_world_size(group))
+        dist.all_gather_into_tensor(out, buf, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        own = grad[ctx.me * ctx.length:(ctx.me + 1) * ctx.length]
+        grads, start = [], 0
+        for shape in ctx.shapes:
+            n = shape.numel()
+            grads.append(own[start:start + n].view(shape))
+            start += n
+        return (None, None, None, None, *grads)
+
+
+def summed_over_shards(local_sums: torch.Tensor, group: Any) -> torch.Tensor:
+    """``local_sums`` summed over the processes of ``group`` in one all-reduce;
+    backward passes the gradient through unchanged (every process computed the
+    same function of the total, so that is the gradient of its own part)."""
+    return _SumOverShards.apply(local_sums, group)
+
+
+class _SumOverShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local_sums, group):
+        total = local_sums.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def block_units(compiled: nn.Module) -> list[list[str]]:
