@@ -295,10 +295,48 @@ def _fsdp2_cuts(rank: int, out: Path) -> dict:
     return report
 
 
+def _world_sizes(rank: int, out: Path) -> dict:
+    """A 1-process checkpoint resumed on 2 processes (a warning; rank 1 gets a stream of its
+    own); a controller agreeing over fewer processes than DDP averages over, and one built
+    on another model: clear errors."""
+    import warnings
+
+    from tncompile.train import TrainStep
+    compiled, opt, ctl = _setup()
+    torch.manual_seed(77)
+    saved = torch.get_rng_state()
+    if rank == 0:
+        tncompile.save(compiled, out / "one.tnc", optimizer=opt, controller=ctl, extra={"rng_per_rank": [saved]})
+    dist.barrier()
+    loaded = tncompile.load(out / "one.tnc")
+    opt2 = torch.optim.AdamW(tncompile.param_groups(loaded, lr=3e-3, gate_lr=3e-2))
+    torch.manual_seed(5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tncompile.resume(loaded, opt2)
+    streams = [torch.empty_like(saved) for _ in range(WORLD)]
+    dist.all_gather(streams, torch.get_rng_state())
+    groups = [dist.new_group([r]) for r in range(WORLD)]  # every process takes part in creating each
+    lonely = tncompile.RankController(compiled, opt, target_ratio=0.12, process_group=groups[rank])
+    errors = {}
+    for name, make in (("mixed", lambda: TrainStep(DistributedModel(compiled), opt, F.cross_entropy, controller=lonely)),
+                       ("other_model", lambda: TrainStep(DistributedModel(loaded), opt2, F.cross_entropy,
+                                                         controller=ctl))):
+        try:
+            make()
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    return {"warned": [str(w.message) for w in caught if "written by 1 process" in str(w.message)],
+            "rank0_restored": bool(torch.equal(streams[0], saved)), "streams_differ": not torch.equal(*streams),
+            **errors}
+
+
 def _own_loop(rank: int, out: Path) -> dict:
     """One process start for four checks (starting processes costs more than they do)."""
     return {"train": _train_ddp(rank, out), "comera": _comera_choices(rank, out), "mismatch": _mismatch(rank, out),
-            "paths": _every_runtime_path(rank, out), "fsdp2": _fsdp2_cuts(rank, out)}
+            "paths": _every_runtime_path(rank, out), "fsdp2": _fsdp2_cuts(rank, out),
+            "world_sizes": _world_sizes(rank, out)}
 
 
 def _dropout_setup():
@@ -474,6 +512,16 @@ def test_fit_with_ddp_checkpoints_from_rank0_and_restores_each_rank_stream(check
     x, y = _batches(0)[12]
     F.cross_entropy(loaded(x), y).backward()
     opt.step()
+
+
+@pytest.mark.slow
+def test_other_world_sizes_resume_with_a_warning_and_mixed_groups_are_refused(own_loop):
+    for r in own_loop:
+        w = r["world_sizes"]
+        assert w["warned"] and "not bit-identical" in w["warned"][0] and "this run has 2" in w["warned"][0]
+        assert w["rank0_restored"] and w["streams_differ"]
+        assert "agrees over 1 process(es) but DistributedModel averages gradients over 2" in w["mixed"]
+        assert "built for a different model" in w["other_model"]
 
 
 def test_ddp_without_a_process_group_is_a_clear_error():

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -127,6 +128,29 @@ def _sharded(compiled: CompiledModel) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in compiled.parameters())
+
+
+def _restore_rank_stream(per_rank: list[torch.Tensor]) -> None:
+    """A distributed run's checkpoint: each process gets its own saved CPU random
+    stream back. On another world size, processes the saving run did not have
+    get a stream of their own derived from rank 0's and their rank (distinct,
+    reproducible), and every process is told the run is no longer bit-identical."""
+    me, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if me < len(per_rank):
+        torch.set_rng_state(per_rank[me])
+    else:
+        base = torch.Generator()
+        base.set_state(per_rank[0])
+        seed = int(torch.randint(0, 2**62, (1,), generator=base)) + me
+        torch.manual_seed(seed)
+    if world != len(per_rank):
+        warnings.warn(f"tncompile.resume: the checkpoint was written by {len(per_rank)} process(es), this run has "
+                      f"{world}. Weights, optimizer and controller state resume exactly; what follows is not "
+                      "bit-identical to the saved run: each step averages a different number of micro-batches, "
+                      "your sampler splits the data differently, and "
+                      + ("processes beyond the saved ones draw new random streams (derived from rank 0's)."
+                         if world > len(per_rank) else "the streams of the missing processes are dropped."),
+                      RuntimeWarning, stacklevel=3)
 
 
 def _file_path(path: Any, verb: str) -> Path:
@@ -371,10 +395,6 @@ def resume(compiled: CompiledModel, optimizer: torch.optim.Optimizer | None = No
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         per_rank = (state.get("extra") or {}).get("rng_per_rank")
         if per_rank and torch.distributed.is_available() and torch.distributed.is_initialized():
-            # a checkpoint of a distributed run: each rank gets its own stream back (ranks the
-            # saving run did not have keep rank 0's, so a larger world repeats rank 0's masks)
-            me = torch.distributed.get_rank()
-            if me < len(per_rank):
-                torch.set_rng_state(per_rank[me])
+            _restore_rank_stream(per_rank)
     compiled.training_state = None
     return dict(state.get("extra") or {})

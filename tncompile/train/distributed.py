@@ -34,7 +34,8 @@ from ..serialization import save
 from .sharding import full_parameters
 
 __all__ = ["DistributedModel", "RankMismatchError", "unwrap", "active_group", "world_size", "rank",
-           "mean_over_processes", "broadcast_from_rank0", "check_same_everywhere", "save_on_rank0"]
+           "mean_over_processes", "broadcast_from_rank0", "check_same_everywhere", "save_on_rank0",
+           "check_controller_group"]
 
 
 class RankMismatchError(RuntimeError):
@@ -107,6 +108,20 @@ def check_same_everywhere(values: list[int], group: Any, what: str) -> None:
         raise RankMismatchError(f"{what} differ between processes: rank 0 has {_values(gathered[0])}, rank "
                                 f"{differ[0]} has {_values(gathered[differ[0]])}. Every process must run the same "
                                 "steps with the same controller settings (and cut only through the controller).")
+
+
+def check_controller_group(controller: Any, model: nn.Module) -> None:
+    """Raise unless ``controller`` agrees over as many processes as ``model``
+    (a :class:`DistributedModel`) averages gradients over: with fewer, processes
+    outside its group would decide their cuts alone and the replicas would split."""
+    if controller is None or not isinstance(model, DistributedModel):
+        return
+    ddp_group = model.ddp_kwargs.get("process_group") or dist.group.WORLD
+    ddp_n, ctl_n = dist.get_world_size(ddp_group), world_size(controller.process_group)
+    if ddp_n != ctl_n:
+        raise ValueError(f"RankController agrees over {ctl_n} process(es) but DistributedModel averages gradients "
+                         f"over {ddp_n}: processes would cut different ranks. Build the controller with "
+                         "process_group= the group DDP uses (or leave both out: the default group).")
 
 
 def _values(t: torch.Tensor) -> list[int]:

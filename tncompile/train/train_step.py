@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .distributed import unwrap
+from .distributed import check_controller_group, unwrap
 from .capture_cache import CaptureCache
 
 __all__ = ["TrainStep", "call_model", "make_capturable"]
@@ -130,6 +130,7 @@ class TrainStep:
                             "compiled, **ddp_kwargs) instead (it rebuilds DDP after each cut)")
         if controller is not None and getattr(controller, "compiled", None) is not compiled:
             raise ValueError("TrainStep: the controller was built for a different model")
+        check_controller_group(controller, wrapper)
         if amp is not None and amp not in AMP_DTYPES:
             raise ValueError(f"TrainStep: amp must be None or one of {sorted(AMP_DTYPES)}, got {amp!r} "
                              "(fp16 needs loss scaling; use bf16)")
