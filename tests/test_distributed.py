@@ -332,11 +332,19 @@ def _world_sizes(rank: int, out: Path) -> dict:
             **errors}
 
 
+def _dropout_ddp(rank: int, out: Path) -> dict:
+    compiled, opt, ctl = _dropout_setup()
+    model = DistributedModel(compiled)
+    torch.manual_seed(1000 + rank)  # each rank draws its own dropout masks
+    identical = [_ddp_step(model, opt, ctl, x, y) for x, y in _batches(rank)]
+    return {"identical": identical, "params": _flat(compiled).tolist()}
+
+
 def _own_loop(rank: int, out: Path) -> dict:
     """One process start for four checks (starting processes costs more than they do)."""
     return {"train": _train_ddp(rank, out), "comera": _comera_choices(rank, out), "mismatch": _mismatch(rank, out),
             "paths": _every_runtime_path(rank, out), "fsdp2": _fsdp2_cuts(rank, out),
-            "world_sizes": _world_sizes(rank, out)}
+            "world_sizes": _world_sizes(rank, out), "dropout": _dropout_ddp(rank, out)}
 
 
 def _dropout_setup():
@@ -425,20 +433,28 @@ def test_replicas_stay_identical_across_cuts_and_equal_one_process(own_loop):
     assert results[0]["ranks"] == results[1]["ranks"]
     # one process taking both micro-batches of every step and averaging their gradients
     # (each micro-batch's gradient of task + penalty, halved and summed: what DDP's all-reduce computes)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers: a GEMM's sums depend on how its threads split it
-    try:
-        compiled, opt, ctl = _one_process_reference()
-    finally:
-        torch.set_num_threads(threads)
+    compiled, opt, ctl = _single_threaded(_one_process_reference)
     assert {k: list(v) for k, v in ctl.ranks().items()} == results[0]["ranks"]
     assert torch.equal(_flat(compiled), torch.tensor(results[0]["params"])), "not bitwise equal to one process"
 
 
-def _one_process_reference():
-    compiled, opt, ctl = _setup()
+def _one_process_reference(setup=None, seeds=None):
+    """One process, both micro-batches of every step, their gradients halved and summed
+    (what DDP's all-reduce computes). ``seeds``: each micro-batch draws its dropout
+    masks from its own random stream, swapped in around its forward (as each rank's)."""
+    compiled, opt, ctl = (setup or _setup)()
+    streams = []
+    for seed in seeds or ():
+        torch.manual_seed(seed)
+        streams.append(torch.get_rng_state())
     for (x0, y0), (x1, y1) in zip(_batches(0), _batches(1)):
-        tasks = [F.cross_entropy(compiled(x), y) for x, y in ((x0, y0), (x1, y1))]
+        tasks = []
+        for r, (x, y) in enumerate(((x0, y0), (x1, y1))):
+            if streams:
+                torch.set_rng_state(streams[r])
+            tasks.append(F.cross_entropy(compiled(x), y))
+            if streams:
+                streams[r] = torch.get_rng_state()
         agreed = (tasks[0].detach() + tasks[1].detach()) / 2
         penalty = ctl.penalty(agreed)
         params = [p for p in compiled.parameters() if p.requires_grad]
@@ -449,6 +465,41 @@ def _one_process_reference():
         opt.zero_grad()
         ctl.step()
     return compiled, opt, ctl
+
+
+def _single_threaded(fn):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the workers: a GEMM's sums depend on how its threads split it
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_with_dropout_two_processes_equal_one_process_swapping_streams(own_loop):
+    compiled, _, _ = _single_threaded(lambda: _one_process_reference(_dropout_setup, seeds=(1000, 1001)))
+    for r in own_loop:
+        assert all(r["dropout"]["identical"])
+    assert torch.equal(_flat(compiled), torch.tensor(own_loop[0]["dropout"]["params"])), \
+        "not bitwise equal to one process drawing each rank's masks from its stream"
+    same_stream, _, _ = _single_threaded(lambda: _one_process_reference(_dropout_setup, seeds=(1000, 1000)))
+    assert not torch.equal(_flat(same_stream), _flat(compiled)), "dropout drew no masks: the check is void"
+
+
+def test_one_forward_over_the_global_batch_agrees_with_averaged_micro_batches():
+    """What DDP computes (the mean of the micro-batches' gradients of task + penalty, the
+    penalty taken at the averaged loss) against one forward over both micro-batches."""
+    compiled, opt, ctl = _setup()
+    (x0, y0), (x1, y1) = _batches(0)[0], _batches(1)[0]
+    params = [p for p in compiled.parameters() if p.requires_grad]
+    tasks = [F.cross_entropy(compiled(x), y) for x, y in ((x0, y0), (x1, y1))]
+    penalty = ctl.penalty((tasks[0].detach() + tasks[1].detach()) / 2)
+    micro = [torch.autograd.grad(t + penalty, params, retain_graph=True) for t in tasks]
+    task = F.cross_entropy(compiled(torch.cat([x0, x1])), torch.cat([y0, y1]))
+    whole = torch.autograd.grad(task + ctl.penalty(task.detach()), params)
+    for g0, g1, g in zip(*micro, whole):
+        torch.testing.assert_close(g0 / 2 + g1 / 2, g, rtol=0, atol=1e-5)
 
 
 @pytest.mark.slow
