@@ -1,9 +1,13 @@
-"""Rank-adaptive training under DistributedDataParallel: 2 processes, gloo on
-127.0.0.1, bounded in time. Replicas stay identical across cuts and the stage
-switch, the run equals one process averaging the same micro-batches, every
-process makes the same late-stage choices, and mismatched cuts raise everywhere."""
+"""Rank-adaptive training under DistributedDataParallel and FSDP2: 2 processes,
+gloo on 127.0.0.1, bounded in time. Replicas stay identical across cuts and the
+stage switch, the run equals one process averaging the same micro-batches (with
+dropout: each rank's stream swapped in), every process makes the same
+late-stage choices, mismatched cuts raise everywhere, FSDP2 cuts by gather ->
+cut -> reshard equal the DDP run, and a DDP step meets what CUDA-graph capture
+needs (side stream, 11 warm-up steps, again after cuts)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -583,3 +587,80 @@ def test_ddp_without_a_process_group_is_a_clear_error():
         DistributedModel(compiled)
     with pytest.raises(TypeError, match="ddp must be a dict"):
         tncompile.fit(compiled, _batches(0), F.cross_entropy, opt, ctl, early_steps=1, late_steps=1, ddp=True)
+
+
+@pytest.fixture
+def one_process_group():
+    """A world of one (gloo, in-memory store): DDP and DistributedModel in this process."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_capture_needs_are_met_and_checked_in_the_fake_cuda_dry_run(one_process_group):
+    """PyTorch's CUDA-graph notes for DDP: build it on a side stream, run 11 eager DDP
+    iterations before capture -- and, after a cut builds a new DDP wrapper, again."""
+    from tncompile.train import TrainStep
+    from tncompile.train.capture_cache import CaptureCache
+    compiled, opt, ctl = _setup()
+    model = DistributedModel(compiled)
+    x, y = _batches(0)[0]
+    report = tncompile.dry_run(model, opt, F.cross_entropy, x, y, controller=ctl)
+    assert report.ok, str(report)
+    assert any("11 eager DDP steps" in n and "after every cut" in n for n in report.notes)
+    plain = tncompile.dry_run(torch.nn.parallel.DistributedDataParallel(compiled), opt, F.cross_entropy, x, y,
+                              controller=ctl)
+    assert [h.kind for h in plain.hazards] == ["ddp"] and "DistributedModel" in str(plain)
+    assert TrainStep(model, opt, F.cross_entropy, controller=ctl).cache.warmup_steps == 11
+    assert TrainStep(compiled, opt, F.cross_entropy, controller=ctl).cache.warmup_steps == 2
+    assert TrainStep(model, opt, F.cross_entropy, controller=ctl, warmup_steps=20).cache.warmup_steps == 20
+    # the cache TrainStep consults: 11 eager steps, a capture, then (a cut changes the state token) 11 again
+    cache = CaptureCache(warmup_steps=11)
+    for _ in range(2):
+        cache.check_token(object())
+        decisions = []
+        for _ in range(12):
+            decisions.append(cache.decide("sig"))
+            if decisions[-1] == "eager":
+                cache.warmed("sig")
+        assert decisions == ["eager"] * 11 + ["capture"]
+
+
+def test_ddp_is_built_on_the_capture_stream_now_and_after_every_cut(one_process_group, monkeypatch):
+    events = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(f"{self.name} waits for {other.name}")
+
+    side, main = Stream("side"), Stream("main")
+    current = [main]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        yield
+        current.pop()
+
+    real_ddp = torch.nn.parallel.DistributedDataParallel
+
+    class RecordingDDP(real_ddp):
+        def __init__(self, *args, **kwargs):
+            events.append(f"DDP built on {current[-1].name}")
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", RecordingDDP)
+    compiled, opt, ctl = _setup()
+    model = DistributedModel(compiled)
+    assert events == ["DDP built on main"]  # CPU parameters and no stream given: built in place
+    events.clear()
+    model.use_stream(side)  # what TrainStep does when it captures
+    model.after_step(type("Cut", (), {"shapes_changed": True})())
+    assert events == ["side waits for main", "DDP built on side", "main waits for side"] * 2

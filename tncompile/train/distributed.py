@@ -35,7 +35,7 @@ from .sharding import full_parameters
 
 __all__ = ["DistributedModel", "RankMismatchError", "unwrap", "active_group", "world_size", "rank",
            "mean_over_processes", "broadcast_from_rank0", "check_same_everywhere", "save_on_rank0",
-           "check_controller_group"]
+           "check_controller_group", "DDP_WARMUP_STEPS"]
 
 
 class RankMismatchError(RuntimeError):
@@ -162,6 +162,10 @@ def save_on_rank0(compiled: nn.Module, path: Any, group: Any = None, **save_kwar
         dist.barrier(group=group)
 
 
+DDP_WARMUP_STEPS = 11
+"""Eager DDP iterations before a CUDA graph may capture a DDP step (PyTorch's CUDA-graph notes)."""
+
+
 class DistributedModel(nn.Module):
     """A compiled model under ``DistributedDataParallel`` that survives rank cuts.
 
@@ -176,6 +180,11 @@ class DistributedModel(nn.Module):
     ``controller.step()``, call :meth:`after_step` with the event: when ranks
     were cut it builds a new DDP wrapper over the new parameters (the old one
     is released so its gradient hooks go too).
+
+    On CUDA the wrapper is built on a side stream (:meth:`use_stream`), as
+    CUDA-graph capture of a DDP step requires; ``TrainStep`` also runs
+    :data:`DDP_WARMUP_STEPS` eager steps before each capture, and again after
+    every cut (the new wrapper starts over).
     """
 
     def __init__(self, compiled: nn.Module, **ddp_kwargs: Any):
@@ -186,13 +195,38 @@ class DistributedModel(nn.Module):
         self.module = unwrap(compiled)
         self.ddp_kwargs = dict(ddp_kwargs)
         self.rebuilds = 0
+        self.__dict__["build_stream"] = None
         self._build()
+
+    def use_stream(self, stream: Any) -> None:
+        """Build DDP (now, and after every cut) on ``stream``: the stream a
+        captured step warms up and captures on (``TrainStep`` passes its own).
+        PyTorch's CUDA-graph notes: DDP must be built on a side stream, and its
+        gradient-accumulation nodes belong to the stream they were made on."""
+        if stream is not self.__dict__["build_stream"]:
+            self.__dict__["build_stream"] = stream
+            self._build()
+
+    def _stream(self) -> Any:
+        """The side stream to build DDP on: the one given, else (CUDA parameters) a stream of our own."""
+        stream = self.__dict__["build_stream"]
+        if stream is None and any(p.is_cuda for p in self.module.parameters()):
+            stream = self.__dict__.setdefault("_own_stream", torch.cuda.Stream())
+        return stream
 
     def _build(self) -> None:
         self.__dict__.pop("_ddp", None)
         gc.collect()  # the old reducer's hooks are removed when it is freed
+        stream = self._stream()
+        if stream is None:
+            ddp = nn.parallel.DistributedDataParallel(self.module, **self.ddp_kwargs)
+        else:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                ddp = nn.parallel.DistributedDataParallel(self.module, **self.ddp_kwargs)
+            torch.cuda.current_stream().wait_stream(stream)
         # not a registered submodule: the parameters belong to ``module`` alone
-        self.__dict__["_ddp"] = nn.parallel.DistributedDataParallel(self.module, **self.ddp_kwargs)
+        self.__dict__["_ddp"] = ddp
 
     @property
     def ddp(self) -> nn.parallel.DistributedDataParallel:

@@ -44,7 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from ..runtime import native
-from .train_step import TrainStep, make_capturable
+from .distributed import DDP_WARMUP_STEPS, unwrap
+from .train_step import TrainStep, _is_ddp, make_capturable
 
 __all__ = ["dry_run", "DryRunReport", "Hazard", "CaptureError"]
 
@@ -75,7 +76,7 @@ class Hazard:
     kind : str
         ``"host sync"``, ``"dynamic shape"``, ``"cpu randomness"``,
         ``"host-device copy"``, ``"host tensor"``, ``"cpu kernel"``,
-        ``"optimizer"`` or ``"error"``.
+        ``"optimizer"``, ``"ddp"`` or ``"error"``.
     op : str
         The ATen (or tncompile) op, e.g. ``aten._local_scalar_dense``.
     where : str
@@ -332,7 +333,9 @@ def dry_run(compiled: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
     Parameters
     ----------
     compiled : nn.Module
-        A compiled model (or any module), as given to ``TrainStep``.
+        A compiled model (or any module), as given to ``TrainStep``; a
+        ``DistributedModel`` / DDP wrapper is checked through the model it
+        wraps, plus what capture needs of DDP (see the report's notes).
     optimizer : torch.optim.Optimizer
         It is switched to its capturable mode in the copy, as ``TrainStep`` does.
     loss_fn, inputs, targets
@@ -353,11 +356,15 @@ def dry_run(compiled: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
         ``report.ok``; ``report.hazards`` (kind, op, module, source line,
         phase, stage); ``str(report)``; ``report.raise_if_unsafe()``.
     """
+    wrapper = compiled if unwrap(compiled) is not compiled else None
+    compiled = unwrap(compiled)
     if controller is not None and getattr(controller, "compiled", None) is not compiled:
         raise ValueError("dry_run: the controller was built for a different model")
     if stages is None:
         stages = ("step",) if controller is None else (("early", "late") if controller.stage == "early" else ("late",))
     report = DryRunReport(stages=list(stages), amp=amp)
+    if wrapper is not None:
+        _check_wrapper(wrapper, controller, report, stages[0])
     if amp is not None and not torch.cuda.is_available():
         report.notes.append("amp: this PyTorch has no CUDA, so autocast's casts are not emulated; "
                             "tncompile's autocast handling ran")
@@ -403,6 +410,21 @@ def dry_run(compiled: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
         pre.remove()
         post.remove()
     return report
+
+
+def _check_wrapper(wrapper: nn.Module, controller, report: DryRunReport, stage: str) -> None:
+    """A DDP / DistributedModel wrapper: what capture needs of it (its own all-reduces need a
+    process group and real tensors, so the step checked is that of the model it wraps)."""
+    if not _is_ddp(wrapper):
+        return
+    if controller is not None and not hasattr(wrapper, "after_step"):
+        report.hazards.append(Hazard(
+            "ddp", "DistributedDataParallel", "a plain DDP wrapper keeps reducing the parameters a rank cut "
+            "replaces: wrap the compiled model in tncompile.distributed.DistributedModel", "", "rank cut", stage))
+        return
+    report.notes.append(f"DDP: the step of the wrapped model was checked (DDP's gradient all-reduces need a "
+                        f"process group); TrainStep builds DDP on its capture stream and runs {DDP_WARMUP_STEPS} "
+                        "eager DDP steps before each capture, and again after every cut (a new DDP wrapper)")
 
 
 def _run_body(step: TrainStep, inputs, targets, report: DryRunReport, observer: _Observer) -> None:

@@ -29,12 +29,21 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .distributed import check_controller_group, unwrap
+from .distributed import DDP_WARMUP_STEPS, DistributedModel, check_controller_group, unwrap
 from .capture_cache import CaptureCache
 
 __all__ = ["TrainStep", "call_model", "make_capturable"]
 
 AMP_DTYPES = {"bf16": torch.bfloat16}
+
+
+def _is_ddp(wrapper: nn.Module) -> bool:
+    """Whether ``wrapper`` reduces gradients with DistributedDataParallel (directly or inside)."""
+    while wrapper is not None:
+        if isinstance(wrapper, (DistributedModel, nn.parallel.DistributedDataParallel)):
+            return True
+        wrapper = getattr(wrapper, "module", None)
+    return False
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
@@ -104,7 +113,9 @@ class TrainStep:
     max_graphs : int
         Most captured signatures kept (LRU).
     warmup_steps : int
-        Eager steps per signature before capture.
+        Eager steps per signature before capture (under DDP at least
+        ``DDP_WARMUP_STEPS`` = 11, as PyTorch's CUDA-graph notes require; the
+        count starts over after every cut, which builds a new DDP wrapper).
     max_batch : int, optional
         Reject batches (first dimension of the first input tensor) above this.
     compile : bool
@@ -152,12 +163,16 @@ class TrainStep:
             raise ValueError("TrainStep: compile=True applies to the eager path; with CUDA graphs the "
                              "captured step already removes the per-op overhead")
         self.wrapper = wrapper
+        self._stream = None
         self._forward = torch.compile(wrapper or compiled) if compile else (wrapper or compiled)
         if self.use_graphs:
             make_capturable(optimizer)
+        if wrapper is not None and _is_ddp(wrapper):
+            warmup_steps = max(warmup_steps, DDP_WARMUP_STEPS)
+            if self.use_graphs and hasattr(wrapper, "use_stream"):
+                wrapper.use_stream(self._side_stream())  # DDP built on the stream it is captured on
         self.cache = CaptureCache(max_graphs, warmup_steps)
         self._pool = None
-        self._stream = None
         self._structure = None
         self.last_event = None
         self.last_total: torch.Tensor | None = None
