@@ -664,3 +664,20 @@ def test_ddp_is_built_on_the_capture_stream_now_and_after_every_cut(one_process_
     model.use_stream(side)  # what TrainStep does when it captures
     model.after_step(type("Cut", (), {"shapes_changed": True})())
     assert events == ["side waits for main", "DDP built on side", "main waits for side"] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_the_example_trains_under_torchrun(tmp_path, mode):
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(root / "examples" / "ddp.py"), "--steps", "20", "--batch", "16", "--out", str(tmp_path)]
+    run = subprocess.run(cmd + (["--fsdp2"] if mode == "fsdp2" else []), capture_output=True, text=True,
+                         timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"2 processes ({mode.upper()})" in run.stdout
+    loaded = tncompile.load(tmp_path / "ddp.tnc")
+    assert loaded.ratio <= 0.021 and "FSDP" not in type(loaded).__name__

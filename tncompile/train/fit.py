@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from .controller import RankController
 from .distributed import DistributedModel, rank, save_on_rank0, unwrap
+from .sharding import is_sharded
 from .history import History
 from .train_step import TrainStep
 
@@ -195,6 +196,8 @@ def _distributed_wrapper(model: nn.Module, ddp: dict[str, Any] | None):
                            "torch.distributed.init_process_group(...) first (or launch with torchrun)")
     if isinstance(model, DistributedModel):
         raise ValueError("fit: the model is already a DistributedModel; leave out ddp=")
+    if is_sharded(unwrap(model)):
+        raise ValueError("fit: the model is sharded by FSDP2, which reduces its gradients itself; leave out ddp=")
     return DistributedModel(unwrap(model), **ddp)
 
 

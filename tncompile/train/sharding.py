@@ -153,7 +153,8 @@ class _GatherPacked(torch.autograd.Function):
         if mine:
             torch.cat([t.reshape(-1) for t in locals_], out=buf[:mine])
         out = buf.new_empty(length * dist.get_world_size(group))
-        dist.all_gather_into_tensor(out, buf, group=group)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.1x
+        gather(out, buf, group=group)
         return out
 
     @staticmethod
@@ -309,10 +310,20 @@ def shard(compiled: nn.Module, *, mesh: Any = None, units: str | list[str] = "bl
 
 def _apply(compiled: nn.Module, plan: ShardPlan) -> None:
     _, fully_shard = _fsdp()
+    if _outputs_not_views not in compiled._forward_hooks.values():  # runs before FSDP's own post-forward hook
+        compiled.register_forward_hook(_outputs_not_views)
     gm = compiled.model
     for group in _resolve_units(compiled, plan.units):  # bottom-up: blocks first, then the root
         fully_shard([gm.get_submodule(name) for name in group], mesh=plan.mesh, **plan.kwargs)
     fully_shard(compiled, mesh=plan.mesh, **plan.kwargs)
+
+
+def _outputs_not_views(module: nn.Module, args: Any, output: Any) -> Any:
+    """The root's outputs as tensors of their own: FSDP2 hooks backward onto the output,
+    and an in-place op on a view of it would drop that hook (FSDP2 warns of it)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t, output)
 
 
 def _named_params(model: nn.Module) -> dict[tuple[str, str], nn.Parameter]:
@@ -496,4 +507,5 @@ def _hide_fsdp_entries(module: nn.Module) -> dict[str, Any]:
 
 
 def _is_fsdp_hook(hook: Any) -> bool:
-    return (getattr(hook, "__module__", None) or "").startswith("torch.distributed.")
+    """FSDP2's hooks, and ours that goes with it."""
+    return hook is _outputs_not_views or (getattr(hook, "__module__", None) or "").startswith("torch.distributed.")
