@@ -357,7 +357,7 @@ def gathered(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None
     for (mod_name, name), p in full.items():
         compiled.get_submodule(mod_name)._parameters[name] = p
     if optimizer is not None:
-        _move_optimizer(optimizer, before, full, _to_full)
+        _move_optimizer(optimizer, before, full, _states_in_full(optimizer))
     try:
         yield compiled
     finally:
@@ -369,22 +369,22 @@ def gathered(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None
 
 
 def _gather_all(params: dict[tuple[str, str], nn.Parameter]) -> dict[tuple[str, str], nn.Parameter]:
-    """Full plain parameters for FSDP2's shards (one all-gather each, same order on every
-    process), keeping shared parameters shared."""
-    DTensor, _ = _dtensor()
-    done: dict[int, nn.Parameter] = {}
-    out = {}
-    for key, p in params.items():
-        if id(p) not in done:
-            data = p.full_tensor() if isinstance(p, DTensor) else p.data
-            done[id(p)] = nn.Parameter(data.detach().clone(), requires_grad=p.requires_grad)
-        out[key] = done[id(p)]
-    return out
+    """Full plain parameters for FSDP2's shards (all in one packed all-gather, :func:`whole`),
+    keeping shared parameters shared."""
+    unique = list({id(p): p for p in params.values()}.values())
+    with torch.no_grad():
+        full = whole(unique)
+    done = {id(p): nn.Parameter(f.detach().clone(), requires_grad=p.requires_grad) for p, f in zip(unique, full)}
+    return {key: done[id(p)] for key, p in params.items()}
 
 
-def _to_full(value: Any, param: torch.Tensor) -> Any:
-    DTensor, _ = _dtensor()
-    return value.full_tensor() if isinstance(value, DTensor) else value
+def _states_in_full(optimizer: torch.optim.Optimizer) -> Callable[[Any, torch.Tensor], Any]:
+    """A converter to full tensors for :func:`_move_optimizer`, with every sharded state of
+    ``optimizer`` gathered up front in one packed all-gather (the same order on every process)."""
+    values = [v for state in optimizer.state.values() for v in state.values() if is_shard(v)]
+    with torch.no_grad():
+        gathered = {id(v): f for v, f in zip(values, whole(values))}
+    return lambda value, param: gathered.get(id(value), value)
 
 
 def _to_shard(value: Any, param: torch.Tensor) -> Any:
@@ -472,7 +472,7 @@ def full_parameters(compiled: nn.Module, optimizer: torch.optim.Optimizer | None
         for module in compiled.modules():
             hidden[module] = _hide_fsdp_entries(module)
         if optimizer is not None:
-            _move_optimizer(optimizer, params, full, _to_full)
+            _move_optimizer(optimizer, params, full, _states_in_full(optimizer))
         yield compiled
     finally:
         for (mod_name, name), p in params.items():
