@@ -681,3 +681,32 @@ def test_the_example_trains_under_torchrun(tmp_path, mode):
     assert f"2 processes ({mode.upper()})" in run.stdout
     loaded = tncompile.load(tmp_path / "ddp.tnc")
     assert loaded.ratio <= 0.021 and "FSDP" not in type(loaded).__name__
+
+
+def test_shard_refuses_bad_input_clearly_and_leaves_the_model_alone(one_process_group, tmp_path):
+    from tncompile.distributed import is_sharded, shard
+    compiled, opt, ctl = _setup()
+    before = _flat(compiled).clone()
+    with pytest.raises(TypeError, match="shard expects the CompiledModel"):
+        shard(torch.nn.Linear(4, 4))
+    with pytest.raises(TypeError, match="units must be 'blocks', 'root' or a list of block names"):
+        shard(compiled, units=3)
+    with pytest.raises(ValueError, match=r"units \['layers.9'\] are not modules of the compiled model"):
+        shard(compiled, units=["layers.9"])
+    assert not is_sharded(compiled) and torch.equal(_flat(compiled), before)
+    shard(compiled, units="root", optimizer=opt)  # an optimizer built before: moved onto the shards
+    assert is_sharded(compiled) and all(id(p) in {id(q) for q in compiled.parameters()}
+                                        for g in opt.param_groups for p in g["params"])
+    with pytest.raises(ValueError, match="already sharded"):
+        shard(compiled)
+    with pytest.raises(ValueError, match="save_on_rank0"):
+        tncompile.save(compiled, tmp_path / "m.tnc")
+    with pytest.raises(ValueError, match="sharded by FSDP2, which reduces its gradients itself; leave out ddp="):
+        tncompile.fit(compiled, _batches(0), F.cross_entropy, opt, ctl, early_steps=1, late_steps=1, ddp={})
+
+
+def test_shard_needs_a_process_group():
+    from tncompile.distributed import shard
+    compiled, _, _ = _setup()
+    with pytest.raises(RuntimeError, match="shard: torch.distributed is not initialized"):
+        shard(compiled)
