@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..compiled import CompiledModel
+
 __all__ = ["shard", "is_sharded", "full_tensor", "whole", "summed_over_shards", "gathered", "full_parameters", "block_units", "ShardPlan"]
 
 _PLAN_KEY = "_tncompile_shard_plan"
@@ -282,8 +284,6 @@ def shard(compiled: nn.Module, *, mesh: Any = None, units: str | list[str] = "bl
     it by the same plan; save it with
     :func:`tncompile.distributed.save_on_rank0`.
     """
-    from ..compiled import CompiledModel
-
     if not isinstance(compiled, CompiledModel):
         raise TypeError(f"shard expects the CompiledModel tncompile.compile returned, got {type(compiled).__name__}")
     if not (dist.is_available() and dist.is_initialized()):
