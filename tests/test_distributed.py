@@ -703,6 +703,12 @@ def test_shard_refuses_bad_input_clearly_and_leaves_the_model_alone(one_process_
         tncompile.save(compiled, tmp_path / "m.tnc")
     with pytest.raises(ValueError, match="sharded by FSDP2, which reduces its gradients itself; leave out ddp="):
         tncompile.fit(compiled, _batches(0), F.cross_entropy, opt, ctl, early_steps=1, late_steps=1, ddp={})
+    from tncompile.train import TrainStep
+    with pytest.raises(ValueError, match="cuda_graph=True with an FSDP2-sharded model is not supported"):
+        TrainStep(compiled, opt, F.cross_entropy, controller=ctl, cuda_graph=True)
+    step = TrainStep(compiled, opt, F.cross_entropy, controller=ctl)  # "auto": eager
+    x, y = _batches(0)[0]
+    assert not step.use_graphs and torch.isfinite(step(x, y))
 
 
 def test_shard_needs_a_process_group():

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .distributed import DDP_WARMUP_STEPS, DistributedModel, check_controller_group, unwrap
 from .capture_cache import CaptureCache
+from .sharding import is_sharded
 
 __all__ = ["TrainStep", "call_model", "make_capturable"]
 
@@ -104,7 +105,8 @@ class TrainStep:
         Adds its penalty inside the step and is stepped after it; its
         truncations and stage switches trigger re-capture.
     cuda_graph : {"auto", True, False}
-        ``"auto"``: capture when the model is on CUDA.
+        ``"auto"``: capture when the model is on CUDA (and not sharded by
+        FSDP2, which runs eagerly; ``True`` with FSDP2 is an error).
     amp : {None, "bf16"}
         Autocast forward and loss in bfloat16 (parameters, gradients and
         optimizer state stay fp32).
@@ -152,13 +154,19 @@ class TrainStep:
         if cuda_graph not in ("auto", True, False):
             raise ValueError(f"TrainStep: cuda_graph must be 'auto', True or False, got {cuda_graph!r}")
         device = params[0].device
+        sharded = is_sharded(compiled)
+        if cuda_graph is True and sharded:
+            raise ValueError("TrainStep: cuda_graph=True with an FSDP2-sharded model is not supported (FSDP2 "
+                             "gathers and frees parameters on its own streams around every unit, which a "
+                             "captured graph would replay stale); use cuda_graph=False, or DDP "
+                             "(tncompile.distributed.DistributedModel) to capture")
         if cuda_graph is True and device.type != "cuda":
             raise ValueError(f"TrainStep: cuda_graph=True needs the model on a CUDA device, it is on {device}; "
                              "move it with .to('cuda') or use cuda_graph='auto'")
         self.compiled, self.optimizer, self.loss_fn, self.controller = compiled, optimizer, loss_fn, controller
         self.amp, self.grad_clip, self.max_batch = amp, grad_clip, max_batch
         self.autocast_device: str | None = None  # None: the parameters' device type (a dry run sets "cuda")
-        self.use_graphs = device.type == "cuda" and cuda_graph in ("auto", True)
+        self.use_graphs = device.type == "cuda" and cuda_graph in ("auto", True) and not sharded  # FSDP2: eager
         if self.use_graphs and compile:
             raise ValueError("TrainStep: compile=True applies to the eager path; with CUDA graphs the "
                              "captured step already removes the per-op overhead")
