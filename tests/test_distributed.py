@@ -277,6 +277,15 @@ def _fsdp2_cuts(rank: int, out: Path) -> dict:
         id(p) in set(shards) for g in opt.param_groups for p in g["params"])
     loaded = tncompile.load(out / "fsdp.tnc")
     same_weights = torch.equal(torch.cat([_full(p) for p in compiled.parameters()]), _flat(loaded))
+    # resuming it sharded: load, optimizer, resume, then shard with the optimizer (its state moves onto the shards)
+    opt2 = torch.optim.AdamW(tncompile.param_groups(loaded, lr=3e-3, gate_lr=3e-2))
+    ctl2 = tncompile.RankController(loaded, opt2, target_ratio=0.15, early_steps=4, late_steps=8, truncate_every=2)
+    tncompile.resume(loaded, opt2, ctl2)
+    shard(loaded, units="blocks", optimizer=opt2)
+
+    def full_states(o, model):
+        return torch.cat([_full(o.state[p]["exp_avg_sq"]) for p in model.parameters()])
+    resumed_state = torch.equal(full_states(opt2, loaded), full_states(opt, compiled)) and ctl2.steps_done == 12
     try:
         tncompile.save(compiled, out / "plain.tnc")
         plain_save = None
@@ -295,6 +304,7 @@ def _fsdp2_cuts(rank: int, out: Path) -> dict:
         refused = str(e)
     report["whole"] = _whole_matches_full_tensor()
     report["save"] = {"kept_shards": kept, "same_weights": bool(same_weights), "plain_save": plain_save,
+                      "resumed_state": bool(resumed_state),
                       "refused": refused}
     return report
 
@@ -530,7 +540,7 @@ def test_fsdp2_cuts_by_gather_cut_reshard_equal_ddp(own_loop):
 def test_fsdp2_saves_whole_and_refuses_what_it_cannot_reshard(own_loop):
     for r in own_loop:
         save = r["fsdp2"]["save"]
-        assert save["kept_shards"] and save["same_weights"]
+        assert save["kept_shards"] and save["same_weights"] and save["resumed_state"]
         assert "save_on_rank0" in save["plain_save"]
         assert "tncompile.distributed.shard" in save["refused"]
         assert r["fsdp2"]["whole"] == {"values": True, "full": True, "grads": True, "sums": True, "sum_grad": True}
