@@ -249,6 +249,44 @@ def _whole_matches_full_tensor() -> dict:
             "sum_grad": torch.allclose(g_total.to_local(), 6 * shards[0].to_local())}
 
 
+def _bert_blocks_free_as_they_go(rank: int) -> dict:
+    """An exported HF BERT, one FSDP2 unit per layer: layer 0's parameters are shards
+    again by the time layer 1 starts (its unit completes after its last module, not at
+    the end of the whole forward); it trains and cuts."""
+    import transformers as T
+    from torch.distributed.tensor import DTensor
+
+    from tncompile.distributed import block_units, shard
+    torch.manual_seed(0)
+    config = T.BertConfig(vocab_size=500, hidden_size=96, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=384, max_position_embeddings=32, num_labels=2)
+    ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(rank))
+    compiled = tncompile.compile(T.BertForSequenceClassification(config).eval(), target_ratio=0.3,
+                                 example_inputs={"input_ids": ids})
+    blocks = block_units(compiled)
+    shard(compiled, units="blocks")
+    opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=1e-3, gate_lr=1e-2))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.2, early_steps=None, truncate_every=0)
+    gm = compiled.model
+    layer0 = gm.get_submodule(blocks[0][0])
+    seen = []
+    hook = gm.get_submodule(blocks[1][0]).register_forward_pre_hook(
+        lambda m, a: seen.append(all(isinstance(p, DTensor) for p in layer0.parameters())))
+    compiled.train()
+    ratios = []
+    for step in range(3):
+        loss = compiled(input_ids=ids).logits.logsumexp(-1).mean()
+        (loss + ctl.penalty(loss)).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            ctl.truncate(budget=0.8 * compiled.ratio)
+        ratios.append(compiled.ratio)
+    hook.remove()
+    return {"blocks": len(blocks), "freed_before_next": seen, "ratios": ratios,
+            "finite": bool(torch.isfinite(loss))}
+
+
 def _fsdp2_cuts(rank: int, out: Path) -> dict:
     """FSDP2 with rank cuts by gather -> cut -> reshard, against DDP: root-only (MLP) and one
     unit per encoder block (reshard_after_forward=False: bitwise; True: the gates' penalty
@@ -303,6 +341,7 @@ def _fsdp2_cuts(rank: int, out: Path) -> dict:
     except NotImplementedError as e:
         refused = str(e)
     report["whole"] = _whole_matches_full_tensor()
+    report["bert"] = _bert_blocks_free_as_they_go(rank)
     report["save"] = {"kept_shards": kept, "same_weights": bool(same_weights), "plain_save": plain_save,
                       "resumed_state": bool(resumed_state),
                       "refused": refused}
@@ -543,6 +582,9 @@ def test_fsdp2_saves_whole_and_refuses_what_it_cannot_reshard(own_loop):
         assert save["kept_shards"] and save["same_weights"] and save["resumed_state"]
         assert "save_on_rank0" in save["plain_save"]
         assert "tncompile.distributed.shard" in save["refused"]
+        bert = r["fsdp2"]["bert"]
+        assert bert["blocks"] == 2 and bert["finite"] and bert["freed_before_next"] == [True] * 3
+        assert bert["ratios"][2] < bert["ratios"][0]
         assert r["fsdp2"]["whole"] == {"values": True, "full": True, "grads": True, "sums": True, "sum_grad": True}
 
 

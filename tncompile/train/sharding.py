@@ -190,27 +190,30 @@ class _SumOverShards(torch.autograd.Function):
 
 
 def block_units(compiled: nn.Module) -> list[list[str]]:
-    """Per repeated block, the names of the modules its graph nodes use.
+    """Per repeated block, the names of the modules its graph calls.
 
     A block is the outermost numbered container a node's target lies in
-    (``layers.3`` for ``layers.3.attention.query``); the graph module's own
-    ``call_module`` and ``get_attr`` targets (a parameter's owner for
-    ``get_attr`` of a tensor) are its members. Blocks without parameters are
-    left out. Names are relative to ``compiled.model``.
+    (``layers.3`` for ``layers.3.attention.query``). Its members are the
+    graph module's ``call_module`` targets and the modules it passes by
+    ``get_attr`` (a fused feed-forward's layers, which run their own forward
+    once hooked): FSDP2 gathers a unit when its first member runs and frees it
+    after the last. Modules the graph only reads a tensor of (``get_attr`` of
+    an exported LayerNorm's weight) never run, so they are left to the root
+    unit; otherwise the block would stay gathered until the root's forward
+    ends. Blocks without parameters are left out. Names are relative to
+    ``compiled.model``.
     """
     gm = compiled.model
     blocks: dict[str, list[str]] = {}
     for node in gm.graph.nodes:
-        if node.op not in ("call_module", "get_attr"):
+        if node.op not in ("call_module", "get_attr") or not isinstance(_lookup(gm, node.target), nn.Module):
             continue
-        target = node.target
-        owner = target if isinstance(_lookup(gm, target), nn.Module) else target.rpartition(".")[0]
-        found = _BLOCK.match(owner + ".")
-        if found is None or owner == "":
+        found = _BLOCK.match(node.target + ".")
+        if found is None:
             continue
         members = blocks.setdefault(found.group(1), [])
-        if owner not in members:
-            members.append(owner)
+        if node.target not in members:
+            members.append(node.target)
     return [[m for m in members if not _nested(m, members)]
             for members in blocks.values()
             if any(p.numel() for m in members for p in gm.get_submodule(m).parameters())]
