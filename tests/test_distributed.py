@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import socket
 import time
 from pathlib import Path
@@ -745,6 +744,8 @@ def test_shard_refuses_bad_input_clearly_and_leaves_the_model_alone(one_process_
         shard(compiled, units=3)
     with pytest.raises(ValueError, match=r"units \['layers.9'\] are not modules of the compiled model"):
         shard(compiled, units=["layers.9"])
+    with pytest.raises(TypeError, match=r"fully_shard takes no \['reshard_after_fwd'\]; its keyword arguments"):
+        shard(compiled, reshard_after_fwd=True)
     assert not is_sharded(compiled) and torch.equal(_flat(compiled), before)
     shard(compiled, units="root", optimizer=opt)  # an optimizer built before: moved onto the shards
     assert is_sharded(compiled) and all(id(p) in {id(q) for q in compiled.parameters()}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import math
 import re
 from dataclasses import dataclass, field
@@ -296,6 +297,7 @@ def shard(compiled: nn.Module, *, mesh: Any = None, units: str | list[str] = "bl
         raise ValueError("shard: the model is already sharded (fully_shard was applied); shard a compiled model "
                          "once, through tncompile.distributed.shard, so that cuts can re-shard it")
     _check_units(compiled, units)
+    _check_kwargs(fully_shard_kwargs)
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -309,6 +311,16 @@ def shard(compiled: nn.Module, *, mesh: Any = None, units: str | list[str] = "bl
     if optimizer is not None:
         _move_optimizer(optimizer, before, _named_params(compiled), _to_shard)
     return compiled
+
+
+def _check_kwargs(kwargs: dict[str, Any]) -> None:
+    """Refuse keyword arguments ``fully_shard`` does not take before anything is sharded."""
+    _, fully_shard = _fsdp()
+    accepted = [n for n in inspect.signature(fully_shard).parameters if n not in ("module", "mesh")]
+    unknown = sorted(set(kwargs) - set(accepted))
+    if unknown:
+        raise TypeError(f"shard: fully_shard takes no {unknown}; its keyword arguments are {accepted} "
+                        "(and mesh=, which shard takes itself)")
 
 
 def _apply(compiled: nn.Module, plan: ShardPlan) -> None:
