@@ -1,11 +1,12 @@
 """What kind of module a module is: the dense layers a TT/TTM layer can be
-built from (and their weights), and modules that run a class's own forward."""
+built from (and their weights), modules that run a class's own forward, and
+models whose parameters are FSDP2 shards."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-__all__ = ["is_hf_conv1d", "linear_weight_of", "runs_as", "linear_on", "embedding_on"]
+__all__ = ["is_hf_conv1d", "linear_weight_of", "runs_as", "linear_on", "embedding_on", "is_shard", "is_sharded"]
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:
@@ -46,3 +47,17 @@ def runs_as(module: nn.Module, cls: type) -> bool:
     wrapper subclass that keeps the forward (FSDP's), not a subclass that
     replaces it (whose behaviour tncompile cannot know)."""
     return isinstance(module, cls) and type(module).forward is cls.forward
+
+
+def is_shard(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (an FSDP2 shard); a plain tensor is told apart by its type alone."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter or not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether any parameter of ``model`` is an FSDP2 shard (a ``DTensor``)."""
+    return any(is_shard(p) for p in model.parameters())

@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from ..compiled import CompiledModel
 from ..ir.program import PassRecord, Program
 from ..passes import Pipeline, Replan
+from ..runtime.module_kinds import is_sharded
 from . import legacy
 from .codec import Decoder, Encoder, UnsafeFileError
 from .graphs import SAFE_MODULE_CLASSES, allow_module_class, decode_graph_module, encode_graph_module
@@ -71,7 +72,7 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
         compiled = compiled.module  # a DDP / DistributedModel wrapper: save what it wraps
     if not isinstance(compiled, CompiledModel):
         raise TypeError(f"tncompile.save expects a CompiledModel, got {type(compiled).__name__}")
-    if _sharded(compiled):
+    if is_sharded(compiled):  # save_on_rank0 gathers the shards on every process first
         raise ValueError("tncompile.save: the model is sharded by FSDP2 (its parameters are DTensor shards); "
                          "call tncompile.distributed.save_on_rank0(compiled, path, optimizer=...) on every "
                          "process: it gathers the shards and rank 0 writes the file")
@@ -118,16 +119,6 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-
-
-def _sharded(compiled: CompiledModel) -> bool:
-    """Whether a parameter is an FSDP2 shard (``DTensor``): such a model is saved whole by
-    ``save_on_rank0``, which gathers the shards on every process first."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in compiled.parameters())
 
 
 def _restore_rank_stream(per_rank: list[torch.Tensor]) -> None:

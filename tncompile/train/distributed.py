@@ -33,7 +33,7 @@ from torch import nn
 from ..serialization import save
 from .sharding import full_parameters
 
-__all__ = ["DistributedModel", "RankMismatchError", "unwrap", "active_group", "world_size", "rank",
+__all__ = ["DistributedModel", "RankMismatchError", "unwrap", "is_ddp", "active_group", "world_size", "rank",
            "mean_over_processes", "broadcast_from_rank0", "check_same_everywhere", "save_on_rank0",
            "check_controller_group", "DDP_WARMUP_STEPS"]
 
@@ -48,6 +48,16 @@ def unwrap(model: nn.Module) -> nn.Module:
     while isinstance(model, (DistributedModel, nn.parallel.DistributedDataParallel, nn.DataParallel)):
         model = model.module
     return model
+
+
+def is_ddp(model: nn.Module) -> bool:
+    """Whether ``model`` reduces gradients with DistributedDataParallel (itself, or a
+    wrapper around one at any depth)."""
+    while isinstance(model, (DistributedModel, nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        if not isinstance(model, nn.DataParallel):
+            return True
+        model = model.module
+    return False
 
 
 def active_group(process_group: Any = None) -> Any:

@@ -44,8 +44,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from ..runtime import native
-from .distributed import DDP_WARMUP_STEPS, unwrap
-from .train_step import TrainStep, _is_ddp, make_capturable
+from .distributed import DDP_WARMUP_STEPS, is_ddp, unwrap
+from .train_step import TrainStep, make_capturable
 
 __all__ = ["dry_run", "DryRunReport", "Hazard", "CaptureError"]
 
@@ -415,7 +415,7 @@ def dry_run(compiled: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
 def _check_wrapper(wrapper: nn.Module, controller, report: DryRunReport, stage: str) -> None:
     """A DDP / DistributedModel wrapper: what capture needs of it (its own all-reduces need a
     process group and real tensors, so the step checked is that of the model it wraps)."""
-    if not _is_ddp(wrapper):
+    if not is_ddp(wrapper):
         return
     if controller is not None and not hasattr(wrapper, "after_step"):
         report.hazards.append(Hazard(

@@ -29,6 +29,7 @@ import importlib
 import inspect
 import math
 import re
+from operator import attrgetter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -37,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compiled import CompiledModel
+from ..runtime.module_kinds import is_shard, is_sharded
 
 __all__ = ["shard", "is_sharded", "full_tensor", "whole", "summed_over_shards", "gathered", "full_parameters", "block_units", "ShardPlan"]
 
@@ -55,7 +57,6 @@ class ShardPlan:
     units: str | list[str]
     mesh: Any
     kwargs: dict[str, Any] = field(default_factory=dict)
-    reshards: int = 0
 
 
 def _fsdp():
@@ -66,34 +67,10 @@ def _fsdp():
     return FSDPModule, fully_shard
 
 
-def _dtensor():
-    from torch.distributed.tensor import DTensor, distribute_tensor
-    return DTensor, distribute_tensor
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether any parameter of ``model`` is an FSDP2 shard (a ``DTensor``)."""
-    if not dist.is_available():
-        return False
-    DTensor, _ = _dtensor()
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def is_shard(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a ``DTensor`` (an FSDP2 shard)."""
-    if type(t) is torch.Tensor or type(t) is nn.Parameter or not dist.is_available():
-        return False
-    DTensor, _ = _dtensor()
-    return isinstance(t, DTensor)
-
-
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """``t`` whole: an FSDP2 shard (``DTensor``) all-gathered, differentiably (its
     gradient flows back to the shard); any other tensor as it is."""
-    if type(t) is torch.Tensor or type(t) is nn.Parameter or not dist.is_available():
-        return t
-    DTensor, _ = _dtensor()
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_shard(t) else t
 
 
 def whole(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -107,19 +84,17 @@ def whole(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     whole tensors, so that is the exact gradient of its shard. Tensors that
     are not ``Shard(0)`` shards are gathered one by one (``full_tensor``).
     """
-    if not dist.is_available():
+    if not any(map(is_shard, tensors)):  # the common case, every step of unsharded training: nothing to do
         return list(tensors)
-    DTensor, _ = _dtensor()
     from torch.distributed.tensor import Shard
-    packed = [i for i, t in enumerate(tensors)
-              if isinstance(t, DTensor) and tuple(t.placements) == (Shard(0),)]
+    packed = [i for i, t in enumerate(tensors) if is_shard(t) and tuple(t.placements) == (Shard(0),)]
     chosen = set(packed)
     out = [t if i in chosen else full_tensor(t) for i, t in enumerate(tensors)]  # the rest: one by one
     if not packed:
         return out
     mesh = tensors[packed[0]].device_mesh
     if any(tensors[i].device_mesh is not mesh for i in packed):
-        return [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
+        return [full_tensor(t) for t in tensors]
     world, me = mesh.size(), mesh.get_local_rank()
     rows = [_chunk_rows(tensors[i].shape[0], world) for i in packed]
     width = [math.prod(tensors[i].shape[1:]) for i in packed]
@@ -127,7 +102,7 @@ def whole(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     locals_ = [tensors[i].to_local() for i in packed]
     for local, r, i in zip(locals_, rows, packed):
         if local.shape[0] != r[me]:
-            return [t.full_tensor() if isinstance(t, DTensor) else t for t in tensors]
+            return [full_tensor(t) for t in tensors]
     gathered = _GatherPacked.apply(mesh.get_group(), me, max(sent), sent[me], *locals_)
     parts = gathered.view(world, max(sent))
     for k, i in enumerate(packed):
@@ -207,7 +182,7 @@ def block_units(compiled: nn.Module) -> list[list[str]]:
     gm = compiled.model
     blocks: dict[str, list[str]] = {}
     for node in gm.graph.nodes:
-        if node.op not in ("call_module", "get_attr") or not isinstance(_lookup(gm, node.target), nn.Module):
+        if node.op not in ("call_module", "get_attr") or not isinstance(attrgetter(node.target)(gm), nn.Module):
             continue
         found = _BLOCK.match(node.target + ".")
         if found is None:
@@ -218,13 +193,6 @@ def block_units(compiled: nn.Module) -> list[list[str]]:
     return [[m for m in members if not _nested(m, members)]
             for members in blocks.values()
             if any(p.numel() for m in members for p in gm.get_submodule(m).parameters())]
-
-
-def _lookup(gm: nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _nested(name: str, members: list[str]) -> bool:
@@ -341,6 +309,16 @@ def _outputs_not_views(module: nn.Module, args: Any, output: Any) -> Any:
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t, output)
 
 
+def _sharded_params(compiled: nn.Module) -> dict[tuple[str, str], nn.Parameter]:
+    """:func:`_named_params` with every unit resharded first, so that they are the shards
+    (a root keeps its gathered parameters registered after a forward without backward)."""
+    FSDPModule, _ = _fsdp()
+    for unit in compiled.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+    return _named_params(compiled)
+
+
 def _named_params(model: nn.Module) -> dict[tuple[str, str], nn.Parameter]:
     """Every registered parameter by (owning module's name, parameter name), shared ones under each owner."""
     return {(mod_name, name): p for mod_name, mod in model.named_modules(remove_duplicate=False)
@@ -366,7 +344,7 @@ def gathered(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None
             "the model was sharded with fully_shard directly, so tncompile cannot re-shard it after a rank cut. "
             "Shard it with tncompile.distributed.shard(compiled, units='blocks' or 'root', **fully_shard_kwargs), "
             "or train without cuts (early_steps=None, truncate_every=0).")
-    before = _named_params(compiled)
+    before = _sharded_params(compiled)
     full = _gather_all(before)
     _unshard_for_good(compiled)
     for (mod_name, name), p in full.items():
@@ -378,7 +356,6 @@ def gathered(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None
     finally:
         after_cut = _named_params(compiled)
         _apply(compiled, plan)
-        plan.reshards += 1
         if optimizer is not None:
             _move_optimizer(optimizer, after_cut, _named_params(compiled), _to_shard)
 
@@ -405,9 +382,9 @@ def _states_in_full(optimizer: torch.optim.Optimizer) -> Callable[[Any, torch.Te
 def _to_shard(value: Any, param: torch.Tensor) -> Any:
     """An optimizer state laid out like ``param``'s shard (no communication: the full
     value is the same on every process)."""
-    DTensor, distribute_tensor = _dtensor()
-    if (isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
-            and value.shape == param.shape):
+    if is_shard(param) and isinstance(value, torch.Tensor) and not is_shard(value) and value.shape == param.shape:
+        from torch.distributed.tensor import distribute_tensor
+
         return distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
     return value
 
@@ -441,8 +418,6 @@ def _unshard_for_good(compiled: nn.Module) -> None:
         raise NotImplementedError(f"cutting FSDP2-sharded layers needs FSDP2 internals this torch "
                                   f"({torch.__version__}) does not have ({exc}); train cuts under DDP") from exc
     units = [m for m in compiled.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
-        unit.reshard()  # sharded parameters registered (a root may hold unsharded ones after forward)
     states = {id(s): s for s in (u._get_fsdp_state() for u in units)}.values()
     for state in states:
         for handle in {id(h): h for h in (state._pre_forward_hook_handle, state._post_forward_hook_handle)}.values():
@@ -471,9 +446,7 @@ def full_parameters(compiled: nn.Module, optimizer: torch.optim.Optimizer | None
         yield compiled
         return
     FSDPModule, _ = _fsdp()
-    for unit in (m for m in compiled.modules() if isinstance(m, FSDPModule)):
-        unit.reshard()
-    params = _named_params(compiled)
+    params = _sharded_params(compiled)
     full = _gather_all(params)
     classes = {m: type(m) for m in compiled.modules() if isinstance(m, FSDPModule)}
     hidden: dict[nn.Module, dict[str, Any]] = {}

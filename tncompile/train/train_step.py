@@ -29,22 +29,13 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .distributed import DDP_WARMUP_STEPS, DistributedModel, check_controller_group, unwrap
+from .distributed import DDP_WARMUP_STEPS, check_controller_group, is_ddp, unwrap
 from .capture_cache import CaptureCache
 from .sharding import is_sharded
 
 __all__ = ["TrainStep", "call_model", "make_capturable"]
 
 AMP_DTYPES = {"bf16": torch.bfloat16}
-
-
-def _is_ddp(wrapper: nn.Module) -> bool:
-    """Whether ``wrapper`` reduces gradients with DistributedDataParallel (directly or inside)."""
-    while wrapper is not None:
-        if isinstance(wrapper, (DistributedModel, nn.parallel.DistributedDataParallel)):
-            return True
-        wrapper = getattr(wrapper, "module", None)
-    return False
 
 
 def call_model(model: nn.Module, inputs: Any) -> Any:
@@ -175,7 +166,7 @@ class TrainStep:
         self._forward = torch.compile(wrapper or compiled) if compile else (wrapper or compiled)
         if self.use_graphs:
             make_capturable(optimizer)
-        if wrapper is not None and _is_ddp(wrapper):
+        if wrapper is not None and is_ddp(wrapper):
             warmup_steps = max(warmup_steps, DDP_WARMUP_STEPS)
             if self.use_graphs and hasattr(wrapper, "use_stream"):
                 wrapper.use_stream(self._side_stream())  # DDP built on the stream it is captured on
