@@ -35,21 +35,43 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_steps(step, x, y, device, warmup: int, reps: int) -> tuple[float, float | None]:
-    """Median ms per step and peak memory (MB, CUDA only) of ``step(x, y)``."""
+def time_steps(step, x, y, device, warmup: int, reps: int) -> tuple[float, dict]:
+    """Median ms per step of ``step(x, y)`` and its memory (MB, CUDA only).
+
+    Memory: ``peak_mb`` is the peak allocated since the caller's last
+    ``reset_peak_memory_stats`` (the caller resets it before building the
+    model, so it covers weights, optimizer state, warm-up and any CUDA-graph
+    capture: a captured graph's private pool is allocated during capture and
+    would be missed by a peak taken over replays alone); ``reserved_mb`` is
+    what the caching allocator holds at the end (the graph pools included)."""
     for _ in range(warmup):
         step(x, y)
     _sync(device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
         step(x, y)
         _sync(device)
         times.append(time.perf_counter() - t)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
-    return statistics.median(times) * 1e3, peak
+    memory = {}
+    if device.type == "cuda":
+        memory = {"peak_mb": torch.cuda.max_memory_allocated() / 2**20,
+                  "reserved_mb": torch.cuda.memory_reserved() / 2**20}
+    return statistics.median(times) * 1e3, memory
+
+
+def _fresh_memory_stats(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _line(batch: int, name: str, ms: float, memory: dict) -> str:
+    text = f"batch {batch:4d}  {name:18s} {ms:9.1f} ms"
+    if memory:
+        text += f"  peak {memory['peak_mb']:8.0f} MB  reserved {memory['reserved_mb']:8.0f} MB"
+    return text
 
 
 def galore_optimizer(model):
@@ -83,6 +105,7 @@ def main() -> None:
         if cuda:
             variants.append(("compiled captured", True, True))
         for name, compiled_model, graphed in variants:
+            _fresh_memory_stats(device)
             torch.manual_seed(0)
             model = six_encoder().to(device)
             if compiled_model:
@@ -90,27 +113,26 @@ def main() -> None:
                                           batch_sizes=[batch * SEQ]).to(device)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             step = TrainStep(model, opt, F.cross_entropy, cuda_graph=graphed)
-            ms, peak = time_steps(step, x, y, device, warmup=4, reps=reps)
-            rows.append({"batch": batch, "variant": name, "step_ms": ms, "peak_mb": peak, **step.stats()})
-            print(f"batch {batch:4d}  {name:18s} {ms:9.1f} ms" + (f"  peak {peak:8.0f} MB" if peak else ""))
+            ms, memory = time_steps(step, x, y, device, warmup=4, reps=reps)
+            rows.append({"batch": batch, "variant": name, "step_ms": ms, **memory, **step.stats()})
+            print(_line(batch, name, ms, memory))
             del model, opt, step
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
         if cuda and batch == 1:
             try:
+                _fresh_memory_stats(device)
                 torch.manual_seed(0)
                 model = six_encoder().to(device)
                 step = TrainStep(model, galore_optimizer(model), F.cross_entropy, cuda_graph=False)
-                ms, peak = time_steps(step, x, y, device, warmup=4, reps=reps)
-                rows.append({"batch": batch, "variant": "dense GaLore", "step_ms": ms, "peak_mb": peak})
-                print(f"batch {batch:4d}  {'dense GaLore':18s} {ms:9.1f} ms  peak {peak:8.0f} MB")
+                ms, memory = time_steps(step, x, y, device, warmup=4, reps=reps)
+                rows.append({"batch": batch, "variant": "dense GaLore", "step_ms": ms, **memory})
+                print(_line(batch, "dense GaLore", ms, memory))
+                del model, step
             except ImportError as e:
                 rows.append({"batch": batch, "variant": "dense GaLore", "skipped": f"galore-torch not usable: {e}"})
                 print(f"GaLore skipped: {e}")
     path = write_json(f"{'gpu' if cuda else 'cpu'}-runtime.json",
                       {"benchmark": "runtime", "device": str(device),
-                       "gpu": torch.cuda.get_device_name() if cuda else None, "rows": rows, **machine()})
+                       "gpu": torch.cuda.get_device_name() if cuda else None, "rows": rows, **machine(device)})
     print(f"wrote {path}")
 
 

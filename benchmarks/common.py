@@ -62,9 +62,52 @@ def interleaved_ms(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 
     return {k: 1000 * statistics.median(v) for k, v in samples.items()}
 
 
-def machine() -> dict:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_speed(device: str | torch.device = "cpu") -> dict:
+    """The device's measured memory copy bandwidth and fp32 GEMM throughput.
+
+    The machines are shared and their memory bandwidth differs ~5x from one
+    host to the next, so every figure is recorded next to what this host
+    could do when it was measured. Copy: ``dst.copy_(src)`` of a 64 MB (CPU)
+    or 1 GB (CUDA) fp32 tensor, bytes read plus written, best of 7. GEMM:
+    square fp32 ``mm`` (2048 on CPU, 8192 on CUDA; TF32 as the process has it
+    set), best of 5. Returns ``{"copy_gb_per_s", "gemm_gflop_per_s", "speed_device"}``.
+    """
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    numel = (2**28 if cuda else 2**24)
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    n = 8192 if cuda else 2048
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+
+    def best(fn, reps: int) -> float:
+        fn()
+        _sync(device)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    copy_s = best(lambda: dst.copy_(src), 7)
+    gemm_s = best(lambda: torch.mm(a, b), 5)
+    return {"copy_gb_per_s": round(2 * numel * 4 / copy_s / 1e9, 1),
+            "gemm_gflop_per_s": round(2 * n**3 / gemm_s / 1e9, 1),
+            "speed_device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu"}
+
+
+def machine(device: str | torch.device = "cpu") -> dict:
+    """Machine, versions, threads, and the measured speed of ``device`` (:func:`host_speed`)."""
     return {"machine": platform.machine(), "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "python": platform.python_version()}
+            "torch": torch.__version__, "python": platform.python_version(), **host_speed(device)}
 
 
 def clear_grads(*tensors_or_modules) -> Callable[[], None]:
