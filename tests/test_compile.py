@@ -1,4 +1,5 @@
 """compile() end to end on plain PyTorch models."""
+import errno
 import json
 
 import pytest
@@ -104,13 +105,13 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     tncompile.save(compiled, path)
     before = path.read_bytes()
 
-    def boom(tensors, filename, metadata=None):
-        open(filename, "wb").write(b"partial")  # the writer dies half way
-        raise OSError("disk full")
+    def boom(tensor):
+        raise OSError(errno.ENOSPC, "No space left on device")  # the disk fills half way
 
-    monkeypatch.setattr(tncompile.serialization, "save_file", boom)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(tncompile.serialization.container, "_raw", boom)
+    with pytest.raises(OSError, match=r"cannot write .*m\.tnc: No space left") as info:
         tncompile.save(compiled, path)
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["m.tnc"]
 

@@ -169,3 +169,25 @@ def test_optimizers_without_a_capturable_mode_are_reported():
     compiled = tncompile.compile(small_encoder(), target_ratio=0.3, example_inputs=(ids,))
     report = dry_run(compiled, torch.optim.LBFGS(compiled.parameters()), F.cross_entropy, ids, y)
     assert [h.kind for h in report.hazards] == ["optimizer"] and "capturable" in report.hazards[0].where
+
+
+def test_bad_arguments_are_refused_not_reported_capturable():
+    """An empty or misspelled check is an error, not a pass; so is an optimizer of another model."""
+    ids, y = torch.randint(1, 1000, (2, 16)), torch.randint(0, 3, (2,))
+    compiled = tncompile.compile(small_encoder(), target_ratio=0.3, example_inputs=(ids,))
+    opt = torch.optim.AdamW(compiled.parameters())
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.2)
+    with pytest.raises(TypeError, match=r"stages=\('early',\)"):
+        dry_run(compiled, opt, F.cross_entropy, ids, y, controller=ctl, stages="early")
+    with pytest.raises(ValueError, match="checking nothing"):
+        dry_run(compiled, opt, F.cross_entropy, ids, y, controller=ctl, stages=())
+    with pytest.raises(ValueError, match=r"unknown stage\(s\) \['erly'\]"):
+        dry_run(compiled, opt, F.cross_entropy, ids, y, controller=ctl, stages=("erly",))
+    with pytest.raises(ValueError, match=r"\('step',\)"):
+        dry_run(compiled, opt, F.cross_entropy, ids, y, stages=("early",))
+    other = torch.optim.AdamW(torch.nn.Linear(3, 3).parameters())
+    with pytest.raises(ValueError, match="not this model's"):
+        dry_run(compiled, other, F.cross_entropy, ids, y)
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        dry_run(compiled, "adam", F.cross_entropy, ids, y)
+    assert dry_run(compiled, opt, F.cross_entropy, ids, y, controller=ctl, stages=("early",)).ok

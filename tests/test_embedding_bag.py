@@ -217,3 +217,43 @@ def test_bags_are_outlined_from_an_export_trace():
     other = (torch.randint(0, 5000, (7,), generator=g), torch.tensor([0, 2, 7]), torch.rand(7, generator=g, dtype=f64),
              torch.randint(0, 3000, (3, 3), generator=g))
     torch.testing.assert_close(compiled(*other), model(*other), rtol=1e-9, atol=1e-9)
+
+
+OFFSET_CASES = {  # name -> offsets for the 5 ids [4, 9, 9, 31, 2]
+    "ok": torch.tensor([0, 2]),
+    "ends-early": torch.tensor([0, 2, 3]),            # with include_last_offset: ids 3.. belong to no bag
+    "last-is-the-end": torch.tensor([0, 2, 5]),
+    "int32": torch.tensor([0, 2], dtype=torch.int32),
+    "empty-bags": torch.tensor([0, 0, 2, 2]),
+    "beyond-the-input": torch.tensor([0, 7]),
+    "first-not-zero": torch.tensor([1, 3]),
+    "negative": torch.tensor([0, -1]),
+    "unsorted": torch.tensor([0, 3, 2]),
+    "float": torch.tensor([0.0, 2.0]),
+    "2-d": torch.tensor([[0, 2]]),
+    "none": torch.tensor([], dtype=torch.long),
+}
+
+
+ACCEPTED = {"ok", "ends-early", "last-is-the-end", "int32", "empty-bags", "none"}  # by nn.EmbeddingBag (CPU)
+
+
+@pytest.mark.parametrize("include_last_offset", [False, True])
+@pytest.mark.parametrize("mode", ["sum", "max"])
+@pytest.mark.parametrize("case", list(OFFSET_CASES))
+def test_offsets_are_checked_and_reduced_as_nn_embedding_bag_does(case, mode, include_last_offset):
+    """Every offsets tensor nn.EmbeddingBag accepts gives its result; every one it rejects is an
+    error naming TTMEmbeddingBag. (The rejected ones are not run through nn.EmbeddingBag here:
+    negative or unsorted offsets make it read out of bounds, or crash the process.)"""
+    tt = _bag(mode, include_last_offset=include_last_offset)
+    ids, offsets = torch.tensor([4, 9, 9, 31, 2]), OFFSET_CASES[case]
+    accepted = case in ACCEPTED and not (case == "none" and include_last_offset)
+    if not accepted:
+        with pytest.raises((ValueError, TypeError), match="TTMEmbeddingBag"):
+            tt(ids, offsets)
+        return
+    if case == "none":  # no bags; nn.EmbeddingBag returns (0, D) here, or crashes reading past them
+        assert tt(ids, offsets).shape == (0, 12)
+        return
+    want = tt.to_dense_module()(ids, offsets)
+    torch.testing.assert_close(tt(ids, offsets), want)

@@ -128,22 +128,6 @@ def test_damaged_manifest_is_detected(saved, tmp_path):
         tncompile.load(bad)
 
 
-def test_killed_saves_leave_no_temporaries(saved, tmp_path):
-    """A save killed mid-write leaves its temporary behind (no finally runs); the next
-    save to the same file removes those of processes that are gone."""
-    compiled, path, _ = saved
-    import subprocess
-    import sys
-    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    orphan = path.parent / f"{path.name}.{gone.stdout.strip()}.abc123.tmp"
-    orphan.write_bytes(b"partial")
-    unrelated = path.parent / "other.tnc.1.xyz.tmp"
-    unrelated.write_bytes(b"")
-    tncompile.save(compiled, path)
-    assert not orphan.exists() and unrelated.exists()
-    assert sorted(p.name for p in path.parent.glob(f"{path.name}*")) == [path.name]
-
-
 def test_save_mode_follows_umask_and_syncs_file_and_directory(saved, monkeypatch):
     """Like any file the user creates (not 0600), written durably: the file's data
     is fsynced before the rename and its directory entry after it."""

@@ -124,7 +124,7 @@ def test_checkpoint_carries_truncated_shapes_and_save_is_atomic(tmp_path, monkey
     def crash(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(tncompile.serialization, "save_file", crash)
+    monkeypatch.setattr(tncompile.serialization.container, "_raw", crash)
     with pytest.raises(RuntimeError, match="disk full"):
         tncompile.save(compiled, path, optimizer=opt, controller=ctl)
     assert path.read_bytes() == before
@@ -144,3 +144,52 @@ def test_resume_errors_are_clear(tmp_path):
         tncompile.resume(loaded, torch.optim.SGD(tncompile.param_groups(loaded, lr=1e-3)))
     with pytest.raises(ValueError, match="parameter groups differ"):
         tncompile.resume(loaded, torch.optim.AdamW(loaded.parameters(), lr=1e-3))
+
+
+def _nan_batch_run(nonfinite: str):
+    """fit over 6 float batches, the 4th holding a NaN input."""
+    from tncompile.zoo import mlp
+    torch.manual_seed(0)
+    compiled = tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3, init="random")
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.2, truncate_every=0, nonfinite=nonfinite)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 64, generator=g), torch.randint(0, 10, (8,), generator=g)) for _ in range(6)]
+    data[3][0][2, 5] = float("nan")
+    snapshots = []
+
+    class Recording(list):
+        def __iter__(self):
+            for batch in super().__iter__():
+                snapshots.append({k: v.detach().clone() for k, v in compiled.state_dict().items()})
+                yield batch
+
+    history = None
+    error = None
+    try:
+        history = tncompile.fit(compiled, Recording(data), torch.nn.functional.cross_entropy, opt, ctl,
+                                early_steps=6, late_steps=0, progress=False)
+    except FloatingPointError as e:
+        error = e
+    return compiled, opt, snapshots, history, error
+
+
+def test_a_nan_batch_is_skipped_on_the_device_not_applied():
+    """nonfinite="skip": the NaN batch's optimizer step is left undone (parameters and Adam's
+    state as before it), training goes on, and History names the step."""
+    compiled, opt, snapshots, history, error = _nan_batch_run("skip")
+    assert error is None and history.skipped == [4]
+    after_nan = snapshots[4]  # the state before step 5 = after the skipped step 4
+    for k, v in snapshots[3].items():
+        assert torch.equal(after_nan[k], v), f"{k} changed in the skipped step"
+    assert all(torch.isfinite(p).all() for p in compiled.parameters())
+    assert all(torch.isfinite(t).all() for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
+    assert any(not torch.equal(snapshots[5][k], v) for k, v in snapshots[4].items()), "training stopped"
+
+
+def test_a_nan_batch_raises_before_any_parameter_changes():
+    compiled, opt, snapshots, history, error = _nan_batch_run("raise")
+    assert isinstance(error, FloatingPointError) and "non-finite" in str(error)
+    now = compiled.state_dict()
+    for k, v in snapshots[3].items():  # as before the NaN batch's step
+        assert torch.equal(now[k], v), f"{k} changed before the error"

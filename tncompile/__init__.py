@@ -8,7 +8,7 @@ See ARCHITECTURE.md.
 from . import distributed, formats, ir, passes, planning, runtime, train, tuning
 from .api import compile
 from .compiled import CompiledModel
-from .errors import PassError, TNCompileError, TraceError
+from .errors import ModelFileError, PassError, TNCompileError, TraceError, UnsafeFileError
 from .passes import FunctionPass, Pass, Pipeline, default_pipeline, register_pass
 from .report import Report
 from .serialization import load, resume, save
@@ -23,5 +23,5 @@ __version__ = "0.1.0"
 
 __all__ = ["compile", "save", "load", "resume", "fit", "History", "Pass", "FunctionPass", "Pipeline", "register_pass",
            "default_pipeline", "RankController", "RankEvent", "param_groups", "TrainStep", "dry_run", "CompiledModel", "Report",
-           "TNCompileError", "TraceError", "PassError", "distributed", "formats", "ir", "passes", "planning", "runtime", "train",
+           "TNCompileError", "TraceError", "PassError", "ModelFileError", "UnsafeFileError", "distributed", "formats", "ir", "passes", "planning", "runtime", "train",
            "tuning", "__version__"]

@@ -1,7 +1,7 @@
 """Exceptions raised by tncompile."""
 from __future__ import annotations
 
-__all__ = ["TNCompileError", "TraceError", "PassError"]
+__all__ = ["TNCompileError", "TraceError", "PassError", "ModelFileError", "UnsafeFileError"]
 
 
 class TNCompileError(RuntimeError):
@@ -18,3 +18,15 @@ class PassError(TNCompileError):
     def __init__(self, pass_name: str, cause: BaseException):
         self.pass_name = pass_name
         super().__init__(f"pass {pass_name!r} failed: {type(cause).__name__}: {cause}")
+
+
+class ModelFileError(ValueError):
+    """A model file that tncompile cannot load: damaged, truncated, malformed, or
+    (:class:`UnsafeFileError`) asking for something outside the file format's tables.
+    The message names the file and the part of it that is wrong."""
+
+
+class UnsafeFileError(ModelFileError):
+    """A file asks for something tncompile does not load without ``trust=True``:
+    a name outside the format's tables (a function, method, op, module class,
+    record type), text that would become code, or a pickle."""

@@ -25,7 +25,7 @@ from .. import tuning
 from ..formats.indices import BATCH, planner_problem
 from ..runtime.plans import ContractionPlan, Step
 
-__all__ = ["plan_contraction", "fixed_order_macs"]
+__all__ = ["plan_contraction", "plan_from_order", "ssa_to_linear", "fixed_order_macs"]
 
 Indices = tuple[str, ...]
 
@@ -179,13 +179,52 @@ def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str
     for name, path in candidates.items():
         scored[name] = (_build(inputs, output, sizes, path, needs_grad, write_weight), path)
     best = min(scored, key=lambda k: scored[k][0][-1])
-    (steps, perm, cost, bwd, bwd_write, total), _ = scored[best]
-    naive_total = _build(inputs, output, sizes, _left_to_right(n), needs_grad, write_weight)[-1]
+    return _plan_of(inputs, output, sizes, scored[best][0], best, {k: v[0][-1] for k, v in scored.items()},
+                    needs_grad, batch, write_weight)
+
+
+def ssa_to_linear(pairs: Sequence[tuple[int, int]], n_inputs: int) -> list[tuple[int, int]]:
+    """A pairwise order in SSA ids (inputs ``0..n-1``, then each result) as a linear
+    (opt_einsum-style) path of positions in the shrinking operand list.
+    Raises ``ValueError`` when an id is not live."""
+    live = list(range(n_inputs))
+    path = []
+    for k, (a, b) in enumerate(pairs):
+        if a == b or a not in live or b not in live:
+            raise ValueError(f"step {k} contracts operands {a} and {b}, which are not two live operands")
+        i, j = live.index(a), live.index(b)
+        path.append((i, j))
+        live = [x for x in live if x not in (a, b)] + [n_inputs + k]
+    if len(live) != 1:
+        raise ValueError(f"the order leaves {len(live)} operands uncontracted")
+    return path
+
+
+def plan_from_order(inputs: Sequence[Indices], output: Indices, sizes: dict[str, int],
+                    pairs: Sequence[tuple[int, int]], strategy: str, batch: str = "b",
+                    write_weight: float | None = None) -> ContractionPlan:
+    """The plan that contracts ``pairs`` (SSA ids, as a saved plan's steps hold them)
+    over this network: steps, axes and costs derived here from the network alone.
+    A model file stores plans; loading rebuilds each from its order this way, so
+    nothing but the order comes from the file."""
+    write_weight = tuning.WRITE_WEIGHT if write_weight is None else write_weight
+    inputs = [tuple(ix) for ix in inputs]
+    output = tuple(output)
+    needs_grad = [True] * len(inputs)
+    path = ssa_to_linear(pairs, len(inputs))
+    built = _build(inputs, output, sizes, path, needs_grad, write_weight)
+    return _plan_of(inputs, output, sizes, built, strategy, {strategy: built[-1]}, needs_grad, batch, write_weight)
+
+
+def _plan_of(inputs, output, sizes, built, strategy: str, candidates: dict[str, float], needs_grad,
+             batch: str, write_weight: float) -> ContractionPlan:
+    steps, perm, cost, bwd, bwd_write, total = built
+    naive_total = _build(inputs, output, sizes, _left_to_right(len(inputs)), needs_grad, write_weight)[-1]
     return ContractionPlan(
         rows=sizes.get(batch, 1), inputs=inputs, output=output, steps=steps, out_perm=perm,
         fwd_flops=cost.flops, bwd_flops=bwd, write=cost.write + bwd_write, largest=cost.largest,
-        naive_cost=naive_total, strategy=best, write_weight=write_weight, cost=total,
-        candidates={k: v[0][-1] for k, v in scored.items()},
+        naive_cost=naive_total, strategy=strategy, write_weight=write_weight, cost=total,
+        candidates=dict(candidates),
         kernels=3 * cost.kernels + (1 if perm is not None else 0),
         bias_fusable=bool(steps) and perm is None and tuple(
             x for k, x in enumerate(steps[-1].a_idx) if k not in steps[-1].a_axes) == output[:1],

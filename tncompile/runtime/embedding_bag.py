@@ -21,6 +21,22 @@ from .tt_layers import TTMEmbedding, _check_init, _resolve_layout
 
 __all__ = ["TTMEmbeddingBag", "BAG_MODES"]
 
+
+def _check_offsets(offsets: Tensor, length: int) -> None:
+    """nn.EmbeddingBag's checks of ``offsets`` on the CPU (it checks them there too; on a GPU,
+    under ``torch.compile`` or CUDA-graph capture they are trusted, as its CUDA kernel does):
+    the first is 0, they never decrease, and none is past the input's end."""
+    if offsets.device.type != "cpu" or offsets.numel() == 0 or torch.compiler.is_compiling():
+        return
+    if int(offsets[0]) != 0:
+        raise ValueError(f"TTMEmbeddingBag: offsets[0] must be 0 (the first bag starts at the first id), "
+                         f"got {int(offsets[0])}")
+    if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError("TTMEmbeddingBag: offsets must not decrease (each is the start of a bag)")
+    if int(offsets[-1]) > length:
+        raise ValueError(f"TTMEmbeddingBag: offsets[-1] can not be greater than the input's length {length}, "
+                         f"got {int(offsets[-1])}")
+
 BAG_MODES = ("sum", "mean", "max")
 
 
@@ -73,7 +89,13 @@ class TTMEmbeddingBag(TTMEmbedding):
 
     def forward(self, input: Tensor, offsets: Tensor | None = None,  # noqa: A002 (nn.EmbeddingBag's name)
                 per_sample_weights: Tensor | None = None) -> Tensor:
-        ids, bag, bags = self._bags(input, offsets)
+        ids, bag, bags, overflow = self._bags(input, offsets)
+        out = self._reduce(input, ids, bag, bags + overflow, per_sample_weights)
+        return out[:bags] if overflow else out
+
+    def _reduce(self, input: Tensor, ids: Tensor, bag: Tensor, bags: int,  # noqa: A002
+                per_sample_weights: Tensor | None) -> Tensor:
+        """Each bag's rows reduced: ``(bags, embedding_dim)``."""
         if per_sample_weights is not None:
             if self.mode != "sum":
                 raise ValueError(f"TTMEmbeddingBag: per_sample_weights needs mode='sum', this bag is "
@@ -101,23 +123,36 @@ class TTMEmbeddingBag(TTMEmbedding):
             out = out / count.clamp_min(1).unsqueeze(-1)
         return out
 
-    def _bags(self, input: Tensor, offsets: Tensor | None) -> tuple[Tensor, Tensor, int]:  # noqa: A002
-        """``(ids (N,), bag of each id (N,), number of bags)``."""
+    def _bags(self, input: Tensor, offsets: Tensor | None) -> tuple[Tensor, Tensor, int, int]:  # noqa: A002
+        """``(ids (N,), bag of each id (N,), number of bags, overflow)``: with
+        ``overflow == 1`` ids are in bag ``bags``, to be dropped (no offsets: no bags).
+        With ``include_last_offset``, ids at or past the last offset belong to the last
+        bag, as in ``nn.EmbeddingBag`` (checked against it in the tests)."""
         if input.dim() == 2:
             if offsets is not None:
                 raise ValueError("TTMEmbeddingBag: offsets must be None for a 2-D input (each row is a bag)")
             bags, size = input.shape
             bag = torch.arange(bags, device=input.device).repeat_interleave(size)
-            return input.reshape(-1), bag, bags
+            return input.reshape(-1), bag, bags, 0
         if input.dim() != 1:
             raise ValueError(f"TTMEmbeddingBag: input must be 1-D (with offsets) or 2-D, got shape "
                              f"{tuple(input.shape)}")
         if offsets is None or offsets.dim() != 1:
             raise ValueError("TTMEmbeddingBag: a 1-D input needs 1-D offsets (the start of each bag)")
+        if offsets.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"TTMEmbeddingBag: offsets must be int64 or int32 (as in nn.EmbeddingBag), got "
+                            f"{offsets.dtype}")
+        if self.include_last_offset and offsets.shape[0] < 1:
+            raise ValueError("TTMEmbeddingBag: with include_last_offset=True, offsets needs at least one entry "
+                             "(the end of the last bag)")
+        _check_offsets(offsets, input.shape[0])
         starts = offsets[:-1] if self.include_last_offset else offsets
         positions = torch.arange(input.shape[0], device=input.device, dtype=starts.dtype)
         bag = torch.searchsorted(starts.contiguous(), positions, right=True) - 1
-        return input, bag.clamp_min(0), starts.shape[0]
+        bags = starts.shape[0]
+        if bags == 0:  # no bags: every id is dropped (nn.EmbeddingBag returns an empty result)
+            return input, torch.zeros_like(positions), 0, 1
+        return input, bag.clamp_min(0), bags, 0
 
     def to_dense_module(self) -> nn.EmbeddingBag:
         bag = nn.EmbeddingBag(self.num_embeddings, self.embedding_dim, mode=self.mode,

@@ -14,32 +14,32 @@ refuses them unless called with ``trust=True`` (:mod:`.legacy`).
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import glob
 import hashlib
+import io
 import json
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 from ..compiled import CompiledModel
-from ..ir.program import PassRecord, Program
+from ..errors import ModelFileError, UnsafeFileError
+from ..ir.program import InputSpec, PassRecord, Program
+from ..options import CompileOptions
 from ..passes import Pipeline, Replan
 from ..runtime.module_kinds import is_sharded
 from . import legacy
-from .codec import Decoder, Encoder, UnsafeFileError
+from .codec import Decoder, Encoder
+from .container import encode_container, read_bytes_once, read_container, write_atomically
 from .graphs import SAFE_MODULE_CLASSES, allow_module_class, decode_graph_module, encode_graph_module
+from .model_checks import check_model
 
-__all__ = ["save", "load", "resume", "FORMAT", "VERSION", "UnsafeFileError", "allow_module_class",
-           "SAFE_MODULE_CLASSES"]
+__all__ = ["save", "load", "resume", "FORMAT", "VERSION", "ModelFileError", "UnsafeFileError",
+           "allow_module_class", "SAFE_MODULE_CLASSES"]
 
 FORMAT = "tncompile"
 VERSION = 2
@@ -105,20 +105,8 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
     text = json.dumps(manifest)
     metadata = {"format": FORMAT, "version": str(VERSION), "manifest": text,
                 "sha256": _digest(enc.tensors, text)}
-    _remove_orphaned_temporaries(path, directory)
-    fd, tmp = tempfile.mkstemp(prefix=f"{path.name}.{os.getpid()}.", suffix=".tmp", dir=directory)
-    try:
-        os.close(fd)
-        save_file(enc.tensors, tmp, metadata=metadata)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-        _sync_directory(directory)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    header, body = encode_container(enc.tensors, metadata)
+    write_atomically(path, header, body)
 
 
 def _restore_rank_stream(per_rank: list[torch.Tensor]) -> None:
@@ -149,46 +137,6 @@ def _file_path(path: Any, verb: str) -> Path:
         raise TypeError(f"tncompile.{verb}: path must be a file path (str or os.PathLike), got "
                         f"{type(path).__name__} {path!r}")
     return Path(path)
-
-
-def _remove_orphaned_temporaries(path: Path, directory: Path) -> None:
-    """Delete temporaries of earlier saves to ``path`` whose process is gone (killed
-    mid-write: no ``finally`` ran). Each is named ``<file>.<pid>.<random>.tmp``."""
-    for tmp in directory.glob(f"{glob.escape(path.name)}.*.tmp"):
-        pid = tmp.name[len(path.name) + 1:].split(".", 1)[0]
-        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
-            continue
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _sync_directory(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # e.g. not supported on this platform
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _digest(tensors: dict[str, torch.Tensor], manifest: str | None = None) -> str:
@@ -265,63 +213,95 @@ def load(path: str | os.PathLike, map_location=None, *, trust: bool = False) -> 
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"tncompile.load: map_location={map_location!r} is not a device "
                              "(e.g. 'cpu', 'cuda', 'cuda:1' or a torch.device)") from e
-    kind = _file_kind(path)
+    data = read_bytes_once(path)
+    kind = _file_kind(data, path)
     if kind == "pickle":
         if not trust:
             raise UnsafeFileError(
                 f"{path} is a pickle (tncompile's format 1, or not a tncompile file at all): loading it runs "
                 f"whatever code it carries. Load it with tncompile.load(path, trust=True) only if you trust "
                 f"where it came from, then tncompile.save it again to convert it to the safe format.")
-        return _load_v1(path, map_location)
-    metadata = _metadata(path)
-    if metadata.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a tncompile file (save it with tncompile.save)")
-    if int(metadata.get("version", 0)) > VERSION:
-        raise ValueError(f"{path} was written by a newer tncompile (format {metadata['version']}); upgrade tncompile")
-    tensors = load_file(path)
-    # new files' checksum covers the manifest too; earlier ones covered the tensors alone
-    expected = metadata.get("sha256")
-    if expected not in (_digest(tensors, metadata.get("manifest")), _digest(tensors)):
-        raise ValueError(f"{path} is damaged: its contents do not match the checksum saved with them")
+        return _load_v1(io.BytesIO(bytes(data)), map_location)
     try:
-        manifest = json.loads(metadata["manifest"])
-    except (KeyError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path} is damaged: its manifest cannot be read ({e})") from e
-    dec = Decoder(tensors)
-    graph_module = decode_graph_module(dec, manifest["graph"], trust)
-    program = Program(graph_module, dec.decode(manifest["inputs"]), manifest["original_params"],
-                      dec.decode(manifest["options"]))
-    program.notes = dict(manifest["notes"])
-    program.history = list(dec.decode(manifest["history"]))
-    program.compiled_ratio = manifest.get("compiled_ratio")
-    compiled = CompiledModel(program)
-    compiled.training_state = dec.decode(manifest["training"])
+        compiled = _load_v2(data, path, trust)
+    except ModelFileError:
+        raise
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError, RecursionError, OverflowError,
+            RuntimeError) as e:  # a check this loader lacks: still the library's error, naming the file
+        raise ModelFileError(f"{path}: a malformed model file ({type(e).__name__}: {e})") from e
     if map_location is not None:
         compiled.to(map_location)
     return compiled
 
 
-def _file_kind(path: Path) -> str:
+def _load_v2(data: bytearray, path: Path, trust: bool) -> CompiledModel:
+    metadata, tensors = read_container(data, path)
+    if metadata.get("format") != FORMAT:
+        raise ModelFileError(f"{path} is not a tncompile file (save it with tncompile.save)")
+    version = metadata.get("version", "")
+    if not version.isdigit():
+        raise ModelFileError(f"{path}: its format version {version!r} is not a number")
+    if int(version) > VERSION:
+        raise ModelFileError(f"{path} was written by a newer tncompile (format {version}); upgrade tncompile")
+    # new files' checksum covers the manifest too; earlier ones covered the tensors alone
+    expected = metadata.get("sha256")
+    if expected not in (_digest(tensors, metadata.get("manifest")), _digest(tensors)):
+        raise ModelFileError(f"{path} is damaged: its contents do not match the checksum saved with them")
+    try:
+        manifest = json.loads(metadata["manifest"])
+    except (KeyError, ValueError, RecursionError) as e:
+        raise ModelFileError(f"{path} is damaged: its manifest cannot be read ({type(e).__name__}: {e})") from e
+    _check_manifest(manifest, path)
+    dec = Decoder(tensors)
+    graph_module = decode_graph_module(dec, manifest["graph"], trust, where=f"{path}: graph")
+    if not trust:
+        check_model(graph_module)
+    inputs = dec.decode(manifest["inputs"], f"{path}: inputs")
+    options = dec.decode(manifest["options"], f"{path}: options")
+    if not isinstance(inputs, InputSpec) or not isinstance(options, CompileOptions):
+        raise ModelFileError(f"{path}: inputs and options must be tncompile's records")
+    program = Program(graph_module, inputs, manifest["original_params"], options)
+    program.notes = dict(manifest["notes"])
+    history = dec.decode(manifest["history"], f"{path}: history")
+    if not (isinstance(history, list) and all(isinstance(r, PassRecord) for r in history)):
+        raise ModelFileError(f"{path}: history must be a list of pass records")
+    program.history = history
+    program.compiled_ratio = manifest.get("compiled_ratio")
+    compiled = CompiledModel(program)
+    compiled.training_state = dec.decode(manifest["training"], f"{path}: training state")
+    if compiled.training_state is not None and not isinstance(compiled.training_state, dict):
+        raise ModelFileError(f"{path}: the training state must be a dict")
+    return compiled
+
+
+_MANIFEST_TYPES = {"graph": dict, "inputs": dict, "original_params": int, "options": dict, "notes": dict,
+                   "history": list, "training": (dict, type(None)), "compiled_ratio": (float, int, type(None))}
+
+
+def _check_manifest(manifest: Any, path: Path) -> None:
+    if not isinstance(manifest, dict):
+        raise ModelFileError(f"{path}: the manifest is not a JSON object")
+    for key, kind in _MANIFEST_TYPES.items():
+        if key not in manifest:
+            raise ModelFileError(f"{path}: the manifest has no {key!r}")
+        if not isinstance(manifest[key], kind) or isinstance(manifest[key], bool):
+            raise ModelFileError(f"{path}: the manifest's {key!r} is a {type(manifest[key]).__name__}")
+    if manifest["original_params"] < 0:
+        raise ModelFileError(f"{path}: the manifest's 'original_params' is negative")
+    notes = manifest["notes"]
+    if not all(isinstance(k, str) and isinstance(v, (str, int, float, bool, type(None), list))
+               for k, v in notes.items()):
+        raise ModelFileError(f"{path}: the manifest's notes hold something other than plain values")
+
+
+def _file_kind(data: bytearray, path: Path) -> str:
     """``"safetensors"`` (format 2) or ``"pickle"`` (format 1: torch.save's zip archive or a raw pickle)."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(9)
+    head = bytes(data[:9])
     if len(head) == 9 and head[8:9] == b"{":  # an 8-byte header length, then the JSON header
-        if int.from_bytes(head[:8], "little") + 8 > size:
-            raise ValueError(f"{path} is a truncated tncompile file ({size:,} bytes, shorter than its own "
-                             "header): an interrupted copy or save; copy or save it again")
         return "safetensors"
     if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
         return "pickle"
-    raise ValueError(f"{path} is not a tncompile file (save it with tncompile.save)")
-
-
-def _metadata(path: Path) -> dict[str, str]:
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return dict(f.metadata() or {})
-    except Exception as e:  # safetensors raises its own error types for bad headers
-        raise ValueError(f"{path} is not a readable tncompile file (truncated by an interrupted copy, or damaged): {e}") from e
+    raise ModelFileError(f"{path} is not a tncompile file (save it with tncompile.save)")
 
 
 def _load_v1(path: Path, map_location) -> CompiledModel:

@@ -15,34 +15,30 @@ type of its own::
     dataclass        {"__dataclass__": "tncompile.runtime.plans.ContractionPlan", "fields": {...}}
 
 Decoding builds only these values. Dataclasses are rebuilt only from the
-classes in :data:`SAFE_DATACLASSES` (tncompile's own data records), by their
-constructor; anything else is refused with an error that says so.
+classes in :data:`.tables.DATACLASSES` (tncompile's own data records), by their
+constructor; dtypes and other torch values from :data:`.tables.TORCH_VALUES`;
+anything else is refused. Every malformed value raises
+:class:`~tncompile.errors.ModelFileError` naming where it is in the file.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import re
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-__all__ = ["Encoder", "Decoder", "UnsafeFileError", "SAFE_DATACLASSES", "qualified_name", "resolve"]
+from ..errors import ModelFileError, UnsafeFileError
+from .tables import DATACLASSES, TORCH_VALUES, dataclass_of
 
-# tncompile's own records, the only dataclasses a file may name
-SAFE_DATACLASSES = {
-    "tncompile.runtime.plans.ContractionPlan", "tncompile.runtime.plans.Step",
-    "tncompile.runtime.plans.LookupPlan", "tncompile.formats.layout.TTLayout",
-    "tncompile.formats.layout.TTMLayout", "tncompile.ir.program.InputSpec",
-    "tncompile.ir.program.PassRecord", "tncompile.options.CompileOptions",
-    "tncompile.train.history.History",
-}
+__all__ = ["Encoder", "Decoder", "ModelFileError", "UnsafeFileError", "SAFE_DATACLASSES", "qualified_name", "resolve"]
+
+# tncompile's own records, the only dataclasses a file may name (:data:`.tables.DATACLASSES`)
+SAFE_DATACLASSES = frozenset(DATACLASSES)
 
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
-
-
-class UnsafeFileError(ValueError):
-    """A file asks for something tncompile does not load without ``trust=True``."""
 
 
 def qualified_name(obj: Any) -> str:
@@ -50,7 +46,9 @@ def qualified_name(obj: Any) -> str:
 
 
 def resolve(name: str) -> Any:
-    """Import ``a.b.C`` (module ``a.b``, attribute path ``C``)."""
+    """Import ``a.b.C`` (module ``a.b``, attribute path ``C``). Only for names that
+    tncompile itself chose (saving, ``trust=True`` loads): never for a name read
+    from a file that has not been checked against :mod:`.tables`."""
     parts = name.split(".")
     for split in range(len(parts) - 1, 0, -1):
         try:
@@ -131,64 +129,135 @@ class Encoder:
                         f"own records)")
 
 
+_DEVICE = re.compile(r"(cpu|cuda|meta|mps|xpu|hpu)(:[0-9]{1,4})?\Z")
+MAX_DEPTH = 64          # nesting a file's values may have (a module tree, a graph's args)
+MAX_INT = 2**63         # ints beyond int64 are not sizes, ranks or counts of anything
+
+
+def _fail(where: str, what: str) -> ModelFileError:
+    return ModelFileError(f"{where}: {what}")
+
+
 class Decoder:
     """Inverse of :class:`Encoder`: ``tensors`` is the file's tensor table.
 
-    ``hooks`` maps a tag (``"__module__"``) to ``(decoder, json) -> value``.
+    Builds only the values listed in the module docstring. Every value is
+    checked for its type and shape before it is used; a wrong one raises
+    :class:`ModelFileError` naming where in the file it is (``where``), and a
+    name outside the tables raises :class:`UnsafeFileError`.
+    ``hooks`` maps a tag (``"__module__"``) to ``(decoder, json, where) -> value``.
     """
 
     def __init__(self, tensors: dict[str, torch.Tensor], hooks: dict[str, Callable] | None = None):
         self.tensors = tensors
         self.hooks = dict(hooks or {})
         self._params: dict[str, nn.Parameter] = {}
+        self._depth = 0
 
-    def tensor(self, key: str) -> torch.Tensor:
-        if key not in self.tensors:
-            raise ValueError(f"the file refers to tensor {key!r}, which it does not hold (a damaged file)")
+    def tensor(self, key: Any, where: str = "the file") -> torch.Tensor:
+        if not isinstance(key, str) or key not in self.tensors:
+            raise _fail(where, f"refers to tensor {key!r}, which the file does not hold (a damaged file)")
         return self.tensors[key]
 
-    def decode(self, v: Any) -> Any:
-        if v is None or isinstance(v, (bool, int, float, str)):
+    def decode(self, v: Any, where: str = "the file") -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise _fail(where, f"values nested more than {MAX_DEPTH} deep")
+            return self._decode(v, where)
+        finally:
+            self._depth -= 1
+
+    def _decode(self, v: Any, where: str) -> Any:
+        if v is None or isinstance(v, (bool, str, float)):
+            return v
+        if isinstance(v, int):
+            if abs(v) > MAX_INT:
+                raise _fail(where, f"the integer {v} is out of range")
             return v
         if isinstance(v, list):
-            return [self.decode(x) for x in v]
+            return [self.decode(x, f"{where}[{i}]") for i, x in enumerate(v)]
         if not isinstance(v, dict):
-            raise ValueError(f"unexpected value in the file: {type(v).__name__}")
+            raise _fail(where, f"unexpected value of type {type(v).__name__}")
         tag = next(iter(v), None)
         if tag is None or not tag.startswith("__"):
-            return {k: self.decode(x) for k, x in v.items()}
+            return {k: self.decode(x, f"{where}[{k!r}]") for k, x in v.items()}
         if tag in self.hooks:
-            return self.hooks[tag](self, v)
+            return self.hooks[tag](self, v, where)
         body = v[tag]
         if tag == "__tensor__":
-            return self.tensor(body)
+            return self.tensor(body, where)
         if tag == "__param__":
+            requires_grad = v.get("requires_grad")
+            if not isinstance(requires_grad, bool):
+                raise _fail(where, "a parameter's requires_grad must be true or false")
             p = self._params.get(body)
             if p is None:  # one Parameter object per tensor: tied parameters stay tied
-                p = self._params[body] = nn.Parameter(self.tensor(body), requires_grad=bool(v["requires_grad"]))
+                t = self.tensor(body, where)
+                if requires_grad and not (t.is_floating_point() or t.is_complex()):
+                    raise _fail(where, f"a parameter of dtype {t.dtype} cannot require gradients")
+                p = self._params[body] = nn.Parameter(t, requires_grad=requires_grad)
             return p
+        if tag in ("__tuple__", "__set__", "__size__", "__slice__", "__dict__") and not isinstance(body, list):
+            raise _fail(where, f"{tag} must hold a list")
         if tag == "__tuple__":
-            return tuple(self.decode(x) for x in body)
+            return tuple(self.decode(x, f"{where}[{i}]") for i, x in enumerate(body))
         if tag == "__set__":
-            return {self.decode(x) for x in body}
+            out = set()
+            for i, x in enumerate(body):
+                item = self.decode(x, f"{where}[{i}]")
+                if not isinstance(item, (str, int, float, bool, tuple, type(None))):
+                    raise _fail(where, f"a set holds a {type(item).__name__}")
+                out.add(item)
+            return out
         if tag == "__dict__":
-            return {self.decode(k): self.decode(x) for k, x in body}
+            out = {}
+            for i, pair in enumerate(body):
+                if not (isinstance(pair, list) and len(pair) == 2):
+                    raise _fail(f"{where}[{i}]", "a dict entry must be a [key, value] pair")
+                key = self.decode(pair[0], f"{where}[{i}].key")
+                if not isinstance(key, (str, int, float, bool, tuple, type(None))):
+                    raise _fail(f"{where}[{i}]", f"a dict key is a {type(key).__name__}")
+                out[key] = self.decode(pair[1], f"{where}[{key!r}]")
+            return out
         if tag == "__size__":
+            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_INT for x in body):
+                raise _fail(where, "a torch.Size holds something other than non-negative ints")
             return torch.Size(body)
         if tag == "__device__":
+            if not (isinstance(body, str) and _DEVICE.match(body)):
+                raise _fail(where, f"{body!r} is not a device")
             return torch.device(body)
         if tag == "__torch__":
-            value = getattr(torch, body, None)
-            if not isinstance(value, _TORCH_VALUES):
-                raise UnsafeFileError(f"the file names torch.{body}, which is not a dtype, layout or memory format")
+            value = TORCH_VALUES.get(body) if isinstance(body, str) else None
+            if value is None:
+                raise UnsafeFileError(f"{where}: the file names torch.{body}, which is not a dtype, layout "
+                                      f"or memory format tncompile loads")
             return value
         if tag == "__slice__":
-            return slice(*(self.decode(x) for x in body))
+            if len(body) != 3:
+                raise _fail(where, "a slice must have start, stop and step")
+            parts = [self.decode(x, where) for x in body]
+            if not all(x is None or (isinstance(x, int) and not isinstance(x, bool)) for x in parts):
+                raise _fail(where, "a slice's bounds must be ints or null")
+            return slice(*parts)
         if tag == "__ellipsis__":
             return Ellipsis
         if tag == "__dataclass__":
-            if body not in SAFE_DATACLASSES:
-                raise UnsafeFileError(f"the file names the record type {body}, which tncompile does not load")
-            cls = resolve(body)
-            return cls(**{k: self.decode(x) for k, x in v["fields"].items()})
-        raise ValueError(f"unknown tag {tag!r} in the file (written by a newer tncompile?)")
+            cls = dataclass_of(body) if isinstance(body, str) else None
+            if cls is None:
+                raise UnsafeFileError(f"{where}: the file names the record type {body!r}, which tncompile "
+                                      f"does not load")
+            fields_ = v.get("fields")
+            if not isinstance(fields_, dict):
+                raise _fail(where, f"a {body} record without its fields")
+            known = {f.name for f in dataclasses.fields(cls) if f.init}
+            unknown = set(fields_) - known
+            if unknown:
+                raise _fail(where, f"a {body} record with unknown fields {sorted(unknown)}")
+            values = {k: self.decode(x, f"{where}.{k}") for k, x in fields_.items()}
+            try:
+                return cls(**values)
+            except (TypeError, ValueError) as e:
+                raise _fail(where, f"cannot rebuild a {body} from these fields ({e})") from e
+        raise _fail(where, f"unknown tag {tag!r} (written by a newer tncompile?)")

@@ -360,8 +360,10 @@ def dry_run(compiled: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
     compiled = unwrap(compiled)
     if controller is not None and getattr(controller, "compiled", None) is not compiled:
         raise ValueError("dry_run: the controller was built for a different model")
+    _check_optimizer(optimizer, compiled)
     if stages is None:
         stages = ("step",) if controller is None else (("early", "late") if controller.stage == "early" else ("late",))
+    stages = _checked_stages(stages, controller)
     report = DryRunReport(stages=list(stages), amp=amp)
     if wrapper is not None:
         _check_wrapper(wrapper, controller, report, stages[0])
@@ -410,6 +412,36 @@ def dry_run(compiled: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
         pre.remove()
         post.remove()
     return report
+
+
+def _check_optimizer(optimizer, compiled: nn.Module) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"dry_run: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    own = {id(p) for p in compiled.parameters()}
+    foreign = [tuple(p.shape) for g in optimizer.param_groups for p in g["params"] if id(p) not in own]
+    if foreign:
+        raise ValueError(f"dry_run: the optimizer holds {len(foreign)} parameter(s) that are not this model's "
+                         f"(shapes {foreign[:3]}); build it from the model you check, e.g. "
+                         "torch.optim.AdamW(compiled.parameters())")
+
+
+def _checked_stages(stages: Any, controller) -> tuple[str, ...]:
+    """``stages`` as a non-empty tuple of the stage names this step has: ``"step"`` without a
+    controller, ``"early"`` / ``"late"`` with one (an empty check would report a pass)."""
+    allowed = ("step",) if controller is None else ("early", "late")
+    if isinstance(stages, str):
+        raise TypeError(f"dry_run: stages must be a tuple of stage names, e.g. stages=({stages!r},), "
+                        f"not the string {stages!r}")
+    if not isinstance(stages, (tuple, list)) or not stages:
+        raise ValueError(f"dry_run: stages must be a non-empty tuple drawn from {allowed}, got {stages!r}: "
+                         "checking nothing would report the step capturable")
+    unknown = [s for s in stages if s not in allowed]
+    if unknown:
+        raise ValueError(f"dry_run: unknown stage(s) {unknown}; with{'out' if controller is None else ''} a "
+                         f"controller the stages are {allowed}")
+    if len(set(stages)) != len(stages):
+        raise ValueError(f"dry_run: stages {tuple(stages)} repeats a stage")
+    return tuple(stages)
 
 
 def _check_wrapper(wrapper: nn.Module, controller, report: DryRunReport, stage: str) -> None:

@@ -142,6 +142,7 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
                dynamic_ncols=True, mininterval=0.1 if interactive else 30.0)
     was_training = compiled.training
     compiled.train()
+    skipped = train_step.skipped_steps()
     try:
         for step, batch in zip(range(start + 1, total + 1), _batches(train_loader, start)):
             inputs, targets = _unpack(batch)
@@ -151,6 +152,9 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
                 scheduler.step()
             event = train_step.last_event
             task_value, loss_value = float(task), float(train_step.last_total)
+            if train_step.skipped_steps() > skipped:  # fit reads the loss anyway: no extra sync
+                skipped += 1
+                history.skipped.append(step)
             step_ms = (perf_counter() - t0) * 1e3
             if event.shapes_changed:
                 ratio = controller.ratio

@@ -25,6 +25,9 @@ class History:
         Stage switches and truncations (``{"step", "kind", ...}``).
     evals : list of (step, {metric: value})
         What ``eval_fn`` returned.
+    skipped : list of int
+        Steps left undone because their loss or gradients were not finite
+        (``RankController(nonfinite="skip")``; parameters and optimizer state unchanged).
     """
 
     step: list[int] = field(default_factory=list)
@@ -36,6 +39,7 @@ class History:
     ranks: list[tuple[int, dict[str, list[int]]]] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
     evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
 
     def record(self, step: int, loss: float, task_loss: float, ratio: float, step_ms: float, stage: str) -> None:
         self.step.append(step)

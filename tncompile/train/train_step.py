@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .distributed import DDP_WARMUP_STEPS, check_controller_group, is_ddp, unwrap
 from .capture_cache import CaptureCache
 from .sharding import is_sharded
+from .step_guard import StepGuard
 
 __all__ = ["TrainStep", "call_model", "make_capturable"]
 
@@ -94,7 +95,12 @@ class TrainStep:
         ``loss_fn(outputs, targets) -> scalar tensor``.
     controller : RankController, optional
         Adds its penalty inside the step and is stepped after it; its
-        truncations and stage switches trigger re-capture.
+        truncations and stage switches trigger re-capture. With a
+        controller, a step whose loss or gradients are not finite leaves
+        the parameters and optimizer state as they were, decided on the
+        device (:class:`~.step_guard.StepGuard`); ``skipped_steps()`` counts them,
+        and the controller's ``nonfinite`` decides whether training raises
+        (``FloatingPointError`` at its next host read) or goes on.
     cuda_graph : {"auto", True, False}
         ``"auto"``: capture when the model is on CUDA (and not sharded by
         FSDP2, which runs eagerly; ``True`` with FSDP2 is an error).
@@ -175,6 +181,8 @@ class TrainStep:
         self._structure = None
         self.last_event = None
         self.last_total: torch.Tensor | None = None
+        # with a controller, a step whose loss or gradients are not finite is left undone (on the device)
+        self.guard = StepGuard() if controller is not None else None
 
     # ------------------------------------------------------------ checks
     def _check_inputs(self, leaves: list, spec) -> None:
@@ -225,8 +233,15 @@ class TrainStep:
         total.backward()
         if self.grad_clip is not None:
             nn.utils.clip_grad_norm_(self.compiled.parameters(), self.grad_clip, foreach=True)
-        self.optimizer.step()
+        if self.guard is not None:
+            self.guard.step(self.optimizer, total)
+        else:
+            self.optimizer.step()
         return loss.detach(), total.detach()
+
+    def skipped_steps(self) -> int:
+        """Steps whose loss or gradients were not finite and were left undone (a host read)."""
+        return 0 if self.guard is None or self.guard.skipped is None else int(self.guard.skipped)
 
     def __call__(self, inputs: Any, targets: Any) -> torch.Tensor:
         """Run one training step on ``(inputs, targets)``; returns the task loss

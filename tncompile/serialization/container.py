@@ -1,0 +1,267 @@
+"""The bytes of a model file: a safetensors container, read once and written atomically.
+
+Reading (:func:`read_container`): the file is opened once and read whole
+through that one handle, so a reader racing an atomic re-save sees either the
+old file or the new one, never a mix. The safetensors header is parsed here,
+strictly (names, dtypes, shapes and offsets checked against each other and
+the file's length), and tensors are views of the bytes read.
+
+Writing (:func:`write_atomically`): the file is streamed into a temporary in
+the same directory, fsynced, given the mode of the file it replaces (or the
+umask's), renamed over the target and the directory entry synced. Each
+temporary is locked (``flock``) by its writer for as long as it writes; a
+later save removes only temporaries whose lock it can take (their writer is
+gone: the kernel drops a dead process's locks) and that have not been written
+to for :data:`STALE_SECONDS`. Failures are ``OSError``\\ s naming the path,
+and leave the previous file as it was.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import stat
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..errors import ModelFileError
+from .tables import SAFETENSORS_DTYPES
+
+__all__ = ["read_container", "write_atomically", "encode_container", "temporary_prefix", "STALE_SECONDS",
+           "MAX_HEADER_BYTES"]
+
+MAX_HEADER_BYTES = 256 * 2**20   # the JSON header (the manifest is in it): far above any real model's
+MAX_DIMS = 16
+STALE_SECONDS = 60.0             # a temporary nobody holds and nobody wrote to for this long is an orphan
+_CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+_SUFFIX_CHARS = 1 + 4 + 1 + 8 + 4   # "." + "tnc-" ... "-" + 8 hex + ".tmp"
+
+
+# ----------------------------------------------------------------- reading
+def read_bytes_once(path: Path) -> bytearray:
+    """The whole file, read through one open handle."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        data = bytearray(size)
+        got = f.readinto(data)
+    if got != size:
+        raise ModelFileError(f"{path}: the file changed size while it was read ({got:,} of {size:,} bytes)")
+    return data
+
+
+def read_container(data: bytearray, path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """``(metadata, tensors)`` of a safetensors file's bytes, every field checked."""
+    if len(data) < 8:
+        raise ModelFileError(f"{path}: truncated ({len(data)} bytes)")
+    header_len = int.from_bytes(data[:8], "little")
+    if header_len > len(data) - 8:
+        raise ModelFileError(f"{path} is a truncated tncompile file ({len(data):,} bytes, shorter than its own "
+                             "header): an interrupted copy or save; copy or save it again")
+    if header_len > MAX_HEADER_BYTES:
+        raise ModelFileError(f"{path}: a header of {header_len:,} bytes (at most {MAX_HEADER_BYTES:,})")
+    try:
+        header = json.loads(bytes(data[8:8 + header_len]).decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise ModelFileError(f"{path}: the header is not JSON ({type(e).__name__}: {e})") from e
+    if not isinstance(header, dict):
+        raise ModelFileError(f"{path}: the header is not a JSON object")
+    metadata = header.pop("__metadata__", {}) or {}
+    if not (isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str)
+                                               for k, v in metadata.items())):
+        raise ModelFileError(f"{path}: __metadata__ must map strings to strings")
+    start = 8 + header_len
+    body = len(data) - start
+    spans = []
+    tensors: dict[str, torch.Tensor] = {}
+    for name, entry in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not (isinstance(entry, dict) and set(entry) == {"dtype", "shape", "data_offsets"}):
+            raise ModelFileError(f"{where}: needs exactly dtype, shape and data_offsets")
+        dtype = SAFETENSORS_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
+        if dtype is None:
+            raise ModelFileError(f"{where}: unknown dtype {entry['dtype']!r}")
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape)):
+            raise ModelFileError(f"{where}: shape {shape!r} is not a list of sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(
+                isinstance(o, int) and not isinstance(o, bool) for o in offsets) and 0 <= offsets[0] <= offsets[1] <= body):
+            raise ModelFileError(f"{where}: data_offsets {offsets!r} are outside the file's {body:,} data bytes")
+        numel = 1
+        for d in shape:
+            numel *= d
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if offsets[1] - offsets[0] != numel * itemsize:
+            raise ModelFileError(f"{where}: {offsets[1] - offsets[0]:,} bytes for a {tuple(shape)} {dtype} tensor "
+                                 f"({numel * itemsize:,} bytes)")
+        spans.append((offsets[0], offsets[1], name))
+        tensors[name] = _tensor_at(data, start + offsets[0], numel, dtype, shape)
+    spans.sort()
+    end = 0
+    for begin, stop, name in spans:
+        if begin != end:
+            raise ModelFileError(f"{path}: tensor {name!r} " + ("overlaps another" if begin < end else
+                                                               "leaves a gap before it"))
+        end = stop
+    if end != body:
+        raise ModelFileError(f"{path}: {body - end:,} bytes after the last tensor")
+    return metadata, tensors
+
+
+def _tensor_at(data: bytearray, offset: int, numel: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    if numel == 0:
+        return torch.empty(shape, dtype=dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if offset % itemsize:  # misaligned (a file from another writer): copy the bytes out
+        raw = torch.frombuffer(data, dtype=torch.uint8, count=numel * itemsize, offset=offset).clone()
+        return raw.view(dtype).reshape(shape)
+    return torch.frombuffer(data, dtype=dtype, count=numel, offset=offset).reshape(shape)
+
+
+# ----------------------------------------------------------------- writing
+def _raw(t: torch.Tensor) -> memoryview:
+    nbytes = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B") if nbytes else memoryview(b"")
+
+
+def encode_container(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
+                     ) -> tuple[bytes, list[torch.Tensor]]:
+    """The header bytes (length prefix included) and the tensors in file order
+    (widest dtype first, so every tensor stays aligned to its element size)."""
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    entries, offset, body = {}, 0, []
+    for key in order:
+        t = tensors[key].detach().to("cpu").contiguous()
+        if t.dtype not in _CODES:
+            raise TypeError(f"cannot save tensor {key} of dtype {t.dtype}")
+        nbytes = t.numel() * t.element_size()
+        entries[key] = {"dtype": _CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        body.append(t)
+    header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header, body
+
+
+def _name_max(directory: Path) -> int:
+    try:
+        return int(os.pathconf(directory, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):
+        return 255
+
+
+def temporary_prefix(path: Path) -> str:
+    """``.<name>.tnc-``: the prefix of ``path``'s temporaries, shortened (with a hash of the
+    name, to stay distinct) when the full name would not fit the file system's limit."""
+    limit = _name_max(path.parent if str(path.parent) else Path("."))
+    name = path.name
+    if len(name.encode()) + _SUFFIX_CHARS > limit:
+        digest = hashlib.sha256(name.encode()).hexdigest()[:12]
+        keep = name.encode()[: max(1, limit - _SUFFIX_CHARS - 13)].decode("utf-8", "ignore")
+        name = f"{keep}~{digest}"
+    return f".{name}.tnc-"
+
+
+def remove_orphaned_temporaries(path: Path) -> list[Path]:
+    """Delete temporaries of earlier saves to ``path`` whose writer is provably gone:
+    their lock can be taken, and nobody wrote to them for :data:`STALE_SECONDS`."""
+    directory = path.parent if str(path.parent) else Path(".")
+    prefix = temporary_prefix(path)
+    removed = []
+    try:
+        candidates = [p for p in directory.iterdir() if p.name.startswith(prefix) and p.name.endswith(".tmp")]
+    except OSError:
+        return removed
+    for tmp in candidates:
+        try:
+            fd = os.open(tmp, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live writer: leave it
+            info = os.fstat(fd)
+            if stat.S_ISREG(info.st_mode) and time.time() - info.st_mtime > STALE_SECONDS:
+                os.unlink(tmp)
+                removed.append(tmp)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _os_error(e: OSError, path: Path) -> OSError:
+    err = OSError(e.errno, f"tncompile.save: cannot write {path}: {e.strerror or e}", str(path))
+    err.__cause__ = e
+    return err
+
+
+def _mode_for(path: Path) -> int:
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)  # a re-save keeps the file's mode
+    except FileNotFoundError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
+
+
+def write_atomically(path: Path, header: bytes, body: list[torch.Tensor],
+                     on_written: Callable[[], None] | None = None) -> None:
+    """Write ``header`` then each tensor's bytes to ``path`` atomically (see the module docstring)."""
+    directory = path.parent if str(path.parent) else Path(".")
+    remove_orphaned_temporaries(path)
+    mode = _mode_for(path)
+    tmp = None
+    fd = -1
+    try:
+        for _ in range(100):
+            tmp = directory / f"{temporary_prefix(path)}{secrets.token_hex(4)}.tmp"
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise FileExistsError(errno.EEXIST, "no free temporary name", str(directory))
+        fcntl.flock(fd, fcntl.LOCK_EX)  # ours while we write: nobody else removes it
+        with os.fdopen(os.dup(fd), "wb", buffering=1 << 20) as f:
+            f.write(header)
+            for t in body:
+                f.write(_raw(t))
+            f.flush()
+            os.fsync(f.fileno())
+        os.fchmod(fd, mode)
+        if on_written is not None:
+            on_written()
+        os.replace(tmp, path)
+        tmp = None
+        _sync_directory(directory)
+    except OSError as e:
+        raise _os_error(e, path) from e
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _sync_directory(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. not supported on this platform
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,66 @@
+"""``StepGuard``: an optimizer step that a non-finite loss or gradient leaves undone, decided on the device.
+
+GradScaler skips the step of a fused optimizer on the device and syncs with
+the host for the others; a captured training step cannot sync. The guard
+works with any optimizer: it keeps a copy of the parameters and the
+optimizer's tensor state, lets the optimizer step, and puts the copy back
+where the step was not finite (``torch.where`` on a device flag: no host
+read, so it is captured with the rest of the step). State the step created
+(an optimizer's first step) is reset to zeros when the step was not finite,
+which is its fresh value for Adam, AdamW and SGD with momentum (up to
+dampening). The copy costs one more set of the parameters and optimizer
+state, small for a compressed model. Skipped steps are counted on the device.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["StepGuard"]
+
+
+class StepGuard:
+    """Run ``optimizer.step()`` only where ``total`` and every gradient are finite.
+
+    Attributes
+    ----------
+    skipped : torch.Tensor or None
+        ``int64`` scalar on the parameters' device: steps left undone so far
+        (updated in place, so captured replays count too).
+    """
+
+    def __init__(self) -> None:
+        self.skipped: torch.Tensor | None = None
+
+    def step(self, optimizer: torch.optim.Optimizer, total: torch.Tensor) -> torch.Tensor:
+        """Step ``optimizer`` unless ``total`` or a gradient is non-finite; returns the device flag
+        (``True``: the step was applied)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        finite = torch.isfinite(total.detach()).all()
+        if grads:
+            finite = finite & torch.stack([torch.isfinite(g).all() for g in grads]).all()
+        finite = finite.to(params[0].device) if params else finite
+        kept = [(t, t.detach().clone()) for t in self._tensors(optimizer, params)]
+        had_state = {id(p) for p in params if optimizer.state.get(p)}
+        optimizer.step()
+        with torch.no_grad():
+            for t, copy in kept:
+                t.copy_(torch.where(finite, t, copy))
+            for p in params:
+                if id(p) in had_state:
+                    continue
+                for value in optimizer.state.get(p, {}).values():  # state this step created
+                    if isinstance(value, torch.Tensor):
+                        value.copy_(torch.where(finite.to(value.device), value, torch.zeros_like(value)))
+        if self.skipped is None or self.skipped.device != finite.device:
+            self.skipped = torch.zeros((), dtype=torch.int64, device=finite.device)
+        self.skipped.add_((~finite).to(torch.int64))
+        return finite
+
+    @staticmethod
+    def _tensors(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = list(params)
+        for p in params:
+            out += [v for v in optimizer.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+        return out
