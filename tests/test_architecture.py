@@ -18,7 +18,7 @@ LAYERS = [
     ("ir", ("tncompile.ir",)),
     ("compile", ("tncompile.layers", "tncompile.options", "tncompile.frontend", "tncompile.nn_trace", "tncompile.passes",
                  "tncompile.report")),
-    ("product", ("tncompile.compiled", "tncompile.api", "tncompile.serialization")),
+    ("product", ("tncompile.compiled", "tncompile.swap", "tncompile.api", "tncompile.serialization")),
     ("train", ("tncompile.train", "tncompile.distributed")),
     ("entry", ("tncompile", "tncompile.cli", "tncompile.__main__", "tncompile.zoo")),
 ]

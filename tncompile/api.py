@@ -13,6 +13,7 @@ from .ir.program import Program, count_params
 from .layers import is_compressible
 from .options import CompileOptions, check_target_ratio
 from .passes import Pass, Pipeline, default_pipeline
+from .swap import MIXIN_NAMES, Resync, subclass_of, swap_into, swappable_layers
 
 __all__ = ["compile"]
 
@@ -50,7 +51,8 @@ def compile(
     embedding_cores: int = 4,
     seed: int | None = 0,
     prefer: str = "speed",
-) -> CompiledModel:
+    mode: str = "auto",
+) -> CompiledModel | nn.Module:
     """Compile ``model`` into rank-adaptive TT / TTM form.
 
     Parameters
@@ -89,10 +91,20 @@ def compile(
         gets a lower rank; the model may then end further below the target).
         ``"size"``: ranks grow as far as the budget allows; the report notes
         each network that costs more than its dense layer.
+    mode : {"auto", "graph", "swap"}
+        How the result is handed back (the analysis, passes, ranks and dumps
+        are the same). ``"graph"``: a :class:`CompiledModel` running the
+        traced graph (whole-graph rewrites: fused feed-forward, native
+        dropout, CUDA-graph capture of the whole step). ``"swap"``: the
+        user's own model object and class (a copy unless ``inplace=True``)
+        with each compressed layer replaced in place (:mod:`tncompile.swap`):
+        its own ``forward``, HF ``generate`` / ``config`` / masks / Trainer,
+        plus ``ratio``, ``report()``, ``to_dense()``, ``program``. ``"auto"``
+        is ``"graph"`` in this release (swap mode does not save or shard yet).
 
     Returns
     -------
-    CompiledModel
+    CompiledModel, or in swap mode the user's model with its layers swapped
     """
     _check_model(model)
     check_target_ratio(target_ratio)
@@ -105,8 +117,11 @@ def compile(
         raise TypeError(f"inplace must be True or False, got {type(inplace).__name__} {inplace!r} "
                         "(True swaps the compressed layers into the model you pass)")
     _check_dump_dir(dump_dir)
+    mode = _check_mode(mode, model)
     dump_dir = dump_dir if dump_dir is not None else os.environ.get(DUMP_ENV) or None
     work = model if inplace else copy.deepcopy(model)
+    if mode == "swap":
+        return _compile_swapped(work, example_inputs, count_params(model), options, pipeline, dump_dir)
     gm, inputs = frontend.trace(work, example_inputs)
     program = Program(gm, inputs, count_params(model), options)
     program.dump_dir = dump_dir  # passes run later (rank adaptation) dump here too
@@ -116,6 +131,41 @@ def compile(
     if inplace:
         _swap_into(model, program)
     return compiled
+
+
+MODES = ("auto", "graph", "swap")
+
+
+def _check_mode(mode: Any, model: nn.Module) -> str:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}: 'graph' returns a CompiledModel running "
+                         "the traced graph, 'swap' the model you pass with its layers replaced in place")
+    if mode == "auto":
+        return "graph"
+    if mode == "swap":
+        clash = [name for name in MIXIN_NAMES if hasattr(type(model), name)]
+        if clash:
+            raise ValueError(f"mode='swap' adds {list(MIXIN_NAMES)} to the model, but "
+                             f"{type(model).__name__} already defines {clash}; use mode='graph'")
+    return mode
+
+
+def _compile_swapped(work: nn.Module, example_inputs: Any, original_params: int, options: CompileOptions,
+                     pipeline: Pipeline, dump_dir) -> nn.Module:
+    """Swap mode (:mod:`tncompile.swap`): trace ``work``, run the pipeline over its own layers
+    only, put the results into ``work`` and give it the compiled-model API."""
+    layers = swappable_layers(work)
+    gm, inputs = frontend.trace(work, example_inputs)
+    program = Program(gm, inputs, original_params, options)
+    program.dump_dir = dump_dir
+    program.swap_layers = layers
+    program = pipeline.run(program)
+    program.compiled_ratio = program.ratio
+    work.__class__ = subclass_of(type(work))
+    work.__dict__["_tncompile_program"] = program
+    swap_into(work, program)
+    program.listeners.append(Resync(work))
+    return work
 
 
 def _check_model(model: Any) -> None:

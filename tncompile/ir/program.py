@@ -156,6 +156,13 @@ class Program:
         Where every pass run on this program writes the IR (``compile(dump_dir=...)``).
     compiled_ratio : float or None
         The ratio when compilation finished (rank adaptation shrinks from there).
+    swap_layers : dict or None
+        Swap mode (``compile(mode="swap")``): ``path -> kind`` of the compressible layers
+        of the user's own module tree, the only ones this program may tensorize (its
+        layers go back into that tree); ``None`` in graph mode.
+    listeners : list of callables
+        Called with the program after every pipeline run on it (swap mode puts the
+        program's current layers back into the user's model).
     """
 
     def __init__(self, graph_module: fx.GraphModule, inputs: InputSpec, original_params: int,
@@ -168,6 +175,8 @@ class Program:
         self.history: list[PassRecord] = []
         self.dump_dir: str | os.PathLike | None = None
         self.compiled_ratio: float | None = None
+        self.swap_layers: dict[str, str] | None = None
+        self.listeners: list = []
 
     @property
     def graph(self) -> fx.Graph:

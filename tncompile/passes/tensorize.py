@@ -64,6 +64,11 @@ class Tensorize(Pass):
         if not modules and not any(getattr(m, "is_pending", False) for _, m in program.modules()):
             raise ValueError("the model has no nn.Linear, nn.Embedding or HF Conv1D layer in its "
                              "traced graph: there is nothing to compress")
+        swappable = getattr(program, "swap_layers", None)
+        if swappable is not None:  # swap mode: only layers of the user's own tree can go back into it
+            for name in [n for n in modules if n not in swappable]:
+                program.notes[name] = "not a layer of the model's own module tree (swap mode keeps it dense)"
+                del modules[name]
         selected, excluded = select_modules(modules, opts.target_modules, opts.exclude_modules)
         for name in modules:
             if name in excluded:

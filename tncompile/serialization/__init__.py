@@ -32,6 +32,7 @@ from ..ir.program import InputSpec, PassRecord, Program
 from ..options import CompileOptions
 from ..passes import Pipeline, Replan
 from ..runtime.module_kinds import is_sharded
+from ..swap import is_swapped
 from . import legacy
 from .codec import Decoder, Encoder
 from .container import encode_container, read_bytes_once, read_container, write_atomically
@@ -70,6 +71,12 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
     """
     while not isinstance(compiled, CompiledModel) and isinstance(getattr(compiled, "module", None), nn.Module):
         compiled = compiled.module  # a DDP / DistributedModel wrapper: save what it wraps
+    if is_swapped(compiled):
+        raise NotImplementedError(
+            f"tncompile.save: this {type(compiled).__name__} was compiled with mode='swap', which cannot be "
+            "saved by tncompile yet. Save the merged model (compiled.to_dense().save_pretrained(path), or "
+            "torch.save(compiled.to_dense().state_dict(), path)), or compile with mode='graph' to save the "
+            "compressed model and its training state")
     if not isinstance(compiled, CompiledModel):
         raise TypeError(f"tncompile.save expects a CompiledModel, got {type(compiled).__name__}")
     if is_sharded(compiled):  # save_on_rank0 gathers the shards on every process first

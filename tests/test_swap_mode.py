@@ -1,0 +1,140 @@
+"""Swap mode: compile(mode="swap") hands back the user's own model object and class with its
+compressed layers replaced in place; HF generate / masks / dropout / to_dense / save_pretrained
+work as on the original, and rank-adaptive training keeps the model's layers and the program's
+in step across cuts."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tncompile
+from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
+from tncompile.zoo import mlp
+
+transformers = pytest.importorskip("transformers")
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(vocab_size=500, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).eval()
+
+
+def _bert():
+    cfg = transformers.BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=32, num_labels=3)
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def _greedy(model, ids, n=8):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              pad_token_id=0)
+
+
+def test_gpt2_keeps_its_class_generates_and_merges_back(tmp_path):
+    model = _gpt2()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(1, 500, (2, 8))
+    c = tncompile.compile(model, target_ratio=0.4, example_inputs={"input_ids": ids, "use_cache": False},
+                          mode="swap")
+    assert isinstance(c, transformers.GPT2LMHeadModel) and type(c).__name__ == "GPT2LMHeadModel"
+    assert c is not model and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert type(model.transformer.wte) is nn.Embedding  # the user's model is untouched
+    assert isinstance(c.transformer.h[0].attn.c_attn, TTLinear) and isinstance(c.transformer.wte, TTMEmbedding)
+    assert isinstance(c.lm_head, TTMTiedLinear) and c.lm_head.embedding is c.transformer.wte
+    assert c.ratio <= 0.4 and set(c.tensorized_modules()) >= {"transformer.wte", "lm_head"}
+    assert c.config is not None and "lm_head" in str(c.report())
+    # generate with the KV cache: the same greedy tokens as the densified model
+    dense = c.to_dense()
+    assert type(dense) is transformers.GPT2LMHeadModel
+    assert type(dense.transformer.h[0].attn.c_attn).__name__ == "Conv1D"  # GPT-2's own orientation
+    assert dense.lm_head.weight is dense.transformer.wte.weight
+    assert torch.equal(_greedy(c, ids), _greedy(dense, ids))
+    # merge back: save_pretrained / from_pretrained of to_dense() gives the same logits
+    dense.save_pretrained(tmp_path / "merged")
+    reloaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(ids).logits, c(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_llama_generates_with_its_cache_like_the_dense_model():
+    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(1, 300, (2, 6))
+    c = tncompile.compile(model, target_ratio=0.4, example_inputs={"input_ids": ids, "use_cache": False},
+                          mode="swap")
+    assert isinstance(c, transformers.LlamaForCausalLM)
+    assert torch.equal(_greedy(c, ids), _greedy(c.to_dense(), ids))
+
+
+def test_bert_masks_dropout_and_rank_adaptive_training():
+    model = _bert()
+    ids = torch.randint(0, 500, (4, 16))
+    c = tncompile.compile(model, target_ratio=0.4, example_inputs={"input_ids": ids}, mode="swap")
+    # masks and any keyword HF passes: the model's own forward runs
+    mask = torch.ones_like(ids)
+    mask[:, -4:] = 0
+    c.eval()
+    with torch.no_grad():
+        full, masked = c(input_ids=ids).logits, c(input_ids=ids, attention_mask=mask).logits
+        assert not torch.allclose(full, masked)
+        assert torch.equal(c(input_ids=ids).logits, full)  # eval: no dropout
+    c.train()
+    assert not torch.equal(c(input_ids=ids).logits, c(input_ids=ids).logits)  # train: dropout
+    # training with cuts: the model's layers are the program's after every cut
+    opt = torch.optim.AdamW(tncompile.param_groups(c, lr=1e-3, gate_lr=5e-2))
+    ctl = tncompile.RankController(c, opt, target_ratio=0.2, truncate_every=5)
+    g = torch.Generator().manual_seed(0)
+    data = [({"input_ids": torch.randint(0, 500, (8, 16), generator=g)}, torch.randint(0, 3, (8,), generator=g))
+            for _ in range(30)]
+    history = tncompile.fit(c, data, lambda out, y: F.cross_entropy(out.logits, y), opt, ctl,
+                            early_steps=10, late_steps=20, progress=False)
+    assert any(e["kind"] == "truncation" for e in history.events) and c.ratio <= 0.21
+    layers = c.tensorized_modules()
+    assert layers and all(c.get_submodule(path) is layer for path, layer in layers.items())
+    assert {id(p) for p in c.parameters()} >= {id(p) for m in layers.values() for p in m.parameters()}
+    c.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(c.to_dense()(input_ids=ids).logits, c(input_ids=ids).logits,
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_plain_model_inplace_and_copies():
+    model = mlp((64, 128, 10))
+    x = torch.randn(3, 64)
+    c = tncompile.compile(model, target_ratio=0.3, mode="swap", inplace=True)
+    assert c is model and isinstance(model, nn.Sequential) and isinstance(model[0], TTLinear)
+    twin = copy.deepcopy(c)
+    assert type(twin) is type(c) and twin.ratio == c.ratio
+    assert all(twin.get_submodule(k) is v for k, v in twin.tensorized_modules().items())
+    assert twin.program.listeners[-1].model is twin  # cuts on the copy resync the copy
+    torch.testing.assert_close(twin(x), c(x))
+    assert type(c.to_dense()) is nn.Sequential
+
+
+def test_bad_modes_are_refused():
+    with pytest.raises(ValueError, match="mode must be one of"):
+        tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3, mode="inplace")
+
+    class HasReport(nn.Sequential):
+        def report(self):
+            return "mine"
+
+    model = HasReport(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    with pytest.raises(ValueError, match=r"already defines \['report'\]"):
+        tncompile.compile(model, target_ratio=0.3, mode="swap")
+    assert isinstance(model[0], nn.Linear)
+
+
+def test_saving_a_swapped_model_names_what_works(tmp_path):
+    c = tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3, mode="swap")
+    with pytest.raises(NotImplementedError, match=r"mode='swap'.*to_dense\(\)"):
+        tncompile.save(c, tmp_path / "m.tnc")
+    assert not list(tmp_path.iterdir())

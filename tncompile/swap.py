@@ -1,0 +1,163 @@
+"""Swap mode: the user's own model object, its compressed layers replaced in place.
+
+``tncompile.compile(model, mode="swap")`` runs the same trace, passes, rank
+sizing and dumps as graph mode, then puts the resulting TT / TTM layers into
+the user's module tree at the paths of the layers they replace (as PEFT and
+torchao do) and returns that model -- a copy unless ``inplace=True``. The
+model keeps its class and its own ``forward``: a HuggingFace model keeps
+``config``, ``generate`` with its KV cache, masks, every keyword argument,
+``save_pretrained``; dropout follows ``train()`` / ``eval()`` as written.
+
+The returned object's class is a subclass of the user's class, made once per
+class, with the same name, module and qualified name, that adds
+:class:`SwapMixin`: the same API as :class:`~tncompile.compiled.CompiledModel`
+(``program``, ``ratio``, ``report()``, ``tensorized_modules()``,
+``to_dense()``), so ``RankController``, ``fit`` and ``TrainStep`` take it as
+they take a compiled model. It pickles and deep-copies as that subclass, and
+``isinstance(swapped, type(model))`` holds.
+
+The program and the model share the layer objects. Every pipeline run on the
+program afterwards (a rank cut during training, collapsing a layer) is
+followed by :class:`Resync`, which puts the program's current layers back
+into the model's tree, so the two never diverge.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from .ir.program import Program, module_at
+from .layers import is_compressible, kind_of
+from .report import Report, build_report
+from .runtime.tt_layers import TNModule, TTMTiedLinear
+
+__all__ = ["SwapMixin", "swap_into", "swappable_layers", "is_swapped", "Resync", "MIXIN_NAMES"]
+
+# what the mixin adds; a model class that has any of these already cannot take it
+MIXIN_NAMES = ("program", "ratio", "report", "tensorized_modules", "to_dense")
+_SUBCLASSES: dict[type, type] = {}
+
+
+def swappable_layers(model: nn.Module) -> dict[str, str]:
+    """``path -> kind`` of every compressible layer in ``model``'s own module tree."""
+    return {name: kind_of(m) for name, m in model.named_modules() if name and is_compressible(m)}
+
+
+def is_swapped(model: Any) -> bool:
+    return isinstance(model, SwapMixin)
+
+
+class SwapMixin:
+    """What a model compiled in swap mode adds to its own class (see the module docstring)."""
+
+    _tncompile_program: Program
+
+    @property
+    def program(self) -> Program:
+        """The IR the layers were compiled by (shared with this model's layers)."""
+        return self.__dict__["_tncompile_program"]
+
+    @property
+    def ratio(self) -> float:
+        """``params(compiled) / params(original)``, tied parameters counted once."""
+        return self.program.ratio
+
+    def report(self) -> Report:
+        """Per layer: format, modes, ranks, params dense -> compiled, ratio, FLOPs per token."""
+        return build_report(self.program)
+
+    def tensorized_modules(self) -> dict[str, TNModule]:
+        """``name -> TT/TTM layer``, named by their paths in this model."""
+        return {node.target: m for node, m in self.program.modules() if isinstance(m, TNModule)}
+
+    def to_dense(self) -> nn.Module:
+        """The user's own class again (not this subclass), every network multiplied back into
+        a dense layer of its original kind and orientation (HF ``Conv1D`` stores ``[in, out]``),
+        tied heads tied to the rebuilt embedding: ``save_pretrained`` of it loads with
+        ``from_pretrained`` (PEFT's ``merge_and_unload``)."""
+        base = type(self).__mro__[2]  # (subclass, SwapMixin, the user's class, ...)
+        dense = copy.deepcopy(self)
+        dense.__class__ = base
+        dense.__dict__.pop("_tncompile_program", None)
+        kinds = self.program.swap_layers
+        rebuilt: dict[int, nn.Module] = {}
+        layers = {path: dense.get_submodule(path) for path in kinds}
+        for path, layer in layers.items():
+            if isinstance(layer, TNModule) and not isinstance(layer, TTMTiedLinear):
+                if id(layer) not in rebuilt:
+                    rebuilt[id(layer)] = _dense_of(layer, kinds[path])
+                dense.set_submodule(path, rebuilt[id(layer)])
+        for path, layer in layers.items():
+            if isinstance(layer, TTMTiedLinear):
+                emb = rebuilt.get(id(layer.embedding)) or layer.embedding.to_dense_module()
+                head = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                                 device=emb.weight.device, dtype=emb.weight.dtype)
+                head.weight = emb.weight
+                if layer.bias is not None:
+                    with torch.no_grad():
+                        head.bias.copy_(layer.bias)
+                dense.set_submodule(path, head)
+        return dense
+
+    def __reduce_ex__(self, protocol):
+        # pickle / deepcopy as (rebuild the subclass of the user's class, this state)
+        base = type(self).__mro__[2]
+        return _rebuild, (base,), self.__dict__
+
+
+def _rebuild(base: type) -> nn.Module:
+    cls = subclass_of(base)
+    return cls.__new__(cls)
+
+
+def subclass_of(base: type) -> type:
+    """The swap-mode subclass of ``base``: same name, module and qualified name, plus :class:`SwapMixin`."""
+    cls = _SUBCLASSES.get(base)
+    if cls is None:
+        cls = type(base.__name__, (SwapMixin, base), {"__module__": base.__module__,
+                                                      "__qualname__": base.__qualname__,
+                                                      "__doc__": base.__doc__})
+        _SUBCLASSES[base] = cls
+    return cls
+
+
+def _dense_of(layer: TNModule, kind: str) -> nn.Module:
+    dense = layer.to_dense_module()
+    if kind != "conv1d":
+        return dense
+    from transformers.pytorch_utils import Conv1D  # noqa: PLC0415 - only a GPT-2-style model gets here
+    conv = Conv1D(dense.out_features, dense.in_features).to(device=dense.weight.device, dtype=dense.weight.dtype)
+    with torch.no_grad():
+        conv.weight.copy_(dense.weight.t())
+        if dense.bias is not None:
+            conv.bias.copy_(dense.bias)
+    return conv
+
+
+class Resync:
+    """Run after every pipeline on a swap-mode program: put the program's current layer at each
+    swapped path back into the model (a cut or a collapse may have replaced it)."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, program: Program) -> None:
+        swap_into(self.model, program)
+
+
+def swap_into(model: nn.Module, program: Program) -> list[str]:
+    """Set every swapped path of ``model`` to the program's module at that path; returns the
+    paths that now hold a tncompile layer."""
+    swapped = []
+    for path in program.swap_layers:
+        mod = module_at(program.graph_module, path)
+        if mod is None:
+            continue
+        if model.get_submodule(path) is not mod:
+            model.set_submodule(path, mod)
+        if not is_compressible(mod):
+            swapped.append(path)
+    return swapped
