@@ -195,6 +195,10 @@ def _huge_literal_allocation(m, s):
     node[4] = {}
 
 
+def _inflated_setting(m, s):
+    _module(m, "norm")["state"]["normalized_shape"] = {"__tuple__": [10**12]}
+
+
 ATTACKS = {
     # strings torch.fx pastes into generated code
     "placeholder-default-runs-code": (ENCODER, _code_in_placeholder, UnsafeFileError, "input name"),
@@ -248,6 +252,7 @@ ATTACKS = {
     "device-string": (ENCODER, _device_string, ModelFileError, "not a device"),
     # sizes
     "literal-allocation": (ENCODER, _huge_literal_allocation, UnsafeFileError, "10,000,000,000 elements"),
+    "inflated-setting": (ENCODER, _inflated_setting, UnsafeFileError, "normalized_shape: 1,000,000,000,000"),
 }
 
 

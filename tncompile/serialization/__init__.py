@@ -36,7 +36,7 @@ from ..swap import is_swapped
 from . import legacy
 from .codec import Decoder, Encoder
 from .container import encode_container, read_bytes_once, read_container, write_atomically
-from .graphs import SAFE_MODULE_CLASSES, allow_module_class, decode_graph_module, encode_graph_module
+from .graphs import SAFE_MODULE_CLASSES, GraphLimits, allow_module_class, decode_graph_module, encode_graph_module
 from .model_checks import check_model
 
 __all__ = ["save", "load", "resume", "FORMAT", "VERSION", "ModelFileError", "UnsafeFileError",
@@ -262,7 +262,7 @@ def _load_v2(data: bytearray, path: Path, trust: bool) -> CompiledModel:
     dec = Decoder(tensors)
     graph_module = decode_graph_module(dec, manifest["graph"], trust, where=f"{path}: graph")
     if not trust:
-        check_model(graph_module)
+        check_model(graph_module, GraphLimits(tensors).elements)
     inputs = dec.decode(manifest["inputs"], f"{path}: inputs")
     options = dec.decode(manifest["options"], f"{path}: options")
     if not isinstance(inputs, InputSpec) or not isinstance(options, CompileOptions):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import ModelFileError
+from ..errors import ModelFileError, UnsafeFileError
 from ..formats.layout import TTLayout, TTMLayout
 from ..planning import plan_lookup, replay_plan
 from ..runtime.collapsed import CollapsedLayer
@@ -35,10 +35,12 @@ MAX_BUCKET = 2**31
 _BAG_MODES = ("sum", "mean", "max")
 
 
-def check_model(root: nn.Module) -> None:
-    """Check every layer of ``root`` (see the module docstring); rebuild its plans."""
+def check_model(root: nn.Module, limit: int) -> None:
+    """Check every layer of ``root`` (see the module docstring); rebuild its plans.
+    ``limit``: the largest size a setting may state (:class:`.graphs.GraphLimits`)."""
     for name, mod in root.named_modules(remove_duplicate=True):
         where = f"layer {name or '<root>'} ({type(mod).__name__})"
+        _check_settings(mod, where, limit)
         if isinstance(mod, TTMTiedLinear):
             _check_tied(mod, where)
         elif isinstance(mod, TNModule):
@@ -48,6 +50,25 @@ def check_model(root: nn.Module) -> None:
             _check_experts_dense(mod, where)
         elif isinstance(mod, CollapsedLayer):
             _check_int(mod.__dict__.get("out_features"), f"{where}.out_features", low=0)
+
+
+_REGISTRIES = {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_plans", "layout"}
+
+
+def _check_settings(mod: nn.Module, where: str, limit: int) -> None:
+    """A module's plain settings (``padding``, ``kernel_size``, ``num_embeddings``, ...) state no
+    size beyond what the file's tensors justify: its forward may allocate from them."""
+    for key, value in mod.__dict__.items():
+        if key in _REGISTRIES:
+            continue
+        stack = [value]
+        while stack:
+            v = stack.pop()
+            if isinstance(v, (tuple, list)) and len(v) <= 64:
+                stack.extend(v)
+            elif isinstance(v, int) and not isinstance(v, bool) and abs(v) > limit:
+                raise UnsafeFileError(f"{where}.{key}: {v:,} is larger than the file's own tensors justify "
+                                      f"({limit:,})")
 
 
 def _fail(where: str, what: str) -> ModelFileError:
