@@ -133,8 +133,41 @@ def test_bad_modes_are_refused():
     assert isinstance(model[0], nn.Linear)
 
 
-def test_saving_a_swapped_model_names_what_works(tmp_path):
-    c = tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3, mode="swap")
-    with pytest.raises(NotImplementedError, match=r"mode='swap'.*to_dense\(\)"):
-        tncompile.save(c, tmp_path / "m.tnc")
-    assert not list(tmp_path.iterdir())
+def test_a_saved_swapped_model_loads_onto_a_fresh_model_and_resumes(tmp_path):
+    """tncompile.save of a swap-mode BERT after cuts; tncompile.load(path, model=fresh) puts the
+    layers into a fresh model of the same class, with the same outputs and training state."""
+    model = _bert()
+    ids = torch.randint(0, 500, (4, 16))
+    c = tncompile.compile(model, target_ratio=0.4, example_inputs={"input_ids": ids}, mode="swap")
+    opt = torch.optim.AdamW(tncompile.param_groups(c, lr=1e-3, gate_lr=5e-2))
+    ctl = tncompile.RankController(c, opt, target_ratio=0.25, truncate_every=4)
+    g = torch.Generator().manual_seed(0)
+    data = [({"input_ids": torch.randint(0, 500, (8, 16), generator=g)}, torch.randint(0, 3, (8,), generator=g))
+            for _ in range(12)]
+    tncompile.fit(c, data, lambda out, y: F.cross_entropy(out.logits, y), opt, ctl, early_steps=4, late_steps=8,
+                  progress=False, checkpoint_path=tmp_path / "ckpt.tnc", checkpoint_every=12)
+    path = tmp_path / "ckpt.tnc"
+    with pytest.raises(ValueError, match="pass the dense model to load it onto"):
+        tncompile.load(path)
+    with pytest.raises(ValueError, match="saved from a .*BertForSequenceClassification"):
+        tncompile.load(path, model=mlp((64, 128, 10)))
+    fresh = _bert()
+    loaded = tncompile.load(path, model=fresh)
+    assert loaded is fresh and isinstance(loaded, transformers.BertForSequenceClassification)
+    assert loaded.ratio == pytest.approx(c.ratio)
+    assert {k: tuple(v.layout.ranks) for k, v in loaded.tensorized_modules().items()} == \
+        {k: tuple(v.layout.ranks) for k, v in c.tensorized_modules().items()}
+    c.eval(), loaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids).logits, c(input_ids=ids).logits)
+    # the program's graph holds the model's own tensors: training the model trains what it counts
+    own = {id(p) for p in loaded.parameters()}
+    assert {id(p) for p in loaded.program.graph_module.parameters()} <= own
+    opt2 = torch.optim.AdamW(tncompile.param_groups(loaded, lr=1e-3, gate_lr=5e-2))
+    ctl2 = tncompile.RankController(loaded, opt2, target_ratio=0.25, truncate_every=4)
+    extra = tncompile.resume(loaded, opt2, ctl2)
+    assert "history" in extra and ctl2.steps_done == ctl.steps_done
+    loaded.train()
+    tncompile.fit(loaded, data[:4], lambda out, y: F.cross_entropy(out.logits, y), opt2, ctl2,
+                  early_steps=4, late_steps=12, progress=False)
+    assert all(loaded.get_submodule(k) is v for k, v in loaded.tensorized_modules().items())

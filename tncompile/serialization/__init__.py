@@ -38,6 +38,7 @@ from .codec import Decoder, Encoder
 from .container import encode_container, read_bytes_once, read_container, write_atomically
 from .graphs import SAFE_MODULE_CLASSES, GraphLimits, allow_module_class, decode_graph_module, encode_graph_module
 from .model_checks import check_model
+from .swapped import ModelMismatchError, attach_swap, encode_swap
 
 __all__ = ["save", "load", "resume", "FORMAT", "VERSION", "ModelFileError", "UnsafeFileError",
            "allow_module_class", "SAFE_MODULE_CLASSES"]
@@ -69,15 +70,10 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
     over ``path`` only once complete (and the directory entry synced), so a
     crash leaves any previous file intact.
     """
-    while not isinstance(compiled, CompiledModel) and isinstance(getattr(compiled, "module", None), nn.Module):
+    while not isinstance(compiled, CompiledModel) and not is_swapped(compiled) \
+            and isinstance(getattr(compiled, "module", None), nn.Module):
         compiled = compiled.module  # a DDP / DistributedModel wrapper: save what it wraps
-    if is_swapped(compiled):
-        raise NotImplementedError(
-            f"tncompile.save: this {type(compiled).__name__} was compiled with mode='swap', which cannot be "
-            "saved by tncompile yet. Save the merged model (compiled.to_dense().save_pretrained(path), or "
-            "torch.save(compiled.to_dense().state_dict(), path)), or compile with mode='graph' to save the "
-            "compressed model and its training state")
-    if not isinstance(compiled, CompiledModel):
+    if not isinstance(compiled, CompiledModel) and not is_swapped(compiled):
         raise TypeError(f"tncompile.save expects a CompiledModel, got {type(compiled).__name__}")
     if is_sharded(compiled):  # save_on_rank0 gathers the shards on every process first
         raise ValueError("tncompile.save: the model is sharded by FSDP2 (its parameters are DTensor shards); "
@@ -100,7 +96,7 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
     enc = Encoder()
     manifest = {
         "format": FORMAT, "version": VERSION, "torch": torch.__version__,
-        "graph": encode_graph_module(enc, compiled.model),
+        "graph": encode_graph_module(enc, prog.graph_module),
         "inputs": enc.encode(prog.inputs, "the input spec"),
         "original_params": prog.original_params,
         "options": enc.encode(prog.options, "the compile options"),
@@ -109,6 +105,8 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
         "compiled_ratio": prog.compiled_ratio,
         "training": enc.encode(_training_state(compiled, optimizer, controller, extra, rng), "the training state"),
     }
+    if is_swapped(compiled):
+        manifest["swap"] = encode_swap(enc, compiled)
     text = json.dumps(manifest)
     metadata = {"format": FORMAT, "version": str(VERSION), "manifest": text,
                 "sha256": _digest(enc.tensors, text)}
@@ -190,7 +188,8 @@ def _training_state(compiled, optimizer, controller, extra, rng) -> dict[str, An
     return state
 
 
-def load(path: str | os.PathLike, map_location=None, *, trust: bool = False) -> CompiledModel:
+def load(path: str | os.PathLike, map_location=None, *, trust: bool = False,
+         model: nn.Module | None = None) -> CompiledModel | nn.Module:
     """Rebuild a :class:`CompiledModel` saved by :func:`save`.
 
     Parameters
@@ -201,6 +200,11 @@ def load(path: str | os.PathLike, map_location=None, *, trust: bool = False) -> 
         Load what the safe path refuses: a format-1 file (a pickle: loading
         it runs any code it carries), or a file naming module classes or
         functions outside tncompile's allowlists. Only for files you trust.
+    model : nn.Module, optional
+        For a file saved from a swap-mode model (``compile(mode="swap")``):
+        a dense instance of the same class and configuration to load it onto
+        (in place); it is returned with its layers swapped. A file holds no
+        code, so it cannot build your model class itself.
 
     Raises
     ------
@@ -230,8 +234,8 @@ def load(path: str | os.PathLike, map_location=None, *, trust: bool = False) -> 
                 f"where it came from, then tncompile.save it again to convert it to the safe format.")
         return _load_v1(io.BytesIO(bytes(data)), map_location)
     try:
-        compiled = _load_v2(data, path, trust)
-    except ModelFileError:
+        compiled = _load_v2(data, path, trust, model)
+    except (ModelFileError, ModelMismatchError):
         raise
     except (KeyError, TypeError, AttributeError, IndexError, ValueError, RecursionError, OverflowError,
             RuntimeError) as e:  # a check this loader lacks: still the library's error, naming the file
@@ -241,7 +245,7 @@ def load(path: str | os.PathLike, map_location=None, *, trust: bool = False) -> 
     return compiled
 
 
-def _load_v2(data: bytearray, path: Path, trust: bool) -> CompiledModel:
+def _load_v2(data: bytearray, path: Path, trust: bool, model: nn.Module | None) -> CompiledModel | nn.Module:
     metadata, tensors = read_container(data, path)
     if metadata.get("format") != FORMAT:
         raise ModelFileError(f"{path} is not a tncompile file (save it with tncompile.save)")
@@ -274,13 +278,20 @@ def _load_v2(data: bytearray, path: Path, trust: bool) -> CompiledModel:
         raise ModelFileError(f"{path}: history must be a list of pass records")
     program.history = history
     program.compiled_ratio = manifest.get("compiled_ratio")
-    compiled = CompiledModel(program)
-    compiled.training_state = dec.decode(manifest["training"], f"{path}: training state")
-    if compiled.training_state is not None and not isinstance(compiled.training_state, dict):
+    training_state = dec.decode(manifest["training"], f"{path}: training state")
+    if training_state is not None and not isinstance(training_state, dict):
         raise ModelFileError(f"{path}: the training state must be a dict")
+    if "swap" in manifest:
+        compiled = attach_swap(program, manifest["swap"], dec, model, path)
+    elif model is not None:
+        raise ModelMismatchError(f"{path} holds a graph-mode model (a CompiledModel); load it without model=")
+    else:
+        compiled = CompiledModel(program)
+    compiled.training_state = training_state
     return compiled
 
 
+_OPTIONAL_TYPES = {"swap": dict}
 _MANIFEST_TYPES = {"graph": dict, "inputs": dict, "original_params": int, "options": dict, "notes": dict,
                    "history": list, "training": (dict, type(None)), "compiled_ratio": (float, int, type(None))}
 
@@ -292,6 +303,9 @@ def _check_manifest(manifest: Any, path: Path) -> None:
         if key not in manifest:
             raise ModelFileError(f"{path}: the manifest has no {key!r}")
         if not isinstance(manifest[key], kind) or isinstance(manifest[key], bool):
+            raise ModelFileError(f"{path}: the manifest's {key!r} is a {type(manifest[key]).__name__}")
+    for key, kind in _OPTIONAL_TYPES.items():
+        if key in manifest and not isinstance(manifest[key], kind):
             raise ModelFileError(f"{path}: the manifest's {key!r} is a {type(manifest[key]).__name__}")
     if manifest["original_params"] < 0:
         raise ModelFileError(f"{path}: the manifest's 'original_params' is negative")
@@ -345,7 +359,7 @@ def resume(compiled: CompiledModel, optimizer: torch.optim.Optimizer | None = No
     >>> ctl = tncompile.RankController(compiled, opt, target_ratio=0.01)
     >>> extra = tncompile.resume(compiled, opt, ctl)
     """
-    if not isinstance(compiled, CompiledModel):
+    if not isinstance(compiled, CompiledModel) and not is_swapped(compiled):
         raise TypeError(f"tncompile.resume expects the CompiledModel tncompile.load returned, got "
                         f"{type(compiled).__name__}")
     state = getattr(compiled, "training_state", None)
