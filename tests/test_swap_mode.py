@@ -171,3 +171,15 @@ def test_a_saved_swapped_model_loads_onto_a_fresh_model_and_resumes(tmp_path):
     tncompile.fit(loaded, data[:4], lambda out, y: F.cross_entropy(out.logits, y), opt2, ctl2,
                   early_steps=4, late_steps=12, progress=False)
     assert all(loaded.get_submodule(k) is v for k, v in loaded.tensorized_modules().items())
+
+
+def test_dry_run_checks_a_swapped_models_step():
+    model = _bert()
+    ids = torch.randint(0, 500, (2, 8))
+    c = tncompile.compile(model, target_ratio=0.4, example_inputs={"input_ids": ids}, mode="swap")
+    opt = torch.optim.AdamW(tncompile.param_groups(c, lr=1e-3))
+    ctl = tncompile.RankController(c, opt, target_ratio=0.3)
+    report = tncompile.dry_run(c, opt, lambda out, y: F.cross_entropy(out.logits, y), {"input_ids": ids},
+                               torch.randint(0, 3, (2,)), controller=ctl)
+    assert report.ok and report.stages == ["early", "late"]
+    assert all(c.get_submodule(k) is v for k, v in c.tensorized_modules().items())  # untouched by the dry run

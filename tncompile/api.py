@@ -100,7 +100,7 @@ def compile(
         with each compressed layer replaced in place (:mod:`tncompile.swap`):
         its own ``forward``, HF ``generate`` / ``config`` / masks / Trainer,
         plus ``ratio``, ``report()``, ``to_dense()``, ``program``. ``"auto"``
-        is ``"graph"`` in this release (swap mode has no DDP / FSDP2 or dry run yet).
+        is ``"graph"`` in this release (swap mode has no tested DDP / FSDP2 path yet).
 
     Returns
     -------
