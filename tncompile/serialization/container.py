@@ -79,6 +79,13 @@ def read_container(data: bytearray, path: Path) -> tuple[dict[str, str], dict[st
         raise ModelFileError(f"{path}: __metadata__ must map strings to strings")
     start = 8 + header_len
     body = len(data) - start
+    ends = [e["data_offsets"][1] for e in header.values() if isinstance(e, dict)
+            and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
+            and isinstance(e["data_offsets"][1], int)]
+    if ends and max(ends) > body:
+        raise ModelFileError(f"{path} is not a readable tncompile file (truncated by an interrupted copy or save: "
+                             f"its header describes {max(ends):,} bytes of tensor data, the file holds {body:,}); "
+                             "copy or save it again")
     spans = []
     tensors: dict[str, torch.Tensor] = {}
     for name, entry in header.items():

@@ -10,13 +10,22 @@ read, so it is captured with the rest of the step). State the step created
 which is its fresh value for Adam, AdamW and SGD with momentum (up to
 dampening). The copy costs one more set of the parameters and optimizer
 state, small for a compressed model. Skipped steps are counted on the device.
+Under FSDP2 the guard works on each process's shards and the processes agree
+on the decision (one all-reduce of the flag), so every shard skips alike.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ..runtime.module_kinds import is_shard
+
 __all__ = ["StepGuard"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """An FSDP2 shard's local tensor (a view: writing it writes the shard); a plain tensor itself."""
+    return t.to_local() if is_shard(t) else t
 
 
 class StepGuard:
@@ -36,22 +45,28 @@ class StepGuard:
         """Step ``optimizer`` unless ``total`` or a gradient is non-finite; returns the device flag
         (``True``: the step was applied)."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
-        finite = torch.isfinite(total.detach()).all()
+        grads = [_local(p.grad) for p in params if p.grad is not None]
+        device = _local(params[0]).device if params else total.device
+        finite = torch.isfinite(_local(total.detach())).all().to(device)
         if grads:
-            finite = finite & torch.stack([torch.isfinite(g).all() for g in grads]).all()
-        finite = finite.to(params[0].device) if params else finite
-        kept = [(t, t.detach().clone()) for t in self._tensors(optimizer, params)]
+            finite = finite & torch.stack([torch.isfinite(g).all().to(device) for g in grads]).all()
+        if any(is_shard(p) for p in params) and torch.distributed.is_initialized():
+            # FSDP2: each process sees its own shards; all of them must take the same decision
+            agreed = finite.to(torch.int32)
+            torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+            finite = agreed.bool()
+        kept = [(t, t.clone()) for t in (_local(x).detach() for x in self._tensors(optimizer, params))]
         had_state = {id(p) for p in params if optimizer.state.get(p)}
         optimizer.step()
         with torch.no_grad():
             for t, copy in kept:
-                t.copy_(torch.where(finite, t, copy))
+                t.copy_(torch.where(finite.to(t.device), t, copy))
             for p in params:
                 if id(p) in had_state:
                     continue
                 for value in optimizer.state.get(p, {}).values():  # state this step created
                     if isinstance(value, torch.Tensor):
+                        value = _local(value)
                         value.copy_(torch.where(finite.to(value.device), value, torch.zeros_like(value)))
         if self.skipped is None or self.skipped.device != finite.device:
             self.skipped = torch.zeros((), dtype=torch.int64, device=finite.device)
