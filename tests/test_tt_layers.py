@@ -2,6 +2,7 @@
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+import torch.nn.functional as F
 from torch import nn
 
 import cotengra as ctg
@@ -175,3 +176,27 @@ def test_autocast_bf16_forward_and_backward_keep_fp32_grads():
         assert p.grad is not None and p.grad.dtype == torch.float32
     ref_y = x @ tt.weight().t() + tt.bias
     assert torch.allclose(y.float(), ref_y, rtol=5e-2, atol=5e-2 * ref_y.abs().max().item())
+
+
+def test_tied_head_multiplies_by_the_merged_table_in_inference_and_follows_updates():
+    """No autograd: the tied head uses its merged table (a dense head's cost), kept until a core
+    changes; with autograd it contracts the network; both give the same values."""
+    from tncompile.runtime import TTMEmbedding, TTMTiedLinear
+    torch.manual_seed(0)
+    emb = TTMEmbedding.from_embedding(nn.Embedding(500, 64).double(), rank=8)
+    head = TTMTiedLinear(emb, bias=True)
+    x = torch.randn(3, 5, 64, dtype=torch.float64)
+    trained = head(x)                                   # the contraction (autograd on)
+    with torch.no_grad():
+        merged = head(x)
+        first = head.merged_weight()
+        assert head.merged_weight() is first            # cached
+        torch.testing.assert_close(merged, trained.detach())
+        emb.cores[0].mul_(1.5)                          # an optimizer step changes a core in place
+        assert head.merged_weight() is not first
+        torch.testing.assert_close(head(x), F.linear(x, emb.weight(), head.bias))
+    head.merge_in_inference = False
+    with torch.no_grad():
+        head(x)
+    state = head.__dict__
+    assert "_merged" in state and "_merged" in TTMTiedLinear.transient_state  # never saved

@@ -65,6 +65,9 @@ class Decompose(Pass):
                 gm.set_submodule(name, built[mod.tied_to])
                 continue
             head = TTMTiedLinear(built[mod.tied_to], bias=mod.dense.bias is not None)
+            # prefer="speed": inference multiplies by the merged table (a dense head's cost);
+            # "size": never hold the merged table
+            head.merge_in_inference = getattr(program.options, "prefer", "speed") == "speed"
             _share_bias(head, mod.dense)
             gm.set_submodule(name, head)
         return program

@@ -460,6 +460,9 @@ class TTMTiedLinear(TNModule):
     """
 
     transposed = True
+    transient_state = TNModule.transient_state + ("_merged",)
+    # inference (no autograd): multiply by the table merged once, kept until a core or gate changes
+    merge_in_inference = True
 
     def __init__(self, embedding: TTMEmbedding, bias: bool = False):
         super().__init__()
@@ -485,10 +488,27 @@ class TTMTiedLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
+        if self.merge_in_inference and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            check_input_dtype(self, x)
+            return F.linear(x, self.merged_weight(), self.bias)
         def contract_rows(h, bias):
             return contract(self.plan_for(h.shape[0]), [h, *_drop_boundary(self.embedding.scaled_cores())], bias)
         return _apply_matrix(self, x, self.bias, lay.embedding_dim, lay.col_modes, lay.num_embeddings,
                              lay.padded_rows, contract_rows)
+
+    def merged_weight(self) -> torch.Tensor:
+        """The table ``[num_embeddings, embedding_dim]`` merged from the cores, cached (not saved)
+        until a core or gate changes (an optimizer step, a cut). A tied head over vocabulary-
+        sized outputs costs a dense head's multiply-adds this way; contracting the network for
+        every row (decoding feeds one row per sequence) costs many times more."""
+        params = [*self.embedding.cores._parameters.values(), *self.embedding.gates._parameters.values()]
+        key = tuple((id(p), p._version, p.device, p.dtype) for p in params)
+        cached = self.__dict__.get("_merged")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                weight = self.embedding.weight()[: self.out_features]
+            cached = self.__dict__["_merged"] = (key, weight)
+        return cached[1]
 
     def extra_repr(self) -> str:
         return f"tied to embedding {self.layout.describe()}, bias={self.bias is not None}"
