@@ -10,7 +10,6 @@ pytree specs), so no test here compiles a model it does not need.
 import json
 import os
 import random
-import shutil
 import sys
 from pathlib import Path
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import copy
 import inspect
 
-import torch
 from torch import fx, nn
 
 from .ir.program import Program, module_at
@@ -85,14 +84,7 @@ class CompiledModel(nn.Module):
                 gm.set_submodule(t, dense[id(m)])
         for t, m in tn.items():
             if isinstance(m, TTMTiedLinear):
-                emb = dense.get(id(m.embedding)) or m.embedding.to_dense_module()
-                head = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None,
-                                 device=emb.weight.device, dtype=emb.weight.dtype)
-                head.weight = emb.weight
-                if m.bias is not None:
-                    with torch.no_grad():
-                        head.bias.copy_(m.bias)
-                gm.set_submodule(t, head)
+                gm.set_submodule(t, m.to_dense_head(dense.get(id(m.embedding))))
         gm.recompile()
         if self._program.inputs.frontend == "export":
             spec = self._program.inputs

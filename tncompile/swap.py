@@ -92,14 +92,7 @@ class SwapMixin:
                 dense.set_submodule(path, rebuilt[id(layer)])
         for path, layer in layers.items():
             if isinstance(layer, TTMTiedLinear):
-                emb = rebuilt.get(id(layer.embedding)) or layer.embedding.to_dense_module()
-                head = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
-                                 device=emb.weight.device, dtype=emb.weight.dtype)
-                head.weight = emb.weight
-                if layer.bias is not None:
-                    with torch.no_grad():
-                        head.bias.copy_(layer.bias)
-                dense.set_submodule(path, head)
+                dense.set_submodule(path, layer.to_dense_head(rebuilt.get(id(layer.embedding))))
         return dense
 
     def __reduce_ex__(self, protocol):

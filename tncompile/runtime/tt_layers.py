@@ -496,6 +496,18 @@ class TTMTiedLinear(TNModule):
         return _apply_matrix(self, x, self.bias, lay.embedding_dim, lay.col_modes, lay.num_embeddings,
                              lay.padded_rows, contract_rows)
 
+    def to_dense_head(self, embedding: nn.Embedding | None = None) -> nn.Linear:
+        """An ``nn.Linear`` whose weight *is* ``embedding``'s (the dense table this head's
+        embedding was rebuilt as; rebuilt here when not given), with this head's bias."""
+        emb = embedding if embedding is not None else self.embedding.to_dense_module()
+        head = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,
+                         device=emb.weight.device, dtype=emb.weight.dtype)
+        head.weight = emb.weight
+        if self.bias is not None:
+            with torch.no_grad():
+                head.bias.copy_(self.bias)
+        return head
+
     def merged_weight(self) -> torch.Tensor:
         """The table ``[num_embeddings, embedding_dim]`` merged from the cores, cached (not saved)
         until a core or gate changes (an optimizer step, a cut). A tied head over vocabulary-
