@@ -213,3 +213,35 @@ def test_cuda_no_stale_graph_and_bounded_pool():
     x, y = _batches(1, batch=16, device="cuda")[0]
     step(x, y)  # must not replay the graph captured before the cut
     assert step.stats()["live_graphs"] == 0 and step.stats()["invalidations"] >= 1
+
+
+@pytest.mark.parametrize("first_step_bad", [False, True])
+def test_step_guard_device_path_leaves_a_nonfinite_step_undone(first_step_bad):
+    """The path a GPU (and a captured step) takes, with no host read: step, then the copy back
+    where the flag says non-finite; state the step created goes back to zeros. Run on CPU here."""
+    from tncompile.train.step_guard import StepGuard
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    guard = StepGuard()
+    if not first_step_bad:
+        layer(torch.randn(2, 4)).sum().backward()
+        opt.step()
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    state_before = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in layer.parameters()}
+    opt.zero_grad()
+    layer(torch.tensor([[float("nan"), 0.0, 0.0, 0.0]])).sum().backward()
+    guard._step_where(opt, list(layer.parameters()), torch.tensor(False))
+    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+    for p in layer.parameters():
+        for k, v in opt.state[p].items():
+            want = state_before[id(p)].get(k, torch.zeros_like(v))
+            assert torch.equal(v, want.to(v.dtype)), k
+    # a finite flag: exactly the optimizer's own step
+    twin = copy.deepcopy((layer, opt))
+    opt.zero_grad(), twin[1].zero_grad()
+    x = torch.randn(2, 4)
+    layer(x).sum().backward(), twin[0](x).sum().backward()
+    guard._step_where(opt, list(layer.parameters()), torch.tensor(True))
+    twin[1].step()
+    assert all(torch.equal(a, b) for a, b in zip(layer.parameters(), twin[0].parameters()))

@@ -34,7 +34,7 @@ from .layers import is_compressible, kind_of
 from .report import Report, build_report
 from .runtime.tt_layers import TNModule, TTMTiedLinear
 
-__all__ = ["SwapMixin", "swap_into", "swappable_layers", "is_swapped", "Resync", "MIXIN_NAMES"]
+__all__ = ["SwapMixin", "swap_into", "swappable_layers", "is_swapped", "user_class", "Resync", "MIXIN_NAMES"]
 
 # what the mixin adds; a model class that has any of these already cannot take it
 MIXIN_NAMES = ("program", "ratio", "report", "tensorized_modules", "to_dense")
@@ -48,6 +48,11 @@ def swappable_layers(model: nn.Module) -> dict[str, str]:
 
 def is_swapped(model: Any) -> bool:
     return isinstance(model, SwapMixin)
+
+
+def user_class(model: nn.Module) -> type:
+    """The user's own class of ``model`` (under the swap-mode subclass, if any)."""
+    return type(model).__mro__[2] if is_swapped(model) else type(model)  # (subclass, SwapMixin, user's, ...)
 
 
 class SwapMixin:
@@ -78,9 +83,8 @@ class SwapMixin:
         a dense layer of its original kind and orientation (HF ``Conv1D`` stores ``[in, out]``),
         tied heads tied to the rebuilt embedding: ``save_pretrained`` of it loads with
         ``from_pretrained`` (PEFT's ``merge_and_unload``)."""
-        base = type(self).__mro__[2]  # (subclass, SwapMixin, the user's class, ...)
         dense = copy.deepcopy(self)
-        dense.__class__ = base
+        dense.__class__ = user_class(self)
         dense.__dict__.pop("_tncompile_program", None)
         kinds = self.program.swap_layers
         rebuilt: dict[int, nn.Module] = {}
@@ -97,8 +101,7 @@ class SwapMixin:
 
     def __reduce_ex__(self, protocol):
         # pickle / deepcopy as (rebuild the subclass of the user's class, this state)
-        base = type(self).__mro__[2]
-        return _rebuild, (base,), self.__dict__
+        return _rebuild, (user_class(self),), self.__dict__
 
 
 def _rebuild(base: type) -> nn.Module:
@@ -141,16 +144,9 @@ class Resync:
         swap_into(self.model, program)
 
 
-def swap_into(model: nn.Module, program: Program) -> list[str]:
-    """Set every swapped path of ``model`` to the program's module at that path; returns the
-    paths that now hold a tncompile layer."""
-    swapped = []
+def swap_into(model: nn.Module, program: Program) -> None:
+    """Set every swapped path of ``model`` to the program's module at that path."""
     for path in program.swap_layers:
         mod = module_at(program.graph_module, path)
-        if mod is None:
-            continue
-        if model.get_submodule(path) is not mod:
+        if mod is not None and model.get_submodule(path) is not mod:
             model.set_submodule(path, mod)
-        if not is_compressible(mod):
-            swapped.append(path)
-    return swapped

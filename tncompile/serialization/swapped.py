@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import ModelFileError
 from ..ir.program import Program, module_at
-from ..swap import Resync, is_swapped, subclass_of, swap_into, swappable_layers
+from ..swap import Resync, is_swapped, subclass_of, swap_into, swappable_layers, user_class
 from .codec import Decoder, Encoder, qualified_name
 from .node_checks import is_module_path
 
@@ -33,10 +33,6 @@ class ModelMismatchError(ValueError):
     """The dense model given to load a swap-mode file onto is not the one it was saved from."""
 
 _KINDS = ("linear", "conv1d", "embedding", "embedding_bag", "experts")
-
-
-def _base_class(model: nn.Module) -> type:
-    return type(model).__mro__[2] if is_swapped(model) else type(model)
 
 
 def _tncompile_owned(model: nn.Module, layers: dict[str, str]) -> set[str]:
@@ -55,7 +51,7 @@ def encode_swap(enc: Encoder, model: nn.Module) -> dict[str, Any]:
     owned = _tncompile_owned(model, layers)
     state = {name: enc.encode(t, f"state {name}") for name, t in model.state_dict(keep_vars=True).items()
              if name not in owned}
-    return {"class": qualified_name(_base_class(model)), "layers": layers, "state": state}
+    return {"class": qualified_name(user_class(model)), "layers": layers, "state": state}
 
 
 def attach_swap(program: Program, data: Any, dec: Decoder, model: Any, path) -> nn.Module:

@@ -1,8 +1,9 @@
 """``StepGuard``: an optimizer step that a non-finite loss or gradient leaves undone, decided on the device.
 
-GradScaler skips the step of a fused optimizer on the device and syncs with
-the host for the others; a captured training step cannot sync. The guard
-works with any optimizer: it keeps a copy of the parameters and the
+On the CPU the flag is read on the host (free there) and the optimizer is
+simply not stepped. On a GPU, GradScaler skips the step of a fused optimizer
+on the device and syncs with the host for the others; a captured training
+step cannot sync. There the guard works with any optimizer: it keeps a copy of the parameters and the
 optimizer's tensor state, lets the optimizer step, and puts the copy back
 where the step was not finite (``torch.where`` on a device flag: no host
 read, so it is captured with the rest of the step). State the step created
@@ -55,6 +56,19 @@ class StepGuard:
             agreed = finite.to(torch.int32)
             torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
             finite = agreed.bool()
+        if device.type == "cpu":  # reading the flag is free here: step or not, nothing to copy
+            if bool(finite):
+                optimizer.step()
+        else:
+            self._step_where(optimizer, params, finite)
+        if self.skipped is None or self.skipped.device != finite.device:
+            self.skipped = torch.zeros((), dtype=torch.int64, device=finite.device)
+        self.skipped.add_((~finite).to(torch.int64))
+        return finite
+
+    def _step_where(self, optimizer: torch.optim.Optimizer, params: list[nn.Parameter],
+                    finite: torch.Tensor) -> None:
+        """The device path: step, then put the copy back where ``finite`` is false (no host read)."""
         kept = [(t, t.clone()) for t in (_local(x).detach() for x in self._tensors(optimizer, params))]
         had_state = {id(p) for p in params if optimizer.state.get(p)}
         optimizer.step()
@@ -68,10 +82,6 @@ class StepGuard:
                     if isinstance(value, torch.Tensor):
                         value = _local(value)
                         value.copy_(torch.where(finite.to(value.device), value, torch.zeros_like(value)))
-        if self.skipped is None or self.skipped.device != finite.device:
-            self.skipped = torch.zeros((), dtype=torch.int64, device=finite.device)
-        self.skipped.add_((~finite).to(torch.int64))
-        return finite
 
     @staticmethod
     def _tensors(optimizer: torch.optim.Optimizer, params: list[nn.Parameter]) -> list[torch.Tensor]:
