@@ -17,9 +17,9 @@ LAYERS = [
     ("planning", ("tncompile.planning",)),
     ("ir", ("tncompile.ir",)),
     ("compile", ("tncompile.layers", "tncompile.options", "tncompile.frontend", "tncompile.nn_trace", "tncompile.passes",
-                 "tncompile.report")),
+                 "tncompile.report", "tncompile.calibration")),
     ("product", ("tncompile.compiled", "tncompile.swap", "tncompile.api", "tncompile.serialization")),
-    ("train", ("tncompile.train", "tncompile.distributed")),
+    ("train", ("tncompile.train", "tncompile.distributed", "tncompile.pretrained")),
     ("entry", ("tncompile", "tncompile.cli", "tncompile.__main__", "tncompile.zoo")),
 ]
 

@@ -59,8 +59,8 @@ def test_budget_cut_keeps_the_important_ranks_of_every_bond():
     assert compiled.ratio <= 0.15
     for name, ranks in ctl.ranks().items():
         assert all(r >= 1 for r in ranks)
-    # a wide inner bond loses ranks before a narrow boundary one
-    first = next(iter(before))
+    # a wide inner bond loses ranks before a narrow boundary one (in a layer the cut reached)
+    first = next(n for n in before if ctl.ranks()[n] != before[n])
     assert ctl.ranks()[first][0] == before[first][0]
     assert sum(ctl.ranks()[first][1:-1]) < sum(before[first][1:-1])
 

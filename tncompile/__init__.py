@@ -5,14 +5,15 @@ Layers (imports go one way, downward; ``tests/test_architecture.py`` checks it):
 ``planning``) > ``tncompile.runtime`` > ``formats`` / ``tuning`` / ``errors``.
 See ARCHITECTURE.md.
 """
-from . import distributed, formats, ir, passes, planning, runtime, train, tuning
+from . import calibration, distributed, formats, ir, passes, planning, runtime, train, tuning
 from .api import compile
 from .compiled import CompiledModel
 from .errors import ModelFileError, PassError, TNCompileError, TraceError, UnsafeFileError
 from .passes import FunctionPass, Pass, Pipeline, default_pipeline, register_pass
 from .report import Report
 from .serialization import load, resume, save
-from .train import History, RankController, RankEvent, TrainStep, dry_run, fit, param_groups
+from .train import Distill, History, RankController, RankEvent, TrainStep, dry_run, fit, freeze_gates, param_groups
+from .pretrained import compress_pretrained
 
 # DESIGN.md's public spelling is tncompile.runtime.TrainStep. The class lives in train/ (the
 # runtime never imports training code), so the package's entry point publishes it there.
@@ -21,7 +22,7 @@ runtime.dry_run = dry_run  # the capture-safety issue's spelling, beside TrainSt
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "save", "load", "resume", "fit", "History", "Pass", "FunctionPass", "Pipeline", "register_pass",
+__all__ = ["compile", "save", "load", "resume", "fit", "History", "Distill", "freeze_gates", "compress_pretrained", "Pass", "FunctionPass", "Pipeline", "register_pass",
            "default_pipeline", "RankController", "RankEvent", "param_groups", "TrainStep", "dry_run", "CompiledModel", "Report",
-           "TNCompileError", "TraceError", "PassError", "ModelFileError", "UnsafeFileError", "distributed", "formats", "ir", "passes", "planning", "runtime", "train",
+           "TNCompileError", "TraceError", "PassError", "ModelFileError", "UnsafeFileError", "calibration", "distributed", "formats", "ir", "passes", "planning", "runtime", "train",
            "tuning", "__version__"]

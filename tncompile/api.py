@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import copy
 import os
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from torch import nn
 
 from . import frontend
+from .calibration import collect_statistics
 from .compiled import CompiledModel
 from .ir.program import Program, count_params
 from .layers import is_compressible
@@ -46,7 +47,9 @@ def compile(
     passes: Pipeline | Sequence[Pass | str] | None = None,
     dump_dir: str | os.PathLike | None = None,
     inplace: bool = False,
+    calibration: Iterable | None = None,
     *,
+    allocation: str = "auto",
     linear_cores: int = 3,
     embedding_cores: int = 4,
     seed: int | None = 0,
@@ -81,6 +84,19 @@ def compile(
         ``TNCOMPILE_DUMP`` environment variable).
     inplace : bool
         Swap the compressed layers into ``model`` itself (saves a copy).
+    calibration : iterable of model inputs, optional
+        For a pretrained model: a few batches of typical inputs (each a Tensor,
+        tuple of args or dict of kwargs, as ``example_inputs``). The dense model
+        runs on them once (eval mode, no autograd); then each linear network is
+        fit to reproduce its layer's *outputs* on them and each embedding table
+        to its rows weighted by how often they were looked up, instead of the
+        plain weights (:mod:`tncompile.calibration`), and ranks are allocated by
+        sensitivity (``allocation``). Needs ``init="svd"``.
+    allocation : {"auto", "sensitivity", "uniform"}
+        How ranks are shared among layers: ``"sensitivity"`` spends the budget
+        where each parameter lowers the estimated output error most (needs
+        ``calibration``); ``"uniform"`` gives every layer the same rank;
+        ``"auto"``: sensitivity with calibration, else uniform.
     linear_cores, embedding_cores : int
         Cores per side of a TT linear (default 3) and cores of a TTM embedding (4).
     seed : int or None
@@ -111,7 +127,8 @@ def compile(
     options = CompileOptions(target_ratio=target_ratio, target_modules=target_modules,
                              exclude_modules=exclude_modules, rank_pattern=rank_pattern, init=init,
                              batch_sizes=batch_sizes, linear_cores=linear_cores,
-                             embedding_cores=embedding_cores, seed=seed, prefer=prefer)
+                             embedding_cores=embedding_cores, seed=seed, prefer=prefer, allocation=allocation)
+    _check_calibration(calibration, options)
     pipeline = _pipeline(passes)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be True or False, got {type(inplace).__name__} {inplace!r} "
@@ -120,13 +137,13 @@ def compile(
     mode = _check_mode(mode, model)
     dump_dir = dump_dir if dump_dir is not None else os.environ.get(DUMP_ENV) or None
     work = model if inplace else copy.deepcopy(model)
+    stats = collect_statistics(work, calibration) if calibration is not None else None
     if mode == "swap":
-        return _compile_swapped(work, example_inputs, count_params(model), options, pipeline, dump_dir)
+        return _compile_swapped(work, example_inputs, count_params(model), options, pipeline, dump_dir, stats)
     gm, inputs = frontend.trace(work, example_inputs)
     program = Program(gm, inputs, count_params(model), options)
     program.dump_dir = dump_dir  # passes run later (rank adaptation) dump here too
-    program = pipeline.run(program)
-    program.compiled_ratio = program.ratio
+    program = _run_pipeline(pipeline, program, stats)
     compiled = CompiledModel(program)
     if inplace:
         _swap_into(model, program)
@@ -150,8 +167,31 @@ def _check_mode(mode: Any, model: nn.Module) -> str:
     return mode
 
 
+def _run_pipeline(pipeline: Pipeline, program: Program, stats) -> Program:
+    """Run the compile pipeline with the calibration statistics in reach of its
+    passes, then drop them (covariances are large and used only here)."""
+    program.calibration = stats
+    try:
+        program = pipeline.run(program)
+    finally:
+        program.calibration = None
+    program.compiled_ratio = program.ratio
+    return program
+
+
+def _check_calibration(calibration: Any, options: CompileOptions) -> None:
+    if calibration is None:
+        if options.allocation == "sensitivity":
+            raise ValueError("allocation='sensitivity' chooses ranks from calibration data; pass "
+                             "calibration=<a few batches of inputs> too, or use allocation='uniform'")
+        return
+    if options.init != "svd":
+        raise ValueError(f"calibration fits the networks to the model's own layers, starting from TT-SVD; it "
+                         f"needs init='svd', got init={options.init!r} (init='random' is for training from scratch)")
+
+
 def _compile_swapped(work: nn.Module, example_inputs: Any, original_params: int, options: CompileOptions,
-                     pipeline: Pipeline, dump_dir) -> nn.Module:
+                     pipeline: Pipeline, dump_dir, stats=None) -> nn.Module:
     """Swap mode (:mod:`tncompile.swap`): trace ``work``, run the pipeline over its own layers
     only, put the results into ``work`` and give it the compiled-model API."""
     layers = swappable_layers(work)
@@ -159,8 +199,7 @@ def _compile_swapped(work: nn.Module, example_inputs: Any, original_params: int,
     program = Program(gm, inputs, original_params, options)
     program.dump_dir = dump_dir
     program.swap_layers = layers
-    program = pipeline.run(program)
-    program.compiled_ratio = program.ratio
+    program = _run_pipeline(pipeline, program, stats)
     work.__class__ = subclass_of(type(work))
     work.__dict__["_tncompile_program"] = program
     swap_into(work, program)

@@ -27,6 +27,9 @@ def check_target_ratio(target_ratio: Any, argument: str = "target_ratio") -> flo
     return value
 
 
+#: ``compile(allocation=...)``: how ranks are shared among layers.
+ALLOCATIONS = ("auto", "sensitivity", "uniform")
+
 #: Most rows a contraction is planned for (beyond it index arithmetic overflows int32
 #: kernels and no device holds the activations).
 MAX_ROWS = 2**31 - 1
@@ -64,8 +67,13 @@ class CompileOptions:
     embedding_cores: int = 4
     seed: int | None = 0
     prefer: str = "speed"
+    allocation: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got {self.allocation!r}: 'sensitivity' "
+                             "spends the parameters where calibration data shows the output needs them, "
+                             "'uniform' gives every layer the same rank, 'auto' picks sensitivity with calibration")
         self.target_ratio = check_target_ratio(self.target_ratio)
         if self.prefer not in PREFER:
             raise ValueError(f"prefer must be one of {PREFER}, got {self.prefer!r}: 'speed' keeps every "

@@ -21,6 +21,7 @@ class LayerRow:
     flops_dense: int | None = None   # per token
     flops_now: int | None = None
     note: str = ""
+    calibration: dict | None = None  # relative output errors on calibration data (compile(calibration=...))
 
     @property
     def ratio(self) -> float:
@@ -45,15 +46,19 @@ class Report:
         return [dict(vars(r), ratio=r.ratio) for r in self.rows]
 
     def __str__(self) -> str:
-        head = ("layer", "format", "modes", "ranks", "dense", "compiled", "ratio", "flops/tok", "note")
+        calibrated = any(r.calibration for r in self.rows)
+        head = ("layer", "format", "modes", "ranks", "dense", "compiled", "ratio", "flops/tok",
+                *(("calib. error",) if calibrated else ()), "note")
         body = []
         for r in self.rows:
             flops = (f"{fmt_count(r.flops_dense)}->{fmt_count(r.flops_now)}"
                      if r.flops_dense and r.flops_now is not None else
                      (f"lookup {fmt_count(r.flops_now)}" if r.flops_now else ""))
+            extra = (_calibration_cell(r.calibration),) if calibrated else ()
             body.append((r.name, r.format, r.modes, ranks_str(r.ranks) if r.ranks else "",
-                         f"{r.dense_params:,}", f"{r.params:,}", f"{r.ratio:.2%}", flops, r.note))
-        body.append(("(rest: norms, biases, dense layers)", "", "", "", "", f"{self.other_params:,}", "", "", ""))
+                         f"{r.dense_params:,}", f"{r.params:,}", f"{r.ratio:.2%}", flops, *extra, r.note))
+        body.append(("(rest: norms, biases, dense layers)", "", "", "", "", f"{self.other_params:,}", "", "",
+                     *(("",) if calibrated else ()), ""))
         widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
 
         def line(cells):
@@ -63,10 +68,24 @@ class Report:
         out = [line(head), sep, *map(line, body), sep,
                f"total: {self.original_params:,} -> {self.params:,} params  "
                f"ratio {self.ratio:.4f}  ({self.original_params / max(self.params, 1):.1f}x smaller)"]
+        if calibrated:
+            out.append("calib. error: relative output error on the calibration data -- est.: rank allocation's "
+                       "estimate at the chosen rank; TT-SVD's -> after the calibrated fit")
         return "\n".join(out)
 
     def _repr_pretty_(self, p, cycle):  # IPython
         p.text(str(self))
+
+
+def _calibration_cell(errors: dict | None) -> str:
+    if not errors:
+        return ""
+    parts = []
+    if "estimated_error" in errors:
+        parts.append(f"est. {errors['estimated_error']:.3g}")
+    if "svd_error" in errors:
+        parts.append(f"{errors['svd_error']:.3g}->{errors['fit_error']:.3g}")
+    return ", ".join(parts)
 
 
 def build_report(program) -> Report:
@@ -93,7 +112,9 @@ def build_report(program) -> Report:
                                      "pending" if info["pending"] else "",
                                      f"same network as {getattr(mod, 'tied_to', None) or shared}" if alias else
                                      ("shares cores with its embedding" if "tied" in info["format"] else ""),
-                                     program.notes.get(node.target, "")]))))
+                                     program.notes.get(node.target, "")])),
+                                 calibration=dict(getattr(program, "calibration_summary", {}).get(node.target, {}))
+                                 or None))
         elif node.target in program.notes and hasattr(mod, "dense_params"):  # collapsed by rank adaptation
             rows.append(LayerRow(node.target, "removed", "", None, mod.dense_params, 0, note=program.notes[node.target]))
         elif node.target in program.notes:

@@ -30,9 +30,13 @@ HYPER_REPEATS = 32
 # ---------------------------------------------------------------- compile: what to compress
 #: Layers with fewer weights than this stay dense (``tensorize``).
 MIN_LAYER_PARAMS = 4096
-#: A network may keep at most this share of its dense weight (``tensorize`` leaves
-#: layers dense whose rank-1 network exceeds it; ``assign_ranks`` caps ranks at it).
-MAX_LAYER_RATIO = 0.5
+#: ``tensorize`` leaves a layer dense when its rank-1 network keeps more than this
+#: share of the dense weight (too little to gain).
+MAX_RANK1_RATIO = 0.5
+#: ``assign_ranks`` caps every network at this share of its dense weight: up to where
+#: a network still saves parameters, so a gentle ``target_ratio`` (0.7, 0.8: pretrained
+#: models) is reachable; beyond it a dense layer is as small, exact and cheaper to run.
+MAX_LAYER_RATIO = 0.9
 #: Mode factorization: a padded size is allowed up to this share above the true size ...
 MAX_MODE_PADDING = 0.25
 #: ... and each unit of padding share costs this much against balance when choosing.
@@ -40,9 +44,9 @@ PAD_PENALTY = 0.1
 
 # ---------------------------------------------------------------- compile: ranks
 #: ``compile(prefer="speed")`` compares a TT network's training step with its dense
-#: layer's over the rows each layer saw when traced; traced without example inputs
-#: (no shapes) and without ``batch_sizes``, it assumes this many (a small training
-#: batch of vectors).
+#: layer's over a batch of this many samples (unless ``batch_sizes`` names larger
+#: ones), each with the rows per sample the layer saw when traced: the rank never
+#: depends on the batch size the example inputs happened to have.
 ASSUMED_ROWS = 32
 
 # ---------------------------------------------------------------- runtime: TT linear over few rows

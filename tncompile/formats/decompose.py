@@ -8,7 +8,7 @@ import torch
 from .layout import TTLayout, TTMLayout
 
 __all__ = ["tt_svd", "tt_from_linear_weight", "ttm_from_embedding_weight",
-           "random_cores", "tt_to_dense", "ttm_to_dense"]
+           "random_cores", "tt_to_dense", "ttm_to_dense", "tt_factors"]
 
 
 def tt_svd(tensor: torch.Tensor, ranks: tuple[int, ...]) -> list[torch.Tensor]:
@@ -123,10 +123,36 @@ def _chain(cores: list[torch.Tensor]) -> torch.Tensor:
     return out.reshape(-1)
 
 
+def tt_factors(cores: list[torch.Tensor], n_in: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A TT matrix (input modes first) as two thin factors, ``W.T = A @ B``.
+
+    Parameters
+    ----------
+    cores : list of Tensor
+        ``(r_{k-1}, s_k, r_k)``; the first ``n_in`` carry the input modes.
+
+    Returns
+    -------
+    A : Tensor, shape ``(padded_in, r)``
+        The input cores merged; ``r`` is the bond between input and output cores.
+    B : Tensor, shape ``(r, padded_out)``
+        The output cores merged. Differentiable; costs ``O(in r^2 + out r^2)``
+        multiply-adds, never ``in x out x r``.
+    """
+    a = cores[0].reshape(-1, cores[0].shape[-1])                    # (m_1, r_1)
+    for core in cores[1:n_in]:                                      # (m_1..m_k, r_k)
+        a = (a @ core.reshape(core.shape[0], -1)).reshape(-1, core.shape[-1])
+    b = cores[-1].reshape(cores[-1].shape[0], -1)                   # (r, n_last)
+    for core in reversed(cores[n_in:-1]):                           # (r, n_j..n_last)
+        b = (core.reshape(-1, core.shape[-1]) @ b).reshape(core.shape[0], -1)
+    return a, b
+
+
 def tt_to_dense(cores: list[torch.Tensor], layout: TTLayout) -> torch.Tensor:
-    """Dense weight ``[out, in]`` (unpadded) from TT cores."""
-    full = _chain(cores).reshape(layout.padded_in, layout.padded_out)
-    return full[: layout.in_features, : layout.out_features].t()
+    """Dense weight ``[out, in]`` (unpadded) from TT cores: one product of the
+    two merged factors (:func:`tt_factors`)."""
+    a, b = tt_factors(cores, len(layout.in_modes))
+    return (a[: layout.in_features] @ b[:, : layout.out_features]).t()
 
 
 def ttm_to_dense(cores: list[torch.Tensor], layout: TTMLayout) -> torch.Tensor:

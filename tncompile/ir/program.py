@@ -163,6 +163,13 @@ class Program:
     listeners : list of callables
         Called with the program after every pipeline run on it (swap mode puts the
         program's current layers back into the user's model).
+    calibration : CalibrationStats or None
+        While ``compile(calibration=...)`` runs its pipeline: what the dense layers
+        did on the calibration inputs (:mod:`tncompile.calibration`); dropped after.
+    calibration_summary : dict
+        ``layer -> {"estimated_error", "svd_error", "fit_error"}``: relative output
+        errors on the calibration inputs (rank allocation's estimate at the chosen
+        rank, TT-SVD's, the calibrated fit's).
     """
 
     def __init__(self, graph_module: fx.GraphModule, inputs: InputSpec, original_params: int,
@@ -177,6 +184,8 @@ class Program:
         self.compiled_ratio: float | None = None
         self.swap_layers: dict[str, str] | None = None
         self.listeners: list = []
+        self.calibration = None
+        self.calibration_summary: dict[str, dict[str, float]] = {}
 
     @property
     def graph(self) -> fx.Graph:

@@ -10,6 +10,7 @@ from .base import Pass, register_pass
 from .pending import PendingLayer
 from .plan_contractions import example_rows
 from .selection import check_pattern_keys, pattern_lookup
+from .sensitivity import by_sensitivity
 
 __all__ = ["AssignRanks"]
 
@@ -21,17 +22,20 @@ class AssignRanks(Pass):
     the layouts allow.
 
     Ranks are uniform per layer (every internal bond gets the layer's rank,
-    clipped to its bound). Layers named in ``rank_pattern`` get that rank;
-    the others share one rank ``r`` found by bisection, then single layers are
-    raised one step at a time (largest first) while the budget allows. No
+    clipped to its bound). Layers named in ``rank_pattern`` get that rank.
+    With calibration statistics (``compile(calibration=...)``, allocation
+    ``"sensitivity"``, the default then) the others get ranks chosen from
+    their estimated output error per parameter (:mod:`tncompile.calibration.allocation`);
+    otherwise they share one rank ``r`` found by bisection. Then single layers are
+    raised one step at a time (most sensitive, else largest, first) while the budget allows. No
     layer gets a rank at which its network is not smaller than its dense
     weight, nor a rank at which it keeps more than ``max_layer_ratio`` of it
     (there a dense layer is as small, exact and cheaper to run).
 
     With ``compile(prefer="speed")`` (the default) no TT linear gets a rank
-    at which a training step (forward and backward) over the rows it saw when
-    traced (without shapes: the largest of ``batch_sizes``, else
-    ``tuning.ASSUMED_ROWS``) costs more
+    at which a training step (forward and backward) over a batch of the
+    largest of ``batch_sizes`` (else ``tuning.ASSUMED_ROWS``) samples, each
+    with the rows per sample it saw when traced (a sequence's tokens), costs more
     multiply-adds than its dense layer's, ``3 * rows * in * out`` (costed in the cheaper fixed order,
     :func:`tncompile.planning.fixed_order_macs`). With ``prefer="size"``, and for ranks fixed by
     ``rank_pattern``, such layers are noted in ``program.notes`` (the report
@@ -101,17 +105,22 @@ class AssignRanks(Pass):
                 f"is {smallest / program.original_params:.4g} (every tensorized layer at rank 1{hint}; "
                 f"{base:,} parameters stay dense). Raise target_ratio to at least that, or compress "
                 f"more layers (target_modules) or use more cores per layer.")
-        lo, hi = 1, max(caps.values())
-        while lo < hi:  # largest uniform rank within budget
-            mid = (lo + hi + 1) // 2
-            if total(uniform(mid)) <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
-        ranks = uniform(lo)
+        ranks = by_sensitivity(program, owners, fixed, caps, budget - base)
+        if ranks is None:
+            lo, hi = 1, max(caps.values())
+            while lo < hi:  # largest uniform rank within budget
+                mid = (lo + hi + 1) // 2
+                if total(uniform(mid)) <= budget:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            ranks = uniform(lo)
         used = total(ranks)
+        # leftover budget: one rank step at a time, the most sensitive (else the largest) layers first
+        sensitivity = getattr(program, "calibration_summary", {})
         order = sorted((n for n in owners if n not in fixed),
-                       key=lambda n: owners[n].layout.dense_params, reverse=True)
+                       key=lambda n: (sensitivity.get(n, {}).get("estimated_error", 0.0),
+                                      owners[n].layout.dense_params), reverse=True)
         grew = True
         while grew:
             grew = False
@@ -140,9 +149,11 @@ class AssignRanks(Pass):
         for node, mod in program.modules():
             if node.target in owners and isinstance(mod.layout, TTLayout):
                 seen = example_rows(node, lookup=False)
-                # no shapes (fx without example_inputs): the rows asked for with batch_sizes,
-                # else a small batch -- never skip the check
-                traced = seen[1] if seen is not None else max(program.options.batch_sizes or [tuning.ASSUMED_ROWS])
+                # rows per sample as traced (sequence length), times the batch asked for with
+                # batch_sizes, else a typical one: never the batch the example happened to have.
+                # No shapes (fx without example_inputs): one row per sample.
+                batch = max(program.options.batch_sizes or [tuning.ASSUMED_ROWS])
+                traced = batch * max(seen[1] // max(seen[0], 1), 1) if seen is not None else batch
                 per_network = experts_rows(traced, mod.layout.experts)
                 rows[node.target] = max(rows.get(node.target, 0), per_network)
         return rows

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
+from ..calibration.layer_fit import fit_linear_cores, fit_table_cores
 from ..ir.program import Program
+from ..runtime.module_kinds import linear_weight_of
 from ..runtime.experts import TTExperts
 from ..runtime.embedding_bag import TTMEmbeddingBag
 from ..runtime.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
@@ -18,7 +20,11 @@ __all__ = ["Decompose"]
 class Decompose(Pass):
     """Build the cores of every pending layer at its assigned ranks:
     TT-SVD of the dense weight (``init="svd"``) or a variance-matched random
-    draw (``init="random"``). Tied heads then share their embedding's cores,
+    draw (``init="random"``). With calibration statistics
+    (``compile(calibration=...)``) each linear network is then refit to the
+    layer's outputs on those inputs and each table to its rows weighted by use
+    (:mod:`tncompile.calibration.layer_fit`); the errors before and after go
+    into ``program.calibration_summary`` (the report shows them). Tied heads then share their embedding's cores,
     and other lookups of the same table (aliases) become the embedding itself."""
 
     name = "decompose"
@@ -39,7 +45,9 @@ class Decompose(Pass):
         gen = torch.Generator().manual_seed(opts.seed) if opts.seed is not None else None
         built: dict[str, torch.nn.Module] = {}
         owners = [(n, m) for n, m in pending.items() if m.tied_to is None]
-        for name, mod in tqdm(owners, desc="decompose", disable=None, leave=False):
+        stats = getattr(program, "calibration", None)
+        for name, mod in tqdm(owners, desc="decompose" if stats is None else "decompose + calibrated fit",
+                              disable=None, leave=False):
             if mod.kind == "embedding_bag":
                 new = TTMEmbeddingBag.from_embedding_bag(mod.dense, rank=None, layout=mod.layout,
                                                          init=opts.init, generator=gen)
@@ -53,6 +61,8 @@ class Decompose(Pass):
                 new = TTLinear.from_linear(mod.dense, rank=None, layout=mod.layout, init=opts.init,
                                            generator=gen)
                 _share_bias(new, mod.dense)
+            if stats is not None:
+                _fit_to_calibration(program, name, mod, new, stats)
             new.train(mod.training)
             built[name] = new
             gm.set_submodule(name, new)
@@ -71,6 +81,27 @@ class Decompose(Pass):
             _share_bias(head, mod.dense)
             gm.set_submodule(name, head)
         return program
+
+
+def _fit_to_calibration(program: Program, name: str, pending: PendingLayer, layer: torch.nn.Module,
+                        stats) -> None:
+    """Refit ``layer``'s cores to what ``pending.dense`` does on the calibration inputs."""
+    if pending.kind in ("embedding", "embedding_bag"):
+        counts = stats.counts_of(pending.dense.weight)
+        if counts is None:
+            return
+        result = fit_table_cores(pending.dense.weight, layer.layout, counts)
+    elif pending.kind in ("linear", "conv1d"):
+        moment = stats.moment_of(pending.dense.weight)
+        if moment is None:
+            return
+        result = fit_linear_cores(linear_weight_of(pending.dense), layer.layout, moment)
+    else:  # experts: TT-SVD only
+        return
+    dtype = layer.cores[0].dtype
+    layer.set_cores([c.to(dtype) for c in result.cores])
+    summary = program.__dict__.setdefault("calibration_summary", {}).setdefault(name, {})
+    summary.update(svd_error=result.svd_error, fit_error=result.fit_error)
 
 
 def _share_bias(layer, dense) -> None:

@@ -37,8 +37,8 @@ class Tensorize(Pass):
         (default :data:`tncompile.tuning.MIN_LAYER_PARAMS`).
     max_layer_ratio : float, optional
         A layer whose rank-1 network is larger than this share of its dense
-        weight gains too little and is left dense (``assign_ranks`` caps the
-        others at the same share; default :data:`tncompile.tuning.MAX_LAYER_RATIO`).
+        weight gains too little and is left dense (default
+        :data:`tncompile.tuning.MAX_RANK1_RATIO`).
     """
 
     name = "tensorize"
@@ -53,7 +53,7 @@ class Tensorize(Pass):
 
     @property
     def max_layer_ratio(self) -> float:
-        return tuning.MAX_LAYER_RATIO if self._max_layer_ratio is None else self._max_layer_ratio
+        return tuning.MAX_RANK1_RATIO if self._max_layer_ratio is None else self._max_layer_ratio
 
     def run(self, program: Program) -> Program:
         opts = program.options

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import tuning
-from ..formats.decompose import (random_cores, tt_from_linear_weight, tt_to_dense,
+from ..formats.decompose import (random_cores, tt_factors, tt_from_linear_weight, tt_to_dense,
                                  ttm_from_embedding_weight, ttm_to_dense)
 from ..formats.indices import planner_problem
 from ..formats.layout import TTLayout, TTMLayout
@@ -290,15 +290,7 @@ class TTLinear(TNModule):
         """The matrix as two thin factors, ``W.T = A @ B`` (gates included):
         ``A (padded_in, r)`` merges the input cores, ``B (r, padded_out)``
         the output cores, ``r`` the bond between them. Differentiable."""
-        cores = self.scaled_cores()
-        n_in = len(self.layout.in_modes)
-        a = cores[0].reshape(-1, cores[0].shape[-1])                    # (m_1, r_1)
-        for core in cores[1:n_in]:                                      # (m_1..m_k, r_k)
-            a = (a @ core.reshape(core.shape[0], -1)).reshape(-1, core.shape[-1])
-        b = cores[-1].reshape(cores[-1].shape[0], -1)                   # (r, n_last)
-        for core in reversed(cores[n_in:-1]):                           # (r, n_j..n_last)
-            b = (core.reshape(-1, core.shape[-1]) @ b).reshape(core.shape[0], -1)
-        return a, b
+        return tt_factors(self.scaled_cores(), len(self.layout.in_modes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout

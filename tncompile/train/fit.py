@@ -13,6 +13,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .controller import RankController
+from .distill import Distill, Teacher, distill_loss
 from .distributed import DistributedModel, rank, save_on_rank0, unwrap
 from .sharding import is_sharded
 from .history import History
@@ -42,28 +43,48 @@ def _unpack(batch: Any) -> tuple[Any, Any]:
                      + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else ""))
 
 
-def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any], torch.Tensor],
-        optimizer: torch.optim.Optimizer, controller: RankController, early_steps: int, late_steps: int,
+def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        optimizer: torch.optim.Optimizer | None = None, controller: RankController | None = None,
+        early_steps: int = 0, late_steps: int = 0,
         eval_fn: Callable[[nn.Module], float | dict[str, float]] | None = None, *,
+        steps: int | None = None, teacher: nn.Module | None = None, distill: Distill | None = None,
         eval_every: int | None = None, log_every: int = 10, grad_clip: float | None = None,
         checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int | None = None,
         history: History | None = None, scheduler: Any = None, cuda_graph: bool | str = "auto",
         progress: bool = True, ddp: dict[str, Any] | None = None) -> History:
-    """Train ``compiled`` for ``early_steps`` early-stage then ``late_steps``
-    late-stage steps of CoMERA's rank-adaptive schedule.
+    """Train ``compiled``: with a ``controller``, ``early_steps`` early-stage then
+    ``late_steps`` late-stage steps of CoMERA's rank-adaptive schedule; without
+    one, ``steps`` steps at fixed ranks (fine-tuning, distillation; freeze the
+    rank gates with :func:`tncompile.freeze_gates` to train cores only).
 
-    Each step: ``task = loss_fn(compiled(inputs), targets)``, backward on
+    Each step: ``task = loss_fn(compiled(inputs), targets)`` (plus the
+    distillation terms with a ``teacher``), backward on
     ``task + controller.penalty(task)``, optional gradient clipping,
     ``optimizer.step()``, ``controller.step()`` (which may cut ranks).
 
     Parameters
     ----------
-    train_loader : iterable of (inputs, targets)
-        Cycled as often as needed. Inputs are passed as ``compiled(x)``,
-        ``compiled(*x)`` (tuple) or ``compiled(**x)`` (dict).
+    train_loader : iterable
+        Cycled as often as needed. Batches are pairs ``(inputs, targets)``; with
+        ``loss_fn=None`` (distillation alone) each batch is the inputs alone
+        (unlabeled). Inputs are passed as ``compiled(x)``, ``compiled(*x)``
+        (tuple) or ``compiled(**x)`` (dict).
+    loss_fn : callable, optional
+        ``loss_fn(outputs, targets) -> scalar``; ``None`` needs a ``teacher``.
+    controller : RankController, optional
+        Rank adaptation; ``None`` trains at fixed ranks for ``steps`` steps.
     early_steps, late_steps : int
-        Stage lengths; the controller switches stage after ``early_steps``
+        Stage lengths with a controller; it switches stage after ``early_steps``
         steps (counted from the start of the run, across resumes).
+    steps : int, optional
+        Steps without a controller (counted across resumes).
+    teacher : nn.Module, optional
+        The original model to distill from (:mod:`tncompile.train.distill`): run
+        on every batch in eval mode without autograd, never modified, sharing no
+        parameter with the student. Steps run eagerly (not captured).
+    distill : Distill, optional
+        Which outputs to match and how much (default ``Distill()``: KL on logits
+        when the teacher's output has them, else relative MSE on its main output).
     eval_fn : callable, optional
         ``eval_fn(compiled) -> float or {metric: value}``, called in eval mode
         under ``torch.no_grad()`` every ``eval_every`` steps (default: at the
@@ -99,11 +120,21 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
     History
         Losses, ratio, step times, ranks, stage switches, truncations, evals.
     """
-    if not isinstance(controller, RankController):
-        raise TypeError(f"fit: controller must be a RankController, got {type(controller).__name__}")
+    if controller is not None and not isinstance(controller, RankController):
+        raise TypeError(f"fit: controller must be a RankController or None, got {type(controller).__name__}")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"fit: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     for name, value in (("early_steps", early_steps), ("late_steps", late_steps)):
-        if not (isinstance(value, int) and value >= 0):
+        if isinstance(value, bool) or not (isinstance(value, int) and value >= 0):
             raise ValueError(f"fit: {name} must be an int >= 0, got {value!r}")
+    if controller is None:
+        if early_steps or late_steps:
+            raise ValueError("fit: early_steps / late_steps are the rank controller's stages; without a controller "
+                             "give steps=N (fixed ranks), or pass a RankController")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"fit: without a controller give steps=<int >= 0> (fixed-rank training), got {steps!r}")
+    elif steps is not None:
+        raise ValueError("fit: with a controller the run is early_steps + late_steps long; leave out steps=")
     for name, value, allow_none in (("log_every", log_every, False), ("eval_every", eval_every, True),
                                     ("checkpoint_every", checkpoint_every, True)):
         if value is None and allow_none:
@@ -113,40 +144,68 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
     if not isinstance(train_loader, abc.Iterable) or isinstance(train_loader, (str, bytes, torch.Tensor)):
         raise TypeError(f"fit: train_loader must be an iterable of (inputs, targets) batches (a DataLoader, "
                         f"a list), got {type(train_loader).__name__}")
-    if not callable(loss_fn):
+    if loss_fn is None and teacher is None:
+        raise ValueError("fit: give loss_fn(outputs, targets), or a teacher to distill from (or both)")
+    if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"fit: loss_fn must be callable as loss_fn(outputs, targets), got {type(loss_fn).__name__}")
+    if distill is not None and teacher is None:
+        raise ValueError("fit: distill= says what to learn from a teacher; pass teacher=<the original model>")
     if (checkpoint_path is None) != (checkpoint_every is None):
         raise ValueError("fit: give checkpoint_path and checkpoint_every together")
     wrapper = _distributed_wrapper(compiled, ddp)
     compiled = unwrap(compiled)
-    if controller.compiled is not compiled:
-        raise ValueError("fit: the controller was built for a different model")
-    if controller.optimizer is not optimizer:
-        raise ValueError("fit: the controller was built with a different optimizer")
+    if controller is not None:
+        if controller.compiled is not compiled:
+            raise ValueError("fit: the controller was built for a different model")
+        if controller.optimizer is not optimizer:
+            raise ValueError("fit: the controller was built with a different optimizer")
+        frozen = [n for n, p in compiled.named_parameters() if _is_gate(n) and not p.requires_grad]
+        if frozen:
+            raise ValueError(f"fit: rank gates are frozen ({frozen[:2]}...) but a RankController trains them; "
+                             "tncompile.freeze_gates(model, False) first, or train without a controller")
     history = history if history is not None else History()
-    if controller.stage == "early":
-        controller.early_steps = early_steps
-    controller.late_steps = late_steps  # the budget schedule's time scale
-    total = early_steps + late_steps
-    start = controller.steps_done
+    if controller is not None:
+        if controller.stage == "early":
+            controller.early_steps = early_steps
+        controller.late_steps = late_steps  # the budget schedule's time scale
+        total = early_steps + late_steps
+        start = controller.steps_done
+        ratio = controller.ratio
+        if start == 0 and not history.ranks:
+            history.ranks.append((0, {k: list(v) for k, v in controller.active_ranks().items()}))
+    else:
+        total = steps
+        start = history.step[-1] if history.step else 0
+        ratio = float(getattr(compiled, "ratio", 1.0))
     eval_every = eval_every or (early_steps if early_steps else None)
-    ratio = controller.ratio
-    if start == 0 and not history.ranks:
-        history.ranks.append((0, {k: list(v) for k, v in controller.active_ranks().items()}))
-    train_step = TrainStep(wrapper or compiled, optimizer, loss_fn, controller=controller, cuda_graph=cuda_graph,
-                           grad_clip=grad_clip)
+    step_loss = loss_fn
+    guide = None
+    if teacher is not None:
+        guide = Teacher(teacher, compiled, distill)
+        step_loss = distill_loss(guide, loss_fn)
+        cuda_graph = False  # the teacher's pass and the hooks run eagerly each step
+    try:
+        train_step = TrainStep(wrapper or compiled, optimizer, step_loss, controller=controller,
+                               cuda_graph=cuda_graph, grad_clip=grad_clip)
+    except BaseException:
+        if guide is not None:
+            guide.close()
+        raise
+    stage = controller.stage if controller is not None else "fixed"
     interactive = sys.stderr.isatty()
     # not a terminal (a log file, CI): still report, every 30 s instead of redrawing
     bar = tqdm(total=total, initial=min(start, total), desc="fit",
-               disable=not progress or rank(controller.process_group) != 0,
+               disable=not progress or rank(getattr(controller, "process_group", None)) != 0,
                dynamic_ncols=True, mininterval=0.1 if interactive else 30.0)
     was_training = compiled.training
     compiled.train()
     skipped = train_step.skipped_steps()
     try:
         for step, batch in zip(range(start + 1, total + 1), _batches(train_loader, start)):
-            inputs, targets = _unpack(batch)
+            inputs, targets = _unpack(batch) if loss_fn is not None else (batch, None)
             t0 = perf_counter()
+            if guide is not None:
+                targets = (targets, guide.record(inputs), inputs)
             task = train_step(inputs, targets)      # forward, penalty, backward, clip, optimizer, controller
             if scheduler is not None:
                 scheduler.step()
@@ -156,32 +215,48 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
                 skipped += 1
                 history.skipped.append(step)
             step_ms = (perf_counter() - t0) * 1e3
-            if event.shapes_changed:
-                ratio = controller.ratio
-            history.record(step, loss_value, task_value, ratio, step_ms, controller.stage)
-            if event.stage_changed:
-                history.events.append({"step": step, "kind": "late_stage",
-                                       "target_loss": float(controller.target_loss)})
-            if event.shapes_changed:
-                history.events.append({"step": step, "kind": "truncation", "ratio": ratio,
-                                       "truncated": {k: [list(a), list(b)] for k, (a, b) in event.truncated.items()},
-                                       "removed": list(event.removed)})
-            if event.shapes_changed or step % log_every == 0 or step == total:
-                history.ranks.append((step, {k: list(v) for k, v in controller.active_ranks().items()}))
+            if controller is not None:
+                stage = controller.stage
+                if event.shapes_changed:
+                    ratio = controller.ratio
+            history.record(step, loss_value, task_value, ratio, step_ms, stage)
+            if event is not None:
+                _record_event(history, step, event, controller, ratio, log_every, total)
             if eval_fn is not None and ((eval_every and step % eval_every == 0) or step == total):
                 history.evals.append((step, _evaluate(eval_fn, compiled)))
             if checkpoint_path is not None and step % checkpoint_every == 0:
-                save_on_rank0(compiled, checkpoint_path, controller.process_group, optimizer=optimizer,
-                              controller=controller,
+                save_on_rank0(compiled, checkpoint_path, getattr(controller, "process_group", None),
+                              optimizer=optimizer, controller=controller,
                               extra={"history": history,
                                      "scheduler": scheduler.state_dict() if scheduler is not None else None})
             bar.update(1)
             bar.set_postfix(loss=f"{task_value:.4f}", ratio=f"{ratio:.4g}", ms=f"{step_ms:.0f}",
-                            stage=controller.stage, refresh=False)
+                            stage=stage, refresh=False)
     finally:
         bar.close()
         compiled.train(was_training)
+        if guide is not None:
+            guide.close()
     return history
+
+
+def _record_event(history: History, step: int, event, controller: RankController, ratio: float,
+                  log_every: int, total: int) -> None:
+    """Stage switches, truncations and the switched-on ranks, into ``history``."""
+    if event.stage_changed:
+        history.events.append({"step": step, "kind": "late_stage", "target_loss": float(controller.target_loss)})
+    if event.shapes_changed:
+        history.events.append({"step": step, "kind": "truncation", "ratio": ratio,
+                               "truncated": {k: [list(a), list(b)] for k, (a, b) in event.truncated.items()},
+                               "removed": list(event.removed)})
+    if event.shapes_changed or step % log_every == 0 or step == total:
+        history.ranks.append((step, {k: list(v) for k, v in controller.active_ranks().items()}))
+
+
+def _is_gate(name: str) -> bool:
+    """A rank gate's parameter name (``...gates.<i>``)."""
+    parts = name.split(".")
+    return len(parts) >= 2 and parts[-2] == "gates" and parts[-1].isdigit()
 
 
 def _distributed_wrapper(model: nn.Module, ddp: dict[str, Any] | None):

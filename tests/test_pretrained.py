@@ -1,0 +1,341 @@
+"""Pretrained models: calibrated initialization, rank allocation by sensitivity,
+distillation in ``fit``, gentle targets, fixed-rank training, ``compress_pretrained``.
+
+The "pretrained" model is a small text classifier trained here for a few hundred
+steps on Zipf-distributed token ids (no downloads); its trained weights are not
+low-rank.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tncompile
+from tncompile.calibration import collect_statistics, fit_linear_cores, fit_table_cores
+from tncompile.formats.decompose import tt_from_linear_weight, tt_to_dense, ttm_from_embedding_weight, ttm_to_dense
+from tncompile.formats.layout import TTLayout, TTMLayout
+
+VOCAB, SEQ = 400, 16
+
+
+class TinyText(nn.Module):
+    def __init__(self, vocab=VOCAB, dim=48, hidden=192, classes=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = h + self.fc2(F.gelu(self.fc1(h)))
+        return self.head(h.mean(1))
+
+
+def zipf_ids(n, generator):
+    p = 1.0 / torch.arange(1, VOCAB + 1, dtype=torch.float64) ** 1.1
+    return torch.multinomial(p / p.sum(), n * SEQ, replacement=True, generator=generator).reshape(n, SEQ)
+
+
+@pytest.fixture(scope="module")
+def pretrained():
+    """(model, calibration batches, held-out batches): trained 300 steps."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    truth = torch.randn(VOCAB, 4, generator=g)
+    model = TinyText()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(300):
+        ids = zipf_ids(32, g)
+        loss = F.cross_entropy(model(ids), truth[ids].sum(1).argmax(1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    model.eval()
+    calib = [zipf_ids(32, g) for _ in range(6)]
+    held = [zipf_ids(64, g) for _ in range(4)]
+    return model, calib, held
+
+
+def output_error(model, reference, batches):
+    with torch.no_grad():
+        num = sum(float((model(x) - reference(x)).pow(2).sum()) for x in batches)
+        den = sum(float(reference(x).pow(2).sum()) for x in batches)
+    return num / den
+
+
+def state_of(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---------------------------------------------------------------- statistics
+def test_statistics_are_the_inputs_second_moments_and_row_counts(pretrained):
+    model, calib, _ = pretrained
+    before = state_of(model)
+    stats = collect_statistics(model, calib, progress=False)
+    xs = [model.emb(x).reshape(-1, 48).double() for x in calib]
+    x = torch.cat(xs)
+    # one batch's products in float32, summed in float64
+    torch.testing.assert_close(stats.moment_of(model.fc1.weight), x.t() @ x / x.shape[0], rtol=1e-5, atol=1e-5)
+    counts = torch.bincount(torch.cat([c.reshape(-1) for c in calib]), minlength=VOCAB)
+    assert torch.equal(stats.counts_of(model.emb.weight), counts)
+    assert stats.batches == len(calib) and not model.training
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_layers_fed_the_same_tensor_share_one_moment_until_their_inputs_differ():
+    class QKV(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x, other=None):
+            return self.q(x) + self.k(x) + self.v(x if other is None else other)
+    model = QKV()
+    xs = [torch.randn(5, 8) for _ in range(3)]
+    stats = collect_statistics(model, [xs[0], xs[1]], progress=False)
+    assert stats.moments[id(model.q.weight)] is stats.moments[id(model.v.weight)]
+    stats2 = collect_statistics(model, [xs[0], (xs[1], xs[2])], progress=False)
+    q, v = stats2.moment_of(model.q.weight), stats2.moment_of(model.v.weight)
+    a, b = torch.cat([xs[0], xs[1]]).double(), torch.cat([xs[0], xs[2]]).double()
+    torch.testing.assert_close(q, a.t() @ a / 10)
+    torch.testing.assert_close(v, b.t() @ b / 10)
+
+
+def test_calibration_input_is_checked():
+    model = TinyText()
+    with pytest.raises(TypeError, match="iterable of model inputs"):
+        tncompile.compile(model, 0.3, calibration=torch.zeros(2, SEQ, dtype=torch.long))
+    with pytest.raises(ValueError, match="no batches"):
+        tncompile.compile(model, 0.3, calibration=[])
+    with pytest.raises(ValueError, match="init='svd'"):
+        tncompile.compile(model, 0.3, init="random", calibration=[torch.zeros(2, SEQ, dtype=torch.long)])
+    with pytest.raises(ValueError, match="needs|calibration="):
+        tncompile.compile(model, 0.3, allocation="sensitivity")
+    with pytest.raises(ValueError, match="allocation must be"):
+        tncompile.compile(model, 0.3, allocation="greedy")
+
+
+# ---------------------------------------------------------------- layer fits (float64, against the dense matrices)
+@pytest.mark.parametrize("cores_per_side", [1, 2])
+def test_linear_fit_minimizes_the_output_error_it_reports(cores_per_side):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 36, generator=g, dtype=torch.float64)             # not low-rank
+    x = torch.randn(500, 36, generator=g, dtype=torch.float64) * torch.logspace(0, -2, 36, dtype=torch.float64)
+    moment = x.t() @ x / x.shape[0]
+    layout = TTLayout.for_shape(36, 40, cores_per_side).with_ranks(4)
+    result = fit_linear_cores(w, layout, moment, ridge=0.0)
+
+    def out_err(cores):
+        return float((x @ (w - tt_to_dense(cores, layout)).t()).pow(2).sum() / (x @ w.t()).pow(2).sum())
+    assert result.svd_error == pytest.approx(out_err(tt_from_linear_weight(w, layout)), rel=1e-9)
+    assert result.fit_error == pytest.approx(out_err(result.cores), rel=1e-9)
+    assert result.fit_error < 0.7 * result.svd_error
+    # never below the best rank-4 matrix in this metric: the truncated SVD of the whitened
+    # weight W C^{1/2} (closed form); with one core a side the network is any rank-4 matrix
+    vals, vecs = torch.linalg.eigh(moment)
+    sv = torch.linalg.svdvals(w @ (vecs * vals.clamp_min(0).sqrt()) @ vecs.t())
+    optimum = float(sv[4:].pow(2).sum() / sv.pow(2).sum())
+    assert result.fit_error >= optimum * (1 - 1e-9)
+    if cores_per_side == 1:
+        assert result.fit_error == pytest.approx(optimum, rel=1e-6)
+
+
+def test_table_fit_weights_rows_by_use():
+    g = torch.Generator().manual_seed(2)
+    table = torch.randn(120, 12, generator=g, dtype=torch.float64)
+    counts = torch.zeros(120, dtype=torch.long)
+    counts[:15] = 100                                                       # a few rows carry the text
+    layout = TTMLayout.for_shape(120, 12, 2).with_ranks(3)
+    result = fit_table_cores(table, layout, counts, uniform_share=0.05)
+    svd = ttm_to_dense(ttm_from_embedding_weight(table, layout), layout)
+    fitted = ttm_to_dense(result.cores, layout)
+
+    def used_err(t):
+        return float((t[:15] - table[:15]).pow(2).sum() / table[:15].pow(2).sum())
+    assert result.fit_error < result.svd_error
+    assert used_err(fitted) < 0.5 * used_err(svd)
+
+
+# ---------------------------------------------------------------- compile(calibration=...)
+@pytest.mark.parametrize("mode", ["graph", "swap"])
+def test_calibrated_compile_beats_svd_on_unseen_inputs(pretrained, mode):
+    model, calib, held = pretrained
+    before = state_of(model)
+    svd = tncompile.compile(model, 0.3, mode=mode)
+    fitted = tncompile.compile(model, 0.3, mode=mode, calibration=calib, allocation="uniform")
+    assert fitted.ratio == pytest.approx(svd.ratio)
+    assert output_error(fitted, model, held) < 0.7 * output_error(svd, model, held)
+    summary = fitted.program.calibration_summary
+    assert set(summary) == {"emb", "fc1", "fc2"}
+    assert all(s["fit_error"] < s["svd_error"] for s in summary.values())
+    assert fitted.program.calibration is None                  # covariances dropped after compiling
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_sensitivity_allocation_beats_uniform_at_the_same_size(pretrained):
+    model, calib, held = pretrained
+    skewed = copy.deepcopy(model)
+    with torch.no_grad():                                      # fc2 nearly rank 2: uniform ranks waste parameters on it
+        u, s, vh = torch.linalg.svd(skewed.fc2.weight, full_matrices=False)
+        skewed.fc2.weight.copy_((u[:, :2] * s[:2]) @ vh[:2] + 1e-4 * torch.randn_like(skewed.fc2.weight))
+    uniform = tncompile.compile(skewed, 0.25, calibration=calib, allocation="uniform")
+    sens = tncompile.compile(skewed, 0.25, calibration=calib)
+    assert sens.ratio <= 0.25 and sens.ratio <= 1.02 * uniform.ratio
+    ranks = {r.name: max(r.ranks) for r in sens.report().rows if r.ranks}
+    uniform_ranks = {r.name: max(r.ranks) for r in uniform.report().rows if r.ranks}
+    assert ranks["fc2"] < uniform_ranks["fc2"] and ranks["fc1"] > uniform_ranks["fc1"]
+    assert output_error(sens, skewed, held) < output_error(uniform, skewed, held)
+    text = str(sens.report())
+    assert "calib. error" in text and "est." in text
+
+
+# ---------------------------------------------------------------- gentle targets, traced batch
+def test_gentle_targets_are_reachable(pretrained):
+    model, _, _ = pretrained
+    for target in (0.6, 0.8):
+        compiled = tncompile.compile(model, target, prefer="size")
+        assert 0.9 * target <= compiled.ratio <= target
+        assert all(r.ratio <= 0.9 for r in compiled.report().rows if r.format.startswith("TT"))
+
+
+def test_ranks_do_not_depend_on_the_batch_size_traced_with(pretrained):
+    model, _, _ = pretrained
+    ranks = []
+    for batch in (2, 32):
+        compiled = tncompile.compile(model, 0.3, example_inputs=(torch.zeros(batch, SEQ, dtype=torch.long),))
+        ranks.append({r.name: r.ranks for r in compiled.report().rows})
+    assert ranks[0] == ranks[1]
+
+
+# ---------------------------------------------------------------- distillation and fixed-rank training
+def unlabeled(n, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [zipf_ids(32, g) for _ in range(n)]
+
+
+@pytest.mark.parametrize("mode", ["graph", "swap"])
+def test_distillation_closes_the_gap_and_never_touches_the_teacher(pretrained, mode):
+    model, _, held = pretrained
+    before = state_of(model)
+    student = tncompile.compile(model, 0.2, mode=mode)
+    gates = [g for m in student.modules() if isinstance(m, tncompile.runtime.TNModule) for g in m.gates]
+    assert tncompile.freeze_gates(student) == len({id(g) for g in gates}) > 0
+    assert not any(g.requires_grad for g in gates)
+    opt = torch.optim.Adam([p for p in student.parameters() if p.requires_grad], lr=3e-3)
+    gap = output_error(student, model, held)
+    history = tncompile.fit(student, unlabeled(8), None, opt, steps=40, teacher=model, progress=False)
+    assert len(history.step) == 40 and history.stage[-1] == "fixed"
+    assert output_error(student, model, held) < 0.5 * gap
+    assert history.loss[-1] < history.loss[0]
+    assert not model.training and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not model._forward_hooks and not any(m._forward_hooks for m in model.modules())
+    assert all(float(g.min()) == float(g.max()) == 1.0 for m in student.modules()
+               if isinstance(m, tncompile.runtime.TTLinear) for g in m.gates)  # frozen gates stayed
+
+
+def test_distill_terms_mix_with_the_task_loss_by_name(pretrained):
+    model, _, held = pretrained
+    student = tncompile.compile(model, 0.2, mode="swap")
+    opt = torch.optim.Adam(student.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(7)
+    data = [(x, torch.randint(0, 4, (32,), generator=g)) for x in unlabeled(4)]
+    spec = tncompile.Distill(logits=1.0, temperature=3.0, hidden={"fc2": "fc2"}, hidden_weight=0.5,
+                             pool=lambda out, ids: out, pooled=0.5, task=0.1)
+    history = tncompile.fit(student, data, F.cross_entropy, opt, steps=12, teacher=model, distill=spec,
+                            progress=False)
+    assert history.loss[-1] < history.loss[0]
+    assert spec.logits == 1.0 and spec.output == 0.0          # the user's spec is not edited
+
+
+def test_graph_mode_names_a_module_that_does_not_run(pretrained):
+    model, _, _ = pretrained
+    wrapped = nn.Sequential(model)
+    student = tncompile.compile(wrapped, 0.3)
+    opt = torch.optim.Adam(student.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="did not run.*mode='swap'"):
+        tncompile.fit(student, unlabeled(1), None, opt, steps=1, teacher=wrapped,
+                      distill=tncompile.Distill(hidden=["0"]), progress=False)
+    assert not any(m._forward_hooks for m in wrapped.modules())
+
+
+def test_fit_arguments_are_checked(pretrained):
+    model, _, _ = pretrained
+    student = tncompile.compile(model, 0.3)
+    opt = torch.optim.Adam(student.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="steps=N"):
+        tncompile.fit(student, unlabeled(1), None, opt, None, 5, 5, teacher=model)
+    with pytest.raises(ValueError, match="steps="):
+        tncompile.fit(student, unlabeled(1), None, opt, teacher=model)
+    with pytest.raises(ValueError, match="teacher to distill"):
+        tncompile.fit(student, unlabeled(1), None, opt, steps=1)
+    with pytest.raises(ValueError, match="is the student itself"):
+        tncompile.fit(student, unlabeled(1), None, opt, steps=1, teacher=student)
+    inplace = tncompile.compile(copy.deepcopy(model), 0.3, inplace=True, mode="swap")
+    with pytest.raises(ValueError, match="is the student itself|shares parameters"):
+        tncompile.fit(inplace, unlabeled(1), None, opt, steps=1, teacher=inplace)
+    with pytest.raises(ValueError, match="weight >= 0"):
+        tncompile.Distill(logits=-1)
+    with pytest.raises(ValueError, match="pool="):
+        tncompile.Distill(pooled=1.0)
+    tncompile.freeze_gates(student)
+    ctl_opt = torch.optim.Adam(tncompile.param_groups(student, lr=1e-3))
+    ctl = tncompile.RankController(student, ctl_opt, target_ratio=0.2, early_steps=1, late_steps=1)
+    with pytest.raises(ValueError, match="gates are frozen"):
+        tncompile.fit(student, unlabeled(1), None, ctl_opt, ctl, 1, 1, teacher=model)
+
+
+def test_distilling_while_the_controller_cuts_ranks_checkpoints_and_resumes(pretrained, tmp_path):
+    model, _, held = pretrained
+    student = tncompile.compile(model, 0.3)
+    opt = torch.optim.AdamW(tncompile.param_groups(student, lr=3e-3, gate_lr=3e-2))
+    ctl = tncompile.RankController(student, opt, target_ratio=0.15, early_steps=6, late_steps=18, truncate_every=3)
+    data = unlabeled(6)
+    history = tncompile.fit(student, data, None, opt, ctl, 6, 18, teacher=model, progress=False,
+                            checkpoint_path=tmp_path / "ck.tnc", checkpoint_every=12)
+    assert any(e["kind"] == "truncation" for e in history.events)
+    assert student.ratio < 0.3
+    loaded = tncompile.load(tmp_path / "ck.tnc")
+    opt2 = torch.optim.AdamW(tncompile.param_groups(loaded, lr=3e-3, gate_lr=3e-2))
+    ctl2 = tncompile.RankController(loaded, opt2, target_ratio=0.15, early_steps=6, late_steps=18,
+                                    truncate_every=3)
+    extra = tncompile.resume(loaded, opt2, ctl2)
+    rest = tncompile.fit(loaded, data, None, opt2, ctl2, 6, 18, teacher=model, progress=False,
+                         history=extra["history"])
+    assert rest.step[-1] == 24 and ctl2.steps_done == 24
+
+
+def test_fixed_rank_checkpoints_resume_where_they_stopped(pretrained, tmp_path):
+    model, _, _ = pretrained
+    student = tncompile.compile(model, 0.3)
+    tncompile.freeze_gates(student)
+    opt = torch.optim.Adam([p for p in student.parameters() if p.requires_grad], lr=1e-3)
+    tncompile.fit(student, unlabeled(3), None, opt, steps=4, teacher=model, progress=False,
+                  checkpoint_path=tmp_path / "ck.tnc", checkpoint_every=4)
+    loaded = tncompile.load(tmp_path / "ck.tnc")
+    tncompile.freeze_gates(loaded)
+    opt2 = torch.optim.Adam([p for p in loaded.parameters() if p.requires_grad], lr=1e-3)
+    extra = tncompile.resume(loaded, opt2)
+    history = tncompile.fit(loaded, unlabeled(3), None, opt2, steps=7, teacher=model, progress=False,
+                            history=extra["history"])
+    assert history.step == list(range(1, 8))
+
+
+# ---------------------------------------------------------------- one call
+def test_compress_pretrained_keeps_the_class_and_recovers(pretrained):
+    model, calib, held = pretrained
+    before = state_of(model)
+    svd = tncompile.compile(model, 0.2)
+    history = tncompile.History()
+    small = tncompile.compress_pretrained(model, 0.2, calib, steps=30, calibration_batches=4, lr=3e-3,
+                                          history=history, progress=False)
+    assert type(small).__name__ == "TinyText" and isinstance(small, TinyText)
+    assert small.ratio <= 0.2 and len(history.step) == 30
+    assert output_error(small, model, held) < 0.5 * output_error(svd, model, held)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(TypeError, match="re-iterable"):
+        tncompile.compress_pretrained(model, 0.2, iter(calib))

@@ -1,0 +1,209 @@
+"""Fit one network to what its dense layer *does* on calibration data.
+
+A linear layer ``W`` (``[out, in]``) with input second moment ``C`` is fit by
+minimizing the relative output error
+
+    e(W') = tr((W - W') C_r (W - W')^T) / tr(W C_r W^T),   C_r = C / mean_eig(C) + ridge I,
+
+over the TT cores of ``W'`` (the ridge keeps directions the calibration data
+never visited from drifting). With ``W'^T = A B`` (:func:`~tncompile.formats.tt_factors`)
+the error is ``tr(A^T C_r A . B B^T) - 2 tr(A^T C_r W^T B^T) + const``: no
+dense ``in x out`` product per step. An embedding table ``E`` is fit by
+``sum_v w_v ||E_v - E'_v||^2 / sum_v w_v ||E_v||^2`` with ``w`` the rows'
+share of calibration lookups, plus ``uniform_share`` spread over all rows
+(evaluated on the used rows and a fixed sample of the others).
+
+A linear starts from the better of TT-SVD of ``W`` and TT-SVD of the best
+matrix in this metric at the rank of the bond between input and output cores
+(closed form: truncated SVD of ``W C_r^{1/2}``, mapped back); a table from
+TT-SVD. Then L-BFGS in float64; the result is never worse than the start.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import torch
+
+from ..formats.decompose import tt_factors, tt_from_linear_weight, ttm_from_embedding_weight, ttm_to_dense
+from ..formats.layout import TTLayout, TTMLayout
+from ..runtime.traced_lookup import half_tables, split_ids
+
+__all__ = ["FitResult", "fit_linear_cores", "fit_table_cores", "whitened_linear", "weighted_table",
+           "row_weights", "RIDGE", "UNIFORM_SHARE", "LINEAR_ITERATIONS", "TABLE_ITERATIONS"]
+
+#: Ridge added to the normalized input second moment (mean eigenvalue 1).
+RIDGE = 1e-2
+#: Share of a table's fitting weight spread evenly over all rows (rows calibration never used still count).
+UNIFORM_SHARE = 0.1
+#: L-BFGS iterations per linear network and per table.
+LINEAR_ITERATIONS = 100
+TABLE_ITERATIONS = 100
+#: L-BFGS stops early once an iteration lowers the relative error by less than this.
+TOLERANCE = 1e-6
+#: Unused rows of a table the fit samples to stand for all of them.
+UNUSED_SAMPLE = 4096
+
+
+@dataclass
+class FitResult:
+    """Relative output error of a network before (TT-SVD) and after the fit."""
+
+    cores: list[torch.Tensor]
+    svd_error: float
+    fit_error: float
+
+
+def _normalized_moment(moment: torch.Tensor, ridge: float) -> torch.Tensor:
+    scale = moment.diagonal().mean().clamp_min(torch.finfo(torch.float64).tiny)
+    return moment / scale + ridge * torch.eye(moment.shape[0], dtype=moment.dtype, device=moment.device)
+
+
+def _lbfgs(params: list[torch.Tensor], objective, iterations: int) -> None:
+    opt = torch.optim.LBFGS(params, lr=1.0, max_iter=iterations, history_size=20, line_search_fn="strong_wolfe",
+                            tolerance_grad=1e-10, tolerance_change=TOLERANCE)
+
+    def closure():
+        opt.zero_grad()
+        loss = objective()
+        loss.backward()
+        return loss
+    opt.step(closure)
+
+
+def _fit(cores: list[torch.Tensor], objective, iterations: int, report=None,
+         baseline: list[torch.Tensor] | None = None) -> FitResult:
+    """L-BFGS on ``objective(cores)`` from ``cores``; errors measured by ``report``
+    (default: the objective), the "before" one at ``baseline`` (default: the start: TT-SVD)."""
+    report = report or objective
+    start = [c.detach().clone() for c in cores]
+    params = [c.detach().contiguous().clone().requires_grad_(True) for c in cores]
+    with torch.no_grad():
+        before = float(report(baseline if baseline is not None else start))
+        at_start = float(report(start))
+    if iterations > 0 and at_start > 0:
+        _lbfgs(params, lambda: objective(params), iterations)
+    with torch.no_grad():
+        after = float(report(params))
+    if not after <= at_start:  # NaN or worse: keep the start
+        return FitResult(start, before, at_start)
+    return FitResult([p.detach() for p in params], before, after)
+
+
+def fit_linear_cores(weight: torch.Tensor, layout: TTLayout, moment: torch.Tensor, *, ridge: float = RIDGE,
+                     iterations: int = LINEAR_ITERATIONS) -> FitResult:
+    """TT cores of ``weight`` fit to its outputs on inputs of second moment ``moment``.
+
+    Parameters
+    ----------
+    weight : Tensor, shape ``(out, in)``
+    layout : TTLayout with ranks
+    moment : Tensor, shape ``(in, in)``
+        ``X^T X / rows`` of the layer's calibration inputs.
+
+    Returns
+    -------
+    FitResult
+        float64 cores ``(r_{k-1}, s_k, r_k)`` and the relative output errors.
+    """
+    w = weight.detach().to(torch.float64)
+    out_f, in_f = w.shape
+    c = torch.zeros(layout.padded_in, layout.padded_in, dtype=torch.float64, device=w.device)
+    c[:in_f, :in_f] = _normalized_moment(moment.to(device=w.device, dtype=torch.float64), ridge)
+    cw = c[:, :in_f] @ w.t()                                    # C W^T  (padded_in, out)
+    base = (w.t() * cw[:in_f]).sum()                            # tr(W C W^T)
+    n_in = len(layout.in_modes)
+
+    def objective(cores):
+        a, b = tt_factors(cores, n_in)
+        b = b[:, :out_f]
+        quad = ((a.t() @ c @ a) * (b @ b.t())).sum()
+        cross = ((a.t() @ cw) * b).sum()
+        return (quad - 2 * cross + base) / base
+    plain = tt_from_linear_weight(w, layout)
+    # the bond between input and output cores at its best in this metric (closed form), then TT-SVD of that
+    whitened = tt_from_linear_weight(_best_at_bond(w, c[:in_f, :in_f], layout.ranks[n_in - 1]), layout)
+    with torch.no_grad():
+        start = whitened if float(objective(whitened)) < float(objective(plain)) else plain
+    return _fit(start, objective, iterations, baseline=plain)
+
+
+def _best_at_bond(w: torch.Tensor, c: torch.Tensor, rank: int) -> torch.Tensor:
+    """The rank-``rank`` matrix nearest ``w`` in ``tr(D C D^T)``: truncated SVD of
+    ``W C^{1/2}``, mapped back by ``C^{-1/2}`` (``C`` positive definite: it has the ridge)."""
+    vals, vecs = torch.linalg.eigh(c)
+    vals = vals.clamp_min(vals.max() * 1e-12)
+    u, sv, vh = torch.linalg.svd(w @ (vecs * vals.sqrt()) @ vecs.t(), full_matrices=False)
+    return (u[:, :rank] * sv[:rank]) @ vh[:rank] @ (vecs * vals.rsqrt()) @ vecs.t()
+
+
+def row_weights(counts: torch.Tensor, uniform_share: float = UNIFORM_SHARE) -> torch.Tensor:
+    """Per-row fitting weight ``(V,)``, float64, summing to 1: lookup share plus an even floor."""
+    counts = counts.to(torch.float64)
+    total = counts.sum()
+    used = counts / total if total > 0 else torch.full_like(counts, 1.0 / counts.numel())
+    return (1 - uniform_share) * used + uniform_share / counts.numel()
+
+
+def fit_table_cores(table: torch.Tensor, layout: TTMLayout, counts: torch.Tensor, *,
+                    uniform_share: float = UNIFORM_SHARE, iterations: int = TABLE_ITERATIONS,
+                    sample_rows: int = UNUSED_SAMPLE, seed: int = 0) -> FitResult:
+    """TTM cores of an embedding table fit with rows weighted by use.
+
+    The error is evaluated on the rows calibration used plus a fixed random
+    sample of ``sample_rows`` unused rows standing for all of them (their even
+    share scaled up), each row built from the two half tables of the network
+    (``O(rows x D x r)`` per step, never the whole table); the reported errors
+    are exact, over every row.
+
+    Parameters
+    ----------
+    table : Tensor, shape ``(V, D)``
+    layout : TTMLayout with ranks
+    counts : Tensor, shape ``(V,)``
+        Lookups of each row in the calibration inputs.
+    """
+    e = table.detach().to(torch.float64)
+    w = row_weights(counts, uniform_share).to(e.device)
+    used = torch.nonzero(counts.to(e.device) > 0).flatten()
+    unused = torch.nonzero(counts.to(e.device) == 0).flatten()
+    scale = torch.ones(e.shape[0], dtype=torch.float64, device=e.device)
+    if unused.numel() > sample_rows:
+        gen = torch.Generator().manual_seed(seed)
+        pick = torch.randperm(unused.numel(), generator=gen)[:sample_rows].to(e.device)
+        scale[unused] = 0.0
+        scale[unused[pick]] = unused.numel() / sample_rows
+        unused = unused[pick]
+    rows = torch.cat([used, unused]).sort().values
+    row_w = (w * scale)[rows][:, None]
+    target = e[rows]
+    base = (w[:, None] * e * e).sum()
+    split = max(1, len(layout.row_modes) // 2)
+    i, j = split_ids(rows, prod(layout.row_modes[split:]))
+
+    def sampled(cores):
+        left, right = half_tables(cores, split)
+        out = torch.bmm(left.index_select(0, i), right.index_select(0, j)).reshape(rows.numel(), -1)
+        diff = out[:, : e.shape[1]] - target
+        return (row_w * diff * diff).sum() / base
+
+    def exact(cores):
+        diff = ttm_to_dense(cores, layout) - e
+        return (w[:, None] * diff * diff).sum() / base
+    return _fit(ttm_from_embedding_weight(e, layout), sampled, iterations, report=exact)
+
+
+def whitened_linear(weight: torch.Tensor, moment: torch.Tensor, ridge: float = RIDGE) -> torch.Tensor:
+    """``W S`` with ``S = C_r^{1/2}``: its plain Frobenius error is the output error.
+    TT-SVD of it tracks the error a calibrated fit reaches at each rank (the
+    allocation's sensitivity), at the cost of one eigendecomposition."""
+    c = _normalized_moment(moment.to(dtype=torch.float64, device=weight.device), ridge)
+    vals, vecs = torch.linalg.eigh(c)
+    root = (vecs * vals.clamp_min(0).sqrt()) @ vecs.t()
+    return weight.detach().to(torch.float64) @ root
+
+
+def weighted_table(table: torch.Tensor, counts: torch.Tensor, uniform_share: float = UNIFORM_SHARE) -> torch.Tensor:
+    """``diag(sqrt(w)) E``: its plain Frobenius error is the usage-weighted error."""
+    w = row_weights(counts, uniform_share).to(table.device)
+    return table.detach().to(torch.float64) * w.sqrt()[:, None]

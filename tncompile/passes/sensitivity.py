@@ -1,0 +1,67 @@
+"""Calibration-driven rank allocation for ``assign_ranks`` (``compile(calibration=...)``)."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from tqdm.auto import tqdm
+
+from ..calibration.allocation import allocate_by_sensitivity, candidate_ranks, error_curve
+from ..calibration.layer_fit import weighted_table, whitened_linear
+from ..ir.program import Program
+from ..runtime.module_kinds import linear_weight_of
+from .pending import PendingLayer
+
+__all__ = ["by_sensitivity", "uses_sensitivity"]
+
+
+def uses_sensitivity(program: Program) -> bool:
+    """Whether ``assign_ranks`` allocates by sensitivity: calibration statistics are
+    there and ``compile(allocation=...)`` is ``"sensitivity"`` or ``"auto"``."""
+    allocation = getattr(program.options, "allocation", "auto")
+    return getattr(program, "calibration", None) is not None and allocation in ("auto", "sensitivity")
+
+
+def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dict[str, int],
+                   caps: dict[str, int], budget: float) -> dict[str, int] | None:
+    """Ranks for ``owners`` from their estimated output error per parameter, within
+    ``budget`` parameters for all of them; ``None`` to fall back to uniform ranks
+    (no calibration, allocation ``"uniform"``, mixture-of-experts layers, or a
+    budget below every layer's smallest candidate). Records each layer's estimate
+    in ``program.calibration_summary``."""
+    if not uses_sensitivity(program):
+        return None
+    if any(m.kind == "experts" for m in owners.values()):
+        warnings.warn("rank allocation by sensitivity does not cover mixture-of-experts layers; "
+                      "ranks are uniform", stacklevel=2)
+        return None
+    stats = program.calibration
+    budget -= sum(owners[n].layout.with_ranks(r).num_params() for n, r in fixed.items())
+    roots: dict[int, torch.Tensor] = {}
+    curves = {}
+    free = [n for n in owners if n not in fixed]
+    for name in tqdm(free, desc="sensitivity", disable=None, leave=False):
+        mod = owners[name]
+        if mod.kind in ("embedding", "embedding_bag"):
+            counts = stats.counts_of(mod.weight)
+            target = weighted_table(mod.weight, counts) if counts is not None else mod.weight
+        else:
+            weight = linear_weight_of(mod.dense)
+            moment = stats.moments.get(id(mod.dense.weight))
+            if moment is None or moment.rows == 0:
+                target = weight
+            else:  # layers fed the same inputs (query, key, value) share the whitening
+                key = id(moment)
+                if key not in roots:
+                    roots[key] = whitened_linear(torch.eye(weight.shape[1], dtype=torch.float64),
+                                                 moment.second_moment())
+                target = weight.detach().to(torch.float64) @ roots[key].to(weight.device)
+        curves[name] = error_curve(target, mod.layout, candidate_ranks(caps[name]))
+    ranks = allocate_by_sensitivity(curves, int(budget))
+    if ranks is None:
+        return None
+    summary = program.__dict__.setdefault("calibration_summary", {})
+    for name, r in ranks.items():
+        c = curves[name]
+        summary.setdefault(name, {})["estimated_error"] = c.errors[c.ranks.index(r)]
+    return {**ranks, **fixed}
