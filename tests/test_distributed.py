@@ -437,10 +437,33 @@ def _resume_is_exact(rank: int, out: Path) -> dict:
     return {"exact": bool(torch.equal(_flat(loaded), uninterrupted)), "same_on_all": _same_on_all(_flat(loaded))}
 
 
+def _distilled(rank: int, out: Path) -> dict:
+    """fit(teacher=..., ddp={}) with rank cuts on unlabeled batches: replicas stay identical,
+    the student gets closer to the teacher, the teacher is untouched."""
+    torch.manual_seed(0)
+    teacher = mlp((64, 256, 256, 10)).eval()
+    before = [p.detach().clone() for p in teacher.parameters()]
+    compiled = tncompile.compile(teacher, target_ratio=0.3)
+    opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=3e-3, gate_lr=3e-2))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.15, early_steps=8, late_steps=16,
+                                   truncate_every=4, recovery=0.25)
+    inputs = [x for x, _ in _batches(rank)]
+    probe = torch.randn(64, 64, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        gap = float((compiled(probe) - teacher(probe)).pow(2).mean())
+    history = tncompile.fit(compiled, inputs, None, opt, ctl, 8, 16, teacher=teacher, ddp={}, progress=False)
+    with torch.no_grad():
+        after = float((compiled(probe) - teacher(probe)).pow(2).mean())
+    return {"identical": _same_on_all(_flat(compiled)), "closer": after < gap, "steps": len(history.step),
+            "cut": any(e["kind"] == "truncation" for e in history.events),
+            "teacher_same": all(torch.equal(a, b) for a, b in zip(before, teacher.parameters()))}
+
+
 def _checkpoints(rank: int, out: Path) -> dict:
     (out / "a").mkdir(exist_ok=True)
     (out / "b").mkdir(exist_ok=True)
-    return {"fit": _fit_with_checkpoint(rank, out / "a"), "resume": _resume_is_exact(rank, out / "b")}
+    return {"fit": _fit_with_checkpoint(rank, out / "a"), "resume": _resume_is_exact(rank, out / "b"),
+            "distill": _distilled(rank, out)}
 
 
 SCENARIOS = {"own_loop": _own_loop, "checkpoints": _checkpoints}
@@ -618,6 +641,13 @@ def test_fit_with_ddp_checkpoints_from_rank0_and_restores_each_rank_stream(check
     x, y = _batches(0)[12]
     F.cross_entropy(loaded(x), y).backward()
     opt.step()
+
+
+@pytest.mark.slow
+def test_distillation_under_ddp_keeps_replicas_identical_through_cuts(checkpoints):
+    for r in checkpoints[1]:
+        d = r["distill"]
+        assert d["identical"] and d["closer"] and d["cut"] and d["teacher_same"] and d["steps"] == 24
 
 
 @pytest.mark.slow

@@ -160,6 +160,29 @@ def test_table_fit_weights_rows_by_use():
     assert used_err(fitted) < 0.5 * used_err(svd)
 
 
+def test_error_curve_bounds_tt_svd_and_allocation_spends_the_budget_where_it_pays():
+    from tncompile.calibration import allocate_by_sensitivity, candidate_ranks, error_curve
+    g = torch.Generator().manual_seed(3)
+    full = torch.randn(48, 40, generator=g, dtype=torch.float64)
+    low = torch.randn(48, 2, generator=g, dtype=torch.float64) @ torch.randn(2, 40, generator=g, dtype=torch.float64)
+    layout = TTLayout.for_shape(40, 48, 2)
+    ranks = candidate_ranks(20)
+    curves = {"full": error_curve(full, layout, ranks)}
+    for r, est in zip(ranks, curves["full"].errors):                 # TT-SVD's error bound, per bond
+        lay = layout.with_ranks(r)
+        actual = float((tt_to_dense(tt_from_linear_weight(full, lay), lay) - full).pow(2).sum() / full.pow(2).sum())
+        assert actual <= est * (1 + 1e-4) + 1e-12  # (tt_svd uses a randomized SVD at small ranks)
+    one_bond = TTLayout.for_shape(40, 48, 1)                         # one core a side: the bond is the matrix rank
+    curves = {"full": error_curve(full, one_bond, ranks), "low": error_curve(low, one_bond, ranks)}
+    assert curves["low"].errors[ranks.index(2)] < 1e-12 < curves["low"].errors[ranks.index(1)]
+    budget = curves["full"].params[ranks.index(8)] + curves["low"].params[ranks.index(8)]
+    chosen = allocate_by_sensitivity(curves, budget)
+    assert chosen["low"] == 2 and chosen["full"] > 8
+    spent = sum(c.params[c.ranks.index(chosen[n])] for n, c in curves.items())
+    assert spent <= budget
+    assert allocate_by_sensitivity(curves, 10) is None
+
+
 # ---------------------------------------------------------------- compile(calibration=...)
 @pytest.mark.parametrize("mode", ["graph", "swap"])
 def test_calibrated_compile_beats_svd_on_unseen_inputs(pretrained, mode):
@@ -174,6 +197,14 @@ def test_calibrated_compile_beats_svd_on_unseen_inputs(pretrained, mode):
     assert all(s["fit_error"] < s["svd_error"] for s in summary.values())
     assert fitted.program.calibration is None                  # covariances dropped after compiling
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_calibrated_compile_is_deterministic(pretrained):
+    model, calib, _ = pretrained
+    a = tncompile.compile(model, 0.3, calibration=calib, seed=3)
+    b = tncompile.compile(model, 0.3, calibration=calib, seed=3)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), name
 
 
 def test_sensitivity_allocation_beats_uniform_at_the_same_size(pretrained):

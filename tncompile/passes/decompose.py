@@ -90,7 +90,8 @@ def _fit_to_calibration(program: Program, name: str, pending: PendingLayer, laye
         counts = stats.counts_of(pending.dense.weight)
         if counts is None:
             return
-        result = fit_table_cores(pending.dense.weight, layer.layout, counts)
+        seed = program.options.seed if program.options.seed is not None else 0
+        result = fit_table_cores(pending.dense.weight, layer.layout, counts, seed=seed)
     elif pending.kind in ("linear", "conv1d"):
         moment = stats.moment_of(pending.dense.weight)
         if moment is None:
