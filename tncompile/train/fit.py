@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..runtime.tt_layers import TNModule
 from .controller import RankController
 from .distill import Distill, Teacher, distill_loss
 from .distributed import DistributedModel, rank, save_on_rank0, unwrap
@@ -119,6 +120,9 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
     -------
     History
         Losses, ratio, step times, ranks, stage switches, truncations, evals.
+        With a ``teacher``, ``task_loss`` is the whole distillation objective
+        (its terms plus the weighted task loss); without a controller every
+        step's ``stage`` is ``"fixed"``.
     """
     if controller is not None and not isinstance(controller, RankController):
         raise TypeError(f"fit: controller must be a RankController or None, got {type(controller).__name__}")
@@ -159,9 +163,10 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
             raise ValueError("fit: the controller was built for a different model")
         if controller.optimizer is not optimizer:
             raise ValueError("fit: the controller was built with a different optimizer")
-        frozen = [n for n, p in compiled.named_parameters() if _is_gate(n) and not p.requires_grad]
+        frozen = [name for name, m in compiled.named_modules() if isinstance(m, TNModule)
+                  and any(not g.requires_grad for g in m.gates)]
         if frozen:
-            raise ValueError(f"fit: rank gates are frozen ({frozen[:2]}...) but a RankController trains them; "
+            raise ValueError(f"fit: the rank gates of {frozen[:3]} are frozen but a RankController trains them; "
                              "tncompile.freeze_gates(model, False) first, or train without a controller")
     history = history if history is not None else History()
     if controller is not None:
@@ -251,12 +256,6 @@ def _record_event(history: History, step: int, event, controller: RankController
                                "removed": list(event.removed)})
     if event.shapes_changed or step % log_every == 0 or step == total:
         history.ranks.append((step, {k: list(v) for k, v in controller.active_ranks().items()}))
-
-
-def _is_gate(name: str) -> bool:
-    """A rank gate's parameter name (``...gates.<i>``)."""
-    parts = name.split(".")
-    return len(parts) >= 2 and parts[-2] == "gates" and parts[-1].isdigit()
 
 
 def _distributed_wrapper(model: nn.Module, ddp: dict[str, Any] | None):
