@@ -29,7 +29,7 @@ from ..formats.decompose import tt_factors, tt_from_linear_weight, ttm_from_embe
 from ..formats.layout import TTLayout, TTMLayout
 from ..runtime.traced_lookup import half_tables, split_ids
 
-__all__ = ["FitResult", "fit_linear_cores", "fit_table_cores", "whitened_linear", "weighted_table",
+__all__ = ["FitResult", "fit_linear_cores", "fit_table_cores", "moment_root", "weighted_table",
            "row_weights", "RIDGE", "UNIFORM_SHARE", "LINEAR_ITERATIONS", "TABLE_ITERATIONS"]
 
 #: Ridge added to the normalized input second moment (mean eigenvalue 1).
@@ -193,14 +193,12 @@ def fit_table_cores(table: torch.Tensor, layout: TTMLayout, counts: torch.Tensor
     return _fit(ttm_from_embedding_weight(e, layout), sampled, iterations, report=exact)
 
 
-def whitened_linear(weight: torch.Tensor, moment: torch.Tensor, ridge: float = RIDGE) -> torch.Tensor:
-    """``W S`` with ``S = C_r^{1/2}``: its plain Frobenius error is the output error.
-    TT-SVD of it tracks the error a calibrated fit reaches at each rank (the
-    allocation's sensitivity), at the cost of one eigendecomposition."""
-    c = _normalized_moment(moment.to(dtype=torch.float64, device=weight.device), ridge)
-    vals, vecs = torch.linalg.eigh(c)
-    root = (vecs * vals.clamp_min(0).sqrt()) @ vecs.t()
-    return weight.detach().to(torch.float64) @ root
+def moment_root(moment: torch.Tensor, ridge: float = RIDGE) -> torch.Tensor:
+    """``S = C_r^{1/2}`` (float64, ``in x in``): the plain Frobenius error of ``W S``
+    is ``W``'s output error, so TT-SVD of the whitened weight ``W S`` tracks the error
+    a calibrated fit reaches at each rank (the allocation's sensitivity)."""
+    vals, vecs = torch.linalg.eigh(_normalized_moment(moment.to(torch.float64), ridge))
+    return (vecs * vals.clamp_min(0).sqrt()) @ vecs.t()
 
 
 def weighted_table(table: torch.Tensor, counts: torch.Tensor, uniform_share: float = UNIFORM_SHARE) -> torch.Tensor:

@@ -101,7 +101,7 @@ def _fit_to_calibration(program: Program, name: str, pending: PendingLayer, laye
         return
     dtype = layer.cores[0].dtype
     layer.set_cores([c.to(dtype) for c in result.cores])
-    summary = program.__dict__.setdefault("calibration_summary", {}).setdefault(name, {})
+    summary = program.calibration_summary.setdefault(name, {})
     summary.update(svd_error=result.svd_error, fit_error=result.fit_error)
 
 

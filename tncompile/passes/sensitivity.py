@@ -7,7 +7,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..calibration.allocation import allocate_by_sensitivity, candidate_ranks, error_curve
-from ..calibration.layer_fit import weighted_table, whitened_linear
+from ..calibration.layer_fit import moment_root, weighted_table
 from ..ir.program import Program
 from ..runtime.module_kinds import linear_weight_of
 from .pending import PendingLayer
@@ -53,14 +53,13 @@ def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dic
             else:  # layers fed the same inputs (query, key, value) share the whitening
                 key = id(moment)
                 if key not in roots:
-                    roots[key] = whitened_linear(torch.eye(weight.shape[1], dtype=torch.float64),
-                                                 moment.second_moment())
+                    roots[key] = moment_root(moment.second_moment())
                 target = weight.detach().to(torch.float64) @ roots[key].to(weight.device)
         curves[name] = error_curve(target, mod.layout, candidate_ranks(caps[name]))
     ranks = allocate_by_sensitivity(curves, int(budget))
     if ranks is None:
         return None
-    summary = program.__dict__.setdefault("calibration_summary", {})
+    summary = program.calibration_summary
     for name, r in ranks.items():
         c = curves[name]
         summary.setdefault(name, {})["estimated_error"] = c.errors[c.ranks.index(r)]
