@@ -137,7 +137,8 @@ def compile(
     mode = _check_mode(mode, model)
     dump_dir = dump_dir if dump_dir is not None else os.environ.get(DUMP_ENV) or None
     work = model if inplace else copy.deepcopy(model)
-    stats = collect_statistics(work, calibration) if calibration is not None else None
+    stats = (collect_statistics(work, calibration, sensitivity=options.allocation != "uniform")
+             if calibration is not None else None)
     if mode == "swap":
         return _compile_swapped(work, example_inputs, count_params(model), options, pipeline, dump_dir, stats)
     gm, inputs = frontend.trace(work, example_inputs)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .api import compile as compile_model
-from .train.distill import Distill
+from .train.distill import Distill, block_names
 from .train.fit import fit
 from .train.gates import freeze_gates
 from .train.history import History
@@ -44,7 +44,9 @@ def compress_pretrained(model: nn.Module, target_ratio: float, data: Iterable, *
         Distillation steps (0: calibration only).
     distill : Distill, optional
         What to match (default: KL on logits when the output has them, else
-        relative MSE on the main output, e.g. ``last_hidden_state``).
+        relative MSE on the main output, e.g. ``last_hidden_state``; in swap
+        mode also the output of every block, ``Distill(hidden_blocks=True)``,
+        when the model has a stack of them).
     example_inputs : optional
         To trace with (default: the first batch).
     mode : {"swap", "graph"}
@@ -79,6 +81,8 @@ def compress_pretrained(model: nn.Module, target_ratio: float, data: Iterable, *
     student = compile_model(model, target_ratio, example_inputs=example_inputs if example_inputs is not None
                             else calibration[0], calibration=calibration, mode=mode, **compile_kwargs)
     if steps:
+        if distill is None:
+            distill = Distill(hidden_blocks=mode == "swap" and bool(block_names(model)))
         freeze_gates(student)
         params = [p for p in student.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)

@@ -37,6 +37,11 @@ MAX_RANK1_RATIO = 0.5
 #: a network still saves parameters, so a gentle ``target_ratio`` (0.7, 0.8: pretrained
 #: models) is reachable; beyond it a dense layer is as small, exact and cheaper to run.
 MAX_LAYER_RATIO = 0.9
+#: Allocation by sensitivity gives no layer less than this share of the rank uniform
+#: allocation would give it: the first-order estimate assumes a layer's error is spread
+#: evenly over its outputs, so a layer read by a nearly low-rank one looked almost free to
+#: cut (rank 1), then lost exactly the directions its reader needed (tests/test_pretrained.py).
+SENSITIVITY_RANK_FLOOR = 0.5
 #: Mode factorization: a padded size is allowed up to this share above the true size ...
 MAX_MODE_PADDING = 0.25
 #: ... and each unit of padding share costs this much against balance when choosing.

@@ -1,13 +1,16 @@
 """Rank allocation by sensitivity: spend a parameter budget where the outputs need it.
 
-Each layer gets an error curve ``e(r)``: the relative output error of its
-network at rank ``r``, estimated from calibration data as the TT-SVD error
-bound of the layer's *whitened* weight ``W C^{1/2}`` (a table: rows scaled by
-the square root of their use; :mod:`.layer_fit`). On all-MiniLM-L6-v2's
-linears TT-SVD of the whitened weight came within 1.0-1.5x of the error a
-calibrated fit reaches at the same rank. Then the budget is spent greedily on the
-best error drop per parameter, jumping to any larger candidate rank (so a
-curve need not be convex), until no jump fits.
+Each layer gets an error curve ``e(r)``: the relative error of the layer's own
+output with its network at rank ``r``, estimated from calibration data as the
+TT-SVD error bound of the layer's *whitened* weight ``W C^{1/2}`` (a table:
+rows scaled by the square root of their use; :mod:`.layer_fit`). On
+all-MiniLM-L6-v2's linears TT-SVD of the whitened weight came within 1.0-1.5x
+of the error a calibrated fit reaches at the same rank. Each curve is weighted
+by how much the model's outputs move per unit of that layer's error
+(:mod:`.statistics`, ``sensitivity``), so the sum estimates the model's output
+error. Then the budget is spent greedily on the best weighted error drop per
+parameter, jumping to any larger candidate rank (so a curve need not be
+convex), until no jump fits.
 """
 from __future__ import annotations
 
@@ -83,14 +86,16 @@ def _sites(matrix: torch.Tensor, layout: TTLayout | TTMLayout) -> torch.Tensor:
     return padded.reshape(*layout.in_modes, *layout.out_modes)
 
 
-def allocate_by_sensitivity(curves: dict[str, ErrorCurve], budget: int) -> dict[str, int] | None:
-    """Ranks minimizing the summed relative errors within ``budget`` parameters.
+def allocate_by_sensitivity(curves: dict[str, ErrorCurve], budget: int,
+                            weights: dict[str, float] | None = None) -> dict[str, int] | None:
+    """Ranks minimizing ``sum_l weights[l] * e_l(r_l)`` within ``budget`` parameters.
 
     Starts every layer at its smallest candidate; repeatedly takes the jump
-    (any layer, any larger candidate) with the largest error drop per added
-    parameter that still fits. Returns ``None`` if even the smallest
-    candidates exceed ``budget``.
+    (any layer, any larger candidate) with the largest weighted error drop per
+    added parameter that still fits. ``weights`` default to 1 (a missing name
+    weighs 1). Returns ``None`` if even the smallest candidates exceed ``budget``.
     """
+    weights = weights or {}
     at = {n: 0 for n in curves}
     used = sum(c.params[0] for c in curves.values())
     if used > budget:
@@ -105,7 +110,7 @@ def allocate_by_sensitivity(curves: dict[str, ErrorCurve], budget: int) -> dict[
                     continue
                 if used + added > budget:
                     break  # params grow with the candidate index
-                slope = (c.errors[i] - c.errors[j]) / added
+                slope = weights.get(n, 1.0) * (c.errors[i] - c.errors[j]) / added
                 if slope > best_slope:
                     best, best_slope = (n, j), slope
         if best is None:

@@ -6,6 +6,16 @@ For a linear layer: the second moment of its inputs, ``C = X^T X / rows``
 tensor (an attention block's query, key and value) share one matrix. For an
 embedding (or bag): how often each row was looked up. Nothing else is kept:
 memory is the covariances plus the activations of one calibration batch.
+
+With ``sensitivity=True`` each batch also runs backward once, to weigh each
+layer by how much the *model's* outputs move when the layer's output does: a
+relative error ``e`` in layer ``l``'s output ``Y`` (spread evenly over its
+entries) moves the model's outputs ``F`` by about
+``e ||Y||^2 ||dF/dY||_F^2 / numel(Y)`` (first order). The Jacobian's Frobenius
+norm comes from one vector-Jacobian product per batch with a random sign vector
+``v`` (Hutchinson: ``E||J^T v||^2 = ||J||_F^2``), every layer at once; each
+floating output of the model is scaled by its norm, so the sum is of *relative*
+output errors. :mod:`.allocation` spends the parameter budget with these weights.
 """
 from __future__ import annotations
 
@@ -50,12 +60,17 @@ class CalibrationStats:
         ``id(weight) -> InputMoment`` of every linear layer that ran.
     counts : dict
         ``id(weight) -> int64 tensor (num_embeddings,)``: lookups per row.
+    sensitivity : dict
+        ``("linear" | "table", id(weight)) -> float``: the model outputs' squared
+        relative change per unit relative error of the layer's output, summed
+        over batches (empty unless collected with ``sensitivity=True``).
     batches : int
         Calibration batches run.
     """
 
     moments: dict[int, InputMoment] = field(default_factory=dict)
     counts: dict[int, torch.Tensor] = field(default_factory=dict)
+    sensitivity: dict[tuple[str, int], float] = field(default_factory=dict)
     batches: int = 0
     _weights: list = field(default_factory=list, repr=False)  # keeps the ids valid
 
@@ -67,6 +82,14 @@ class CalibrationStats:
     def counts_of(self, weight: torch.Tensor) -> torch.Tensor | None:
         """Lookups per row of the table ``weight``, or ``None`` if it never ran."""
         return self.counts.get(id(weight))
+
+    def sensitivity_of(self, weight: torch.Tensor, role: str) -> float | None:
+        """Output sensitivity of the ``role`` (``"linear"`` or ``"table"``) layer
+        holding ``weight``; ``None`` if not measured. 0.0: its output never
+        reached the model's outputs."""
+        if not self.sensitivity:
+            return None
+        return self.sensitivity.get((role, id(weight)), 0.0)
 
 
 class _Recorder:
@@ -82,6 +105,40 @@ class _Recorder:
         self.stats = stats
         self.grams: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # id(x) -> (x, x^T x, rows)
         self.seen: dict[int, list[int]] = defaultdict(list)                  # id(weight) -> [id(x), ...]
+        self.outputs: list[tuple[tuple[str, int], torch.Tensor]] = []         # (role, id(weight)), output
+        self.signs = torch.Generator().manual_seed(0)                         # Hutchinson vectors
+
+    def output_hook(self, role: str, weight: torch.Tensor):
+        """Keeps the layer's output for :meth:`measure_sensitivity`; an output that
+        does not require grad (frozen weights) is replaced by an equal leaf that does."""
+        def hook(module, args, out):
+            if not isinstance(out, torch.Tensor) or not out.is_floating_point() or not torch.is_grad_enabled():
+                return None
+            replaced = None
+            if not out.requires_grad:
+                out = replaced = out.detach().requires_grad_(True)
+            self.outputs.append(((role, id(weight)), out))
+            return replaced
+        return hook
+
+    def measure_sensitivity(self, model_output: Any) -> None:
+        """One vector-Jacobian product from the model's floating outputs (each over
+        its norm, times random signs) back to every recorded layer output."""
+        outputs, self.outputs = self.outputs, []
+        finals = [f for f in _floating_tensors(model_output) if f.requires_grad]
+        if not finals or not outputs:
+            return
+        probe = sum((f * self._signs_like(f)).sum() / f.detach().norm().clamp_min(torch.finfo(f.dtype).tiny)
+                    for f in finals)
+        grads = torch.autograd.grad(probe, [y for _, y in outputs], allow_unused=True)
+        for (key, y), g in zip(outputs, grads):
+            moved = 0.0 if g is None else float(g.detach().double().pow(2).sum())
+            energy = float(y.detach().double().pow(2).sum())
+            self.stats.sensitivity[key] = self.stats.sensitivity.get(key, 0.0) + energy * moved / y.numel()
+
+    def _signs_like(self, t: torch.Tensor) -> torch.Tensor:
+        signs = torch.randint(0, 2, t.shape, generator=self.signs).to(device=t.device, dtype=t.dtype)
+        return signs * 2 - 1
 
     def linear_hook(self, weight: torch.Tensor):
         def hook(module, args):
@@ -135,27 +192,48 @@ class _Recorder:
         self.stats.batches += 1
 
 
-def _call(model: nn.Module, inputs: Any) -> None:
+def _call(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, Mapping):
-        model(**inputs)
-    elif isinstance(inputs, (tuple, list)):
-        model(*inputs)
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def _floating_tensors(output: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The floating tensors of a model's output (a tensor, tuple/list, dict or HF
+    ``ModelOutput``, two levels deep), ``loss`` left out: it depends on labels."""
+    if isinstance(output, torch.Tensor):
+        return [output] if output.is_floating_point() and output.numel() else []
+    if depth >= 2:
+        return []
+    if isinstance(output, Mapping):
+        items = [v for k, v in output.items() if k != "loss"]
+    elif isinstance(output, (tuple, list)):
+        items = list(output)
     else:
-        model(inputs)
+        return []
+    return [t for item in items for t in _floating_tensors(item, depth + 1)]
 
 
-def collect_statistics(model: nn.Module, calibration: Iterable, *, progress: bool = True) -> CalibrationStats:
-    """Run ``model`` on every calibration input (eval mode, no autograd) and
-    gather :class:`CalibrationStats` for its ``nn.Linear`` / HF ``Conv1D`` /
+def collect_statistics(model: nn.Module, calibration: Iterable, *, progress: bool = True,
+                       sensitivity: bool = False) -> CalibrationStats:
+    """Run ``model`` on every calibration input (eval mode) and gather
+    :class:`CalibrationStats` for its ``nn.Linear`` / HF ``Conv1D`` /
     ``nn.Embedding`` / ``nn.EmbeddingBag`` layers.
 
     Parameters
     ----------
     model : nn.Module
-        Left in the training mode it had; its parameters are not touched.
+        Left in the training mode it had; its parameters (and their ``.grad``)
+        are not touched.
     calibration : iterable
         Model inputs, one batch per item: a Tensor (``model(x)``), a tuple
         (``model(*x)``) or a dict (``model(**x)``), as ``example_inputs``.
+    sensitivity : bool
+        Also measure each layer's output sensitivity (one backward per batch,
+        keeping one batch's activations; ``torch.autograd.grad`` into the layer
+        outputs only). Without it the pass runs without autograd.
 
     Raises
     ------
@@ -174,21 +252,30 @@ def collect_statistics(model: nn.Module, calibration: Iterable, *, progress: boo
     for module in model.modules():
         if is_linear(module):
             handles.append(module.register_forward_pre_hook(recorder.linear_hook(module.weight)))
-            stats._weights.append(module.weight)
+            role = "linear"
         elif is_embedding(module) or is_embedding_bag(module):
             handles.append(module.register_forward_pre_hook(recorder.lookup_hook(module.weight,
                                                                                  module.weight.shape[0])))
-            stats._weights.append(module.weight)
+            role = "table"
+        else:
+            continue
+        stats._weights.append(module.weight)
+        if sensitivity:
+            handles.append(module.register_forward_hook(recorder.output_hook(role, module.weight)))
     was_training = model.training
     model.eval()
     try:
         total = len(calibration) if hasattr(calibration, "__len__") else None
-        with torch.no_grad():
+        with torch.set_grad_enabled(sensitivity):
             for inputs in tqdm(calibration, total=total, desc="calibration", disable=not progress or None,
                                leave=False):
                 try:
-                    _call(model, inputs)
+                    output = _call(model, inputs)
+                    if sensitivity:
+                        recorder.measure_sensitivity(output)
+                    del output
                 finally:
+                    recorder.outputs.clear()
                     recorder.end_batch()
     finally:
         for h in handles:

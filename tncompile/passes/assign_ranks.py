@@ -1,6 +1,8 @@
 """``assign_ranks``: size every network so the whole model meets ``target_ratio``."""
 from __future__ import annotations
 
+import math
+
 from .. import tuning
 from ..formats.layout import TTLayout
 from ..ir.program import Program
@@ -105,15 +107,16 @@ class AssignRanks(Pass):
                 f"is {smallest / program.original_params:.4g} (every tensorized layer at rank 1{hint}; "
                 f"{base:,} parameters stay dense). Raise target_ratio to at least that, or compress "
                 f"more layers (target_modules) or use more cores per layer.")
-        ranks = by_sensitivity(program, owners, fixed, caps, budget - base)
+        lo, hi = 1, max(caps.values())
+        while lo < hi:  # largest uniform rank within budget
+            mid = (lo + hi + 1) // 2
+            if total(uniform(mid)) <= budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        floors = {n: max(1, math.ceil(r * tuning.SENSITIVITY_RANK_FLOOR)) for n, r in uniform(lo).items()}
+        ranks = by_sensitivity(program, owners, fixed, caps, budget - base, floors)
         if ranks is None:
-            lo, hi = 1, max(caps.values())
-            while lo < hi:  # largest uniform rank within budget
-                mid = (lo + hi + 1) // 2
-                if total(uniform(mid)) <= budget:
-                    lo = mid
-                else:
-                    hi = mid - 1
             ranks = uniform(lo)
         used = total(ranks)
         # leftover budget: one rank step at a time, the most sensitive (else the largest) layers first

@@ -23,9 +23,12 @@ def uses_sensitivity(program: Program) -> bool:
 
 
 def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dict[str, int],
-                   caps: dict[str, int], budget: float) -> dict[str, int] | None:
-    """Ranks for ``owners`` from their estimated output error per parameter, within
-    ``budget`` parameters for all of them; ``None`` to fall back to uniform ranks
+                   caps: dict[str, int], budget: float, floors: dict[str, int] | None = None
+                   ) -> dict[str, int] | None:
+    """Ranks for ``owners`` from their estimated output error per parameter (each
+    layer's error weighted by the model outputs' sensitivity to it), within
+    ``budget`` parameters for all of them, none below its ``floors`` rank; ``None``
+    to fall back to uniform ranks
     (no calibration, allocation ``"uniform"``, mixture-of-experts layers, or a
     budget below every layer's smallest candidate). Records each layer's estimate
     in ``program.calibration_summary``."""
@@ -38,11 +41,16 @@ def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dic
     stats = program.calibration
     budget -= sum(owners[n].layout.with_ranks(r).num_params() for n, r in fixed.items())
     roots: dict[int, torch.Tensor] = {}
-    curves = {}
+    curves, weights = {}, {}
     free = [n for n in owners if n not in fixed]
     for name in tqdm(free, desc="sensitivity", disable=None, leave=False):
         mod = owners[name]
-        if mod.kind in ("embedding", "embedding_bag"):
+        table = mod.kind in ("embedding", "embedding_bag")
+        # a table tied to a head moves the outputs through both
+        roles = ("table", "linear") if table else ("linear",)
+        found = [stats.sensitivity_of(mod.dense.weight, role) for role in roles]
+        weights[name] = None if found[0] is None else sum(found)
+        if table:
             counts = stats.counts_of(mod.weight)
             target = weighted_table(mod.weight, counts) if counts is not None else mod.weight
         else:
@@ -55,12 +63,20 @@ def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dic
                 if key not in roots:
                     roots[key] = moment_root(moment.second_moment())
                 target = weight.detach().to(torch.float64) @ roots[key].to(weight.device)
-        curves[name] = error_curve(target, mod.layout, candidate_ranks(caps[name]))
-    ranks = allocate_by_sensitivity(curves, int(budget))
+        floor = min((floors or {}).get(name, 1), caps[name])
+        curves[name] = error_curve(target, mod.layout, candidate_ranks(caps[name], floor))
+    measured = {n: w for n, w in weights.items() if w is not None}
+    if not any(measured.values()):  # not measured (allocation by layer error alone) or no output reached
+        measured = {}
+    ranks = allocate_by_sensitivity(curves, int(budget), measured)
     if ranks is None:
         return None
     summary = program.calibration_summary
+    total = sum(measured.values())
     for name, r in ranks.items():
         c = curves[name]
-        summary.setdefault(name, {})["estimated_error"] = c.errors[c.ranks.index(r)]
+        entry = summary.setdefault(name, {})
+        entry["estimated_error"] = c.errors[c.ranks.index(r)]
+        if total:
+            entry["output_weight"] = measured.get(name, 0.0) / total
     return {**ranks, **fixed}
