@@ -24,6 +24,7 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
+from .dropout_modes import follow_training_mode
 from .errors import TraceError
 from .ir.modules import rehome_reads
 from .ir.program import InputSpec
@@ -115,6 +116,7 @@ def trace(model: nn.Module, example_inputs: Any = None) -> tuple[fx.GraphModule,
             ) from fx_err
         return _trace_export(model, *example, fx_err)
     gm.training = model.training
+    follow_training_mode(gm, model, model.training)
     _drop_annotations(gm)
     if example is not None:
         _propagate_shapes(gm, model, *example)
@@ -238,6 +240,7 @@ def _trace_export(model: nn.Module, args: tuple, kwargs: dict, fx_err: Exception
     _outline_modules(gm, model)
     _outline_experts(gm)
     gm.training = model.training
+    follow_training_mode(gm, model, model.training)
     spec = InputSpec.from_example("export", args, kwargs)
     spec.shapes = shapes
     _warn_size_one(spec)

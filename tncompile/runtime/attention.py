@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["SelfAttention", "NestedPadding", "additive_mask"]
+__all__ = ["SelfAttention", "NestedPadding", "AttentionDropoutRate", "additive_mask"]
 
 
 def additive_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, batch: int, heads: int,
@@ -131,3 +131,30 @@ class NestedPadding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"mask_check={self.mask_check}"
+
+
+class AttentionDropoutRate(nn.Module):
+    """The ``dropout_p`` of a traced ``scaled_dot_product_attention`` call: ``p`` in
+    training mode, ``0.0`` in eval mode.
+
+    A trace bakes ``dropout_p=self.p if self.training else 0.0`` into a constant;
+    the frontend feeds the call from this module instead, so the attention's
+    dropout follows ``train()`` / ``eval()`` like every ``nn.Dropout`` does.
+
+    Parameters
+    ----------
+    p : float in [0, 1)
+        The dropout probability in training mode.
+    """
+
+    def __init__(self, p: float):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"attention dropout must be in [0, 1), got {p!r}")
+        self.p = float(p)
+
+    def forward(self) -> float:
+        return self.p if self.training else 0.0
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
