@@ -178,9 +178,52 @@ def test_autocast_bf16_forward_and_backward_keep_fp32_grads():
     assert torch.allclose(y.float(), ref_y, rtol=5e-2, atol=5e-2 * ref_y.abs().max().item())
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_tied_head_training_paths_are_the_same_function(merge, monkeypatch):
+    """With autograd the tied head contracts the network per row or multiplies by the table
+    merged (differentiably) once per call, whichever costs fewer multiply-adds: same values,
+    same gradients (float64 gradcheck of both)."""
+    emb = _randomize(TTMEmbedding(TTMLayout.for_shape(40, 6, 2, ranks=3), dtype=f64))
+    head = TTMTiedLinear(emb, bias=True).double()
+    monkeypatch.setattr(TTMTiedLinear, "merges_at", lambda self, rows: merge)
+    x = torch.randn(5, 6, dtype=f64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, *p: head(x), (x, *emb.cores, *emb.gates, head.bias))
+    assert torch.allclose(head(x), x @ emb.weight().t() + head.bias, atol=1e-10)
+
+
+def test_tied_head_merges_the_table_past_a_few_rows():
+    """A vocabulary-sized output: contracting per row costs many dense heads, so past a few
+    rows the merged table is cheaper (the report counts what runs)."""
+    from tncompile.runtime import tied_merge_macs
+    emb = TTMEmbedding.from_embedding(nn.Embedding(5000, 64), rank=16)
+    head = TTMTiedLinear(emb)
+    assert not head.merges_at(1) and head.merges_at(512)
+    assert tied_merge_macs(emb.layout, 512) < head.plan_for(512).fwd_flops
+
+
+@pytest.mark.parametrize("rank,bias", [(3, True), (40, False)])
+def test_tt_linear_inference_multiplies_by_merged_factors_and_follows_updates(rank, bias):
+    """No autograd: two thin merged factors (rank 3) or the whole matrix (rank 40: the factors
+    would be larger), cached until a core or gate changes; the same function as the network."""
+    tt = _randomize(TTLinear(TTLayout.for_shape(30, 20, 2, ranks=rank), bias=bias, dtype=f64))
+    x = torch.randn(4, 7, 30, dtype=f64)
+    trained = tt(x)                                             # the network (autograd on)
+    with torch.no_grad():
+        merged = tt(x)
+        a, b = tt.inference_factors()
+        assert (b is None) == (rank == 40) and tt.inference_factors()[0] is a      # cached
+        torch.testing.assert_close(merged, trained.detach())
+        tt.gates[0].mul_(0.5)                                   # a gate changes in place: merged again
+        assert tt.inference_factors()[0] is not a
+        torch.testing.assert_close(tt(x), F.linear(x, tt.weight(), tt.bias))
+        tt.merge_in_inference = False
+        torch.testing.assert_close(tt(x), F.linear(x, tt.weight(), tt.bias))
+    assert "_inference" in TTLinear.transient_state                                # never saved
+
+
 def test_tied_head_multiplies_by_the_merged_table_in_inference_and_follows_updates():
     """No autograd: the tied head uses its merged table (a dense head's cost), kept until a core
-    changes; with autograd it contracts the network; both give the same values."""
+    changes; with autograd it computes the same values."""
     from tncompile.runtime import TTMEmbedding, TTMTiedLinear
     torch.manual_seed(0)
     emb = TTMEmbedding.from_embedding(nn.Embedding(500, 64).double(), rank=8)

@@ -54,6 +54,12 @@ PAD_PENALTY = 0.1
 #: depends on the batch size the example inputs happened to have.
 ASSUMED_ROWS = 32
 
+# ---------------------------------------------------------------- runtime: inference
+#: In inference a TT linear multiplies by its two merged factors (two GEMMs) unless that
+#: costs more than this many times the planned contraction's multiply-adds: the plan's
+#: chain of small products pays a call per step, the factors two calls in all.
+INFERENCE_MERGE_SLACK = 1.25
+
 # ---------------------------------------------------------------- runtime: TT linear over few rows
 #: Up to this many rows one native chain call beats the planned executor (chain time
 #: over plan time, interleaved: 0.59-0.76 at 4 rows, 0.70-0.90 at 6, 0.78-1.04 at 8).

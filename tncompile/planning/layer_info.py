@@ -8,7 +8,7 @@ from torch import nn
 from .. import tuning
 from ..formats.indices import BATCH, planner_problem
 from ..runtime.plans import ContractionPlan
-from ..runtime.tt_layers import TTMTiedLinear
+from ..runtime.tt_layers import TTMTiedLinear, tied_merge_macs
 from .contraction import plan_contraction
 from .lookup import per_id_macs, plan_lookup
 
@@ -65,7 +65,10 @@ def layer_info(module: nn.Module) -> dict[str, Any] | None:
             planned = [p for p in (module.__dict__.get("_plans") or {}).values() if isinstance(p, ContractionPlan)]
             if planned:  # per row of the largest planned row count (the traced rows, or a batch size asked for)
                 plan = max(planned, key=lambda p: p.rows)
-                info["tn_flops_per_token"] = 2 * plan.fwd_flops / max(plan.rows, 1)
+                macs = plan.fwd_flops
+                if tied and not pending:  # the head multiplies by the merged table when that is cheaper
+                    macs = min(macs, tied_merge_macs(layout, plan.rows))
+                info["tn_flops_per_token"] = 2 * macs / max(plan.rows, 1)
             else:  # not planned yet (no shapes traced): per row over the rows compile assumed
                 rows = tuning.ASSUMED_ROWS
                 inputs, output, sizes = planner_problem(layout, transpose=bool(tied))

@@ -8,7 +8,7 @@ buckets nobody planned yet.
 from .collapsed import CollapsedLayer
 from .plans import ContractionPlan, LookupPlan, Step, bucket_of
 from .embedding_bag import TTMEmbeddingBag
-from .tt_layers import TNModule, TTLinear, TTMEmbedding, TTMTiedLinear
+from .tt_layers import TNModule, TTLinear, TTMEmbedding, TTMTiedLinear, tied_merge_macs
 
-__all__ = ["TTLinear", "TTMEmbedding", "TTMEmbeddingBag", "TTMTiedLinear", "TNModule", "CollapsedLayer",
+__all__ = ["TTLinear", "TTMEmbedding", "TTMEmbeddingBag", "TTMTiedLinear", "tied_merge_macs", "TNModule", "CollapsedLayer",
            "ContractionPlan", "LookupPlan", "Step", "bucket_of"]

@@ -34,7 +34,7 @@ from .traced_lookup import (check_ids, distinct_ids, gathered_product, gathered_
                             split_ids, ttm_lookup)
 from .tt_chain import chain_kernels, tt_chain
 
-__all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of"]
+__all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of", "tied_merge_macs"]
 
 INITS = ("svd", "random")
 
@@ -90,6 +90,25 @@ def _apply_matrix(module: "TNModule", x: torch.Tensor, bias, in_dim: int, in_mod
     if padded_out != out_dim:
         return y.reshape(rows, padded_out)[:, :out_dim].reshape(*lead, out_dim)
     return y.reshape(*lead, out_dim)
+
+
+def _factor_macs(factors: tuple[torch.Tensor, torch.Tensor | None]) -> int:
+    """Multiply-adds per row through :meth:`TTLinear.inference_factors`."""
+    a, b = factors
+    return a.shape[0] * a.shape[1] + (b.shape[0] * b.shape[1] if b is not None else 0)
+
+
+def _through_factors(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor | None],
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ A @ B + bias`` (``x @ W.T + bias`` for a whole matrix): ``(..., in) -> (..., out)``."""
+    a, b = factors
+    lead = x.shape[:-1]
+    h = x.reshape(-1, x.shape[-1])
+    if b is not None:
+        h = h @ a
+        a = b
+    y = torch.addmm(bias, h, a) if bias is not None else h @ a
+    return y.reshape(*lead, y.shape[-1])
 
 
 def check_input_dtype(module: nn.Module, x: torch.Tensor) -> None:
@@ -247,7 +266,16 @@ class TTLinear(TNModule):
     Shapes
     ------
     input ``(..., in_features)`` -> output ``(..., out_features)``.
+
+    Inference (no autograd, not under ``torch.compile``) multiplies by the network
+    merged into two thin factors ``W.T = A @ B`` (or the whole ``W`` when that is
+    smaller), kept until a core or gate changes, whenever that costs no more
+    multiply-adds than the planned contraction: two GEMMs instead of a chain of
+    small products, which is what decoding (one row per sequence) needs.
     """
+
+    transient_state = TNModule.transient_state + ("_inference",)
+    merge_in_inference = True
 
     def __init__(self, layout: TTLayout, bias: bool = True, *, device=None, dtype=None):
         super().__init__()
@@ -294,8 +322,33 @@ class TTLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
+        if self.merge_in_inference and not torch.is_grad_enabled() and not torch.compiler.is_compiling() \
+                and isinstance(x, torch.Tensor) and x.shape[-1:] == (lay.in_features,):
+            rows = x.numel() // max(lay.in_features, 1)
+            factors = self.inference_factors()
+            if rows and _factor_macs(factors) * rows <= tuning.INFERENCE_MERGE_SLACK * self.plan_for(rows).fwd_flops:
+                check_input_dtype(self, x)
+                return _through_factors(x, factors, self.bias)
         return _apply_matrix(self, x, self.bias, lay.in_features, lay.in_modes, lay.out_features,
                              lay.padded_out, self._contract_rows)
+
+    def inference_factors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(A (in, r), B (r, out))`` with ``W.T = A @ B`` (padding cropped), or
+        ``(W.T, None)`` when the whole matrix has fewer entries than the two factors;
+        cached (not saved) until a core or gate changes (an optimizer step, a cut)."""
+        params = [*self.cores._parameters.values(), *self.gates._parameters.values()]
+        key = tuple((id(p), p._version, p.device, p.dtype) for p in params)
+        cached = self.__dict__.get("_inference")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                a, b = self.merged_factors()
+                a, b = a[: self.in_features], b[:, : self.out_features]
+                if a.shape[1] * (self.in_features + self.out_features) >= self.in_features * self.out_features:
+                    factors = ((a @ b).contiguous(), None)
+                else:
+                    factors = (a.contiguous(), b.contiguous())
+            cached = self.__dict__["_inference"] = (key, factors)
+        return cached[1]
 
     def _contract_rows(self, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``h (rows, *in_modes)`` through the network: at a few rows one native
@@ -439,6 +492,13 @@ class TTMEmbedding(TNModule):
         return super().extra_repr() + pad
 
 
+def tied_merge_macs(layout: TTMLayout, rows: int) -> int:
+    """Multiply-adds of a tied head over ``rows`` rows through the merged table: merging
+    (about ``V·D·r``, ``r`` the largest rank) plus the dense product ``rows·V·D``."""
+    table = layout.num_embeddings * layout.embedding_dim
+    return table * (rows + max(layout.ranks or (1,)))
+
+
 class TTMTiedLinear(TNModule):
     """Output head tied to a :class:`TTMEmbedding`: ``y = x @ E.T + b``.
 
@@ -483,6 +543,11 @@ class TTMTiedLinear(TNModule):
         if self.merge_in_inference and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             check_input_dtype(self, x)
             return F.linear(x, self.merged_weight(), self.bias)
+        rows = x.numel() // max(lay.embedding_dim, 1)
+        if rows and self.merges_at(rows):  # a vocabulary-wide output: merging once beats contracting per row
+            check_input_dtype(self, x)
+            return F.linear(x, self.embedding.weight()[: self.out_features], self.bias)
+
         def contract_rows(h, bias):
             return contract(self.plan_for(h.shape[0]), [h, *_drop_boundary(self.embedding.scaled_cores())], bias)
         return _apply_matrix(self, x, self.bias, lay.embedding_dim, lay.col_modes, lay.num_embeddings,
@@ -499,6 +564,14 @@ class TTMTiedLinear(TNModule):
             with torch.no_grad():
                 head.bias.copy_(self.bias)
         return head
+
+    def merges_at(self, rows: int) -> bool:
+        """Whether ``rows`` rows cost fewer multiply-adds through the table merged from the
+        cores (once per call, differentiably: ``V·D·r`` to merge, then a dense head's
+        ``rows·V·D``) than through the network contracted per row (its plan's count). A tied
+        head's output is vocabulary-sized, so past a few rows the merged table wins (GPT-2:
+        the network costs ~11x a dense head per row)."""
+        return tied_merge_macs(self.layout, rows) < self.plan_for(rows).fwd_flops
 
     def merged_weight(self) -> torch.Tensor:
         """The table ``[num_embeddings, embedding_dim]`` merged from the cores, cached (not saved)
