@@ -20,7 +20,7 @@ LAYERS = [
                  "tncompile.nn_trace", "tncompile.passes",
                  "tncompile.report", "tncompile.calibration")),
     ("product", ("tncompile.compiled", "tncompile.swap", "tncompile.api", "tncompile.serialization")),
-    ("train", ("tncompile.train", "tncompile.distributed", "tncompile.pretrained")),
+    ("train", ("tncompile.train", "tncompile.distributed", "tncompile.pretrained", "tncompile.integrations")),
     ("entry", ("tncompile", "tncompile.cli", "tncompile.__main__", "tncompile.zoo")),
 ]
 

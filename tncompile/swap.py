@@ -5,8 +5,10 @@ sizing and dumps as graph mode, then puts the resulting TT / TTM layers into
 the user's module tree at the paths of the layers they replace (as PEFT and
 torchao do) and returns that model -- a copy unless ``inplace=True``. The
 model keeps its class and its own ``forward``: a HuggingFace model keeps
-``config``, ``generate`` with its KV cache, masks, every keyword argument,
-``save_pretrained``; dropout follows ``train()`` / ``eval()`` as written.
+``config``, ``generate`` with its KV cache, masks, every keyword argument;
+dropout follows ``train()`` / ``eval()`` as written. ``save_pretrained`` writes a
+folder that ``tncompile.load(folder, model=TheClass)`` rebuilds exactly and that
+plain ``from_pretrained`` refuses (:mod:`tncompile.serialization.pretrained_folder`).
 
 The returned object's class is a subclass of the user's class, made once per
 class, with the same name, module and qualified name, that adds
@@ -34,11 +36,22 @@ from .layers import is_compressible, kind_of
 from .report import Report, build_report
 from .runtime.tt_layers import TNModule, TTMTiedLinear
 
-__all__ = ["SwapMixin", "swap_into", "swappable_layers", "is_swapped", "user_class", "Resync", "MIXIN_NAMES"]
+__all__ = ["SwapMixin", "swap_into", "swappable_layers", "is_swapped", "user_class", "Resync", "MIXIN_NAMES",
+           "register_folder_writer"]
 
 # what the mixin adds; a model class that has any of these already cannot take it
 MIXIN_NAMES = ("program", "ratio", "report", "tensorized_modules", "to_dense")
 _SUBCLASSES: dict[type, type] = {}
+# writes SwapMixin.save_pretrained's folder; tncompile.serialization (which imports this
+# module) registers it, so this module never imports the serialization layer back
+_FOLDER_WRITER = None
+
+
+def register_folder_writer(writer) -> None:
+    """Set what ``save_pretrained`` of a swapped model calls: ``writer(model, directory, **kwargs)``."""
+    global _FOLDER_WRITER
+    _FOLDER_WRITER = writer
+
 
 
 def swappable_layers(model: nn.Module) -> dict[str, str]:
@@ -98,6 +111,16 @@ class SwapMixin:
             if isinstance(layer, TTMTiedLinear):
                 dense.set_submodule(path, layer.to_dense_head(rebuilt.get(id(layer.embedding))))
         return dense
+
+    def save_pretrained(self, save_directory, **kwargs: Any) -> None:
+        """Write a folder that ``tncompile.load(folder, model=YourClass)`` rebuilds
+        exactly (``config.json`` + the compressed model, no dense weight file, so
+        plain ``from_pretrained`` on it fails instead of loading wrong weights).
+        Takes HF's keywords (``is_main_process``, ``state_dict`` is ignored: the
+        model's own state is saved). For a dense HF folder: ``to_dense().save_pretrained``."""
+        if _FOLDER_WRITER is None:  # tncompile.serialization registers it on import
+            raise RuntimeError("tncompile.serialization is not imported")
+        _FOLDER_WRITER(self, save_directory, **kwargs)
 
     def __reduce_ex__(self, protocol):
         # pickle / deepcopy as (rebuild the subclass of the user's class, this state)

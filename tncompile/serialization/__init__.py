@@ -32,12 +32,13 @@ from ..ir.program import InputSpec, PassRecord, Program
 from ..options import CompileOptions
 from ..passes import Pipeline, Replan
 from ..runtime.module_kinds import is_sharded
-from ..swap import is_swapped
+from ..swap import is_swapped, register_folder_writer
 from . import legacy
 from .codec import Decoder, Encoder
 from .container import encode_container, read_bytes_once, read_container, write_atomically
 from .graphs import SAFE_MODULE_CLASSES, GraphLimits, allow_module_class, decode_graph_module, encode_graph_module
 from .model_checks import check_model
+from .pretrained_folder import FOLDER_FILE, is_model_folder, model_for_folder, save_folder
 from .swapped import ModelMismatchError, attach_swap, encode_swap
 
 __all__ = ["save", "load", "resume", "FORMAT", "VERSION", "ModelFileError", "UnsafeFileError",
@@ -112,6 +113,13 @@ def save(compiled: CompiledModel, path: str | os.PathLike, *, optimizer: torch.o
                 "sha256": _digest(enc.tensors, text)}
     header, body = encode_container(enc.tensors, metadata)
     write_atomically(path, header, body)
+
+
+def _save_pretrained(model: nn.Module, directory, **kwargs: Any) -> None:
+    save_folder(model, directory, save, **kwargs)
+
+
+register_folder_writer(_save_pretrained)
 
 
 def _restore_rank_stream(per_rank: list[torch.Tensor]) -> None:
@@ -200,11 +208,13 @@ def load(path: str | os.PathLike, map_location=None, *, trust: bool = False,
         Load what the safe path refuses: a format-1 file (a pickle: loading
         it runs any code it carries), or a file naming module classes or
         functions outside tncompile's allowlists. Only for files you trust.
-    model : nn.Module, optional
+    model : nn.Module or class, optional
         For a file saved from a swap-mode model (``compile(mode="swap")``):
         a dense instance of the same class and configuration to load it onto
         (in place); it is returned with its layers swapped. A file holds no
-        code, so it cannot build your model class itself.
+        code, so it cannot build your model class itself. For a folder the
+        model's ``save_pretrained`` wrote, the class will do (an HF class is
+        built from the folder's ``config.json``).
 
     Raises
     ------
@@ -214,8 +224,15 @@ def load(path: str | os.PathLike, map_location=None, *, trust: bool = False,
         Not a tncompile file, written by a newer tncompile, or damaged.
     """
     path = _file_path(path, "load")
+    if is_model_folder(path):  # save_pretrained of a swap-mode model
+        if model is None:
+            raise TypeError(f"tncompile.load: {str(path)!r} was written by save_pretrained of a compressed model; "
+                            "pass its model class (model=BertModel: built from the folder's config.json) or a "
+                            "fresh instance to load it onto")
+        return load(path / FOLDER_FILE, map_location, trust=trust, model=model_for_folder(path, model))
     if path.is_dir():
-        raise IsADirectoryError(f"tncompile.load: {str(path)!r} is a directory; give the file tncompile.save wrote")
+        raise IsADirectoryError(f"tncompile.load: {str(path)!r} is a directory; give the file tncompile.save wrote "
+                                "(or a folder a compressed model's save_pretrained wrote)")
     if not path.exists():
         raise FileNotFoundError(f"tncompile.load: no file {str(path)!r}")
     if map_location is not None:
