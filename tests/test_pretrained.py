@@ -397,6 +397,32 @@ def test_hidden_blocks_match_every_layer_of_the_stack_by_name():
     assert not any(m._forward_hooks for m in teacher.modules())
 
 
+def test_padding_does_not_count_in_output_and_hidden_terms():
+    from tncompile.train.distill import Teacher, distill_loss
+    teacher_out = torch.randn(2, 5, 8)
+    student_out = teacher_out.clone()
+    student_out[0, 3:] += 10.0                                         # wrong only where sentence 0 is padded
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    inputs = {"input_ids": torch.zeros(2, 5, dtype=torch.long), "attention_mask": mask}
+
+    class Stub(nn.Module):
+        def forward(self, input_ids, attention_mask=None):
+            return teacher_out
+
+    for masked, expect_zero in ((True, True), (False, False)):
+        spec = tncompile.Distill(output=1.0, mask_padding=masked)
+        guide = Teacher(Stub(), nn.Linear(1, 1), spec)
+        try:
+            value = float(distill_loss(guide, None)(student_out, (None, guide.record(inputs), inputs)))
+        finally:
+            guide.close()
+        assert (value == 0.0) == expect_zero
+    unmasked = {"input_ids": inputs["input_ids"]}                       # no attention_mask: every position
+    guide = Teacher(Stub(), nn.Linear(1, 1), tncompile.Distill(output=1.0))
+    assert float(distill_loss(guide, None)(student_out, (None, guide.record(unmasked), unmasked))) > 0
+    guide.close()
+
+
 def test_graph_mode_names_a_module_that_does_not_run(pretrained):
     model, _, _ = pretrained
     wrapped = nn.Sequential(model)
