@@ -41,7 +41,7 @@ def rate_modules(compiled):
 @pytest.mark.parametrize("traced_training", [True, False])
 def test_attention_dropout_follows_the_mode_whatever_mode_it_was_traced_in(traced_training):
     model = attention_only_bert().train(traced_training)
-    compiled = tncompile.compile(model, 0.5, example_inputs={"input_ids": IDS})
+    compiled = tncompile.compile(model, 0.5, example_inputs={"input_ids": IDS}, mode="graph")
     assert rate_modules(compiled) == {"encoder.layer.0.attention.self.attention_dropout": 0.5}
     compiled.eval()
     assert torch.equal(hidden(compiled), hidden(compiled))           # no dropout left in eval
@@ -56,7 +56,7 @@ def test_attention_dropout_follows_the_mode_whatever_mode_it_was_traced_in(trace
 
 
 def test_attention_dropout_rate_survives_save_and_load(tmp_path):
-    compiled = tncompile.compile(attention_only_bert().train(), 0.5, example_inputs={"input_ids": IDS})
+    compiled = tncompile.compile(attention_only_bert().train(), 0.5, example_inputs={"input_ids": IDS}, mode="graph")
     tncompile.save(compiled, tmp_path / "m")
     loaded = tncompile.load(tmp_path / "m")
     assert rate_modules(loaded) == rate_modules(compiled)
@@ -93,10 +93,10 @@ def test_functional_dropout_becomes_a_module_that_follows_the_mode(traced_traini
 def test_an_eval_trace_that_loses_functional_dropout_says_how_to_keep_it():
     model = attention_only_bert(attn="eager", p=0.1).eval()         # eager attention: F.dropout(p if training else 0)
     with pytest.warns(UserWarning, match=r"encoder\.layer\.0\.attention\.self\.dropout \(p=0\.1\).*model\.train\(\)"):
-        tncompile.compile(model, 0.5, example_inputs={"input_ids": IDS})
+        tncompile.compile(model, 0.5, example_inputs={"input_ids": IDS}, mode="graph")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compiled = tncompile.compile(model.train(), 0.5, example_inputs={"input_ids": IDS})
+        compiled = tncompile.compile(model.train(), 0.5, example_inputs={"input_ids": IDS}, mode="graph")
     assert not [w for w in caught if "traced in eval mode" in str(w.message)]
     drops = {n: m.p for n, m in compiled.program.graph_module.named_modules() if type(m).__name__ in
              ("Dropout", "FastDropout") and "attention.self" in n}
