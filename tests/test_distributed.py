@@ -248,10 +248,11 @@ def _whole_matches_full_tensor() -> dict:
             "sum_grad": torch.allclose(g_total.to_local(), 6 * shards[0].to_local())}
 
 
-def _bert_blocks_free_as_they_go(rank: int) -> dict:
+def _bert_blocks_free_as_they_go(rank: int, mode: str = "graph") -> dict:
     """An exported HF BERT, one FSDP2 unit per layer: layer 0's parameters are shards
     again by the time layer 1 starts (its unit completes after its last module, not at
-    the end of the whole forward); it trains and cuts."""
+    the end of the whole forward); it trains and cuts. In swap mode a unit is the HF
+    layer module itself."""
     import transformers as T
     from torch.distributed.tensor import DTensor
 
@@ -261,12 +262,12 @@ def _bert_blocks_free_as_they_go(rank: int) -> dict:
                           intermediate_size=384, max_position_embeddings=32, num_labels=2)
     ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(rank))
     compiled = tncompile.compile(T.BertForSequenceClassification(config).eval(), target_ratio=0.3,
-                                 example_inputs={"input_ids": ids})
+                                 example_inputs={"input_ids": ids}, mode=mode)
     blocks = block_units(compiled)
     shard(compiled, units="blocks")
     opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=1e-3, gate_lr=1e-2))
     ctl = tncompile.RankController(compiled, opt, target_ratio=0.2, early_steps=None, truncate_every=0)
-    gm = compiled.model
+    gm = compiled if mode == "swap" else compiled.model
     layer0 = gm.get_submodule(blocks[0][0])
     seen = []
     hook = gm.get_submodule(blocks[1][0]).register_forward_pre_hook(
@@ -283,7 +284,8 @@ def _bert_blocks_free_as_they_go(rank: int) -> dict:
         ratios.append(compiled.ratio)
     hook.remove()
     return {"blocks": len(blocks), "freed_before_next": seen, "ratios": ratios,
-            "finite": bool(torch.isfinite(loss))}
+            "finite": bool(torch.isfinite(loss)), "class": type(compiled).__name__,
+            "units": blocks if mode == "swap" else None}
 
 
 def _fsdp2_cuts(rank: int, out: Path) -> dict:
@@ -341,6 +343,7 @@ def _fsdp2_cuts(rank: int, out: Path) -> dict:
         refused = str(e)
     report["whole"] = _whole_matches_full_tensor()
     report["bert"] = _bert_blocks_free_as_they_go(rank)
+    report["bert_swap"] = _bert_blocks_free_as_they_go(rank, mode="swap")
     report["save"] = {"kept_shards": kept, "same_weights": bool(same_weights), "plain_save": plain_save,
                       "resumed_state": bool(resumed_state),
                       "refused": refused}
@@ -437,13 +440,13 @@ def _resume_is_exact(rank: int, out: Path) -> dict:
     return {"exact": bool(torch.equal(_flat(loaded), uninterrupted)), "same_on_all": _same_on_all(_flat(loaded))}
 
 
-def _distilled(rank: int, out: Path) -> dict:
+def _distilled(rank: int, out: Path, mode: str = "graph") -> dict:
     """fit(teacher=..., ddp={}) with rank cuts on unlabeled batches: replicas stay identical,
-    the student gets closer to the teacher, the teacher is untouched."""
+    the student gets closer to the teacher, the teacher is untouched (graph or swap mode)."""
     torch.manual_seed(0)
     teacher = mlp((64, 256, 256, 10)).eval()
     before = [p.detach().clone() for p in teacher.parameters()]
-    compiled = tncompile.compile(teacher, target_ratio=0.3)
+    compiled = tncompile.compile(teacher, target_ratio=0.3, mode=mode)
     opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=3e-3, gate_lr=3e-2))
     ctl = tncompile.RankController(compiled, opt, target_ratio=0.15, early_steps=8, late_steps=16,
                                    truncate_every=4, recovery=0.25)
@@ -463,7 +466,7 @@ def _checkpoints(rank: int, out: Path) -> dict:
     (out / "a").mkdir(exist_ok=True)
     (out / "b").mkdir(exist_ok=True)
     return {"fit": _fit_with_checkpoint(rank, out / "a"), "resume": _resume_is_exact(rank, out / "b"),
-            "distill": _distilled(rank, out)}
+            "distill": _distilled(rank, out), "distill_swap": _distilled(rank, out, mode="swap")}
 
 
 SCENARIOS = {"own_loop": _own_loop, "checkpoints": _checkpoints}
@@ -604,9 +607,12 @@ def test_fsdp2_saves_whole_and_refuses_what_it_cannot_reshard(own_loop):
         assert save["kept_shards"] and save["same_weights"] and save["resumed_state"]
         assert "save_on_rank0" in save["plain_save"]
         assert "tncompile.distributed.shard" in save["refused"]
-        bert = r["fsdp2"]["bert"]
-        assert bert["blocks"] == 2 and bert["finite"] and bert["freed_before_next"] == [True] * 3
-        assert bert["ratios"][2] < bert["ratios"][0]
+        for bert in (r["fsdp2"]["bert"], r["fsdp2"]["bert_swap"]):       # graph mode and swap mode
+            assert bert["blocks"] == 2 and bert["finite"] and bert["freed_before_next"] == [True] * 3
+            assert bert["ratios"][2] < bert["ratios"][0]
+        swapped = r["fsdp2"]["bert_swap"]
+        assert swapped["class"] == "BertForSequenceClassification"
+        assert swapped["units"] == [["bert.encoder.layer.0"], ["bert.encoder.layer.1"]]
         assert r["fsdp2"]["whole"] == {"values": True, "full": True, "grads": True, "sums": True, "sum_grad": True}
 
 
@@ -646,8 +652,8 @@ def test_fit_with_ddp_checkpoints_from_rank0_and_restores_each_rank_stream(check
 @pytest.mark.slow
 def test_distillation_under_ddp_keeps_replicas_identical_through_cuts(checkpoints):
     for r in checkpoints[1]:
-        d = r["distill"]
-        assert d["identical"] and d["closer"] and d["cut"] and d["teacher_same"] and d["steps"] == 24
+        for d in (r["distill"], r["distill_swap"]):                 # DDP over a swap-mode model too
+            assert d["identical"] and d["closer"] and d["cut"] and d["teacher_same"] and d["steps"] == 24
 
 
 @pytest.mark.slow

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..compiled import CompiledModel
+from ..swap import is_swapped
 from ..runtime.module_kinds import is_shard, is_sharded
 
 __all__ = ["shard", "is_sharded", "full_tensor", "whole", "summed_over_shards", "gathered", "full_parameters", "block_units", "ShardPlan"]
@@ -178,7 +179,15 @@ def block_units(compiled: nn.Module) -> list[list[str]]:
     unit; otherwise the block would stay gathered until the root's forward
     ends. Blocks without parameters are left out. Names are relative to
     ``compiled.model``.
+
+    A swap-mode model runs its own forward, which calls each block as a module:
+    a block is then one unit, the block module itself.
     """
+    if is_swapped(compiled):
+        paths = sorted({found.group(1) for name in compiled.tensorized_modules()
+                        if (found := _BLOCK.match(name + ".")) is not None},
+                       key=lambda p: [int(t) if t.isdigit() else t for t in p.split(".")])
+        return [[p] for p in paths if any(t.numel() for t in compiled.get_submodule(p).parameters())]
     gm = compiled.model
     blocks: dict[str, list[str]] = {}
     for node in gm.graph.nodes:
@@ -219,7 +228,7 @@ def _check_units(compiled: nn.Module, units: Any) -> None:
     if not (isinstance(units, (list, tuple)) and all(isinstance(u, str) for u in units)):
         raise TypeError(f"shard: units must be 'blocks', 'root' or a list of block names like ['layers.0', "
                         f"'layers.1'], got {units!r}")
-    names = dict(compiled.model.named_modules())
+    names = dict(_tree(compiled).named_modules())
     unknown = [u for u in units if u not in names]
     if unknown:
         raise ValueError(f"shard: units {unknown[:3]} are not modules of the compiled model; block names look "
@@ -256,8 +265,8 @@ def shard(compiled: nn.Module, *, mesh: Any = None, units: str | list[str] = "bl
     it by the same plan; save it with
     :func:`tncompile.distributed.save_on_rank0`.
     """
-    if not isinstance(compiled, CompiledModel):
-        raise TypeError(f"shard expects the CompiledModel tncompile.compile returned, got {type(compiled).__name__}")
+    if not isinstance(compiled, CompiledModel) and not is_swapped(compiled):
+        raise TypeError(f"shard expects the model tncompile.compile returned, got {type(compiled).__name__}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("shard: torch.distributed is not initialized; call "
                            "torch.distributed.init_process_group(...) first (torchrun sets the environment)")
@@ -295,10 +304,15 @@ def _apply(compiled: nn.Module, plan: ShardPlan) -> None:
     _, fully_shard = _fsdp()
     if _outputs_not_views not in compiled._forward_hooks.values():  # runs before FSDP's own post-forward hook
         compiled.register_forward_hook(_outputs_not_views)
-    gm = compiled.model
+    gm = _tree(compiled)
     for group in _resolve_units(compiled, plan.units):  # bottom-up: blocks first, then the root
         fully_shard([gm.get_submodule(name) for name in group], mesh=plan.mesh, **plan.kwargs)
     fully_shard(compiled, mesh=plan.mesh, **plan.kwargs)
+
+
+def _tree(compiled: nn.Module) -> nn.Module:
+    """Where unit names point: a CompiledModel's graph module, a swap-mode model itself."""
+    return compiled if is_swapped(compiled) else compiled.model
 
 
 def _outputs_not_views(module: nn.Module, args: Any, output: Any) -> Any:
