@@ -611,7 +611,7 @@ def test_fsdp2_saves_whole_and_refuses_what_it_cannot_reshard(own_loop):
             assert bert["blocks"] == 2 and bert["finite"] and bert["freed_before_next"] == [True] * 3
             assert bert["ratios"][2] < bert["ratios"][0]
         swapped = r["fsdp2"]["bert_swap"]
-        assert swapped["class"] == "BertForSequenceClassification"
+        assert swapped["class"].endswith("BertForSequenceClassification")   # FSDP2 prefixes its class name
         assert swapped["units"] == [["bert.encoder.layer.0"], ["bert.encoder.layer.1"]]
         assert r["fsdp2"]["whole"] == {"values": True, "full": True, "grads": True, "sums": True, "sum_grad": True}
 
@@ -774,7 +774,7 @@ def test_shard_refuses_bad_input_clearly_and_leaves_the_model_alone(one_process_
     from tncompile.distributed import is_sharded, shard
     compiled, opt, ctl = _setup()
     before = _flat(compiled).clone()
-    with pytest.raises(TypeError, match="shard expects the CompiledModel"):
+    with pytest.raises(TypeError, match="shard expects the model tncompile.compile returned"):
         shard(torch.nn.Linear(4, 4))
     with pytest.raises(TypeError, match="units must be 'blocks', 'root' or a list of block names"):
         shard(compiled, units=3)
