@@ -69,6 +69,7 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.3)
     ap.add_argument("--steps", type=int, default=300, help="distillation steps")
     ap.add_argument("--finetune", type=int, default=0, help="SST-2 fine-tuning steps for each model (0: skip)")
+    ap.add_argument("--finetune-lr", type=float, default=3e-5, help="AdamW's, the same for both models")
     ap.add_argument("--quick", action="store_true", help="tiny run: 20 distillation steps, 500 probe sentences")
     ap.add_argument("--out", default=out_dir("pretrained"))
     args = ap.parse_args()
@@ -99,9 +100,11 @@ def main() -> None:
         labeled = [(b, torch.tensor(train_y[40000 + 32 * i: 40000 + 32 * (i + 1)]))
                    for i, b in enumerate(batches(tok, train_s[40000:40000 + 32 * args.finetune], 32))]
         result["finetune_steps"] = args.finetune
-        result["finetuned_original"] = finetune(copy.deepcopy(model), labeled, dev, dev_y, args.finetune, 3e-5)
+        result["finetune_lr"] = args.finetune_lr
+        result["finetuned_original"] = finetune(copy.deepcopy(model), labeled, dev, dev_y, args.finetune,
+                                                args.finetune_lr)
         tncompile.freeze_gates(small)
-        result["finetuned_compressed"] = finetune(small, labeled, dev, dev_y, args.finetune, 2e-4)
+        result["finetuned_compressed"] = finetune(small, labeled, dev, dev_y, args.finetune, args.finetune_lr)
         print(f"SST-2 fine-tuned dev accuracy: original {result['finetuned_original']:.3f}, "
               f"compressed {result['finetuned_compressed']:.3f}")
     out = Path(args.out)
