@@ -221,6 +221,21 @@ def test_tt_linear_inference_multiplies_by_merged_factors_and_follows_updates(ra
     assert "_inference" in TTLinear.transient_state                                # never saved
 
 
+def test_ttm_lookup_keeps_its_half_tables_in_inference_until_a_core_changes():
+    emb = _randomize(TTMEmbedding(TTMLayout.for_shape(200, 12, 2, ranks=4), dtype=f64))
+    ids = torch.tensor([[3, 199, 3], [0, 57, 120]])
+    trained = emb(ids)                                           # merged afresh (autograd on)
+    with torch.no_grad():
+        torch.testing.assert_close(emb(ids), trained.detach())
+        kept = emb.__dict__["_halves"][1][0]
+        emb(ids)
+        assert emb.__dict__["_halves"][1][0] is kept             # reused
+        emb.cores[0].mul_(2.0)                                   # an optimizer step: merged again
+        torch.testing.assert_close(emb(ids), emb.weight()[ids])
+        assert emb.__dict__["_halves"][1][0] is not kept
+    assert "_halves" in TTMEmbedding.transient_state
+
+
 def test_tied_head_multiplies_by_the_merged_table_in_inference_and_follows_updates():
     """No autograd: the tied head uses its merged table (a dense head's cost), kept until a core
     changes; with autograd it computes the same values."""

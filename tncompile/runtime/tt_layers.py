@@ -386,6 +386,8 @@ class TTMEmbedding(TNModule):
     input ``(...)`` integer ids -> output ``(..., embedding_dim)``.
     """
 
+    transient_state = TNModule.transient_state + ("_halves",)
+
     def __init__(self, layout: TTMLayout, padding_idx: int | None = None, *, device=None, dtype=None):
         super().__init__()
         if not isinstance(layout, TTMLayout):
@@ -441,8 +443,17 @@ class TTMEmbedding(TNModule):
         return plan
 
     def half_tables(self, split: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``L[M_L, N_L, r]`` from cores ``[:split]`` and ``R[M_R, r, N_R]`` from the rest."""
-        return half_tables(self.scaled_cores(), split)
+        """``L[M_L, N_L, r]`` from cores ``[:split]`` and ``R[M_R, r, N_R]`` from the rest.
+        Without autograd (inference, decoding one id per sequence) they are kept, not
+        saved, until a core or gate changes: merging them is most of a small lookup."""
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():
+            return half_tables(self.scaled_cores(), split)
+        params = [*self.cores._parameters.values(), *self.gates._parameters.values()]
+        key = (split, tuple((id(p), p._version, p.device, p.dtype) for p in params))
+        cached = self.__dict__.get("_halves")
+        if cached is None or cached[0] != key:
+            cached = self.__dict__["_halves"] = (key, half_tables(self.scaled_cores(), split))
+        return cached[1]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         lay = self.layout
