@@ -34,16 +34,11 @@ from ..serialization import load
 from ..serialization.pretrained_folder import is_model_folder
 from ..swap import is_swapped, user_class
 from ..train.controller import RankController
+from ..train.distributed import unwrap
 
 __all__ = ["RankControlCallback", "CompressedTrainer"]
 
 _TENSOR_STATE = ("target_loss", "ema", "ema_weight")
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    while not hasattr(model, "tensorized_modules") and isinstance(getattr(model, "module", None), nn.Module):
-        model = model.module
-    return model
 
 
 def _loss_of(output: Any) -> torch.Tensor | None:
@@ -95,7 +90,7 @@ class RankControlCallback(TrainerCallback, ExportableState):
         if getattr(args, "fp16", False):
             raise NotImplementedError("RankControlCallback: fp16 loss scaling would leave the rank penalty's "
                                       "gradient unscaled; train in bf16 or float32")
-        compiled = _unwrap(model)
+        compiled = unwrap(model)  # a DDP wrapper: the compressed model inside
         if not hasattr(compiled, "tensorized_modules"):
             raise TypeError(f"RankControlCallback: Trainer's model is a {type(compiled).__name__}, not a compressed "
                             "model; pass tncompile.compile(model, ..., mode='swap') to Trainer")

@@ -183,6 +183,12 @@ class TNModule(nn.Module):
         self.cores = nn.ParameterList(nn.Parameter(torch.zeros(*lead, *s, **kw)) for s in layout.core_shapes())
         self.gates = nn.ParameterList(nn.Parameter(torch.ones(*lead, r, **kw)) for r in layout.ranks)
 
+    def weights_version(self) -> tuple:
+        """Identifies the current cores and gates (objects, in-place versions, devices,
+        dtypes): what an inference cache of merged tensors is valid for."""
+        params = [*self.cores._parameters.values(), *self.gates._parameters.values()]
+        return tuple((id(p), p._version, p.device, p.dtype) for p in params)
+
     def scaled_cores(self) -> list[torch.Tensor]:
         """Cores with each gate multiplied into its left core's right bond."""
         # read the lists' dicts directly: ParameterList indexing costs microseconds per item
@@ -336,8 +342,7 @@ class TTLinear(TNModule):
         """``(A (in, r), B (r, out))`` with ``W.T = A @ B`` (padding cropped), or
         ``(W.T, None)`` when the whole matrix has fewer entries than the two factors;
         cached (not saved) until a core or gate changes (an optimizer step, a cut)."""
-        params = [*self.cores._parameters.values(), *self.gates._parameters.values()]
-        key = tuple((id(p), p._version, p.device, p.dtype) for p in params)
+        key = self.weights_version()
         cached = self.__dict__.get("_inference")
         if cached is None or cached[0] != key:
             with torch.no_grad():
@@ -448,8 +453,7 @@ class TTMEmbedding(TNModule):
         saved, until a core or gate changes: merging them is most of a small lookup."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return half_tables(self.scaled_cores(), split)
-        params = [*self.cores._parameters.values(), *self.gates._parameters.values()]
-        key = (split, tuple((id(p), p._version, p.device, p.dtype) for p in params))
+        key = (split, self.weights_version())
         cached = self.__dict__.get("_halves")
         if cached is None or cached[0] != key:
             cached = self.__dict__["_halves"] = (key, half_tables(self.scaled_cores(), split))
@@ -589,8 +593,7 @@ class TTMTiedLinear(TNModule):
         until a core or gate changes (an optimizer step, a cut). A tied head over vocabulary-
         sized outputs costs a dense head's multiply-adds this way; contracting the network for
         every row (decoding feeds one row per sequence) costs many times more."""
-        params = [*self.embedding.cores._parameters.values(), *self.embedding.gates._parameters.values()]
-        key = tuple((id(p), p._version, p.device, p.dtype) for p in params)
+        key = self.embedding.weights_version()
         cached = self.__dict__.get("_merged")
         if cached is None or cached[0] != key:
             with torch.no_grad():
