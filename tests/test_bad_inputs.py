@@ -82,7 +82,7 @@ def env(tmp_path_factory):
     return Env(tmp=tmp_path_factory.mktemp("bad"), model=model,
                compiled=tncompile.compile(model, target_ratio=0.3),
                embedded=tncompile.compile(EmbedThenLinear(), target_ratio=0.3),
-               exported=tncompile.compile(ShapeBranch(), target_ratio=0.5, example_inputs=(torch.randn(3, 64),)))
+               exported=tncompile.compile(ShapeBranch(), mode="graph", target_ratio=0.5, example_inputs=(torch.randn(3, 64),)))
 
 
 def _compile(**kw) -> Callable[[Env], Any]:

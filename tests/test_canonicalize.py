@@ -144,7 +144,7 @@ def test_export_graph_dropout_is_lowered():
                      intermediate_size=128, max_position_embeddings=32)
     ids = torch.randint(0, 300, (2, 8))
     cfg._attn_implementation = "eager"  # whose attention calls nn.functional.dropout
-    compiled = tncompile.compile(BertModel(cfg), target_ratio=0.5, example_inputs={"input_ids": ids})
+    compiled = tncompile.compile(BertModel(cfg), mode="graph", target_ratio=0.5, example_inputs={"input_ids": ids})
     targets = [n.target for n in compiled.model.graph.nodes if n.op == "call_function"]
     assert aten.dropout.default not in targets
     from tncompile.runtime.dropout import FastDropout

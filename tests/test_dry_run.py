@@ -51,7 +51,7 @@ def _optimizer(kind: str, compiled):
 ])
 def test_hf_models_capture(name, opt_kind, amp):
     model, inputs, targets, loss = _hf(name)
-    compiled = tncompile.compile(model, target_ratio=0.3, example_inputs=inputs)
+    compiled = tncompile.compile(model, mode="graph", target_ratio=0.3, example_inputs=inputs)
     if name in ("gpt2", "llama-tied"):
         assert any(type(m).__name__ == "TTMTiedLinear" for m in compiled.tensorized_modules().values())
     opt = _optimizer(opt_kind, compiled)

@@ -93,7 +93,7 @@ class ShapeBranch(nn.Module):
 
 def test_untraceable_with_example_inputs_uses_export():
     m = ShapeBranch()
-    c = tncompile.compile(m, target_ratio=0.5, example_inputs=(torch.randn(3, 64),))
+    c = tncompile.compile(m, mode="graph", target_ratio=0.5, example_inputs=(torch.randn(3, 64),))
     assert c.program.inputs.frontend == "export"
     assert c(torch.randn(5, 64)).shape == (5, 64)
 
@@ -141,7 +141,7 @@ def test_embedding_max_norm_or_sparse_left_dense_with_reason(kw, reason):
 
 def test_wrong_call_structure_after_export():
     m = ShapeBranch()
-    c = tncompile.compile(m, target_ratio=0.5, example_inputs=(torch.randn(3, 64),))
+    c = tncompile.compile(m, mode="graph", target_ratio=0.5, example_inputs=(torch.randn(3, 64),))
     with pytest.raises(TypeError, match="traced with 1 positional input"):
         c(torch.randn(3, 64), torch.randn(3, 64))
 

@@ -28,7 +28,7 @@ class ShapeGeneric(UsesLen):
 def test_a_size_fixed_by_the_trace_is_refused_with_the_reason(tmp_path):
     torch.manual_seed(0)
     model = UsesLen()
-    compiled = tncompile.compile(model, target_ratio=0.5, example_inputs=(torch.randn(2, 4, 64),))
+    compiled = tncompile.compile(model, mode="graph", target_ratio=0.5, example_inputs=(torch.randn(2, 4, 64),))
     assert compiled.program.inputs.frontend == "export"
     assert compiled(torch.randn(2, 7, 64)).shape == (2, 7, 64)  # the other dims stay dynamic
     with pytest.raises(ValueError, match=r"dim 0 is 5, but the trace fixed it to 2.*len\(x\)"):
@@ -42,7 +42,7 @@ def test_a_size_fixed_by_the_trace_is_refused_with_the_reason(tmp_path):
 def test_shape_generic_code_runs_at_any_batch():
     torch.manual_seed(0)
     model = ShapeGeneric()
-    compiled = tncompile.compile(model, target_ratio=0.5, example_inputs=(torch.randn(2, 4, 64),)).eval()
+    compiled = tncompile.compile(model, mode="graph", target_ratio=0.5, example_inputs=(torch.randn(2, 4, 64),)).eval()
     assert compiled.program.inputs.frontend == "export"
     for shape in [(5, 4, 64), (1, 3, 64), (3, 1, 64)]:
         x = torch.randn(*shape)
@@ -51,7 +51,7 @@ def test_shape_generic_code_runs_at_any_batch():
 
 def test_size_one_example_dims_warn_at_compile_time():
     with pytest.warns(UserWarning, match="size 1 at x dim 0"):
-        compiled = tncompile.compile(ShapeGeneric(), target_ratio=0.5, example_inputs=(torch.randn(1, 4, 64),))
+        compiled = tncompile.compile(ShapeGeneric(), mode="graph", target_ratio=0.5, example_inputs=(torch.randn(1, 4, 64),))
     with pytest.raises(ValueError, match="fixed it to 1"):
         compiled(torch.randn(2, 4, 64))
 
@@ -67,7 +67,7 @@ def test_sizes_the_trace_tied_together_must_agree():
                 return self.lin(a) + b
             return b
 
-    compiled = tncompile.compile(Adds(), target_ratio=0.9, example_inputs=(torch.randn(3, 64), torch.randn(3, 64)),
+    compiled = tncompile.compile(Adds(), mode="graph", target_ratio=0.9, example_inputs=(torch.randn(3, 64), torch.randn(3, 64)),
                                  linear_cores=2)
     assert compiled(torch.randn(4, 64), torch.randn(4, 64)).shape == (4, 64)
     with pytest.raises(ValueError, match="requires them equal"):

@@ -57,7 +57,7 @@ def test_bert_full_rank_matches_original(bert):
 def test_gpt2_tied_weights_stay_tied_through_compile_save_load(gpt2, tmp_path):
     assert gpt2.lm_head.weight is gpt2.transformer.wte.weight
     ids = torch.randint(0, 2000, (2, 16))
-    c = tncompile.compile(gpt2, target_ratio=0.3, example_inputs={"input_ids": ids, "use_cache": False})
+    c = tncompile.compile(gpt2, mode="graph", target_ratio=0.3, example_inputs={"input_ids": ids, "use_cache": False})
     head, wte = c.model.lm_head, c.model.transformer.wte
     assert isinstance(head, TTMTiedLinear) and head.embedding is wte
     assert {id(p) for p in head.parameters()} <= {id(p) for p in wte.parameters()}
@@ -107,7 +107,7 @@ def test_tied_head_with_padding_to_dense_matches_compiled(family):
         model = transformers.RobertaForMaskedLM(transformers.RobertaConfig(**common, pad_token_id=1)).eval()
     ids = torch.randint(3, 1000, (2, 16))
     ids[:, -3:] = model.config.pad_token_id
-    c = tncompile.compile(model, target_ratio=0.3, example_inputs={"input_ids": ids}).eval()
+    c = tncompile.compile(model, mode="graph", target_ratio=0.3, example_inputs={"input_ids": ids}).eval()
     assert any(isinstance(m, TTMTiedLinear) for m in c.tensorized_modules().values())
     dense = c.to_dense().eval()
     with torch.no_grad():
@@ -129,7 +129,7 @@ def test_decoders_compile_from_input_ids_alone(family):
             num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0))
     model.eval()
     ids = torch.randint(0, 2000, (2, 16))
-    c = tncompile.compile(model, target_ratio=0.3, example_inputs={"input_ids": ids}).eval()
+    c = tncompile.compile(model, mode="graph", target_ratio=0.3, example_inputs={"input_ids": ids}).eval()
     assert c.program.inputs.constants == {"use_cache": False}
     with torch.no_grad():
         out = c(input_ids=ids)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from full_rank import compile_full_rank
+from tncompile import swap
 from tncompile.runtime import TTMEmbedding
 
 transformers = pytest.importorskip("transformers")
@@ -28,19 +29,27 @@ MODELS = {
 }
 
 
+@pytest.mark.parametrize("mode", ["graph", "swap"])
 @pytest.mark.parametrize("family", list(MODELS))
-def test_full_rank_compiled_model_equals_the_original(family):
+def test_full_rank_compiled_model_equals_the_original(family, mode):
     torch.manual_seed(0)
     model = MODELS[family]().eval()
     # MoE: HF's grouped GEMM has no float64 kernel on CPU
     model = model.float() if family == "mixtral" else model.double()
     ids = torch.randint(3, 1000, (2, 16))
     inputs = {"input_ids": ids, "decoder_input_ids": ids[:, :8]} if family == "t5" else {"input_ids": ids}
-    compiled = compile_full_rank(model, inputs).eval()
+    compiled = compile_full_rank(model, inputs, mode=mode).eval()
     with torch.no_grad():
         want = model(**inputs).logits
         got = compiled(**inputs).logits
     assert ((got - want).norm() / want.norm()) < 1e-5
+    if mode == "swap":  # layers with a forward of their own (BART's positions, Gemma's scaled table) stay dense
+        assert isinstance(compiled, type(model)) and compiled.tensorized_modules()
+        own = [path for path, layer in model.named_modules() if swap.replaces_forward(layer)]
+        assert all(type(compiled.get_submodule(p)) is type(model.get_submodule(p)) for p in own)
+        noted = [p for p in own if "its own forward" in compiled.program.notes.get(p, "")]
+        assert bool(noted) == (family in ("bart", "bart-scaled", "gemma3")), (own, noted)
+        return
     if family.startswith("bart") or family == "t5":  # the shared table is one TTM network for every lookup
         enc, dec = compiled.model.model.encoder if family != "t5" else compiled.model.encoder, \
             compiled.model.model.decoder if family != "t5" else compiled.model.decoder

@@ -219,7 +219,7 @@ def test_tied_parameters_stay_tied(tmp_path):
     cfg = GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=500, n_positions=32)
     ids = torch.randint(0, 500, (2, 8))
     # traced in eval mode: export bakes GPT-2's functional dropout in as traced
-    compiled = tncompile.compile(GPT2LMHeadModel(cfg).eval(), target_ratio=0.3,
+    compiled = tncompile.compile(GPT2LMHeadModel(cfg).eval(), mode="graph", target_ratio=0.3,
                                  example_inputs={"input_ids": ids, "use_cache": False})
     tncompile.save(compiled, tmp_path / "g.tnc")
     loaded = tncompile.load(tmp_path / "g.tnc")

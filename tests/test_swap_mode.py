@@ -123,14 +123,48 @@ def test_bad_modes_are_refused():
     with pytest.raises(ValueError, match="mode must be one of"):
         tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3, mode="inplace")
 
-    class HasReport(nn.Sequential):
-        def report(self):
-            return "mine"
-
-    model = HasReport(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    model = _Reporting(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     with pytest.raises(ValueError, match=r"already defines \['report'\]"):
         tncompile.compile(model, target_ratio=0.3, mode="swap")
     assert isinstance(model[0], nn.Linear)
+
+
+class _ShapeBranch(nn.Module):
+    """torch.fx cannot branch on a size; torch.export can (it specializes the branch)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.b(h) if x.shape[0] > 1 else self.b(h) * 2
+
+
+class _Reporting(nn.Sequential):
+    def report(self):
+        return "mine"
+
+
+def test_auto_mode_swaps_models_that_are_not_one_static_graph():
+    ids = torch.randint(1, 500, (2, 8))
+    hf = tncompile.compile(_gpt2(), target_ratio=0.4, example_inputs={"input_ids": ids})
+    assert isinstance(hf, transformers.GPT2LMHeadModel) and tncompile.swap.is_swapped(hf)
+    exported = tncompile.compile(_ShapeBranch(), target_ratio=0.5, example_inputs=(torch.randn(3, 64),))
+    assert isinstance(exported, _ShapeBranch) and isinstance(exported.a, TTLinear)
+    x = torch.randn(1, 64)  # its own forward runs: the branch the export trace fixed is taken again
+    torch.testing.assert_close(exported(x), exported.to_dense()(x))
+    assert isinstance(tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3), tncompile.CompiledModel)
+    clash = _Reporting(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    assert isinstance(tncompile.compile(clash, target_ratio=0.3, example_inputs=(torch.randn(2, 64),)),
+                      tncompile.CompiledModel)
+    # swap mode would keep the fused experts dense: a mixture-of-experts model stays in graph mode
+    moe = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
+    compiled_moe = tncompile.compile(moe, target_ratio=0.3, example_inputs={"input_ids": ids})
+    assert isinstance(compiled_moe, tncompile.CompiledModel)
+    assert any("experts" in name for name in compiled_moe.tensorized_modules())
 
 
 def test_a_saved_swapped_model_loads_onto_a_fresh_model_and_resumes(tmp_path):

@@ -14,7 +14,7 @@ from .ir.program import Program, count_params
 from .layers import is_compressible
 from .options import CompileOptions, check_target_ratio
 from .passes import Pass, Pipeline, default_pipeline
-from .swap import MIXIN_NAMES, Resync, subclass_of, swap_into, swappable_layers
+from .swap import MIXIN_NAMES, Resync, subclass_of, swap_into, swappable_layers, unswappable_layers
 
 __all__ = ["compile"]
 
@@ -116,7 +116,9 @@ def compile(
         with each compressed layer replaced in place (:mod:`tncompile.swap`):
         its own ``forward``, HF ``generate`` / ``config`` / masks / Trainer,
         plus ``ratio``, ``report()``, ``to_dense()``, ``program``. ``"auto"``
-        is ``"graph"`` in this release (swap mode has no tested DDP / FSDP2 path yet).
+        (default): ``"swap"`` for models whose forward is not one static
+        graph -- HuggingFace ``PreTrainedModel`` subclasses and models only
+        ``torch.export`` could trace -- and ``"graph"`` for the rest.
 
     Returns
     -------
@@ -139,9 +141,13 @@ def compile(
     work = model if inplace else copy.deepcopy(model)
     stats = (collect_statistics(work, calibration, sensitivity=options.allocation != "uniform")
              if calibration is not None else None)
-    if mode == "swap":
-        return _compile_swapped(work, example_inputs, count_params(model), options, pipeline, dump_dir, stats)
+    layers = swappable_layers(work)  # before tracing: export's trace may not keep the module paths
     gm, inputs = frontend.trace(work, example_inputs)
+    if mode == "auto":
+        mode = _auto_mode(model, inputs.frontend, gm, layers)
+    if mode == "swap":
+        return _compile_swapped(work, gm, inputs, layers, unswappable_layers(work), count_params(model), options,
+                                pipeline, dump_dir, stats)
     program = Program(gm, inputs, count_params(model), options)
     program.dump_dir = dump_dir  # passes run later (rank adaptation) dump here too
     program = _run_pipeline(pipeline, program, stats)
@@ -158,10 +164,8 @@ def _check_mode(mode: Any, model: nn.Module) -> str:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}: 'graph' returns a CompiledModel running "
                          "the traced graph, 'swap' the model you pass with its layers replaced in place")
-    if mode == "auto":
-        return "graph"
     if mode == "swap":
-        clash = [name for name in MIXIN_NAMES if hasattr(type(model), name)]
+        clash = _mixin_clash(model)
         if clash:
             raise ValueError(f"mode='swap' adds {list(MIXIN_NAMES)} to the model, but "
                              f"{type(model).__name__} already defines {clash}; use mode='graph'")
@@ -180,6 +184,31 @@ def _run_pipeline(pipeline: Pipeline, program: Program, stats) -> Program:
     return program
 
 
+def _mixin_clash(model: nn.Module) -> list[str]:
+    """The compiled-model attributes that ``model``'s class already defines (swap mode would shadow them)."""
+    return [name for name in MIXIN_NAMES if hasattr(type(model), name)]
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a HuggingFace ``transformers`` model (a ``PreTrainedModel``
+    subclass), judged from its class hierarchy without importing ``transformers``."""
+    return any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
+               for cls in type(model).__mro__)
+
+
+def _auto_mode(model: nn.Module, frontend_used: str, gm, layers: dict[str, str]) -> str:
+    """``mode="auto"``: swap for models whose forward is not one static graph -- HF
+    models (caches, masks, ``generate``) and models only ``torch.export`` could trace
+    (their Python control flow was specialized to the example inputs) -- graph for the
+    rest (whole-graph rewrites and capture). Graph mode too where swap mode would keep
+    dense a layer the trace can compress (fused mixture-of-experts weights, an
+    embedding subclass with its own forward) or the class already defines a name swap
+    mode adds (``MIXIN_NAMES``)."""
+    dynamic = is_hf_model(model) or frontend_used == "export"
+    traced = {name for name, m in gm.named_modules() if name and is_compressible(m)}
+    return "swap" if dynamic and not _mixin_clash(model) and traced <= set(layers) else "graph"
+
+
 def _check_calibration(calibration: Any, options: CompileOptions) -> None:
     if calibration is None:
         if options.allocation == "sensitivity":
@@ -191,15 +220,16 @@ def _check_calibration(calibration: Any, options: CompileOptions) -> None:
                          f"needs init='svd', got init={options.init!r} (init='random' is for training from scratch)")
 
 
-def _compile_swapped(work: nn.Module, example_inputs: Any, original_params: int, options: CompileOptions,
-                     pipeline: Pipeline, dump_dir, stats=None) -> nn.Module:
-    """Swap mode (:mod:`tncompile.swap`): trace ``work``, run the pipeline over its own layers
-    only, put the results into ``work`` and give it the compiled-model API."""
-    layers = swappable_layers(work)
-    gm, inputs = frontend.trace(work, example_inputs)
+def _compile_swapped(work: nn.Module, gm, inputs, layers: dict[str, str], skipped: dict[str, str],
+                     original_params: int, options: CompileOptions, pipeline: Pipeline, dump_dir,
+                     stats=None) -> nn.Module:
+    """Swap mode (:mod:`tncompile.swap`): run the pipeline over ``work``'s own ``layers``
+    only (``gm`` is its trace; ``skipped``: why the others stay dense), put the results
+    into ``work`` and give it the compiled-model API."""
     program = Program(gm, inputs, original_params, options)
     program.dump_dir = dump_dir
     program.swap_layers = layers
+    program.swap_skipped = skipped
     program = _run_pipeline(pipeline, program, stats)
     work.__class__ = subclass_of(type(work))
     work.__dict__["_tncompile_program"] = program

@@ -34,9 +34,10 @@ from torch import nn
 from .ir.program import Program, module_at
 from .layers import is_compressible, kind_of
 from .report import Report, build_report
+from .runtime.module_kinds import runs_as
 from .runtime.tt_layers import TNModule, TTMTiedLinear
 
-__all__ = ["SwapMixin", "swap_into", "swappable_layers", "is_swapped", "user_class", "Resync", "MIXIN_NAMES",
+__all__ = ["SwapMixin", "swap_into", "swappable_layers", "unswappable_layers", "is_swapped", "user_class", "Resync", "MIXIN_NAMES",
            "register_folder_writer"]
 
 # what the mixin adds; a model class that has any of these already cannot take it
@@ -54,9 +55,27 @@ def register_folder_writer(writer) -> None:
 
 
 
+_BASES = (nn.Linear, nn.Embedding, nn.EmbeddingBag)
+
+
+def replaces_forward(module: nn.Module) -> bool:
+    """A subclass of ``nn.Linear`` / ``nn.Embedding`` / ``nn.EmbeddingBag`` with a forward
+    of its own (BART's learned positions add an offset, Gemma's embedding scales)."""
+    return any(isinstance(module, base) and not runs_as(module, base) for base in _BASES)
+
+
 def swappable_layers(model: nn.Module) -> dict[str, str]:
-    """``path -> kind`` of every compressible layer in ``model``'s own module tree."""
-    return {name: kind_of(m) for name, m in model.named_modules() if name and is_compressible(m)}
+    """``path -> kind`` of every compressible layer in ``model``'s own module tree that a
+    TT / TTM layer can stand in for (its forward is its base class's)."""
+    return {name: kind_of(m) for name, m in model.named_modules()
+            if name and is_compressible(m) and not replaces_forward(m)}
+
+
+def unswappable_layers(model: nn.Module) -> dict[str, str]:
+    """``path -> why`` for the compressible layers swap mode keeps dense."""
+    return {name: (f"a {type(m).__name__} (an nn.{next(b for b in _BASES if isinstance(m, b)).__name__} "
+                   "subclass with its own forward): swap mode keeps it dense, mode='graph' compresses it")
+            for name, m in model.named_modules() if name and is_compressible(m) and replaces_forward(m)}
 
 
 def is_swapped(model: Any) -> bool:

@@ -93,7 +93,7 @@ class RankControlCallback(TrainerCallback, ExportableState):
         compiled = unwrap(model)  # a DDP wrapper: the compressed model inside
         if not hasattr(compiled, "tensorized_modules"):
             raise TypeError(f"RankControlCallback: Trainer's model is a {type(compiled).__name__}, not a compressed "
-                            "model; pass tncompile.compile(model, ..., mode='swap') to Trainer")
+                            "model; pass tncompile.compile(model, ...) to Trainer (HF models come back in swap mode)")
         opt = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps Trainer's optimizer
         s = self.settings
         early = round(s["early_fraction"] * state.max_steps)

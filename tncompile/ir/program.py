@@ -160,6 +160,8 @@ class Program:
         Swap mode (``compile(mode="swap")``): ``path -> kind`` of the compressible layers
         of the user's own module tree, the only ones this program may tensorize (its
         layers go back into that tree); ``None`` in graph mode.
+    swap_skipped : dict
+        Swap mode: ``path -> why`` for compressible layers of the user's tree it keeps dense.
     listeners : list of callables
         Called with the program after every pipeline run on it (swap mode puts the
         program's current layers back into the user's model).
@@ -183,6 +185,7 @@ class Program:
         self.dump_dir: str | os.PathLike | None = None
         self.compiled_ratio: float | None = None
         self.swap_layers: dict[str, str] | None = None
+        self.swap_skipped: dict[str, str] = {}
         self.listeners: list = []
         self.calibration = None
         self.calibration_summary: dict[str, dict[str, float]] = {}

@@ -66,8 +66,11 @@ class Tensorize(Pass):
                              "traced graph: there is nothing to compress")
         swappable = getattr(program, "swap_layers", None)
         if swappable is not None:  # swap mode: only layers of the user's own tree can go back into it
+            skipped = getattr(program, "swap_skipped", {})
             for name in [n for n in modules if n not in swappable]:
-                program.notes[name] = "not a layer of the model's own module tree (swap mode keeps it dense)"
+                program.notes[name] = skipped.get(
+                    name, "not a layer of the model's own module tree (swap mode keeps it dense; "
+                    "mode='graph' compresses it)")
                 del modules[name]
         selected, excluded = select_modules(modules, opts.target_modules, opts.exclude_modules)
         for name in modules:
