@@ -54,6 +54,8 @@ def uses_fused_kernel(x: torch.Tensor, first: nn.Module, second: nn.Module):
     per bucket and ranks."""
     if not (runs_as(first, TTLinear) and runs_as(second, TTLinear)) or _hooked(first) or _hooked(second):
         return None
+    if torch.compiler.is_exporting():  # one form for every row count, core ATen ops only: the layers' own
+        return None
     rows = x.numel() // first.in_features if first.in_features else 0
     if rows < tuning.FUSE_MIN_ROWS:
         return None

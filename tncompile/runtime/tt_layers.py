@@ -27,7 +27,6 @@ from .cpu_allocator import _state as _ALLOCATOR_STATE
 from .cpu_allocator import ensure_retained
 from .executor import autocast_state, contract, same_autocast
 from .gated_cores import gate_cores
-from .native import kernels_for
 from .plans import ContractionPlan, LookupPlan, bucket_of, get_planner
 from .traced_contract import register
 from .traced_lookup import (check_ids, distinct_ids, gathered_product, gathered_product_backward, half_tables,
@@ -194,8 +193,8 @@ class TNModule(nn.Module):
         # read the lists' dicts directly: ParameterList indexing costs microseconds per item
         cores = list(self.cores._parameters.values())
         gates = list(self.gates._parameters.values())
-        if torch.compiler.is_compiling():  # one opaque op, not an inductor kernel per core and gradient
-            return [*gate_cores(cores[:-1], gates), cores[-1]]
+        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+            return [*gate_cores(cores[:-1], gates), cores[-1]]  # one opaque op, not a kernel per core and gradient
         return [c * g for c, g in zip(cores[:-1], gates)] + [cores[-1]]
 
     def set_cores(self, cores: Sequence[torch.Tensor]) -> None:
@@ -328,6 +327,8 @@ class TTLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
+        if torch.compiler.is_exporting():
+            return self._exported_forward(x)
         if self.merge_in_inference and not torch.is_grad_enabled() and not torch.compiler.is_compiling() \
                 and isinstance(x, torch.Tensor) and x.shape[-1:] == (lay.in_features,):
             rows = x.numel() // max(lay.in_features, 1)
@@ -337,6 +338,15 @@ class TTLinear(TNModule):
                 return _through_factors(x, factors, self.bias)
         return _apply_matrix(self, x, self.bias, lay.in_features, lay.in_modes, lay.out_features,
                              lay.padded_out, self._contract_rows)
+
+    def _exported_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Under ``torch.export`` (and ONNX's exporter): ``x @ A @ B + bias`` with the factors
+        merged from the cores in the graph -- core ATen ops only, one form for every
+        row count (an ONNX runtime folds the merge into constants when it loads the model)."""
+        a, b = self.merged_factors()
+        a, b = a[: self.in_features], b[:, : self.out_features]
+        whole = a.shape[1] * (self.in_features + self.out_features) >= self.in_features * self.out_features
+        return _through_factors(x, (a @ b, None) if whole else (a, b), self.bias)
 
     def inference_factors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(A (in, r), B (r, out))`` with ``W.T = A @ B`` (padding cropped), or
@@ -461,6 +471,8 @@ class TTMEmbedding(TNModule):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         lay = self.layout
+        if torch.compiler.is_exporting():
+            return self._exported_forward(ids)
         if torch.compiler.is_compiling() and len(lay.row_modes) > 1:
             return self._traced_forward(ids)
         self._check_ids(ids)
@@ -483,6 +495,25 @@ class TTMEmbedding(TNModule):
         if self.padding_idx is not None:  # the row's value, no gradient from these positions
             out = torch.where((flat == self.padding_idx).unsqueeze(-1), out.detach(), out)
         return out.reshape(*ids.shape, lay.embedding_dim)
+
+    def _exported_forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Under ``torch.export`` (and ONNX's exporter): the two half tables merged in the
+        graph at the network's narrowest bond, then two gathers and a ``bmm`` per id --
+        core ATen ops only, for any number of ids. Ids are not range-checked here (an
+        exported program has no host reads); the padding row is the row stored."""
+        _require_int_ids(ids)
+        lay = self.layout
+        flat = ids.reshape(-1).long()
+        cores = self.scaled_cores()
+        if len(lay.row_modes) == 1:
+            out = cores[0].reshape(lay.row_modes[0], lay.col_modes[0]).index_select(0, flat)
+        else:
+            split = 1 + min(range(len(lay.ranks)), key=lambda k: lay.ranks[k])
+            left, right = half_tables(cores, split)
+            i_left, i_right = split_ids(flat, math.prod(lay.row_modes[split:]))
+            out = torch.bmm(left.index_select(0, i_left), right.index_select(0, i_right))
+            out = out.reshape(flat.shape[0], lay.padded_cols)
+        return out[:, : lay.embedding_dim].reshape(*ids.shape, lay.embedding_dim)
 
     def _traced_forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Under ``torch.compile``: the whole lookup as one opaque op each way
@@ -555,6 +586,8 @@ class TTMTiedLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
+        if torch.compiler.is_exporting():  # the table merged in the graph (an ONNX runtime folds it)
+            return F.linear(x, self.embedding.weight()[: self.out_features], self.bias)
         if self.merge_in_inference and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             check_input_dtype(self, x)
             return F.linear(x, self.merged_weight(), self.bias)
