@@ -216,8 +216,13 @@ def test_tt_linear_inference_multiplies_by_merged_factors_and_follows_updates(ra
         tt.gates[0].mul_(0.5)                                   # a gate changes in place: merged again
         assert tt.inference_factors()[0] is not a
         torch.testing.assert_close(tt(x), F.linear(x, tt.weight(), tt.bias))
+        a, b = tt.inference_factors()
+        factor_macs = a.numel() + (b.numel() if b is not None else 0)
+        merges = tt._through_factors_at(28, (a, b))
+        assert tt.inference_macs(28) == (28 * factor_macs if merges else tt.plan_for(28).fwd_flops)
         tt.merge_in_inference = False
         torch.testing.assert_close(tt(x), F.linear(x, tt.weight(), tt.bias))
+        assert tt.inference_macs(28) == tt.plan_for(28).fwd_flops
     assert "_inference" in TTLinear.transient_state                                # never saved
 
 

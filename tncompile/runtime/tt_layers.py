@@ -333,7 +333,7 @@ class TTLinear(TNModule):
                 and isinstance(x, torch.Tensor) and x.shape[-1:] == (lay.in_features,):
             rows = x.numel() // max(lay.in_features, 1)
             factors = self.inference_factors()
-            if rows and _factor_macs(factors) * rows <= tuning.INFERENCE_MERGE_SLACK * self.plan_for(rows).fwd_flops:
+            if rows and self._through_factors_at(rows, factors):
                 check_input_dtype(self, x)
                 return _through_factors(x, factors, self.bias)
         return _apply_matrix(self, x, self.bias, lay.in_features, lay.in_modes, lay.out_features,
@@ -347,6 +347,19 @@ class TTLinear(TNModule):
         a, b = a[: self.in_features], b[:, : self.out_features]
         whole = a.shape[1] * (self.in_features + self.out_features) >= self.in_features * self.out_features
         return _through_factors(x, (a @ b, None) if whole else (a, b), self.bias)
+
+    def _through_factors_at(self, rows: int, factors) -> bool:
+        """Whether an inference forward over ``rows`` rows multiplies by the merged factors
+        (not costlier than ``tuning.INFERENCE_MERGE_SLACK`` x the planned contraction)."""
+        return _factor_macs(factors) * rows <= tuning.INFERENCE_MERGE_SLACK * self.plan_for(rows).fwd_flops
+
+    def inference_macs(self, rows: int) -> int:
+        """Multiply-adds of an inference forward (no autograd) over ``rows`` rows, as this
+        layer runs it: through its merged factors or its planned contraction."""
+        factors = self.inference_factors()
+        if self.merge_in_inference and self._through_factors_at(rows, factors):
+            return _factor_macs(factors) * rows
+        return self.plan_for(rows).fwd_flops
 
     def inference_factors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(A (in, r), B (r, out))`` with ``W.T = A @ B`` (padding cropped), or
