@@ -9,6 +9,7 @@ from tncompile.formats.layout import TTLayout
 from tncompile.passes import cut_ranks, replan_module
 from tncompile.runtime.experts import ExpertLinear, TTExperts
 from tncompile.runtime.grouped import grouped_mm
+from tncompile.swap_experts import child
 
 
 def _random_tt(in_f, out_f, rank, experts):
@@ -175,11 +176,12 @@ def test_moe_trace_outlines_experts_without_changing_the_model():
         assert torch.allclose(gm(input_ids=ids, use_cache=False).logits, model(input_ids=ids).logits, atol=1e-6)
 
 
-def test_moe_rank_adaptation_cuts_experts_to_the_target():
+@pytest.mark.parametrize("mode", ["graph", "swap"])
+def test_moe_rank_adaptation_cuts_experts_to_the_target(mode):
     torch.manual_seed(0)
     model = _moe("mixtral")
     ids = torch.randint(0, 1000, (4, 16))
-    c = tncompile.compile(model, target_ratio=0.2, example_inputs={"input_ids": ids})
+    c = tncompile.compile(model, target_ratio=0.2, example_inputs={"input_ids": ids}, mode=mode)
     opt = torch.optim.AdamW(c.parameters(), lr=3e-3)
     ctl = tncompile.RankController(c, opt, target_ratio=0.1, early_steps=4, late_steps=8)
     start = {n: sum(m.layout.ranks) for n, m in c.tensorized_modules().items() if isinstance(m, TTExperts)}
@@ -192,6 +194,8 @@ def test_moe_rank_adaptation_cuts_experts_to_the_target():
         ctl.step()
     assert c.ratio <= 0.1
     assert all(sum(c.tensorized_modules()[n].layout.ranks) < r for n, r in start.items())
+    if mode == "swap":  # the cut networks sit in the model's own experts modules
+        assert all(child(c, n) is c.tensorized_modules()[n] for n in start)
     c.eval()
     with torch.no_grad():
         dense = c.to_dense().eval()(input_ids=ids).logits

@@ -83,5 +83,5 @@ def test_rank_control_callback_refuses_what_it_cannot_run(tmp_path):
     dense = _bert()
     trainer = transformers.Trainer(model=dense, args=_args(tmp_path / "dense"), train_dataset=_data(16),
                                    callbacks=[RankControlCallback(target_ratio=0.3)])
-    with pytest.raises(TypeError, match="not a compressed model.*mode='swap'"):
+    with pytest.raises(TypeError, match="not a compressed model.*swap mode"):
         trainer.train()

@@ -11,6 +11,7 @@ from torch import nn
 
 import tncompile
 from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
+from tncompile.runtime.experts import TTExperts
 from tncompile.zoo import mlp
 
 transformers = pytest.importorskip("transformers")
@@ -62,15 +63,17 @@ def test_gpt2_keeps_its_class_generates_and_merges_back(tmp_path):
         torch.testing.assert_close(reloaded(ids).logits, c(ids).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_llama_generates_with_its_cache_like_the_dense_model():
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_decoders_generate_with_their_cache_like_the_densified_model(family):
+    kw = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config, cls = ((transformers.LlamaConfig, transformers.LlamaForCausalLM) if family == "llama"
+                   else (transformers.Qwen2Config, transformers.Qwen2ForCausalLM))
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
+    model = cls(config(**kw)).eval()
     ids = torch.randint(1, 300, (2, 6))
-    c = tncompile.compile(model, target_ratio=0.4, example_inputs={"input_ids": ids, "use_cache": False},
-                          mode="swap")
-    assert isinstance(c, transformers.LlamaForCausalLM)
+    c = tncompile.compile(model, target_ratio=0.4, example_inputs={"input_ids": ids})  # HF: swap mode
+    assert type(c).__name__ == cls.__name__ and isinstance(c, cls)
     assert torch.equal(_greedy(c, ids), _greedy(c.to_dense(), ids))
 
 
@@ -158,13 +161,54 @@ def test_auto_mode_swaps_models_that_are_not_one_static_graph():
     clash = _Reporting(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     assert isinstance(tncompile.compile(clash, target_ratio=0.3, example_inputs=(torch.randn(2, 64),)),
                       tncompile.CompiledModel)
-    # swap mode would keep the fused experts dense: a mixture-of-experts model stays in graph mode
-    moe = transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64))
-    compiled_moe = tncompile.compile(moe, target_ratio=0.3, example_inputs={"input_ids": ids})
-    assert isinstance(compiled_moe, tncompile.CompiledModel)
-    assert any("experts" in name for name in compiled_moe.tensorized_modules())
+    # swap mode would keep BART's learned positions (an nn.Embedding subclass with its own forward)
+    # dense: a model with one stays in graph mode
+    bart = transformers.BartModel(transformers.BartConfig(
+        vocab_size=500, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64))
+    compiled_bart = tncompile.compile(bart, target_ratio=0.5, example_inputs={"input_ids": ids})
+    assert isinstance(compiled_bart, tncompile.CompiledModel)
+    assert "encoder.embed_positions" in compiled_bart.tensorized_modules()
+
+
+def _mixtral():
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+
+
+def test_mixtral_experts_are_swapped_through_their_owner(tmp_path):
+    """Fused 3-D expert parameters: the owner's class gains a property per swapped name that
+    rebuilds the dense tensor from its TT network; its own forward (and generate) run as
+    before, to_dense gives parameters back, files and folders reload exactly."""
+    model = _mixtral()
+    ids = torch.randint(1, 500, (2, 8))
+    c = tncompile.compile(model, target_ratio=0.3, example_inputs={"input_ids": ids})
+    assert isinstance(c, transformers.MixtralForCausalLM) and c.ratio <= 0.3
+    experts = c.model.layers[0].mlp.experts
+    assert type(experts).__name__ == "MixtralExperts" and type(experts) is not transformers.models.mixtral.modeling_mixtral.MixtralExperts
+    assert isinstance(experts._modules["gate_up_proj"], TTExperts) and "gate_up_proj" not in experts._parameters
+    assert experts.gate_up_proj.shape == model.model.layers[0].mlp.experts.gate_up_proj.shape
+    assert isinstance(model.model.layers[0].mlp.experts.gate_up_proj, nn.Parameter)  # the user's model untouched
+    dense = c.to_dense()
+    assert type(dense.model.layers[0].mlp.experts) is transformers.models.mixtral.modeling_mixtral.MixtralExperts
+    assert isinstance(dense.model.layers[0].mlp.experts.gate_up_proj, nn.Parameter)
+    assert _greedy(c, ids).tolist() == _greedy(dense, ids).tolist()
+    c.train()
+    c(ids, labels=ids).loss.backward()
+    assert experts._modules["down_proj"].cores[0].grad.abs().sum() > 0
+    c.eval()
+    tncompile.save(c, tmp_path / "moe.tnc")
+    loaded = tncompile.load(tmp_path / "moe.tnc", model=_mixtral())
+    c.save_pretrained(tmp_path / "folder")
+    again = tncompile.load(tmp_path / "folder", model=transformers.MixtralForCausalLM)
+    twin = copy.deepcopy(c)
+    with torch.no_grad():
+        want = c(ids).logits
+        for other in (loaded, again.eval(), twin):
+            assert torch.equal(other(ids).logits, want)
 
 
 def test_a_saved_swapped_model_loads_onto_a_fresh_model_and_resumes(tmp_path):

@@ -15,6 +15,7 @@ from .layers import is_compressible
 from .options import CompileOptions, check_target_ratio
 from .passes import Pass, Pipeline, default_pipeline
 from .swap import MIXIN_NAMES, Resync, subclass_of, swap_into, swappable_layers, unswappable_layers
+from .swap_experts import expert_weights
 
 __all__ = ["compile"]
 
@@ -143,6 +144,7 @@ def compile(
              if calibration is not None else None)
     layers = swappable_layers(work)  # before tracing: export's trace may not keep the module paths
     gm, inputs = frontend.trace(work, example_inputs)
+    layers.update(expert_weights(gm, work))  # fused MoE parameters the trace found: swapped via their owner
     if mode == "auto":
         mode = _auto_mode(model, inputs.frontend, gm, layers)
     if mode == "swap":
@@ -201,9 +203,8 @@ def _auto_mode(model: nn.Module, frontend_used: str, gm, layers: dict[str, str])
     models (caches, masks, ``generate``) and models only ``torch.export`` could trace
     (their Python control flow was specialized to the example inputs) -- graph for the
     rest (whole-graph rewrites and capture). Graph mode too where swap mode would keep
-    dense a layer the trace can compress (fused mixture-of-experts weights, an
-    embedding subclass with its own forward) or the class already defines a name swap
-    mode adds (``MIXIN_NAMES``)."""
+    dense a layer the trace can compress (an embedding subclass with its own forward)
+    or the class already defines a name swap mode adds (``MIXIN_NAMES``)."""
     dynamic = is_hf_model(model) or frontend_used == "export"
     traced = {name for name, m in gm.named_modules() if name and is_compressible(m)}
     return "swap" if dynamic and not _mixin_clash(model) and traced <= set(layers) else "graph"

@@ -18,6 +18,9 @@ class, with the same name, module and qualified name, that adds
 they take a compiled model. It pickles and deep-copies as that subclass, and
 ``isinstance(swapped, type(model))`` holds.
 
+Fused mixture-of-experts parameters are swapped through the module that owns
+them (:mod:`tncompile.swap_experts`).
+
 The program and the model share the layer objects. Every pipeline run on the
 program afterwards (a rank cut during training, collapsing a layer) is
 followed by :class:`Resync`, which puts the program's current layers back
@@ -36,6 +39,7 @@ from .layers import is_compressible, kind_of
 from .report import Report, build_report
 from .runtime.module_kinds import runs_as
 from .runtime.tt_layers import TNModule, TTMTiedLinear
+from .swap_experts import child, put_experts, restore_dense_experts
 
 __all__ = ["SwapMixin", "swap_into", "swappable_layers", "unswappable_layers", "is_swapped", "user_class", "Resync", "MIXIN_NAMES",
            "register_folder_writer"]
@@ -119,8 +123,9 @@ class SwapMixin:
         dense.__class__ = user_class(self)
         dense.__dict__.pop("_tncompile_program", None)
         kinds = self.program.swap_layers
+        restore_dense_experts(dense, [path for path, kind in kinds.items() if kind == "experts"])
         rebuilt: dict[int, nn.Module] = {}
-        layers = {path: dense.get_submodule(path) for path in kinds}
+        layers = {path: dense.get_submodule(path) for path, kind in kinds.items() if kind != "experts"}
         for path, layer in layers.items():
             if isinstance(layer, TNModule) and not isinstance(layer, TTMTiedLinear):
                 if id(layer) not in rebuilt:
@@ -187,8 +192,13 @@ class Resync:
 
 
 def swap_into(model: nn.Module, program: Program) -> None:
-    """Set every swapped path of ``model`` to the program's module at that path."""
-    for path in program.swap_layers:
+    """Set every swapped path of ``model`` to the program's module at that path (a fused
+    experts parameter: :func:`~tncompile.swap_experts.put_experts`)."""
+    for path, kind in program.swap_layers.items():
         mod = module_at(program.graph_module, path)
-        if mod is not None and model.get_submodule(path) is not mod:
+        if mod is None or child(model, path) is mod:
+            continue
+        if kind == "experts":
+            put_experts(model, path, mod)
+        else:
             model.set_submodule(path, mod)

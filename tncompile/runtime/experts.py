@@ -134,6 +134,12 @@ class TTExperts(TNModule):
         layout = self.layout
         return torch.vmap(lambda *cores: tt_to_dense(list(cores), layout))(*self.scaled_cores())
 
+    def stored_weight(self) -> Tensor:
+        """Every expert's dense matrix in the orientation of the parameter it replaced:
+        ``(experts, in, out)`` with ``transposed_storage``, else ``(experts, out, in)``."""
+        weight = self.weight()
+        return weight.transpose(-2, -1) if self.transposed_storage else weight
+
     def forward(self, x: Tensor, offs: Tensor) -> Tensor:
         if x.dim() != 2 or x.shape[-1] != self.in_features:
             raise ValueError(f"TTExperts expected x of shape (rows, {self.in_features}), got {tuple(x.shape)}")

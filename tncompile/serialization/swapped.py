@@ -22,6 +22,7 @@ from torch import nn
 
 from ..errors import ModelFileError
 from ..ir.program import Program, module_at
+from ..swap_experts import child, is_expert_parameter
 from ..swap import Resync, is_swapped, subclass_of, swap_into, swappable_layers, user_class
 from .codec import Decoder, Encoder, qualified_name
 from .node_checks import is_module_path
@@ -39,7 +40,8 @@ def _tncompile_owned(model: nn.Module, layers: dict[str, str]) -> set[str]:
     """State names that belong to the swapped layers (stored with the program instead)."""
     owned = set()
     for path in layers:
-        for name in model.get_submodule(path).state_dict(keep_vars=True):
+        layer = child(model, path)  # None: experts kept as the owner's dense parameter
+        for name in (layer.state_dict(keep_vars=True) if layer is not None else ()):
             owned.add(f"{path}.{name}")
     return owned
 
@@ -70,6 +72,7 @@ def attach_swap(program: Program, data: Any, dec: Decoder, model: Any, path) -> 
     if not isinstance(layers, dict) or not all(is_module_path(p) and k in _KINDS for p, k in layers.items()):
         raise ModelFileError(f"{path}: the swap section's layers must map module paths to layer kinds")
     present = swappable_layers(model)
+    present.update({p: "experts" for p, k in layers.items() if k == "experts" and is_expert_parameter(model, p)})
     wrong = {p: (k, present.get(p)) for p, k in layers.items() if present.get(p) != k}
     if wrong:
         p, (want, got) = next(iter(wrong.items()))
