@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from common import clear_grads, interleaved_ms, machine, median_ms, write_json
-from tncompile.formats import TTLayout, TTMLayout
+from common import clear_grads, interleaved_ms, machine, write_json
+from tncompile.formats import TTLayout
 from tncompile.ir import TensorNetwork
 from tncompile.planning import plan_contraction
 from tncompile.runtime.plans import bucket_of

@@ -5,11 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import fx, nn
 
 import tncompile
-from tncompile.passes import Pipeline, get_pass, registered_passes
-from tncompile.passes import PendingLayer
+from tncompile.passes import get_pass, registered_passes
 from tncompile.zoo import mlp, small_encoder
 
 ROOT = Path(__file__).resolve().parents[1]

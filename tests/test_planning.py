@@ -202,7 +202,7 @@ def test_pairwise_cpu_layout_paths_match_tensordot(case, monkeypatch):
     computed as (g.T @ x).T, skinny right operand copied column-major, a
     column count padded to a multiple of 8, 9 output rows run as 12) gives
     tensordot's result, with gradients, in float64."""
-    from tncompile.runtime import cpu_gemm, executor
+    from tncompile.runtime import cpu_gemm
     from tncompile.runtime.executor import pairwise
     f64 = torch.float64
     bias = None

@@ -9,12 +9,9 @@ layer again. This module slices the optimizer's per-parameter state to match.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-from torch import nn
 
 from ..passes.truncate_ranks import Cut, cut_ranks
 
