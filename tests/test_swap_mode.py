@@ -77,6 +77,34 @@ def test_decoders_generate_with_their_cache_like_the_densified_model(family):
     assert torch.equal(_greedy(c, ids), _greedy(c.to_dense(), ids))
 
 
+def test_hf_gradient_checkpointing_gives_the_same_gradients():
+    cfg = transformers.BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 500, (4, 16))
+    c = tncompile.compile(transformers.BertModel(cfg), target_ratio=0.4, example_inputs={"input_ids": ids}).train()
+
+    def core_grads():
+        c.zero_grad()
+        c(input_ids=ids).last_hidden_state.square().mean().backward()
+        return {n: m.cores[0].grad.clone() for n, m in c.tensorized_modules().items()
+                if m.cores[0].grad is not None}  # (the pooler is not used here)
+
+    plain = core_grads()
+    c.gradient_checkpointing_enable()
+    assert c.is_gradient_checkpointing and all(layer.gradient_checkpointing for layer in c.encoder.layer)
+    calls = []
+    for layer in c.encoder.layer:  # count the checkpointed calls: the layers really are recomputed
+        layer._gradient_checkpointing_func = (lambda *a, hf=layer._gradient_checkpointing_func, **k:
+                                              calls.append(1) or hf(*a, **k))
+    checkpointed = core_grads()
+    assert len(calls) == len(c.encoder.layer)
+    assert plain.keys() == checkpointed.keys() and len(plain) > 4
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name])
+
+
 def test_bert_masks_dropout_and_rank_adaptive_training():
     model = _bert()
     ids = torch.randint(0, 500, (4, 16))

@@ -61,8 +61,9 @@ def attach_swap(program: Program, data: Any, dec: Decoder, model: Any, path) -> 
     if not isinstance(data, dict) or set(data) != {"class", "layers", "state"}:
         raise ModelFileError(f"{path}: malformed swap section")
     if not isinstance(model, nn.Module):
-        raise ModelMismatchError(f"{path} holds a model compiled with mode='swap': pass the dense model to load it "
-                         f"onto, of class {data['class']}, e.g. tncompile.load(path, model=YourModel(config))")
+        raise ModelMismatchError(f"{path} holds a swap-mode model (HF models compile to swap mode by default): "
+                                 f"pass the dense model to load it onto, of class {data['class']}, e.g. "
+                                 "tncompile.load(path, model=YourModel(config))")
     if is_swapped(model):
         raise ModelMismatchError("tncompile.load(model=...): the model is already compiled; pass a fresh dense model")
     if qualified_name(type(model)) != data["class"]:
