@@ -19,8 +19,8 @@ LAYERS = [
     ("compile", ("tncompile.layers", "tncompile.options", "tncompile.frontend", "tncompile.dropout_modes",
                  "tncompile.nn_trace", "tncompile.passes",
                  "tncompile.report", "tncompile.calibration")),
-    ("product", ("tncompile.compiled", "tncompile.swap", "tncompile.swap_experts", "tncompile.api",
-                 "tncompile.serialization")),
+    ("product", ("tncompile.compiled", "tncompile.swap", "tncompile.swap_experts", "tncompile.swap_subclass",
+                 "tncompile.api", "tncompile.serialization")),
     ("train", ("tncompile.train", "tncompile.distributed", "tncompile.pretrained", "tncompile.integrations")),
     ("entry", ("tncompile", "tncompile.cli", "tncompile.__main__", "tncompile.zoo")),
 ]

@@ -7,6 +7,7 @@ from torch import nn
 
 from full_rank import compile_full_rank
 from tncompile import swap
+from tncompile.swap_subclass import network_of
 from tncompile.runtime import TTMEmbedding
 
 transformers = pytest.importorskip("transformers")
@@ -43,12 +44,21 @@ def test_full_rank_compiled_model_equals_the_original(family, mode):
         want = model(**inputs).logits
         got = compiled(**inputs).logits
     assert ((got - want).norm() / want.norm()) < 1e-5
-    if mode == "swap":  # layers with a forward of their own (BART's positions, Gemma's scaled table) stay dense
+    if mode == "swap":  # subclasses with a forward of their own (BART's positions, Gemma's scaled table)
         assert isinstance(compiled, type(model)) and compiled.tensorized_modules()
         own = [path for path, layer in model.named_modules() if swap.replaces_forward(layer)]
-        assert all(type(compiled.get_submodule(p)) is type(model.get_submodule(p)) for p in own)
-        noted = [p for p in own if "its own forward" in compiled.program.notes.get(p, "")]
-        assert bool(noted) == (family in ("bart", "bart-scaled", "gemma3")), (own, noted)
+        swapped = [p for p in own if p in compiled.tensorized_modules()]
+        assert bool(swapped) == (family in ("bart", "bart-scaled", "gemma3")), (own, swapped)
+        for p in swapped:  # the user's own class runs the network: same name, isinstance holds
+            layer = compiled.get_submodule(p)
+            assert isinstance(layer, type(model.get_submodule(p))) and type(layer).__name__ == type(
+                model.get_submodule(p)).__name__
+            assert network_of(layer) is compiled.tensorized_modules()[p]
+        dense = compiled.to_dense()
+        assert all(type(dense.get_submodule(p)) is type(model.get_submodule(p)) for p in own)
+        with torch.no_grad():
+            again = dense(**inputs).logits
+        assert ((again - want).norm() / want.norm()) < 1e-5
         return
     if family.startswith("bart") or family == "t5":  # the shared table is one TTM network for every lookup
         enc, dec = compiled.model.model.encoder if family != "t5" else compiled.model.encoder, \

@@ -189,14 +189,51 @@ def test_auto_mode_swaps_models_that_are_not_one_static_graph():
     clash = _Reporting(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     assert isinstance(tncompile.compile(clash, target_ratio=0.3, example_inputs=(torch.randn(2, 64),)),
                       tncompile.CompiledModel)
-    # swap mode would keep BART's learned positions (an nn.Embedding subclass with its own forward)
-    # dense: a model with one stays in graph mode
-    bart = transformers.BartModel(transformers.BartConfig(
-        vocab_size=500, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64))
-    compiled_bart = tncompile.compile(bart, target_ratio=0.5, example_inputs={"input_ids": ids})
-    assert isinstance(compiled_bart, tncompile.CompiledModel)
-    assert "encoder.embed_positions" in compiled_bart.tensorized_modules()
+
+
+def _gemma3():
+    torch.manual_seed(0)
+    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
+        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+
+
+def test_layer_subclasses_with_their_own_forward_run_the_network(tmp_path):
+    """Gemma's scaled embedding (an nn.Embedding subclass, its table tied to the head): its own
+    forward runs, super().forward reaching the network; weight reads as shape/dtype/device only."""
+    from tncompile.swap_subclass import NetworkWeight, network_of
+    model = _gemma3()
+    ids = torch.randint(1, 500, (2, 8))
+    c = tncompile.compile(model, target_ratio=0.4, example_inputs={"input_ids": ids})
+    embed = c.model.embed_tokens
+    scaled = type(model.model.embed_tokens)
+    assert isinstance(embed, scaled) and type(embed).__name__ == scaled.__name__ and type(embed) is not scaled
+    assert isinstance(network_of(embed), TTMEmbedding) and c.lm_head.embedding is network_of(embed)
+    assert isinstance(embed.weight, NetworkWeight) and embed.weight.shape == (500, 64)
+    assert embed.weight.dtype == torch.float32
+    with pytest.raises(AttributeError, match="mode='graph'"):
+        embed.weight.sum()
+    dense = c.to_dense()
+    assert type(dense.model.embed_tokens) is scaled and dense.lm_head.weight is dense.model.embed_tokens.weight
+    assert _greedy(c, ids).tolist() == _greedy(dense, ids).tolist()
+    tncompile.save(c, tmp_path / "gemma.tnc")
+    loaded = tncompile.load(tmp_path / "gemma.tnc", model=_gemma3())
+    twin = copy.deepcopy(c)
+    with torch.no_grad():
+        want = c(ids).logits
+        for other in (loaded, twin):
+            assert torch.equal(other(ids).logits, want)
+    c.train()  # a cut replaces the network inside the user's object
+    opt = torch.optim.AdamW(c.parameters(), lr=1e-3)
+    ctl = tncompile.RankController(c, opt, target_ratio=0.2, early_steps=1, late_steps=3)
+    for _ in range(4):
+        loss = c(ids, labels=ids).loss
+        opt.zero_grad()
+        (loss + ctl.penalty(loss)).backward()
+        opt.step()
+        ctl.step()
+    assert c.ratio <= 0.2 and network_of(c.model.embed_tokens) is c.tensorized_modules()["model.embed_tokens"]
 
 
 def _mixtral():

@@ -203,8 +203,8 @@ def _auto_mode(model: nn.Module, frontend_used: str, gm, layers: dict[str, str])
     models (caches, masks, ``generate``) and models only ``torch.export`` could trace
     (their Python control flow was specialized to the example inputs) -- graph for the
     rest (whole-graph rewrites and capture). Graph mode too where swap mode would keep
-    dense a layer the trace can compress (an embedding subclass with its own forward)
-    or the class already defines a name swap mode adds (``MIXIN_NAMES``)."""
+    dense a layer the trace can compress (an ``nn.EmbeddingBag`` subclass with its own
+    forward) or the class already defines a name swap mode adds (``MIXIN_NAMES``)."""
     dynamic = is_hf_model(model) or frontend_used == "export"
     traced = {name for name, m in gm.named_modules() if name and is_compressible(m)}
     return "swap" if dynamic and not _mixin_clash(model) and traced <= set(layers) else "graph"

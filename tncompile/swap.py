@@ -19,7 +19,8 @@ they take a compiled model. It pickles and deep-copies as that subclass, and
 ``isinstance(swapped, type(model))`` holds.
 
 Fused mixture-of-experts parameters are swapped through the module that owns
-them (:mod:`tncompile.swap_experts`).
+them (:mod:`tncompile.swap_experts`); layer subclasses with a forward of their own
+keep it, the network running under it (:mod:`tncompile.swap_subclass`).
 
 The program and the model share the layer objects. Every pipeline run on the
 program afterwards (a rank cut during training, collapsing a layer) is
@@ -40,8 +41,9 @@ from .report import Report, build_report
 from .runtime.module_kinds import runs_as
 from .runtime.tt_layers import TNModule, TTMTiedLinear
 from .swap_experts import child, put_experts, restore_dense_experts
+from .swap_subclass import is_stand_in, network_of, put_stand_in, restore_subclass
 
-__all__ = ["SwapMixin", "swap_into", "swappable_layers", "unswappable_layers", "is_swapped", "user_class", "Resync", "MIXIN_NAMES",
+__all__ = ["SwapMixin", "swap_into", "swappable_layers", "unswappable_layers", "replaces_forward", "is_swapped", "user_class", "Resync", "MIXIN_NAMES",
            "register_folder_writer"]
 
 # what the mixin adds; a model class that has any of these already cannot take it
@@ -68,18 +70,24 @@ def replaces_forward(module: nn.Module) -> bool:
     return any(isinstance(module, base) and not runs_as(module, base) for base in _BASES)
 
 
+def _swappable(module: nn.Module) -> bool:
+    """An ``nn.EmbeddingBag`` subclass with its own forward has no stand-in
+    (:mod:`tncompile.swap_subclass` covers ``nn.Embedding`` and ``nn.Linear`` ones)."""
+    return not (isinstance(module, nn.EmbeddingBag) and replaces_forward(module))
+
+
 def swappable_layers(model: nn.Module) -> dict[str, str]:
-    """``path -> kind`` of every compressible layer in ``model``'s own module tree that a
-    TT / TTM layer can stand in for (its forward is its base class's)."""
+    """``path -> kind`` of every compressible layer in ``model``'s own module tree that swap
+    mode can put a network into (subclasses with their own forward included)."""
     return {name: kind_of(m) for name, m in model.named_modules()
-            if name and is_compressible(m) and not replaces_forward(m)}
+            if name and is_compressible(m) and _swappable(m)}
 
 
 def unswappable_layers(model: nn.Module) -> dict[str, str]:
     """``path -> why`` for the compressible layers swap mode keeps dense."""
-    return {name: (f"a {type(m).__name__} (an nn.{next(b for b in _BASES if isinstance(m, b)).__name__} "
-                   "subclass with its own forward): swap mode keeps it dense, mode='graph' compresses it")
-            for name, m in model.named_modules() if name and is_compressible(m) and replaces_forward(m)}
+    return {name: (f"a {type(m).__name__} (an nn.EmbeddingBag subclass with its own forward): swap mode "
+                   "keeps it dense, mode='graph' compresses it")
+            for name, m in model.named_modules() if name and is_compressible(m) and not _swappable(m)}
 
 
 def is_swapped(model: Any) -> bool:
@@ -125,6 +133,11 @@ class SwapMixin:
         kinds = self.program.swap_layers
         restore_dense_experts(dense, [path for path, kind in kinds.items() if kind == "experts"])
         rebuilt: dict[int, nn.Module] = {}
+        for path, kind in kinds.items():  # the user's own subclasses, their weights rebuilt
+            network = network_of(child(dense, path))
+            if network is not None and not isinstance(network, TTMTiedLinear):
+                layer = _dense_of(network, kind)
+                rebuilt[id(network)] = restore_subclass(child(dense, path), layer.weight, getattr(layer, "bias", None))
         layers = {path: dense.get_submodule(path) for path, kind in kinds.items() if kind != "experts"}
         for path, layer in layers.items():
             if isinstance(layer, TNModule) and not isinstance(layer, TTMTiedLinear):
@@ -132,8 +145,13 @@ class SwapMixin:
                     rebuilt[id(layer)] = _dense_of(layer, kinds[path])
                 dense.set_submodule(path, rebuilt[id(layer)])
         for path, layer in layers.items():
-            if isinstance(layer, TTMTiedLinear):
-                dense.set_submodule(path, layer.to_dense_head(rebuilt.get(id(layer.embedding))))
+            head = network_of(layer) if is_stand_in(layer) else layer
+            if isinstance(head, TTMTiedLinear):
+                dense_head = head.to_dense_head(rebuilt.get(id(head.embedding)))
+                if head is layer:
+                    dense.set_submodule(path, dense_head)
+                else:  # a head subclass with its own forward, tied to the embedding
+                    restore_subclass(layer, dense_head.weight, dense_head.bias)
         return dense
 
     def save_pretrained(self, save_directory, **kwargs: Any) -> None:
@@ -196,9 +214,12 @@ def swap_into(model: nn.Module, program: Program) -> None:
     experts parameter: :func:`~tncompile.swap_experts.put_experts`)."""
     for path, kind in program.swap_layers.items():
         mod = module_at(program.graph_module, path)
-        if mod is None or child(model, path) is mod:
+        current = child(model, path)
+        if mod is None or current is mod or network_of(current) is mod:
             continue
         if kind == "experts":
             put_experts(model, path, mod)
+        elif is_stand_in(current) or replaces_forward(current):  # the user's subclass runs the network
+            put_stand_in(model, path, current, mod)
         else:
             model.set_submodule(path, mod)
