@@ -191,12 +191,15 @@ def test_auto_mode_swaps_models_that_are_not_one_static_graph():
                       tncompile.CompiledModel)
 
 
+# a small decoder config shared by the Gemma3 and Mixtral tests
+_DECODER = dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
 def _gemma3():
     torch.manual_seed(0)
-    return transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
-        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, sliding_window=8,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+    config = transformers.Gemma3TextConfig(**_DECODER, head_dim=16, sliding_window=8)
+    return transformers.Gemma3ForCausalLM(config).eval()
 
 
 def test_layer_subclasses_with_their_own_forward_run_the_network(tmp_path):
@@ -238,10 +241,8 @@ def test_layer_subclasses_with_their_own_forward_run_the_network(tmp_path):
 
 def _mixtral():
     torch.manual_seed(0)
-    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0)).eval()
+    config = transformers.MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2)
+    return transformers.MixtralForCausalLM(config).eval()
 
 
 def test_mixtral_experts_are_swapped_through_their_owner(tmp_path):
@@ -253,12 +254,14 @@ def test_mixtral_experts_are_swapped_through_their_owner(tmp_path):
     c = tncompile.compile(model, target_ratio=0.3, example_inputs={"input_ids": ids})
     assert isinstance(c, transformers.MixtralForCausalLM) and c.ratio <= 0.3
     experts = c.model.layers[0].mlp.experts
-    assert type(experts).__name__ == "MixtralExperts" and type(experts) is not transformers.models.mixtral.modeling_mixtral.MixtralExperts
+    own_class = type(model.model.layers[0].mlp.experts)
+    assert isinstance(experts, own_class) and type(experts).__name__ == own_class.__name__
+    assert type(experts) is not own_class
     assert isinstance(experts._modules["gate_up_proj"], TTExperts) and "gate_up_proj" not in experts._parameters
     assert experts.gate_up_proj.shape == model.model.layers[0].mlp.experts.gate_up_proj.shape
     assert isinstance(model.model.layers[0].mlp.experts.gate_up_proj, nn.Parameter)  # the user's model untouched
     dense = c.to_dense()
-    assert type(dense.model.layers[0].mlp.experts) is transformers.models.mixtral.modeling_mixtral.MixtralExperts
+    assert type(dense.model.layers[0].mlp.experts) is own_class
     assert isinstance(dense.model.layers[0].mlp.experts.gate_up_proj, nn.Parameter)
     assert _greedy(c, ids).tolist() == _greedy(dense, ids).tolist()
     c.train()

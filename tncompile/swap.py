@@ -43,8 +43,8 @@ from .runtime.tt_layers import TNModule, TTMTiedLinear
 from .swap_experts import child, put_experts, restore_dense_experts
 from .swap_subclass import is_stand_in, network_of, put_stand_in, restore_subclass
 
-__all__ = ["SwapMixin", "swap_into", "swappable_layers", "unswappable_layers", "replaces_forward", "is_swapped", "user_class", "Resync", "MIXIN_NAMES",
-           "register_folder_writer"]
+__all__ = ["SwapMixin", "swap_into", "swappable_layers", "unswappable_layers", "replaces_forward", "is_swapped",
+           "user_class", "Resync", "MIXIN_NAMES", "register_folder_writer"]
 
 # what the mixin adds; a model class that has any of these already cannot take it
 MIXIN_NAMES = ("program", "ratio", "report", "tensorized_modules", "to_dense")
