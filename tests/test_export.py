@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import tncompile
-from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
+from tncompile.runtime import TTLinear, TTMEmbedding, TTMEmbeddingBag, TTMTiedLinear
 from tncompile.zoo import mlp
 
 transformers = pytest.importorskip("transformers")
@@ -117,6 +117,27 @@ def test_export_forms_are_the_layers_dense_matrices():
         torch.testing.assert_close(rows, table[other_ids])
         torch.testing.assert_close(out, other_x @ linear.weight().T + linear.bias, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(logits, table[other_ids] @ table.T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_exports_with_dynamic_ids_and_bags(mode):
+    torch.manual_seed(0)
+    bag = TTMEmbeddingBag.from_embedding_bag(nn.EmbeddingBag(5000, 64, mode=mode), rank=8)
+
+    class Bags(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bag = bag
+
+        def forward(self, ids, offsets):
+            return self.bag(ids, offsets)
+
+    dims = ({0: torch.export.Dim("ids")}, {0: torch.export.Dim("bags")})
+    ep = torch.export.export(Bags(), (torch.randint(0, 5000, (20,)), torch.tensor([0, 3, 9, 15])), dynamic_shapes=dims)
+    ids, offsets = torch.randint(0, 5000, (31,)), torch.tensor([0, 5, 6, 20, 25, 30])
+    with torch.no_grad():
+        dense = nn.functional.embedding_bag(ids, bag.weight(), offsets, mode=mode)
+        torch.testing.assert_close(ep.module()(ids, offsets), dense, rtol=1e-5, atol=1e-5)
 
 
 ort = pytest.importorskip("onnxruntime", reason="ONNX export tests need the export extra")
