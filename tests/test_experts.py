@@ -9,7 +9,7 @@ from tncompile.formats.layout import TTLayout
 from tncompile.passes import cut_ranks, replan_module
 from tncompile.runtime.experts import ExpertLinear, TTExperts
 from tncompile.runtime.grouped import grouped_mm
-from tncompile.swap_experts import child
+from tncompile.ir.modules import module_at
 
 
 def _random_tt(in_f, out_f, rank, experts):
@@ -195,7 +195,7 @@ def test_moe_rank_adaptation_cuts_experts_to_the_target(mode):
     assert c.ratio <= 0.1
     assert all(sum(c.tensorized_modules()[n].layout.ranks) < r for n, r in start.items())
     if mode == "swap":  # the cut networks sit in the model's own experts modules
-        assert all(child(c, n) is c.tensorized_modules()[n] for n in start)
+        assert all(module_at(c, n) is c.tensorized_modules()[n] for n in start)
     c.eval()
     with torch.no_grad():
         dense = c.to_dense().eval()(input_ids=ids).logits

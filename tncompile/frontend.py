@@ -32,7 +32,7 @@ from .layers import is_compressible
 from .nn_trace import attention_parts, traced_call
 from .runtime.attention import NestedPadding, SelfAttention
 from .runtime.experts import ExpertLinear
-from .runtime.module_kinds import embedding_on, linear_on, runs_as
+from .runtime.module_kinds import embedding_on, linear_on, replaces_forward
 
 __all__ = ["trace", "split_example_inputs"]
 
@@ -65,8 +65,7 @@ class LeafTracer(fx.Tracer):
 
 def own_forward(module: nn.Module) -> bool:
     """An ``nn.Embedding`` / ``nn.Linear`` subclass whose forward is not the base class's."""
-    return ((isinstance(module, nn.Embedding) and not runs_as(module, nn.Embedding))
-            or (isinstance(module, nn.Linear) and not runs_as(module, nn.Linear)))
+    return replaces_forward(module, (nn.Embedding, nn.Linear))
 
 
 def plain_copy(module: nn.Module) -> nn.Module:

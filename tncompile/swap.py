@@ -38,9 +38,9 @@ from torch import nn
 from .ir.program import Program, module_at
 from .layers import is_compressible, kind_of
 from .report import Report, build_report
-from .runtime.module_kinds import runs_as
+from .runtime.module_kinds import replaces_forward
 from .runtime.tt_layers import TNModule, TTMTiedLinear
-from .swap_experts import child, put_experts, restore_dense_experts
+from .swap_experts import put_experts, restore_dense_experts
 from .swap_subclass import is_stand_in, network_of, put_stand_in, restore_subclass
 
 __all__ = ["SwapMixin", "swap_into", "swappable_layers", "unswappable_layers", "replaces_forward", "is_swapped",
@@ -59,15 +59,6 @@ def register_folder_writer(writer) -> None:
     global _FOLDER_WRITER
     _FOLDER_WRITER = writer
 
-
-
-_BASES = (nn.Linear, nn.Embedding, nn.EmbeddingBag)
-
-
-def replaces_forward(module: nn.Module) -> bool:
-    """A subclass of ``nn.Linear`` / ``nn.Embedding`` / ``nn.EmbeddingBag`` with a forward
-    of its own (BART's learned positions add an offset, Gemma's embedding scales)."""
-    return any(isinstance(module, base) and not runs_as(module, base) for base in _BASES)
 
 
 def _swappable(module: nn.Module) -> bool:
@@ -134,10 +125,11 @@ class SwapMixin:
         restore_dense_experts(dense, [path for path, kind in kinds.items() if kind == "experts"])
         rebuilt: dict[int, nn.Module] = {}
         for path, kind in kinds.items():  # the user's own subclasses, their weights rebuilt
-            network = network_of(child(dense, path))
+            stand_in = module_at(dense, path)
+            network = network_of(stand_in)
             if network is not None and not isinstance(network, TTMTiedLinear):
                 layer = _dense_of(network, kind)
-                rebuilt[id(network)] = restore_subclass(child(dense, path), layer.weight, getattr(layer, "bias", None))
+                rebuilt[id(network)] = restore_subclass(stand_in, layer.weight, getattr(layer, "bias", None))
         layers = {path: dense.get_submodule(path) for path, kind in kinds.items() if kind != "experts"}
         for path, layer in layers.items():
             if isinstance(layer, TNModule) and not isinstance(layer, TTMTiedLinear):
@@ -214,7 +206,7 @@ def swap_into(model: nn.Module, program: Program) -> None:
     experts parameter: :func:`~tncompile.swap_experts.put_experts`)."""
     for path, kind in program.swap_layers.items():
         mod = module_at(program.graph_module, path)
-        current = child(model, path)
+        current = module_at(model, path)
         if mod is None or current is mod or network_of(current) is mod:
             continue
         if kind == "experts":

@@ -19,22 +19,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from .ir.modules import module_at
 from .runtime.experts import ExpertLinear, TTExperts
 
-__all__ = ["expert_weights", "is_expert_parameter", "put_experts", "restore_dense_experts", "child"]
+__all__ = ["expert_weights", "is_expert_parameter", "put_experts", "restore_dense_experts"]
 
 _OWNERS: dict[tuple[type, frozenset], type] = {}
-
-
-def child(root: nn.Module, path: str) -> nn.Module | None:
-    """The module at ``path`` through ``_modules`` (not attributes: on a swapped experts owner
-    the attribute is the rebuilt tensor, the module is the network), or ``None``."""
-    mod = root
-    for part in path.split(".") if path else ():
-        mod = mod._modules.get(part) if isinstance(mod, nn.Module) else None
-        if mod is None:
-            return None
-    return mod
 
 
 def _split(path: str) -> tuple[str, str]:
@@ -50,7 +40,7 @@ def expert_weights(gm: nn.Module, model: nn.Module) -> dict[str, str]:
         if not name or not isinstance(mod, ExpertLinear):
             continue
         owner_path, leaf = _split(name)
-        owner = child(model, owner_path)
+        owner = module_at(model, owner_path)
         param = owner._parameters.get(leaf) if owner is not None else None
         if param is not None and param.dim() == 3:
             found[name] = "experts"
@@ -60,7 +50,7 @@ def expert_weights(gm: nn.Module, model: nn.Module) -> dict[str, str]:
 def is_expert_parameter(model: nn.Module, path: str) -> bool:
     """Whether ``model`` has a 3-D parameter at ``path`` (where a saved network can go)."""
     owner_path, leaf = _split(path)
-    owner = child(model, owner_path)
+    owner = module_at(model, owner_path)
     param = owner._parameters.get(leaf) if owner is not None else None
     return param is not None and param.dim() == 3
 
@@ -94,7 +84,7 @@ def put_experts(model: nn.Module, path: str, module: nn.Module) -> None:
     a :class:`TTExperts` network behind a property of the owner, or, for a dense
     :class:`ExpertLinear`, its weight back as the owner's parameter."""
     owner_path, leaf = _split(path)
-    owner = child(model, owner_path)
+    owner = module_at(model, owner_path)
     base = getattr(type(owner), "_tncompile_base", type(owner))
     leaves = getattr(type(owner), "_tncompile_leaves", frozenset())
     if isinstance(module, TTExperts):
@@ -113,7 +103,7 @@ def restore_dense_experts(model: nn.Module, paths: list[str]) -> None:
     its own orientation, and each owner back to its own class (``to_dense``)."""
     for path in paths:
         owner_path, leaf = _split(path)
-        owner = child(model, owner_path)
+        owner = module_at(model, owner_path)
         network = owner._modules.pop(leaf, None)
         if isinstance(network, TTExperts):
             owner._parameters[leaf] = nn.Parameter(network.stored_weight().detach().clone())

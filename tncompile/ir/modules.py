@@ -14,12 +14,15 @@ def count_params(module: nn.Module) -> int:
 
 def module_at(root: nn.Module, target: str) -> nn.Module | None:
     """The submodule at dotted path ``target``, or ``None`` when the path is
-    missing or names a parameter, buffer or other attribute."""
-    try:
-        mod = root.get_submodule(target)
-    except AttributeError:
-        return None
-    return mod if isinstance(mod, nn.Module) else None
+    missing or names a parameter, buffer or other attribute. Walks ``_modules``
+    (not attributes: a swap-mode experts owner shadows its network's name with a
+    property returning the rebuilt tensor, :mod:`tncompile.swap_experts`)."""
+    mod = root
+    for part in target.split(".") if target else ():
+        mod = mod._modules.get(part) if isinstance(mod, nn.Module) else None
+        if mod is None:
+            return None
+    return mod
 
 
 def rehome_reads(gm: fx.GraphModule, path: str, keep: tuple[str, ...] = ("weight", "bias")) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["is_hf_conv1d", "linear_weight_of", "runs_as", "linear_on", "embedding_on", "is_shard", "is_sharded"]
+__all__ = ["is_hf_conv1d", "linear_weight_of", "runs_as", "replaces_forward", "linear_on", "embedding_on",
+           "is_shard", "is_sharded"]
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:
@@ -40,6 +41,12 @@ def embedding_on(weight: nn.Parameter, padding_idx: int | None = None, max_norm:
                        scale_grad_by_freq=scale_grad_by_freq, sparse=sparse, device="meta")
     emb.weight = weight
     return emb.train(training)
+
+
+def replaces_forward(module: nn.Module, bases: tuple[type, ...] = (nn.Linear, nn.Embedding, nn.EmbeddingBag)) -> bool:
+    """A subclass of one of ``bases`` with a forward of its own (BART's learned positions
+    add an offset to the ids, Gemma's embedding scales its rows)."""
+    return any(isinstance(module, base) and not runs_as(module, base) for base in bases)
 
 
 def runs_as(module: nn.Module, cls: type) -> bool:

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import ModelFileError
 from ..ir.program import Program, module_at
-from ..swap_experts import child, is_expert_parameter
+from ..swap_experts import is_expert_parameter
 from ..swap import Resync, is_swapped, subclass_of, swap_into, swappable_layers, user_class
 from .codec import Decoder, Encoder, qualified_name
 from .node_checks import is_module_path
@@ -40,7 +40,7 @@ def _tncompile_owned(model: nn.Module, layers: dict[str, str]) -> set[str]:
     """State names that belong to the swapped layers (stored with the program instead)."""
     owned = set()
     for path in layers:
-        layer = child(model, path)  # None: experts kept as the owner's dense parameter
+        layer = module_at(model, path)  # None: experts kept as the owner's dense parameter
         for name in (layer.state_dict(keep_vars=True) if layer is not None else ()):
             owned.add(f"{path}.{name}")
     return owned
