@@ -288,6 +288,41 @@ def _bert_blocks_free_as_they_go(rank: int, mode: str = "graph") -> dict:
             "units": blocks if mode == "swap" else None}
 
 
+def _mixtral_swap_sharded(rank: int) -> dict:
+    """A swap-mode Mixtral (fused experts behind their owner's properties) under FSDP2, one
+    unit per decoder layer: it trains, the experts' cores get gradients on every process,
+    and a cut keeps the processes' ranks equal."""
+    import transformers as T
+
+    from tncompile.distributed import shard
+    from tncompile.runtime.experts import TTExperts
+    torch.manual_seed(0)
+    config = T.MixtralConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                             num_local_experts=4, num_experts_per_tok=2)
+    ids = torch.randint(1, 500, (2, 8), generator=torch.Generator().manual_seed(rank))
+    compiled = tncompile.compile(T.MixtralForCausalLM(config).eval(), target_ratio=0.3,
+                                 example_inputs={"input_ids": ids}, mode="swap")
+    shard(compiled, units="blocks")
+    opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=1e-3, gate_lr=1e-2))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.2, early_steps=None, truncate_every=0)
+    compiled.train()
+    experts = [m for m in compiled.modules() if isinstance(m, TTExperts)]
+    ratios, expert_grads = [], []
+    for step in range(3):
+        loss = compiled(input_ids=ids, labels=ids).loss
+        (loss + ctl.penalty(loss)).backward()
+        expert_grads.append(all(c.grad is not None for e in experts for c in e.cores))
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            ctl.truncate(budget=0.8 * compiled.ratio)
+        ratios.append(compiled.ratio)
+    ranks = [list(e.layout.ranks) for e in experts]
+    return {"finite": bool(torch.isfinite(loss)), "ratios": ratios, "experts": len(experts),
+            "expert_grads": expert_grads, "ranks": ranks}
+
+
 def _fsdp2_cuts(rank: int, out: Path) -> dict:
     """FSDP2 with rank cuts by gather -> cut -> reshard, against DDP: root-only (MLP) and one
     unit per encoder block (reshard_after_forward=False: bitwise; True: the gates' penalty
@@ -344,6 +379,7 @@ def _fsdp2_cuts(rank: int, out: Path) -> dict:
     report["whole"] = _whole_matches_full_tensor()
     report["bert"] = _bert_blocks_free_as_they_go(rank)
     report["bert_swap"] = _bert_blocks_free_as_they_go(rank, mode="swap")
+    report["mixtral_swap"] = _mixtral_swap_sharded(rank)
     report["save"] = {"kept_shards": kept, "same_weights": bool(same_weights), "plain_save": plain_save,
                       "resumed_state": bool(resumed_state),
                       "refused": refused}
@@ -614,6 +650,10 @@ def test_fsdp2_saves_whole_and_refuses_what_it_cannot_reshard(own_loop):
         assert swapped["class"].endswith("BertForSequenceClassification")   # FSDP2 prefixes its class name
         assert swapped["units"] == [["bert.encoder.layer.0"], ["bert.encoder.layer.1"]]
         assert r["fsdp2"]["whole"] == {"values": True, "full": True, "grads": True, "sums": True, "sum_grad": True}
+    moe = [r["fsdp2"]["mixtral_swap"] for r in own_loop]                   # swap-mode experts, sharded
+    for m in moe:
+        assert m["finite"] and m["experts"] >= 2 and all(m["expert_grads"]) and m["ratios"][2] < m["ratios"][0]
+    assert moe[0]["ranks"] == moe[1]["ranks"]
 
 
 @pytest.mark.slow

@@ -51,15 +51,18 @@ BERT_DIMS = {"input_ids": {0: BATCH, 1: SEQ}, "attention_mask": {0: BATCH, 1: SE
 def test_mlp_exports_with_a_dynamic_batch(mode):
     compiled = tncompile.compile(_mlp(), target_ratio=0.3, mode=mode).eval()
     assert len(compiled.tensorized_modules()) >= 2
-    # a graph-mode CompiledModel: export its traced GraphModule (it takes the model's own arguments)
-    target = compiled.model if mode == "graph" else compiled
-    ep = torch.export.export(target, (torch.randn(4, 64),), dynamic_shapes=({0: BATCH},))
-    assert not any("tncompile" in op for op in _op_names(ep))
-    exported = ep.module()
-    with torch.no_grad():
-        for rows in (1, 7, 33):
-            x = torch.randn(rows, 64)
-            torch.testing.assert_close(exported(x), compiled(x), rtol=1e-5, atol=1e-5)
+    if mode == "swap":
+        programs = [torch.export.export(compiled, (torch.randn(4, 64),), dynamic_shapes=({0: BATCH},))]
+    else:  # its traced GraphModule takes the model's own arguments; the wrapper's are *args
+        programs = [torch.export.export(compiled.model, (torch.randn(4, 64),), dynamic_shapes=({0: BATCH},)),
+                    torch.export.export(compiled, (torch.randn(4, 64),), dynamic_shapes={"args": ({0: BATCH},)})]
+    for ep in programs:
+        assert not any("tncompile" in op for op in _op_names(ep))
+        exported = ep.module()
+        with torch.no_grad():
+            for rows in (1, 7, 33):
+                x = torch.randn(rows, 64)
+                torch.testing.assert_close(exported(x), compiled(x), rtol=1e-5, atol=1e-5)
 
 
 def test_bert_exports_with_dynamic_batch_and_sequence_and_takes_a_padding_mask():

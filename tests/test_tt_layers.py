@@ -263,3 +263,50 @@ def test_tied_head_multiplies_by_the_merged_table_in_inference_and_follows_updat
         head(x)
     state = head.__dict__
     assert "_merged" in state and "_merged" in TTMTiedLinear.transient_state  # never saved
+
+
+def test_tied_head_half_tables_are_the_table_at_every_split_and_follow_updates():
+    """Over a few rows in inference the tied head multiplies through two half tables
+    (``runtime.tied_head``) instead of the merged table: at every split, with a padded
+    vocabulary (500 of 504 rows) and a padded dimension (11 of 12), and a bias, it is
+    ``x @ E.T + b``; the halves are kept until a core changes, and never saved."""
+    lay = TTMLayout(ranks=(4, 5), num_embeddings=500, embedding_dim=11, row_modes=(7, 8, 9),
+                    col_modes=(2, 3, 2))
+    emb = _randomize(TTMEmbedding(lay, dtype=f64))
+    head = TTMTiedLinear(emb, bias=True).double()
+    with torch.no_grad():
+        head.bias.normal_()
+        x = torch.randn(3, 11, dtype=f64)
+        for split in (1, 2):
+            torch.testing.assert_close(head._half_table_rows(x, split), x @ emb.weight().t() + head.bias)
+        kept = head.__dict__["_halves"][1][0]
+        head._half_table_rows(x, 2)
+        assert head.__dict__["_halves"][1][0] is kept                       # reused
+        emb.gates[1].mul_(0.5)                                               # a gate changes in place
+        torch.testing.assert_close(head._half_table_rows(x, 2), x @ emb.weight().t() + head.bias)
+        assert head.__dict__["_halves"][1][0] is not kept
+    assert "_halves" in TTMTiedLinear.transient_state
+
+
+def test_tied_head_reads_half_tables_over_few_rows_and_the_merged_table_over_many(monkeypatch):
+    """GPT-2's tied head at ratio 0.1's ranks: one decoding row through the half tables costs
+    ~120M multiply-adds, reading the 50400 x 768 table costs more (``TABLE_READ_WEIGHT``);
+    past ~10 rows the merged table wins. The forward takes whichever form is chosen and both
+    give the table's product."""
+    from tncompile import tuning
+    from tncompile.runtime.tied_head import best_split, half_product_macs
+    gpt2 = TTMLayout(ranks=(112, 124, 64), num_embeddings=50257, embedding_dim=768,
+                     row_modes=(14, 15, 15, 16), col_modes=(8, 6, 4, 4))
+    assert half_product_macs(gpt2, 2, 1) == 210 * 124 * 16 * (48 + 240)
+    assert best_split(gpt2, 1) == 2 and best_split(gpt2, 64) is None
+    monkeypatch.setattr(tuning, "TABLE_READ_WEIGHT", 0.0)                    # a table read is free
+    assert best_split(gpt2, 1) is None
+    emb = _randomize(TTMEmbedding(TTMLayout.for_shape(3000, 24, 3, ranks=4), dtype=f64))
+    head = TTMTiedLinear(emb).double()
+    x = torch.randn(2, 5, 24, dtype=f64)
+    for weight in (0.0, 1e6):                                                # merged, then halves
+        monkeypatch.setattr(tuning, "TABLE_READ_WEIGHT", weight)
+        assert (best_split(emb.layout, 10) is None) == (weight == 0.0)
+        with torch.no_grad():
+            torch.testing.assert_close(head(x), x @ emb.weight().t())
+    assert "_halves" in head.__dict__ and "_merged" in head.__dict__

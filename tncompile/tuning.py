@@ -59,6 +59,14 @@ ASSUMED_ROWS = 32
 #: costs more than this many times the planned contraction's multiply-adds: the plan's
 #: chain of small products pays a call per step, the factors two calls in all.
 INFERENCE_MERGE_SLACK = 1.25
+#: Multiply-add equivalents of reading one element of a table too large for the cache. An
+#: inference head tied to a TTM embedding multiplies a few rows through two half tables
+#: (GPT-2 at ratio 0.1: ~120M multiply-adds a row) where that costs less than reading the
+#: merged 50257 x 768 table (38.6M elements; ``runtime.tied_head``). Measured at ~133 GMAC/s
+#: (2-core x86, MKL): one row through the merged table 3.7 ms (~12 per element), 2-16 rows
+#: 6.3-10.8 ms (~21: the GEMM packs the table), through the halves 0.9 ms a row. At 20 the
+#: choice matched the faster form at 1-16 rows for bond ranks 124 and 305.
+TABLE_READ_WEIGHT = 20.0
 
 # ---------------------------------------------------------------- runtime: TT linear over few rows
 #: Up to this many rows one native chain call beats the planned executor (chain time

@@ -31,6 +31,7 @@ from .plans import ContractionPlan, LookupPlan, bucket_of, get_planner
 from .traced_contract import register
 from .traced_lookup import (check_ids, distinct_ids, gathered_product, gathered_product_backward, half_tables,
                             split_ids, ttm_lookup)
+from .tied_head import best_split, half_table_head, head_halves
 from .tt_chain import chain_kernels, tt_chain
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of", "tied_merge_macs"]
@@ -573,8 +574,9 @@ class TTMTiedLinear(TNModule):
     """
 
     transposed = True
-    transient_state = TNModule.transient_state + ("_merged",)
-    # inference (no autograd): multiply by the table merged once, kept until a core or gate changes
+    transient_state = TNModule.transient_state + ("_merged", "_halves")
+    # inference (no autograd): the table merged once, or over a few rows two half tables (.tied_head),
+    # kept until a core or gate changes
     merge_in_inference = True
 
     def __init__(self, embedding: TTMEmbedding, bias: bool = False):
@@ -605,10 +607,14 @@ class TTMTiedLinear(TNModule):
             return F.linear(x, self.embedding.weight()[: self.out_features], self.bias)
         if self.merge_in_inference and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             check_input_dtype(self, x)
-            table_t = self.merged_weight_t()  # (dim, vocab) row-major: x @ table_t streams it in order
             rows = x.reshape(-1, lay.embedding_dim)  # 2-D: a strided 3-D x would turn matmul into a bmm
-            y = torch.addmm(self.bias, rows, table_t) if self.bias is not None else rows @ table_t
-            return y.reshape(*x.shape[:-1], table_t.shape[1])
+            split = best_split(lay, rows.shape[0]) if rows.shape[0] else None
+            if split is not None:  # a few rows (decoding): two half tables, not the whole table read
+                y = self._half_table_rows(rows, split)
+            else:
+                table_t = self.merged_weight_t()  # (dim, vocab) row-major: x @ table_t streams it in order
+                y = torch.addmm(self.bias, rows, table_t) if self.bias is not None else rows @ table_t
+            return y.reshape(*x.shape[:-1], self.out_features)
         rows = x.numel() // max(lay.embedding_dim, 1)
         if rows and self.merges_at(rows):  # a vocabulary-wide output: merging once beats contracting per row
             check_input_dtype(self, x)
@@ -618,6 +624,23 @@ class TTMTiedLinear(TNModule):
             return contract(self.plan_for(h.shape[0]), [h, *_drop_boundary(self.embedding.scaled_cores())], bias)
         return _apply_matrix(self, x, self.bias, lay.embedding_dim, lay.col_modes, lay.num_embeddings,
                              lay.padded_rows, contract_rows)
+
+    def _half_table_rows(self, rows: torch.Tensor, split: int) -> torch.Tensor:
+        """``rows (B, embedding_dim)`` through the half tables split before core ``split``
+        (:mod:`.tied_head`), kept (not saved) until a core or gate changes: ``(B, vocab)``."""
+        lay = self.layout
+        key = (split, self.embedding.weights_version())
+        cached = self.__dict__.get("_halves")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                cached = self.__dict__["_halves"] = (key, head_halves(self.embedding.scaled_cores(), split))
+        left, right_t = cached[1]
+        if lay.padded_cols != lay.embedding_dim:
+            rows = F.pad(rows, (0, lay.padded_cols - lay.embedding_dim))
+        y = half_table_head(rows, left, right_t, math.prod(lay.col_modes[:split]))
+        if lay.padded_rows != self.out_features:
+            y = y[:, : self.out_features]
+        return y + self.bias if self.bias is not None else y
 
     def to_dense_head(self, embedding: nn.Embedding | None = None) -> nn.Linear:
         """An ``nn.Linear`` whose weight *is* ``embedding``'s (the dense table this head's

@@ -39,6 +39,7 @@ from torch import nn
 
 from ..compiled import CompiledModel
 from ..swap import is_swapped
+from ..ir.modules import module_at
 from ..runtime.module_kinds import is_shard, is_sharded
 
 __all__ = ["shard", "is_sharded", "full_tensor", "whole", "summed_over_shards", "gathered", "full_parameters", "block_units", "ShardPlan"]
@@ -362,7 +363,7 @@ def gathered(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None
     full = _gather_all(before)
     _unshard_for_good(compiled)
     for (mod_name, name), p in full.items():
-        compiled.get_submodule(mod_name)._parameters[name] = p
+        module_at(compiled, mod_name)._parameters[name] = p
     if optimizer is not None:
         _move_optimizer(optimizer, before, full, _states_in_full(optimizer))
     try:
@@ -468,7 +469,7 @@ def full_parameters(compiled: nn.Module, optimizer: torch.optim.Optimizer | None
     saved_state = dict(optimizer.state) if optimizer is not None else {}
     try:
         for (mod_name, name), p in full.items():
-            compiled.get_submodule(mod_name)._parameters[name] = p
+            module_at(compiled, mod_name)._parameters[name] = p
         for module, cls in classes.items():
             module.__class__ = next(b for b in cls.__bases__ if b is not FSDPModule)
         for module in compiled.modules():
@@ -478,7 +479,7 @@ def full_parameters(compiled: nn.Module, optimizer: torch.optim.Optimizer | None
         yield compiled
     finally:
         for (mod_name, name), p in params.items():
-            compiled.get_submodule(mod_name)._parameters[name] = p
+            module_at(compiled, mod_name)._parameters[name] = p
         for module, cls in classes.items():
             module.__class__ = cls
         for module, entries in hidden.items():

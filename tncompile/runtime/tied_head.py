@@ -1,0 +1,101 @@
+"""A tied output head over a few rows, without reading the whole merged table.
+
+A head tied to a TTM embedding computes ``logits = x @ E.T`` with ``E`` the
+``(vocab, dim)`` table of the network. In inference :class:`.TTMTiedLinear`
+keeps ``E`` merged, which costs a dense head's multiply-adds -- but decoding
+feeds it one row per sequence, and then the time is reading the table (GPT-2:
+50257 x 768 fp32, 154 MB per token), not multiplying it.
+
+Split the network at a bond ``k`` into its two half tables (the same ones a
+lookup gathers from, :func:`.traced_lookup.half_tables`):
+``L[i_L, n_L, r]`` (cores before the bond) and ``R[i_R, r, n_R]`` (the rest), so
+``E[(i_L i_R), (n_L n_R)] = sum_r L[i_L, n_L, r] R[i_R, r, n_R]``. For rows
+``x[b, (n_L n_R)]``::
+
+    Y[b, i_L, r, n_R] = sum_{n_L} L[i_L, n_L, r] x[b, n_L, n_R]          # GEMM 1
+    logits[b, i_L, i_R] = sum_{r, n_R} Y[b, i_L, r, n_R] R[i_R, r, n_R]  # GEMM 2
+
+reading two half tables of a few MB instead of the whole table. Per row it costs
+``M_L r N_L N_R + M_L r N_R M_R`` multiply-adds against the table's ``V D``, so it
+pays over a few rows only; :func:`best_split` weighs both with reading a table
+(``tuning.TABLE_READ_WEIGHT``) and each kernel's overhead (``tuning.OP_OVERHEAD``).
+GPT-2 at ratio 0.1 (ranks 112/124/64): 0.8 ms for one row instead of 3.7 ms, 7.3 ms
+for eight instead of 8.7 ms (2-core x86; ``benchmarks/bench_decode.py`` measures the
+whole decode).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .. import tuning
+from ..formats.layout import TTMLayout
+from .traced_lookup import half_tables
+
+__all__ = ["best_split", "half_product_macs", "merged_head_cost", "head_halves", "half_table_head"]
+
+_KERNELS = 4  # two GEMMs, the input's and the middle product's permuted copies
+
+
+def half_product_macs(layout: TTMLayout, split: int, rows: int) -> int:
+    """Multiply-adds of ``rows`` rows through the half tables split before core ``split``."""
+    m_left, m_right = math.prod(layout.row_modes[:split]), math.prod(layout.row_modes[split:])
+    n_left, n_right = math.prod(layout.col_modes[:split]), math.prod(layout.col_modes[split:])
+    rank = layout.ranks[split - 1]
+    return rows * m_left * rank * n_right * (n_left + m_right)
+
+
+def _half_cost(layout: TTMLayout, split: int, rows: int) -> float:
+    m_left, m_right = math.prod(layout.row_modes[:split]), math.prod(layout.row_modes[split:])
+    n_left, n_right = math.prod(layout.col_modes[:split]), math.prod(layout.col_modes[split:])
+    rank = layout.ranks[split - 1]
+    read = rank * (m_left * n_left + m_right * n_right)
+    return (half_product_macs(layout, split, rows) + tuning.TABLE_READ_WEIGHT * read
+            + tuning.OP_OVERHEAD * _KERNELS)
+
+
+def merged_head_cost(layout: TTMLayout, rows: int) -> float:
+    """Cost (multiply-add equivalents) of ``rows`` rows through the merged table: its
+    multiply-adds plus reading it once."""
+    table = layout.padded_rows * layout.padded_cols
+    return table * (rows + tuning.TABLE_READ_WEIGHT) + tuning.OP_OVERHEAD
+
+
+def best_split(layout: TTMLayout, rows: int) -> int | None:
+    """The split whose half tables serve ``rows`` rows at less cost than the merged
+    table, or ``None`` where the merged table is cheaper (many rows, a small table,
+    a single core)."""
+    if len(layout.row_modes) < 2 or not layout.ranks:
+        return None
+    split = min(range(1, len(layout.row_modes)), key=lambda k: _half_cost(layout, k, rows))
+    return split if _half_cost(layout, split, rows) < merged_head_cost(layout, rows) else None
+
+
+def head_halves(cores: list[Tensor], split: int) -> tuple[Tensor, Tensor]:
+    """The two operands of :func:`half_table_head`, laid out for its GEMMs:
+    ``left (M_L * r, N_L)`` and ``right_t (r * N_R, M_R)``, both contiguous.
+
+    ``cores`` are the TTM cores with their gates applied."""
+    left, right = half_tables(cores, split)              # (M_L, N_L, r), (M_R, r, N_R)
+    m_left, n_left, rank = left.shape
+    m_right = right.shape[0]
+    left = left.permute(0, 2, 1).reshape(m_left * rank, n_left).contiguous()
+    right_t = right.reshape(m_right, -1).t().contiguous()
+    return left, right_t
+
+
+def half_table_head(rows: Tensor, left: Tensor, right_t: Tensor, n_left: int) -> Tensor:
+    """``rows (B, N_L * N_R)`` (the padded embedding dim) times the table the halves
+    stand for, transposed: ``(B, M_L * M_R)`` (the padded vocabulary), contiguous.
+
+    ``left (M_L * r, N_L)`` and ``right_t (r * N_R, M_R)`` from :func:`head_halves`."""
+    batch = rows.shape[0]
+    n_right = rows.shape[1] // n_left
+    rank = right_t.shape[0] // n_right
+    m_left = left.shape[0] // rank
+    x = rows.reshape(batch, n_left, n_right).permute(1, 0, 2).reshape(n_left, batch * n_right)
+    mid = (left @ x).reshape(m_left, rank, batch, n_right)
+    mid = mid.permute(2, 0, 1, 3).reshape(batch * m_left, rank * n_right)
+    return (mid @ right_t).reshape(batch, m_left * right_t.shape[1])
