@@ -148,10 +148,13 @@ def test_export_graph_dropout_is_lowered():
     targets = [n.target for n in compiled.model.graph.nodes if n.op == "call_function"]
     assert aten.dropout.default not in targets
     from tncompile.runtime.dropout import FastDropout
-    attention = compiled.model.get_submodule("encoder.layer.0.attention.self.dropout_fn")
-    assert type(attention) is FastDropout and attention.p == cfg.attention_probs_dropout_prob
     record = {r.name: r for r in compiled.program.history}
     assert record["lower_dropout"].matches["dropout-module"] >= 4   # embeddings, attention, 2 outputs
+    # eager attention (aten matmul / div / add / softmax, then that dropout, then matmul) fuses,
+    # keeping the lowered dropout module
+    assert record["fuse_attention"].matches["attention"] == 1
+    attention = compiled.model.get_submodule("encoder.layer.0.attention.self.fused_attention.dropout")
+    assert type(attention) is FastDropout and attention.p == cfg.attention_probs_dropout_prob
 
 
 def test_rules_need_canonical_forms():

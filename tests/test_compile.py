@@ -90,7 +90,7 @@ def test_to_dense_matches_and_save_load_identical(tmp_path):
     assert torch.equal(loaded(ids), compiled(ids))
     assert loaded.ratio == compiled.ratio
     assert [r.name for r in loaded.program.history] == ["canonicalize", "follow_device", "tensorize", "assign_ranks", "decompose", "plan_contractions",
-                                                          "fuse_feed_forward", "lower_dropout"]
+                                                          "fuse_feed_forward", "lower_dropout", "fuse_attention"]
     # state_dict round trip into a fresh load
     with torch.no_grad():
         for p in compiled.parameters():
@@ -133,7 +133,8 @@ def test_dumps_written_for_every_pass(tmp_path, monkeypatch):
                      "04-assign_ranks.json", "04-assign_ranks.txt", "05-decompose.json",
                      "05-decompose.txt", "06-plan_contractions.json", "06-plan_contractions.txt",
                      "07-fuse_feed_forward.json", "07-fuse_feed_forward.txt",
-                     "08-lower_dropout.json", "08-lower_dropout.txt"]
+                     "08-lower_dropout.json", "08-lower_dropout.txt", "09-fuse_attention.json",
+                     "09-fuse_attention.txt"]
     text = (tmp_path / "env" / "05-decompose.txt").read_text()
     assert "TT 4x4x4->4x8x4" in text or "TT " in text
     doc = json.loads((tmp_path / "env" / "05-decompose.json").read_text())

@@ -218,8 +218,8 @@ class Program:
 
     @property
     def ratio(self) -> float:
-        """``params(now) / params(original)``."""
-        return self.num_params() / self.original_params
+        """``params(now) / params(original)`` (1.0 for a model without parameters)."""
+        return self.num_params() / self.original_params if self.original_params else 1.0
 
     def dump(self, fmt: str = "text") -> str:
         """Render as ``"text"`` (for people), ``"json"`` (for tools) or ``"dot"`` (graphviz)."""

@@ -15,6 +15,7 @@ from .decompose import Decompose
 from .plan_contractions import PlanContractions
 from .fuse_feed_forward import FuseFeedForward
 from .lower_dropout import LowerDropout
+from .fuse_attention import FuseAttention
 from .replan import Replan, replan_module
 from .truncate_ranks import Cut, TruncateRanks, cut_ranks
 from .collapse_layers import CollapseLayers
@@ -22,13 +23,14 @@ from .rules import Match, Pat, Rule, apply_rules
 
 __all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes",
            "default_pipeline", "Canonicalize", "FollowDevice", "Tensorize", "AssignRanks", "Decompose", "PlanContractions",
-           "FuseFeedForward", "LowerDropout", "Replan", "TruncateRanks", "CollapseLayers", "PendingLayer",
+           "FuseFeedForward", "LowerDropout", "FuseAttention", "Replan", "TruncateRanks", "CollapseLayers", "PendingLayer",
            "replan_module", "Cut", "cut_ranks",
            "Pat", "Rule", "Match", "apply_rules"]
 
 
 def default_pipeline() -> Pipeline:
     """``canonicalize -> follow_device -> tensorize -> assign_ranks -> decompose ->
-    plan_contractions -> fuse_feed_forward -> lower_dropout``, a fresh, editable copy."""
+    plan_contractions -> fuse_feed_forward -> lower_dropout -> fuse_attention``, a fresh,
+    editable copy."""
     return Pipeline(["canonicalize", "follow_device", "tensorize", "assign_ranks", "decompose",
-                     "plan_contractions", "fuse_feed_forward", "lower_dropout"])
+                     "plan_contractions", "fuse_feed_forward", "lower_dropout", "fuse_attention"])

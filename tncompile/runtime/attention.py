@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["SelfAttention", "NestedPadding", "AttentionDropoutRate", "additive_mask"]
+__all__ = ["SelfAttention", "FusedAttention", "NestedPadding", "AttentionDropoutRate", "additive_mask"]
 
 
 def additive_mask(attn_mask: Tensor | None, key_padding_mask: Tensor | None, batch: int, heads: int,
@@ -158,3 +158,93 @@ class AttentionDropoutRate(nn.Module):
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
+
+
+class FusedAttention(nn.Module):
+    """``dropout(softmax(scale(q @ k.T) + mask)) @ v`` as one ``scaled_dot_product_attention``.
+
+    What the ``fuse_attention`` pass puts in place of a hand-written attention. The
+    scores matrix ``(..., L, S)`` is never written where PyTorch has a fused kernel for
+    the call (CUDA: flash / memory-efficient attention, with dropout; CPU: flash
+    attention without dropout). Where it has none the steps run as written, one by one
+    (:meth:`unfused`), which is also the reference the fused call is tested against:
+
+    * dropout active on CPU: PyTorch's CPU attention runs its unfused math path under
+      dropout anyway, with PyTorch's slower generator; the written steps run the graph's
+      own dropout module instead (tncompile's native kernel after ``lower_dropout``);
+    * inputs the kernel does not take: ranks or batch shapes that differ (the matmuls
+      broadcast), a mask that is not floating point in the inputs' dtype, one that would
+      broadcast the scores up or that needs a gradient, a scale that is a tensor.
+
+    Parameters
+    ----------
+    scaling : {"div", "mul", "none"}
+        How the written code scaled the scores by ``scale``: ``s / scale``, ``s * scale``
+        or not at all.
+    dropout : nn.Dropout or None
+        The dropout the graph applied to the attention weights (the same module object:
+        its ``p`` and its ``train()`` / ``eval()`` flag govern the fused call's ``dropout_p``).
+
+    Shapes
+    ------
+    ``q (..., L, E)``, ``k (..., S, E)``, ``v (..., S, Ev)``, ``mask`` broadcastable to
+    ``(..., L, S)`` or ``None``, ``scale`` a number -> ``(..., L, Ev)``.
+    """
+
+    def __init__(self, scaling: str = "none", dropout: nn.Module | None = None):
+        super().__init__()
+        if scaling not in ("div", "mul", "none"):
+            raise ValueError(f"scaling must be 'div', 'mul' or 'none', got {scaling!r}")
+        self.scaling = scaling
+        self.dropout = dropout
+
+    def dropout_p(self) -> float:
+        """The dropout probability of this call: the module's ``p`` in training mode, else 0."""
+        return float(self.dropout.p) if self.dropout is not None and self.dropout.training else 0.0
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
+        if (self.dropout_p() and q.device.type == "cpu") or not _fusable(q, k, v, mask, scale):
+            return self.unfused(q, k, v, mask, scale)
+        return self.fused(q, k, v, mask, scale)
+
+    def fused(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
+        """The one ``scaled_dot_product_attention`` call (for inputs it takes)."""
+        factor = 1.0 / scale if self.scaling == "div" else scale if self.scaling == "mul" else 1.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout_p(), scale=factor)
+
+    def unfused(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
+        """The steps as the traced graph wrote them."""
+        scores = q @ k.transpose(-2, -1)
+        if self.scaling == "div":
+            scores = scores / scale
+        elif self.scaling == "mul":
+            scores = scores * scale
+        if mask is not None:
+            scores = scores + mask
+        weights = scores.softmax(-1)
+        if self.dropout is not None:
+            weights = self.dropout(weights)
+        return weights @ v
+
+    def extra_repr(self) -> str:
+        return f"scaling={self.scaling!r}"
+
+
+def _fusable(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale) -> bool:
+    """Whether ``scaled_dot_product_attention`` computes exactly the written steps for these inputs."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.SymInt, torch.SymFloat)):
+        return False
+    if not (q.dim() == k.dim() == v.dim() >= 3 and q.dtype == k.dtype == v.dtype and q.is_floating_point()):
+        return False
+    if not (q.shape[:-2] == k.shape[:-2] == v.shape[:-2] and q.shape[-1] == k.shape[-1]
+            and k.shape[-2] == v.shape[-2]):
+        return False
+    if mask is None:
+        return True
+    scores = (*q.shape[:-1], k.shape[-2])
+    if mask.dtype != q.dtype or mask.requires_grad or mask.dim() > len(scores):
+        return False
+    try:
+        return tuple(torch.broadcast_shapes(mask.shape, scores)) == scores
+    except RuntimeError:
+        return False

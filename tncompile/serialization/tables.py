@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..passes.pending import PendingLayer
-from ..runtime.attention import AttentionDropoutRate, NestedPadding, SelfAttention
+from ..runtime.attention import AttentionDropoutRate, FusedAttention, NestedPadding, SelfAttention
 from ..runtime.collapsed import CollapsedLayer
 from ..runtime.dropout import FastDropout, dropout as native_dropout
 from ..runtime.embedding_bag import TTMEmbeddingBag
@@ -244,8 +244,8 @@ _EXCLUDED_NN = {"DataParallel", "DistributedDataParallel", "Upsample", "Upsampli
                 "LazyBatchNorm3d", "LazyInstanceNorm1d", "LazyInstanceNorm2d", "LazyInstanceNorm3d"}
 # tncompile's own module classes a compiled model holds
 _TNCOMPILE_MODULE_CLASSES = (TTLinear, TTMEmbedding, TTMTiedLinear, TTMEmbeddingBag, TTExperts, ExpertLinear,
-                             CollapsedLayer, FastDropout, SelfAttention, NestedPadding, AttentionDropoutRate,
-                             PendingLayer)
+                             CollapsedLayer, FastDropout, SelfAttention, FusedAttention, NestedPadding,
+                             AttentionDropoutRate, PendingLayer)
 # classes of other libraries, by exact name: loaded from their (fixed) module only when a file names them
 _LIBRARY_CLASSES = {"transformers.pytorch_utils.Conv1D": ("transformers.pytorch_utils", "Conv1D")}
 
