@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
 from .. import tuning
