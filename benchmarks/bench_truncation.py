@@ -1,6 +1,6 @@
 """Real rank truncation vs masking: train-step time of the paper's six-encoder.
 
-    python benchmarks/bench_truncation.py [--batch 8] [--seq 128] [--rounds 6]
+    python benchmarks/bench_truncation.py [--batch 8] [--seq 128] [--rounds 6] [--device cuda]
 
 Three copies of one compiled six-encoder (CoMERA's 44.9x-smaller start):
 
@@ -14,8 +14,11 @@ Three copies of one compiled six-encoder (CoMERA's 44.9x-smaller start):
 is forward, backward and AdamW; variants are timed round-robin with a
 rotating order, so the ratios come from one run. The TT linears alone
 (forward + backward of all 36 at ``batch x seq`` rows) are timed the same way,
-to show which share of the step the ranks govern. Writes
-``benchmarks/results/truncation_b{batch}x{seq}.json``.
+to show which share of the step the ranks govern. On CUDA each step is a
+:class:`tncompile.TrainStep` captured as a CUDA graph (eager, a GPU step is bound by
+kernel launches, not by ranks) and every timed call ends with a synchronize; the
+TT linears alone still run eagerly there (launch- and Python-bound on a GPU). Writes
+``benchmarks/results/truncation_b{batch}x{seq}.json`` (``gpu-truncation_...`` on CUDA).
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 import tncompile
 from tncompile.runtime import TTLinear
 from tncompile.runtime.cpu_allocator import retain_freed_memory
+from tncompile.train import TrainStep
 from tncompile.zoo import six_encoder
 
 from common import interleaved_ms, machine, write_json
@@ -41,13 +45,17 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--keep", type=float, default=0.5, help="share of every bond's ranks kept")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = ap.parse_args()
-    retain_freed_memory()
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if not cuda:
+        retain_freed_memory()
     torch.manual_seed(0)
-    x = torch.randint(1, 30522, (args.batch, args.seq))
-    y = torch.randint(0, 3, (args.batch,))
+    x = torch.randint(1, 30522, (args.batch, args.seq), device=device)
+    y = torch.randint(0, 3, (args.batch,), device=device)
     full = tncompile.compile(six_encoder(), target_ratio=PAPER_RATIO, init="random",
-                             batch_sizes=[args.batch * args.seq])
+                             batch_sizes=[args.batch * args.seq]).to(device)
     masked = copy.deepcopy(full)
     probe_opt = torch.optim.AdamW(tncompile.param_groups(masked, lr=1e-4))
     ctl = tncompile.RankController(masked, probe_opt, target_ratio=PAPER_RATIO / 10, truncate_every=0)
@@ -64,41 +72,56 @@ def main() -> None:
     with torch.no_grad():
         assert torch.allclose(masked(x), truncated(x), atol=1e-4, rtol=1e-4), "truncation changed the function"
 
+    def synced(fn):
+        if not cuda:
+            return fn
+
+        def run():
+            fn()
+            torch.cuda.synchronize()
+        return run
+
     runs = {}
     for name, model in (("full", full), ("masked", masked), ("truncated", truncated)):
         model.train()
         opt = torch.optim.AdamW(tncompile.param_groups(model, lr=1e-6))
+        if cuda:
+            captured = TrainStep(model, opt, F.cross_entropy, cuda_graph=True)
 
-        def step(model=model, opt=opt):
-            loss = F.cross_entropy(model(x), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-        runs[name] = step
+            def step(captured=captured):
+                captured(x, y)
+        else:
+            def step(model=model, opt=opt):
+                loss = F.cross_entropy(model(x), y)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+        runs[name] = synced(step)
     ms = interleaved_ms(runs, reps=args.rounds, warmup=3)  # alternating warm-up: the heap settles
     layer_runs = {}
     rows = args.batch * args.seq
     for name, model in (("full", full), ("masked", masked), ("truncated", truncated)):
         linears = [m for m in model.tensorized_modules().values() if isinstance(m, TTLinear)]
-        inputs = [torch.randn(rows, m.in_features, requires_grad=True) for m in linears]
-        grads = [torch.randn(rows, m.out_features) for m in linears]
+        inputs = [torch.randn(rows, m.in_features, device=device, requires_grad=True) for m in linears]
+        grads = [torch.randn(rows, m.out_features, device=device) for m in linears]
 
         def layers(linears=linears, inputs=inputs, grads=grads):
             for m, h, g in zip(linears, inputs, grads):
                 m(h).backward(g)
-        layer_runs[name] = layers
+        layer_runs[name] = synced(layers)
     layer_ms = interleaved_ms(layer_runs, reps=args.rounds, warmup=3)
     ranks_before = {n: list(m.layout.ranks) for n, m in ctl.layers.items()}
     ranks_after = {n: list(r) for n, r in cut_ctl.ranks().items()}
     result = {
-        "benchmark": "truncation", "batch": args.batch, "seq": args.seq, "keep": args.keep,
+        "benchmark": "truncation", "device": str(device), "step": "TrainStep, CUDA graph" if cuda else "eager",
+        "batch": args.batch, "seq": args.seq, "keep": args.keep,
         "step_ms": ms, "tt_linears_ms": layer_ms,
         "tt_linears_speedup_truncated_vs_full": layer_ms["full"] / layer_ms["truncated"], "ratio": {"full": full.ratio, "masked": masked.ratio, "truncated": truncated.ratio},
         "speedup_truncated_vs_full": ms["full"] / ms["truncated"],
         "speedup_masked_vs_full": ms["full"] / ms["masked"],
-        "ranks_before": ranks_before, "ranks_after": ranks_after, **machine(),
+        "ranks_before": ranks_before, "ranks_after": ranks_after, **machine(device),
     }
-    path = write_json(f"truncation_b{args.batch}x{args.seq}.json", result)
+    path = write_json(f"{'gpu-' if cuda else ''}truncation_b{args.batch}x{args.seq}.json", result)
     print(f"six-encoder train step, batch {args.batch} x {args.seq}, {result['threads']} threads "
           f"(median of {args.rounds} interleaved rounds)")
     print("| variant | ranks | ratio | step ms | speed-up vs full | TT linears ms | speed-up |\n|---|---|---|---|---|---|---|")

@@ -63,3 +63,20 @@ def test_first_compiled_call_plans_new_row_counts_without_a_graph_break():
     for rows in (100, 7):
         x = torch.randn(rows, 256)
         torch.testing.assert_close(fast(x), compiled(x))
+
+
+def test_layers_tell_torch_export_from_torch_compile():
+    """The exported forms are for torch.export only: torch 2.11's Dynamo folds
+    ``torch.compiler.is_exporting()`` to True in every trace, so the layers read the flag
+    torch.export sets (``runtime.tracing.exporting``), which is False under torch.compile."""
+    from tncompile.runtime.tracing import exporting
+
+    class Probe(torch.nn.Module):
+        def forward(self, x):
+            return x + 1 if exporting() else x - 1
+
+    x = torch.zeros(2)
+    assert not exporting()
+    assert torch.equal(torch.compile(Probe(), fullgraph=True)(x), x - 1)
+    assert torch.equal(torch.export.export(Probe(), (x,)).module()(x), x + 1)
+    assert torch.equal(torch.export.export(Probe(), (x,), strict=True).module()(x), x + 1)

@@ -28,6 +28,7 @@ from .cpu_gemm import cpu_gemm
 from .module_kinds import runs_as
 from .native import kernels_for, traceable_kernels
 from .plans import bucket_of
+from .tracing import exporting
 from .tt_layers import TTLinear, first_cpu_use
 
 __all__ = ["ACTIVATIONS", "tt_feed_forward", "fused_macs", "uses_fused_kernel"]
@@ -54,7 +55,7 @@ def uses_fused_kernel(x: torch.Tensor, first: nn.Module, second: nn.Module):
     per bucket and ranks."""
     if not (runs_as(first, TTLinear) and runs_as(second, TTLinear)) or _hooked(first) or _hooked(second):
         return None
-    if torch.compiler.is_exporting():  # one form for every row count, core ATen ops only: the layers' own
+    if exporting():  # one form for every row count, core ATen ops only: the layers' own
         return None
     rows = x.numel() // first.in_features if first.in_features else 0
     if rows < tuning.FUSE_MIN_ROWS:

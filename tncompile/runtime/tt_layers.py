@@ -29,6 +29,7 @@ from .executor import autocast_state, contract, same_autocast
 from .gated_cores import gate_cores
 from .plans import ContractionPlan, LookupPlan, bucket_of, get_planner
 from .traced_contract import register
+from .tracing import exporting
 from .traced_lookup import (check_ids, distinct_ids, gathered_product, gathered_product_backward, half_tables,
                             split_ids, ttm_lookup)
 from .tied_head import best_split, half_table_head, head_halves
@@ -194,7 +195,7 @@ class TNModule(nn.Module):
         # read the lists' dicts directly: ParameterList indexing costs microseconds per item
         cores = list(self.cores._parameters.values())
         gates = list(self.gates._parameters.values())
-        if torch.compiler.is_compiling() and not torch.compiler.is_exporting():
+        if torch.compiler.is_compiling() and not exporting():
             return [*gate_cores(cores[:-1], gates), cores[-1]]  # one opaque op, not a kernel per core and gradient
         return [c * g for c, g in zip(cores[:-1], gates)] + [cores[-1]]
 
@@ -328,7 +329,7 @@ class TTLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        if torch.compiler.is_exporting():
+        if exporting():
             return self._exported_forward(x)
         if self.merge_in_inference and not torch.is_grad_enabled() and not torch.compiler.is_compiling() \
                 and isinstance(x, torch.Tensor) and x.shape[-1:] == (lay.in_features,):
@@ -487,7 +488,7 @@ class TTMEmbedding(TNModule):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        if torch.compiler.is_exporting():
+        if exporting():
             return self._exported_forward(ids)
         if torch.compiler.is_compiling() and len(lay.row_modes) > 1:
             return self._traced_forward(ids)
@@ -603,7 +604,7 @@ class TTMTiedLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        if torch.compiler.is_exporting():  # the table merged in the graph (an ONNX runtime folds it)
+        if exporting():  # the table merged in the graph (an ONNX runtime folds it)
             return F.linear(x, self.embedding.weight()[: self.out_features], self.bias)
         if self.merge_in_inference and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
             check_input_dtype(self, x)

@@ -1,0 +1,211 @@
+"""What only a GPU shows (every test marked ``cuda``; skipped without one).
+
+The TT / TTM layers against their dense matrices on the device (float64 values,
+gradients, gradcheck), their inference forms, fused attention's kernel call with
+dropout, the captured training step's non-finite guard (the ``torch.where`` path
+with no host read), swap-mode generate, ``fit`` through CUDA graphs with cuts, and
+``torch.compile`` of a compiled model.
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tncompile
+from tncompile.formats import TTLayout, TTMLayout
+from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
+from tncompile.runtime.attention import FusedAttention
+from tncompile.train import TrainStep
+from tncompile.zoo import SixEncoder, mlp, small_encoder
+
+pytestmark = pytest.mark.cuda
+f64 = torch.float64
+CUDA = torch.device("cuda")
+
+
+def _randomize(mod):
+    with torch.no_grad():
+        for c in mod.cores:
+            c.normal_()
+        for g in mod.gates:
+            g.uniform_(0.5, 1.5)
+    return mod
+
+
+def test_tt_linear_on_cuda_matches_its_dense_matrix_and_gradchecks():
+    torch.manual_seed(0)
+    tt = _randomize(TTLinear(TTLayout.for_shape(24, 40, 3, ranks=4), bias=True, dtype=f64)).to(CUDA)
+    x = torch.randn(2, 7, 24, dtype=f64, device=CUDA, requires_grad=True)
+    y = tt(x)
+    ref = x @ tt.weight().t() + tt.bias
+    assert y.device.type == "cuda"
+    torch.testing.assert_close(y, ref, atol=1e-10, rtol=1e-10)
+    g = torch.randn_like(y)
+    params = [x, *tt.cores, *tt.gates, tt.bias]
+    for a, b in zip(torch.autograd.grad(y, params, g), torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+    small = _randomize(TTLinear(TTLayout.for_shape(6, 10, 2, ranks=3), dtype=f64)).to(CUDA)
+    xs = torch.randn(4, 6, dtype=f64, device=CUDA, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, *p: small(x), (xs, *small.cores, *small.gates))
+    with torch.inference_mode():  # the inference form (merged factors) is the same function
+        torch.testing.assert_close(tt(x.detach()), ref.detach(), atol=1e-10, rtol=1e-10)
+
+
+def test_ttm_lookup_and_tied_head_on_cuda_match_the_dense_table():
+    torch.manual_seed(0)
+    emb = _randomize(TTMEmbedding(TTMLayout.for_shape(300, 24, 3, ranks=4), padding_idx=1, dtype=f64)).to(CUDA)
+    ids = torch.randint(0, 300, (3, 9), device=CUDA)
+    ids[0, 0] = 1
+    out = emb(ids)
+    table = emb.weight()
+    ref = torch.where((ids == 1).unsqueeze(-1), table[ids].detach(), table[ids])
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    g = torch.randn_like(out)
+    params = [*emb.cores, *emb.gates]
+    for a, b in zip(torch.autograd.grad(out, params, g), torch.autograd.grad(ref, params, g)):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)
+    head = TTMTiedLinear(emb, bias=True).to(device=CUDA, dtype=f64)
+    x = torch.randn(5, 24, dtype=f64, device=CUDA, requires_grad=True)
+    torch.testing.assert_close(head(x), x @ emb.weight().t() + head.bias, atol=1e-10, rtol=1e-10)
+    small = _randomize(TTMEmbedding(TTMLayout.for_shape(20, 6, 2, ranks=3), dtype=f64)).to(CUDA)
+    few = torch.tensor([[0, 3, 19], [7, 7, 2]], device=CUDA)
+    assert torch.autograd.gradcheck(lambda *p: small(few), (*small.cores, *small.gates))
+    with torch.inference_mode():  # cached half tables / merged table
+        torch.testing.assert_close(emb(ids), ref.detach(), atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(head(x.detach()), (x @ emb.weight().t() + head.bias).detach(),
+                                   atol=1e-10, rtol=1e-10)
+
+
+def test_fused_attention_kernel_on_cuda_equals_the_written_steps_and_drops_out_at_rate():
+    """On CUDA the fused call takes dropout (the written steps run on CPU only)."""
+    torch.manual_seed(0)
+    fused = FusedAttention("div", nn.Dropout(0.2)).to(CUDA).eval()
+    q, k, v = (torch.randn(2, 4, 33, 16, device=CUDA, requires_grad=True) for _ in range(3))
+    mask = torch.zeros(2, 1, 1, 33, device=CUDA)
+    mask[0, ..., 20:] = -1e9
+    got, want = fused(q, k, v, mask, 4.0), fused.unfused(q, k, v, mask, 4.0)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, atol=2e-4, rtol=2e-4)
+    S, p = 128, 0.3
+    drop = FusedAttention("none", nn.Dropout(p)).to(CUDA).train()
+    qz = kz = torch.zeros(4, 8, S, 16, device=CUDA)
+    eye = torch.eye(S, device=CUDA).expand(4, 8, S, S).contiguous()
+    out = drop(qz, kz, eye)
+    zeros = float((out == 0).double().mean())
+    assert abs(zeros - p) < 0.01, f"{zeros:.4f} of the attention weights dropped, expected {p}"
+    kept = out[out != 0]
+    torch.testing.assert_close(kept, torch.full_like(kept, 1 / (S * (1 - p))), atol=1e-6, rtol=1e-4)
+
+
+def test_six_encoder_compiled_on_cuda_fuses_attention_and_equals_the_original():
+    torch.manual_seed(0)
+    model = SixEncoder(vocab_size=100, d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=16,
+                       num_classes=2).eval().to(CUDA)
+    ids = torch.randint(1, 100, (3, 16), device=CUDA)
+    ids[0, 10:] = 0
+    compiled = tncompile.compile(model, target_ratio=1.0, mode="graph", example_inputs=(ids,))
+    assert sum(isinstance(m, FusedAttention) for m in compiled.modules()) == 2
+    assert all(p.device.type == "cuda" for p in compiled.parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-4, atol=1e-4)
+
+
+def _float_setup():
+    torch.manual_seed(0)
+    compiled = tncompile.compile(mlp(), target_ratio=0.3, init="random",
+                                 example_inputs=(torch.randn(8, 256),), mode="graph").to(CUDA)
+    opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=1e-3, gate_lr=1e-2))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.2, truncate_every=0, early_steps=None,
+                                 nonfinite="skip")
+    return compiled, opt, ctl
+
+
+def test_captured_step_leaves_a_nonfinite_step_undone_on_the_device():
+    """The guard's device path inside a CUDA graph: a NaN batch changes no parameter and no
+    optimizer state, the skip is counted without a host read, and later steps train."""
+    compiled, opt, ctl = _float_setup()
+    step = TrainStep(compiled, opt, F.cross_entropy, controller=ctl, cuda_graph=True)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 256, generator=g).to(CUDA), torch.randint(0, 10, (8,), generator=g).to(CUDA))
+               for _ in range(14)]
+    for x, y in batches[:12]:  # past warm-up: replays
+        step(x, y)
+    assert step.stats()["mode"] == "cuda_graph" and step.stats()["replays"] > 0
+    torch.cuda.synchronize()
+    params = {n: p.detach().clone() for n, p in compiled.named_parameters()}
+    state = {id(p): {k: v.clone() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+             for p in compiled.parameters() if p in opt.state}
+    bad = batches[12][0].clone()
+    bad[0, 0] = float("nan")
+    loss = step(bad, batches[12][1])
+    torch.cuda.synchronize()
+    assert not torch.isfinite(loss)
+    assert step.skipped_steps() == 1
+    for n, p in compiled.named_parameters():
+        assert torch.equal(p.detach(), params[n]), n
+    for p in compiled.parameters():
+        for k, v in state.get(id(p), {}).items():
+            assert torch.equal(opt.state[p][k], v), k
+    step(*batches[13])
+    torch.cuda.synchronize()
+    assert step.skipped_steps() == 1
+    assert any(not torch.equal(p.detach(), params[n]) for n, p in compiled.named_parameters())
+
+
+def test_fit_on_cuda_captures_its_steps_cuts_ranks_and_learns():
+    torch.manual_seed(0)
+    compiled = tncompile.compile(small_encoder(), target_ratio=0.2, init="random").to(CUDA)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(1, 1000, (64, 16), generator=g)
+    y = (x[:, 0] % 3)                                   # a learnable rule
+    data = [(x[i:i + 16].to(CUDA), y[i:i + 16].to(CUDA)) for i in range(0, 64, 16)]
+    before = compiled.ratio
+    opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=2e-3, gate_lr=5e-2))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.05, threshold=0.95, rank_weight=1.0,
+                                   truncate_every=5, early_steps=30)
+    history = tncompile.fit(compiled, data, F.cross_entropy, opt, ctl, early_steps=30, late_steps=30,
+                            progress=False, cuda_graph=True)
+    assert len(history) == 60 and history.stage[0] == "early" and history.stage[-1] == "late"
+    assert sum(history.task_loss[-8:]) / 8 < sum(history.task_loss[:8]) / 8
+    assert compiled.ratio < before, "no rank was cut"
+
+
+def test_swap_mode_gpt2_on_cuda_generates_like_its_densified_model():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=500, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval().to(CUDA)
+    ids = torch.randint(1, 500, (2, 8), device=CUDA)
+    c = tncompile.compile(model, target_ratio=0.4, example_inputs={"input_ids": ids, "use_cache": False})
+    dense = c.to_dense()
+    assert next(c.parameters()).device.type == "cuda" and next(dense.parameters()).device.type == "cuda"
+
+    def greedy(m):
+        with torch.no_grad():
+            return m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                              pad_token_id=0)
+    assert torch.equal(greedy(c), greedy(dense))
+
+
+def test_torch_compile_of_a_compiled_model_on_cuda_equals_eager():
+    torch.manual_seed(0)
+    compiled = tncompile.compile(small_encoder(), target_ratio=0.2, init="random").to(CUDA).train()
+    ids = torch.randint(1, 1000, (8, 16), device=CUDA)
+    twin = copy.deepcopy(compiled)
+    fast = torch.compile(twin, fullgraph=True)
+    torch.manual_seed(5)
+    want = compiled(ids)
+    torch.manual_seed(5)
+    got = fast(ids)
+    compiled.eval(), twin.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fast(ids), compiled(ids), atol=1e-4, rtol=1e-4)
+    assert got.shape == want.shape
+    grads = torch.autograd.grad(fast(ids).square().sum(), list(twin.parameters()))
+    ref = torch.autograd.grad(compiled(ids).square().sum(), list(compiled.parameters()))
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
