@@ -19,6 +19,9 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/library.h>
 
+#include <memory>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "small_gemm.h"
@@ -229,6 +232,18 @@ namespace {
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
+// An autograd node handle: std::shared_ptr up to torch 2.11, c10::intrusive_ptr since
+// (whichever Node::getptr() returns).
+using NodePtr = decltype(std::declval<torch::autograd::Node&>().getptr());
+
+template <typename T>
+auto make_node() {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>)
+    return std::make_shared<T>();
+  else
+    return c10::make_intrusive<T>();
+}
+
 struct TTChainBackward : public torch::autograd::Node {
   SavedVariable x;
   std::vector<SavedVariable> cores, gates, us;
@@ -278,7 +293,7 @@ at::Tensor tt_chain(const at::Tensor& x, at::TensorList cores, at::TensorList ga
   at::Tensor y = outs[0];
   const at::Tensor bias_t = bias.has_value() ? *bias : at::Tensor();
   if (torch::autograd::compute_requires_grad(x, cores, gates, bias_t)) {
-    auto node = c10::make_intrusive<TTChainBackward>();
+    auto node = make_node<TTChainBackward>();
     node->set_next_edges(torch::autograd::collect_next_edges(x, cores, gates, bias_t));
     node->x = SavedVariable(x, false);
     for (const auto& c : cores) node->cores.emplace_back(c, false);
