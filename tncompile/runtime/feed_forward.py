@@ -29,7 +29,7 @@ from .module_kinds import runs_as
 from .native import kernels_for, traceable_kernels
 from .plans import bucket_of
 from .tracing import exporting
-from .tt_layers import TTLinear, first_cpu_use
+from .tt_layers import TTLinear, choice_cache, first_cpu_use
 
 __all__ = ["ACTIVATIONS", "tt_feed_forward", "fused_macs", "uses_fused_kernel"]
 
@@ -64,7 +64,7 @@ def uses_fused_kernel(x: torch.Tensor, first: nn.Module, second: nn.Module):
     if ops is None or first.cores[0].dtype != x.dtype or second.cores[0].dtype != x.dtype:
         return None
     bucket = bucket_of(rows)
-    cache = second.__dict__.setdefault("_fused_choice", {})
+    cache = choice_cache(second, "_fused_choice")
     key = (bucket, first.layout.ranks, second.layout.ranks)
     cheap = cache.get(key)
     if cheap is None:

@@ -132,6 +132,17 @@ def _require_int_ids(ids: torch.Tensor) -> None:
         raise TypeError(f"TTMEmbedding expects integer ids, got {ids.dtype}")
 
 
+def choice_cache(module: nn.Module, name: str) -> dict:
+    """``module``'s dict of cached kernel choices named ``name`` (made on first use). Read
+    with ``getattr`` and stored as an attribute: torch 2.11's Dynamo cannot trace
+    ``module.__dict__.setdefault``, and these lookups run inside ``torch.compile``."""
+    cache = getattr(module, name, None)
+    if cache is None:
+        cache = {}
+        setattr(module, name, cache)
+    return cache
+
+
 def _drop_boundary(cores: list[torch.Tensor]) -> list[torch.Tensor]:
     """Cores without their size-1 boundary bonds (first core's left, last core's right)."""
     cores = list(cores)
@@ -291,6 +302,7 @@ class TTLinear(TNModule):
         self._init_params(layout, device, dtype)
         self.in_features, self.out_features = layout.in_features, layout.out_features
         self.bias = nn.Parameter(torch.zeros(layout.out_features, device=device, dtype=dtype)) if bias else None
+        self._chain_choice: dict = {}  # see choice_cache
 
     @classmethod
     def from_linear(cls, linear: nn.Module, rank: int | Sequence[int] = 16, num_cores: int = 3,
@@ -384,7 +396,7 @@ class TTLinear(TNModule):
         """``h (rows, *in_modes)`` through the network: at a few rows one native
         chain call each way (:mod:`.tt_chain`), otherwise the planned order."""
         rows = h.shape[0]
-        ops = chain_kernels(h, self.layout, self.plan_for, rows, self.__dict__.setdefault("_chain_choice", {}))
+        ops = chain_kernels(h, self.layout, self.plan_for, rows, choice_cache(self, "_chain_choice"))
         if ops is not None:
             return tt_chain(ops, len(self.layout.in_modes), h, bias, list(self.cores._parameters.values()),
                             list(self.gates._parameters.values()))

@@ -1,0 +1,123 @@
+"""Where a GPU training step's time goes: kernels per step and GPU time by kind, dense vs compiled.
+
+    python benchmarks/bench_gpu_kernels.py [--batches 1 32] [--steps 5]
+
+The paper's six-encoder (sequence 128, AdamW), dense and compiled at CoMERA's 1/44.9,
+one eager :class:`tncompile.TrainStep` per model (``cuda_graph=False``: a captured step
+replays exactly these kernels, without the host's launch gaps). After warm-up,
+``--steps`` steps run under ``torch.profiler`` with CUDA activity; every kernel is put
+in one kind by its name (GEMM, attention, optimizer, normalization/softmax,
+elementwise/copy, other). Per step: the kernel count, the sum of kernel times (the GPU
+time a captured replay cannot go below), and per kind count and time; the 12 costliest
+kernels. With a floor of a few microseconds per kernel, a step of thousands of small
+kernels is bound by their count, not by its FLOPs -- what this shows at batch 1.
+Writes ``benchmarks/results/gpu_kernels.json`` with the device's copy bandwidth and
+GEMM throughput.
+"""
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+import tncompile
+from tncompile.train import TrainStep
+from tncompile.zoo import six_encoder
+
+from common import machine, write_json
+
+PAPER_RATIO = 1 / 44.9
+SEQ = 128
+
+#: kernel kinds, first match wins: (kind, substrings of the lower-cased kernel name)
+KINDS = (
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("gemm", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "ampere_", "splitk", "dot_kernel")),
+    ("norm/softmax", ("norm", "softmax", "reduce")),
+    ("elementwise/copy", ("elementwise", "copy", "vectorized", "fill", "index", "gather", "scatter", "cat",
+                          "where", "dropout", "bernoulli", "philox")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def _annotation(event) -> bool:
+    """A range on the GPU timeline (``record_function``, e.g. ``Optimizer.step#AdamW.step``,
+    which spans the optimizer's kernels), not a kernel."""
+    return bool(getattr(event, "is_user_annotation", False)) or "#" in event.name \
+        or event.name.startswith("ProfilerStep")
+
+
+def profile_step(step, x, y, steps: int) -> dict:
+    """Kernel count and GPU time per step, by kind, and the costliest kernels."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(x, y)
+        torch.cuda.synchronize()
+    by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA or _annotation(event):
+            continue
+        us = event.time_range.elapsed_us()
+        for table, key in ((by_kind, kind_of(event.name)), (by_name, event.name)):
+            table[key][0] += 1
+            table[key][1] += us
+    kernels = sum(c for c, _ in by_kind.values())
+    gpu_us = sum(t for _, t in by_kind.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
+    return {"kernels_per_step": kernels / steps, "gpu_ms_per_step": gpu_us / steps / 1e3,
+            "by_kind": {k: {"kernels": c / steps, "ms": round(t / steps / 1e3, 4)}
+                        for k, (c, t) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
+            "top": [{"kernel": n[:120], "kind": kind_of(n), "calls": c / steps, "ms": round(t / steps / 1e3, 4)}
+                    for n, (c, t) in top]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_gpu_kernels needs a CUDA GPU")
+    device = torch.device("cuda")
+    rows = []
+    for batch in args.batches:
+        torch.manual_seed(0)
+        x = torch.randint(1, 30522, (batch, SEQ), device=device)
+        y = torch.randint(0, 3, (batch,), device=device)
+        for name in ("dense", "compiled"):
+            torch.manual_seed(0)
+            model = six_encoder().to(device)
+            if name == "compiled":
+                model = tncompile.compile(model, target_ratio=PAPER_RATIO, init="random",
+                                          batch_sizes=[batch * SEQ]).to(device)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            step = TrainStep(model, opt, F.cross_entropy, cuda_graph=False)
+            for _ in range(4):
+                step(x, y)
+            torch.cuda.synchronize()
+            result = profile_step(step, x, y, args.steps)
+            rows.append({"batch": batch, "model": name, **result})
+            kinds = ", ".join(f"{k} {v['kernels']:.0f}/{v['ms']:.2f} ms" for k, v in result["by_kind"].items())
+            print(f"batch {batch:4d} {name:9s} {result['kernels_per_step']:7.0f} kernels  "
+                  f"{result['gpu_ms_per_step']:7.2f} ms of kernels per step  ({kinds})", flush=True)
+            del model, opt, step
+            torch.cuda.empty_cache()
+    path = write_json("gpu_kernels.json", {"benchmark": "gpu_kernels", "gpu": torch.cuda.get_device_name(),
+                                           "rows": rows, **machine(device)})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""Does a small model get slower when compiled? A 2-layer, 128-wide BERT, one training step.
+
+    python benchmarks/bench_small_models.py [--ratio 0.3] [--batch 32] [--length 64] [--no-torch-compile] [--device cuda]
+
+Issue 28's first point: layers whose TT network costs fewer multiply-adds than the
+dense layer but more kernels and Python calls can lose in time. The model
+(``BertModel``, hidden 128, 2 layers, 2 heads, FFN 512, vocabulary 1,000) is compiled
+with the defaults (``mode="graph"`` so that the step is the traced graph's) at
+``--ratio``; each step is a forward over ``batch x length`` ids and a backward of a
+mean-square loss on the last hidden state. Timed interleaved against the dense model,
+eagerly and, unless ``--no-torch-compile``, with both models under ``torch.compile``.
+Writes ``benchmarks/results/small_models.json`` with the host's copy bandwidth and
+GEMM throughput (``small_models_cuda.json`` on a GPU, where every timed step ends with a
+synchronize).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import transformers
+
+import tncompile
+
+from common import interleaved_ms, machine, write_json
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ratio", type=float, default=0.3)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--length", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=512, max_position_embeddings=args.length)
+    dense = transformers.BertModel(config).train().to(device)
+    ids = torch.randint(0, 1000, (args.batch, args.length), device=device)
+    compiled = tncompile.compile(dense, target_ratio=args.ratio, example_inputs={"input_ids": ids},
+                                 mode="graph").train()
+    params = {m: [p for p in m.parameters() if p.requires_grad] for m in (dense, compiled)}
+
+    def step(model):
+        def run():
+            model(input_ids=ids).last_hidden_state.square().mean().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+        return run
+
+    def clear():
+        for ps in params.values():
+            for p in ps:
+                p.grad = None
+
+    rows = []
+    variants = {"dense": step(dense), "compiled": step(compiled)}
+    cases = [("eager", variants)]
+    if args.torch_compile:
+        cases.append(("torch.compile", {name: step(torch.compile(model)) for name, model in
+                                        (("dense", dense), ("compiled", compiled))}))
+    for case, fns in cases:
+        ms = interleaved_ms(fns, reps=args.reps, warmup=3, setup=clear)
+        rows.append({"case": case, "dense_ms": round(ms["dense"], 2), "compiled_ms": round(ms["compiled"], 2),
+                     "speed_vs_dense": round(ms["dense"] / ms["compiled"], 3)})
+        print(f"{case:14s} dense {ms['dense']:8.2f} ms  compiled {ms['compiled']:8.2f} ms  "
+              f"{ms['dense'] / ms['compiled']:5.2f}x dense", flush=True)
+    name = "small_models.json" if device.type == "cpu" else f"small_models_{device.type}.json"
+    path = write_json(name, {
+        "benchmark": "small_models", "model": "BertModel hidden 128, 2 layers, FFN 512", "ratio": compiled.ratio,
+        "batch": args.batch, "length": args.length, "rows": rows, "device": str(device), **machine(device)})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
