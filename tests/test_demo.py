@@ -50,3 +50,30 @@ def test_sst2_example_quick_run(data_dir, tmp_path):
     assert result["rows"][1]["ratio"] <= 0.05 and all(0 <= r["dev_acc"] <= 1 for r in result["rows"])
     assert (tmp_path / "sst2-quick_ranks.png").read_bytes()[:4] == b"\x89PNG"
     assert "| compiled, late stage |" in run.stdout
+
+
+def test_minilm_batches_grouped_by_length_keep_every_sentence_and_drop_the_padding(data_dir):
+    """examples/minilm.batches(group_by_length=True), which bench_pretrained distills on: the same
+    sentences (each once), far less padding than batches in file order, seeded."""
+    transformers = pytest.importorskip("transformers")
+    minilm = pytest.importorskip("minilm")
+    tok = transformers.BertTokenizerFast(vocab=str(data_dir / "bert-base-uncased" / "vocab.txt"))  # transformers 5
+    sentences = [line.split("\t")[0] for line in
+                 (data_dir / "sst2" / "train.tsv").read_text(encoding="utf-8").splitlines()[1:2001]]
+
+    def rows(batch_list):
+        return sorted(tuple(ids[mask.bool()].tolist()) for b in batch_list
+                      for ids, mask in zip(b["input_ids"], b["attention_mask"]))
+
+    def real_share(batch_list):
+        return sum(int(b["attention_mask"].sum()) for b in batch_list) / sum(b["input_ids"].numel()
+                                                                             for b in batch_list)
+    plain = minilm.batches(tok, sentences, 32)
+    grouped = minilm.batches(tok, sentences, 32, group_by_length=True)
+    assert len(grouped) == len(plain) == 63 and rows(grouped) == rows(plain)
+    assert real_share(grouped) > 0.9 > 0.5 > real_share(plain)
+    again = minilm.batches(tok, sentences, 32, group_by_length=True)
+    other = minilm.batches(tok, sentences, 32, group_by_length=True, seed=1)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(grouped, again))
+    assert any(a["input_ids"].shape != b["input_ids"].shape or not torch.equal(a["input_ids"], b["input_ids"])
+               for a, b in zip(grouped, other))
