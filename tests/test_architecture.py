@@ -116,3 +116,13 @@ def test_layer_table_catches_a_violation(tmp_path):
     fake = PACKAGE / "runtime" / "fake.py"
     found = [t for node in ast.walk(bad) for t in imported("tncompile.runtime.fake", fake, node)]
     assert found == ["tncompile.passes"] and layer_of(found[0]) > layer_of("tncompile.runtime.fake")
+
+
+def test_sources_compile_without_warnings():
+    """No invalid escape sequence (a DeprecationWarning on Python 3.11, a SyntaxWarning printed at
+    every import on 3.12+) or other compile-time warning in the package."""
+    import warnings
+    for path in sources():
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            compile(path.read_text(encoding="utf-8"), str(path), "exec")

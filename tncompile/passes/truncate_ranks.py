@@ -136,7 +136,7 @@ class TruncateRanks(Pass):
     ----------
     keep : dict
         ``layer name -> [kept rank indices of bond 1, bond 2, ...]`` (sorted
-        ``LongTensor``\ s; the name as in ``compiled.tensorized_modules()``).
+        ``LongTensor``\\ s; the name as in ``compiled.tensorized_modules()``).
 
     After it runs, :attr:`cuts` lists every replaced parameter and
     :attr:`truncated` maps each changed layer to ``(old ranks, new ranks)``.
