@@ -1,11 +1,13 @@
 """Does a small model get slower when compiled? A 2-layer, 128-wide BERT, one training step.
 
-    python benchmarks/bench_small_models.py [--ratio 0.3] [--batch 32] [--length 64] [--no-torch-compile] [--device cuda]
+    python benchmarks/bench_small_models.py [--ratio 0.3] [--batch 32] [--length 64] [--no-torch-compile]
+                                            [--device cuda] [--mode graph|swap|auto]
 
 Issue 28's first point: layers whose TT network costs fewer multiply-adds than the
 dense layer but more kernels and Python calls can lose in time. The model
 (``BertModel``, hidden 128, 2 layers, 2 heads, FFN 512, vocabulary 1,000) is compiled
-with the defaults (``mode="graph"`` so that the step is the traced graph's) at
+with the defaults but ``mode="graph"`` (``--mode auto`` for the true default, swap mode for
+an HF model; written to ``small_models_auto.json``) at
 ``--ratio``; each step is a forward over ``batch x length`` ids and a backward of a
 mean-square loss on the last hidden state. Timed interleaved against the dense model,
 eagerly and, unless ``--no-torch-compile``, with both models under ``torch.compile``.
@@ -33,6 +35,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--torch-compile", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--mode", default="graph", choices=["graph", "swap", "auto"],
+                    help="compile mode (auto: what a user gets by default; swap for HF models)")
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -41,7 +45,7 @@ def main() -> None:
     dense = transformers.BertModel(config).train().to(device)
     ids = torch.randint(0, 1000, (args.batch, args.length), device=device)
     compiled = tncompile.compile(dense, target_ratio=args.ratio, example_inputs={"input_ids": ids},
-                                 mode="graph").train()
+                                 mode=args.mode).train()
     params = {m: [p for p in m.parameters() if p.requires_grad] for m in (dense, compiled)}
 
     def step(model):
@@ -68,9 +72,10 @@ def main() -> None:
                      "speed_vs_dense": round(ms["dense"] / ms["compiled"], 3)})
         print(f"{case:14s} dense {ms['dense']:8.2f} ms  compiled {ms['compiled']:8.2f} ms  "
               f"{ms['dense'] / ms['compiled']:5.2f}x dense", flush=True)
-    name = "small_models.json" if device.type == "cpu" else f"small_models_{device.type}.json"
+    name = "small_models" + ("" if device.type == "cpu" else f"_{device.type}") + \
+        ("" if args.mode == "graph" else f"_{args.mode}") + ".json"
     path = write_json(name, {
-        "benchmark": "small_models", "model": "BertModel hidden 128, 2 layers, FFN 512", "ratio": compiled.ratio,
+        "benchmark": "small_models", "model": "BertModel hidden 128, 2 layers, FFN 512", "ratio": compiled.ratio, "mode": args.mode,
         "batch": args.batch, "length": args.length, "rows": rows, "device": str(device), **machine(device)})
     print(f"wrote {path}")
 
