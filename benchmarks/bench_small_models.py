@@ -51,8 +51,6 @@ def main() -> None:
     def step(model):
         def run():
             model(input_ids=ids).last_hidden_state.square().mean().backward()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
         return run
 
     def clear():
@@ -67,7 +65,7 @@ def main() -> None:
         cases.append(("torch.compile", {name: step(torch.compile(model)) for name, model in
                                         (("dense", dense), ("compiled", compiled))}))
     for case, fns in cases:
-        ms = interleaved_ms(fns, reps=args.reps, warmup=3, setup=clear)
+        ms = interleaved_ms(fns, reps=args.reps, warmup=3, setup=clear, device=device)
         rows.append({"case": case, "dense_ms": round(ms["dense"], 2), "compiled_ms": round(ms["compiled"], 2),
                      "speed_vs_dense": round(ms["dense"] / ms["compiled"], 3)})
         print(f"{case:14s} dense {ms['dense']:8.2f} ms  compiled {ms['compiled']:8.2f} ms  "

@@ -72,15 +72,6 @@ def main() -> None:
     with torch.no_grad():
         assert torch.allclose(masked(x), truncated(x), atol=1e-4, rtol=1e-4), "truncation changed the function"
 
-    def synced(fn):
-        if not cuda:
-            return fn
-
-        def run():
-            fn()
-            torch.cuda.synchronize()
-        return run
-
     runs = {}
     for name, model in (("full", full), ("masked", masked), ("truncated", truncated)):
         model.train()
@@ -96,8 +87,8 @@ def main() -> None:
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-        runs[name] = synced(step)
-    ms = interleaved_ms(runs, reps=args.rounds, warmup=3)  # alternating warm-up: the heap settles
+        runs[name] = step
+    ms = interleaved_ms(runs, reps=args.rounds, warmup=3, device=device)  # alternating warm-up: the heap settles
     layer_runs = {}
     rows = args.batch * args.seq
     for name, model in (("full", full), ("masked", masked), ("truncated", truncated)):
@@ -108,8 +99,8 @@ def main() -> None:
         def layers(linears=linears, inputs=inputs, grads=grads):
             for m, h, g in zip(linears, inputs, grads):
                 m(h).backward(g)
-        layer_runs[name] = synced(layers)
-    layer_ms = interleaved_ms(layer_runs, reps=args.rounds, warmup=3)
+        layer_runs[name] = layers
+    layer_ms = interleaved_ms(layer_runs, reps=args.rounds, warmup=3, device=device)
     ranks_before = {n: list(m.layout.ranks) for n, m in ctl.layers.items()}
     ranks_after = {n: list(r) for n, r in cut_ctl.ranks().items()}
     result = {

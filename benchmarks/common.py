@@ -27,7 +27,8 @@ def median_ms(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
 
 
 def interleaved_ms(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 1,
-                   setup: Callable[[], None] | None = None) -> dict[str, float]:
+                   setup: Callable[[], None] | None = None,
+                   device: str | torch.device = "cpu") -> dict[str, float]:
     """Median ms of each function, measured round-robin (one call of each per
     round) so that drift in a shared machine's speed hits every variant alike.
     The order is shuffled every round (seeded): the call after a big one (a
@@ -35,7 +36,8 @@ def interleaved_ms(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 
     same variant. (Rotating the order is not enough: it keeps the cyclic
     order, so one variant would follow the big one in almost every round.)
     ``setup`` runs, untimed, before every call (e.g. setting gradients to
-    ``None``, as ``optimizer.zero_grad()`` does between training steps).
+    ``None``, as ``optimizer.zero_grad()`` does between training steps). On a
+    CUDA ``device`` every call is timed up to a synchronize (its kernels done).
 
     ``warmup`` rounds run first, alternating like the timed ones. With large
     models that matters: while two models' steps alternate, the process heap
@@ -47,6 +49,7 @@ def interleaved_ms(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 
             if setup is not None:
                 setup()
             fn()
+    _sync(torch.device(device))
     names = list(fns)
     samples: dict[str, list[float]] = {k: [] for k in fns}
     shuffle = random.Random(0).shuffle
@@ -58,6 +61,7 @@ def interleaved_ms(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 
                 setup()
             start = time.perf_counter()
             fn()
+            _sync(torch.device(device))
             samples[name].append(time.perf_counter() - start)
     return {k: 1000 * statistics.median(v) for k, v in samples.items()}
 
