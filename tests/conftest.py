@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 from pathlib import Path
@@ -11,6 +12,28 @@ DATA = Path(os.environ.get("TNCOMPILE_DATA", Path(__file__).resolve().parents[2]
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    yield
+
+
+def _suite_speed():
+    """What the suite's ``prefer="speed"`` plans with: the reference CPU's GEMM speed and
+    bandwidth, kernel calls free. Its small models stand in for large ones, whose layers
+    are judged by multiply-adds and bytes; ``tests/test_prefer.py`` tests the fixed costs
+    with :data:`tncompile.planning.REFERENCE`. Never the CI host's measured speed: ranks
+    and dense/TT choices do not depend on the machine."""
+    from dataclasses import replace
+    from tncompile.planning import REFERENCE
+    return replace(REFERENCE, device="test suite (kernels free)", kernel_seconds=1e-12, dense_call_seconds=1e-12)
+
+
+SUITE_SPEED = _suite_speed()
+os.environ["TNCOMPILE_DEVICE_SPEED"] = json.dumps(SUITE_SPEED.as_dict())  # processes the tests start
+
+
+@pytest.fixture(autouse=True)
+def _suite_device_speed(monkeypatch):
+    from tncompile import tuning
+    monkeypatch.setattr(tuning, "DEVICE_SPEED", SUITE_SPEED)
     yield
 
 

@@ -210,8 +210,9 @@ def test_allocation_weighs_layers_by_how_much_the_output_sees_them():
     model = Branches().eval()
     calib = [torch.randn(32, 64) for _ in range(4)]
     held = [torch.randn(64, 64) for _ in range(2)]
-    uniform = tncompile.compile(model, 0.3, calibration=calib, allocation="uniform")
-    sens = tncompile.compile(model, 0.3, calibration=calib)
+    # prefer="size": allocation is under test; the speed rule would keep the small quiet layer dense
+    uniform = tncompile.compile(model, 0.3, calibration=calib, allocation="uniform", prefer="size")
+    sens = tncompile.compile(model, 0.3, calibration=calib, prefer="size")
     ranks = {r.name: max(r.ranks) for r in sens.report().rows if r.ranks}
     assert ranks["loud"] > ranks["quiet"]
     assert uniform.ratio <= 0.3 and sens.ratio <= 0.3                  # the same target (uniform under-spends)

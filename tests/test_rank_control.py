@@ -15,7 +15,8 @@ f64 = torch.float64
 
 def _mlp_compiled(dtype=f64):
     model = mlp((64, 128, 64)).to(dtype)
-    return tncompile.compile(model, target_ratio=0.5, init="random")
+    # prefer="size": the tests below need the model at its target, not capped further for speed
+    return tncompile.compile(model, target_ratio=0.5, init="random", prefer="size")
 
 
 def _zero_gate_entries(ctl, fraction=0.5):

@@ -12,9 +12,13 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+
+import tncompile
+from tncompile.planning import REFERENCE
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -70,6 +74,8 @@ def test_every_readme_snippet_runs(tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     pytest.importorskip("matplotlib")
     monkeypatch.chdir(tmp_path)
+    # the README shows what a CPU user sees: layers judged with the reference CPU's speed, fixed costs included
+    monkeypatch.setattr(tncompile.tuning, "DEVICE_SPEED", replace(REFERENCE, device="cpu"))
     namespace: dict = {"__name__": "readme"}
     for number, (source, code, expected) in enumerate(all_snippets(), 1):
         printed = io.StringIO()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .planning.contraction import fixed_order_plan
 from .planning.layer_info import fmt_count, layer_info, ranks_str
 
 __all__ = ["Report", "LayerRow", "build_report"]
@@ -21,7 +22,11 @@ class LayerRow:
     flops_dense: int | None = None   # per token
     flops_now: int | None = None
     note: str = ""
-    calibration: dict | None = None  # relative output errors on calibration data (compile(calibration=...))
+    calibration: dict | None = None
+    #: estimated seconds per row of a training step (dense layer, network now) over the rows
+    #: ``prefer="speed"`` planned with (:class:`~tncompile.planning.DeviceSpeed`)
+    time_dense: float | None = None
+    time_now: float | None = None  # relative output errors on calibration data (compile(calibration=...))
 
     @property
     def ratio(self) -> float:
@@ -37,6 +42,7 @@ class Report:
     params: int
     other_params: int = 0
     history: list = field(default_factory=list)
+    speed_device: str = ""
 
     @property
     def ratio(self) -> float:
@@ -47,18 +53,20 @@ class Report:
 
     def __str__(self) -> str:
         calibrated = any(r.calibration for r in self.rows)
+        timed = any(r.time_now is not None for r in self.rows)
         head = ("layer", "format", "modes", "ranks", "dense", "compiled", "ratio", "flops/tok",
-                *(("calib. error",) if calibrated else ()), "note")
+                *(("step/tok (est.)",) if timed else ()), *(("calib. error",) if calibrated else ()), "note")
         body = []
         for r in self.rows:
             flops = (f"{fmt_count(r.flops_dense)}->{fmt_count(r.flops_now)}"
                      if r.flops_dense and r.flops_now is not None else
                      (f"lookup {fmt_count(r.flops_now)}" if r.flops_now else ""))
-            extra = (_calibration_cell(r.calibration),) if calibrated else ()
+            extra = ((f"{_ns(r.time_dense)}->{_ns(r.time_now)}" if r.time_now is not None else "",) if timed else ()) + \
+                ((_calibration_cell(r.calibration),) if calibrated else ())
             body.append((r.name, r.format, r.modes, ranks_str(r.ranks) if r.ranks else "",
                          f"{r.dense_params:,}", f"{r.params:,}", f"{r.ratio:.2%}", flops, *extra, r.note))
         body.append(("(rest: norms, biases, dense layers)", "", "", "", "", f"{self.other_params:,}", "", "",
-                     *(("",) if calibrated else ()), ""))
+                     *(("",) if timed else ()), *(("",) if calibrated else ()), ""))
         widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
 
         def line(cells):
@@ -68,6 +76,9 @@ class Report:
         out = [line(head), sep, *map(line, body), sep,
                f"total: {self.original_params:,} -> {self.params:,} params  "
                f"ratio {self.ratio:.4f}  ({self.original_params / max(self.params, 1):.1f}x smaller)"]
+        if timed:
+            out.append(f"step/tok (est.): a training step's time per row, dense -> network, on {self.speed_device} "
+                       "at the rows each layer was planned for")
         if calibrated:
             out.append("calib. error: relative output error on the calibration data -- est.: rank allocation's "
                        "estimate at the chosen rank; TT-SVD's -> after the calibrated fit")
@@ -75,6 +86,22 @@ class Report:
 
     def _repr_pretty_(self, p, cycle):  # IPython
         p.text(str(self))
+
+
+def _ns(seconds: float) -> str:
+    return f"{seconds * 1e9:,.0f}ns"
+
+
+def _step_times_per_row(program, name: str, layout) -> tuple[float | None, float | None]:
+    """Estimated training-step seconds per row (dense, network) of a planned TT linear."""
+    est = getattr(program, "speed_estimates", None) or {}
+    rows = est.get("rows", {}).get(name)
+    if rows is None or getattr(layout, "format", None) != "TT" or layout.ranks is None:
+        return None, None
+    speed = est["speed"]
+    plan = fixed_order_plan(layout, rows)
+    return (speed.dense_step_seconds(rows, layout.in_features, layout.out_features) / rows,
+            speed.network_step_seconds(plan, layout.in_features, layout.out_features) / rows)
 
 
 def _calibration_cell(errors: dict | None) -> str:
@@ -114,7 +141,8 @@ def build_report(program) -> Report:
                                      ("shares cores with its embedding" if "tied" in info["format"] else ""),
                                      program.notes.get(node.target, "")])),
                                  calibration=dict(getattr(program, "calibration_summary", {}).get(node.target, {}))
-                                 or None))
+                                 or None, **dict(zip(("time_dense", "time_now"),
+                                                     _step_times_per_row(program, node.target, mod.layout)))))
         elif node.target in program.notes and hasattr(mod, "dense_params"):  # collapsed by rank adaptation
             rows.append(LayerRow(node.target, "removed", "", None, mod.dense_params, 0, note=program.notes[node.target]))
         elif node.target in program.notes:
@@ -125,5 +153,6 @@ def build_report(program) -> Report:
             rows.append(LayerRow(node.target, "dense", "", None, n, held, note=program.notes[node.target]))
     total = program.num_params()
     in_rows = sum(r.params for r in rows)
+    est = getattr(program, "speed_estimates", None) or {}
     return Report(rows, program.original_params, total, other_params=total - in_rows,
-                  history=list(program.history))
+                  history=list(program.history), speed_device=est["speed"].device if "speed" in est else "")

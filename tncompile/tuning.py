@@ -53,6 +53,27 @@ PAD_PENALTY = 0.1
 #: ones), each with the rows per sample the layer saw when traced: the rank never
 #: depends on the batch size the example inputs happened to have.
 ASSUMED_ROWS = 32
+#: The device speed ``prefer="speed"`` plans with (a
+#: :class:`tncompile.planning.DeviceSpeed`): ``None`` measures the model's device once
+#: and caches it (:func:`tncompile.planning.device_speed`); set one to plan for another
+#: machine or to make ranks independent of the host (the test suite uses ``REFERENCE``).
+DEVICE_SPEED = None
+#: ``prefer="speed"`` gives a TT linear only ranks at which its training step is estimated
+#: to take at most this share of its dense layer's: the estimate of a TT step runs 10-30%
+#: below timed steps on 2-core x86 (eager; dense's within about 10% where the choice is
+#: close), so at 1.0 near-ties went to TT and measured 4-7% slower (``bench_device_speed``).
+SPEED_MARGIN = 0.85
+#: A layer that rule would cut to less than this share of the rank the budget gives it (or
+#: that is slower at every rank) is *slow*: capping the README MLP's 2048 -> 10 head at 32
+#: rows took it from rank 7 to 1, and the model's loss after ``fit`` from 0.19 to 1.54 ...
+DENSE_BELOW_RANK_SHARE = 0.5
+#: ... so slow layers keep their budget rank while all their estimated losses together stay
+#: under this share of the dense step time of every layer judged (that head: 0.23 ms of
+#: ~7.6 ms): a model does not get measurably slower for them ...
+SPEED_SLACK = 0.05
+#: ... and the others stay dense while their weights take at most this share of the
+#: parameter budget (the networks keep the rest) and ``target_ratio`` stays reachable.
+DENSE_FOR_SPEED_SHARE = 0.25
 
 # ---------------------------------------------------------------- runtime: inference
 #: In inference a TT linear multiplies by its two merged factors (two GEMMs) unless that

@@ -172,6 +172,10 @@ class Program:
         ``layer -> {"estimated_error", "svd_error", "fit_error"}``: relative output
         errors on the calibration inputs (rank allocation's estimate at the chosen
         rank, TT-SVD's, the calibrated fit's).
+    speed_estimates : dict
+        ``{"speed": DeviceSpeed, "rows": {layer: rows}}``: what ``assign_ranks`` timed
+        each TT linear's training step with (the report's estimated times); empty
+        before it runs and in a loaded model.
     """
 
     def __init__(self, graph_module: fx.GraphModule, inputs: InputSpec, original_params: int,
@@ -189,6 +193,7 @@ class Program:
         self.listeners: list = []
         self.calibration = None
         self.calibration_summary: dict[str, dict[str, float]] = {}
+        self.speed_estimates: dict = {}
 
     @property
     def graph(self) -> fx.Graph:

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from .. import tuning
 from ..formats.layout import TTLayout
 from ..ir.program import Program
-from ..planning import fixed_order_macs
+from ..planning import DeviceSpeed, device_speed, fixed_order_macs, fixed_order_plan
 from ..runtime.experts import experts_rows
 from .base import Pass, register_pass
 from .pending import PendingLayer
@@ -88,10 +90,14 @@ class AssignRanks(Pass):
         fixed = {n: r for n in owners if (r := pattern_lookup(n, opts.rank_pattern)) is not None}
         caps = {n: self._cap(m.layout) for n, m in owners.items()}
         rows = self._traced_rows(program, owners)
-        if opts.prefer == "speed":
-            for n, r in rows.items():
-                caps[n] = min(caps[n], self._speed_cap(owners[n].layout, r))
+        speed = device_speed(_model_device(program)) if rows else None
+        program.speed_estimates = {"speed": speed, "rows": dict(rows)} if speed else {}
         size = {n: (lambda r, lay=m.layout: lay.with_ranks(r).num_params()) for n, m in owners.items()}
+        absorbed: list[str] = []
+        if opts.prefer == "speed":
+            base, absorbed = self._apply_speed(program, owners, fixed, caps, size, base, budget, rows, speed)
+            if not owners:
+                return program
 
         def total(ranks: dict[str, int]) -> int:
             return base + sum(size[n](ranks[n]) for n in owners)
@@ -107,13 +113,7 @@ class AssignRanks(Pass):
                 f"is {smallest / program.original_params:.4g} (every tensorized layer at rank 1{hint}; "
                 f"{base:,} parameters stay dense). Raise target_ratio to at least that, or compress "
                 f"more layers (target_modules) or use more cores per layer.")
-        lo, hi = 1, max(caps.values())
-        while lo < hi:  # largest uniform rank within budget
-            mid = (lo + hi + 1) // 2
-            if total(uniform(mid)) <= budget:
-                lo = mid
-            else:
-                hi = mid - 1
+        lo = _uniform_rank(owners, fixed, caps, size, base, budget)
         floors = {n: max(1, math.ceil(r * tuning.SENSITIVITY_RANK_FLOOR)) for n, r in uniform(lo).items()}
         ranks = by_sensitivity(program, owners, fixed, caps, budget - base, floors)
         if ranks is None:
@@ -137,8 +137,8 @@ class AssignRanks(Pass):
                     grew = True
         for n, mod in owners.items():
             mod.layout = mod.layout.with_ranks(ranks[n])
-            if n in rows:
-                self._note_if_slower(program, n, mod.layout, rows[n])
+            if n in rows and n not in program.notes:
+                self._note_if_slower(program, n, mod.layout, rows[n], speed, absorbed=n in absorbed)
         for _, mod in program.modules():  # tied heads share their embedding's layout
             if isinstance(mod, PendingLayer) and mod.tied_to is not None:
                 mod.layout = owners[mod.tied_to].layout
@@ -162,39 +162,93 @@ class AssignRanks(Pass):
         return rows
 
     @staticmethod
-    def _speed_cap(lay: TTLayout, rows: int) -> int:
+    def _speed_cap(lay: TTLayout, rows: int, speed: DeviceSpeed) -> int:
         """Largest rank before the first one whose network's training step over
-        ``rows`` rows costs more multiply-adds than the dense layer's (at least
-        1). The cost is not monotonic in the rank (bonds clip at their bounds,
-        and a near-full-rank network merges cheaply), so: double the rank until
-        it is too costly, then bisect below that."""
-        dense = _dense_step_macs(lay, rows)
-        top = max(lay.rank_bounds())
+        ``rows`` rows is estimated to take longer than ``tuning.SPEED_MARGIN``
+        times the dense layer's (:class:`~tncompile.planning.DeviceSpeed`); 0 when
+        rank 1 already does."""
+        dense = speed.dense_step_seconds(rows, lay.in_features, lay.out_features)
 
-        def fits(r: int) -> bool:
-            return fixed_order_macs(lay.with_ranks(r), rows) <= dense
-        if not fits(1):
-            return 1
-        ok = 1
-        while ok < top and fits(min(2 * ok, top)):
-            ok = min(2 * ok, top)
-        if ok == top:
-            return top
-        lo, hi = ok, min(2 * ok, top) - 1  # ok fits; 2 * ok does not
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        def fits(candidate: TTLayout) -> bool:
+            plan = fixed_order_plan(candidate, rows)
+            return speed.network_step_seconds(plan, lay.in_features, lay.out_features) <= tuning.SPEED_MARGIN * dense
+        return _largest_rank(lay, fits)
+
+    def _apply_speed(self, program: Program, owners: dict[str, PendingLayer], fixed: dict[str, int],
+                     caps: dict[str, int], size, base: int, budget: float, rows: dict[str, int],
+                     speed: DeviceSpeed) -> tuple[int, list[str]]:
+        """``prefer="speed"``: lower ``caps`` so that no network is slower than its
+        dense layer by more than the model can absorb, putting back the dense layer
+        of those the rule would cut hardest as far as the budget allows (they leave
+        ``owners``). Returns the parameters outside ``owners`` and the slower
+        layers the model absorbs.
+
+        Each network is capped at the largest rank within ``tuning.SPEED_MARGIN`` of
+        its dense layer's estimated step time. Where that cap is below
+        ``tuning.DENSE_BELOW_RANK_SHARE`` of the rank the budget gives the layer (or
+        no rank is within it), the layer is *slow*: the slow layers losing least
+        time keep their budget rank (capped at dense's multiply-adds) while their
+        losses add up to at most ``tuning.SPEED_SLACK`` of all these layers' dense
+        step time; the others stay dense, most time lost per parameter first, while
+        their weights take at most ``tuning.DENSE_FOR_SPEED_SHARE`` of the budget and
+        the target stays reachable; any left stay TT at their cap (the report says so)."""
+        budget_rank = _uniform_rank(owners, fixed, caps, size, base, budget)
+        speed_caps = {n: self._speed_cap(owners[n].layout, r, speed) for n, r in rows.items() if n not in fixed}
+
+        def macs_cap(n: str) -> int:
+            r = rows[n]
+            return max(_largest_rank(owners[n].layout, lambda lay: fixed_order_macs(lay, r) <=
+                                     3 * r * lay.in_features * lay.out_features), 1)
+
+        def at_budget(n: str) -> TTLayout:
+            return owners[n].layout.with_ranks(max(min(budget_rank, caps[n], macs_cap(n)), 1))
+        slow = [n for n, cap in speed_caps.items() if cap < tuning.DENSE_BELOW_RANK_SHARE * min(budget_rank, caps[n])]
+        loss = {n: max(_step_times(at_budget(n), rows[n], speed)[0] - _step_times(at_budget(n), rows[n], speed)[1], 0.0)
+                for n in slow}
+        slack = tuning.SPEED_SLACK * sum(speed.dense_step_seconds(rows[n], owners[n].layout.in_features,
+                                                                  owners[n].layout.out_features) for n in rows)
+        absorbed = []
+        for n in sorted(slow, key=lambda n: loss[n]):
+            if loss[n] <= slack:
+                absorbed.append(n)
+                slack -= loss[n]
+        spare = tuning.DENSE_FOR_SPEED_SHARE * budget
+        smallest = base + sum(size[n](fixed.get(n, 1)) for n in owners)
+        kept = []
+        for n in sorted((n for n in slow if n not in absorbed and owners[n].kind in ("linear", "conv1d")),
+                        key=lambda n: loss[n] / max(owners[n].layout.dense_params - at_budget(n).num_params(), 1),
+                        reverse=True):
+            extra = owners[n].layout.dense_params - size[n](1)
+            if owners[n].layout.dense_params <= spare and smallest + extra <= budget:
+                kept.append(n)
+                spare -= owners[n].layout.dense_params
+                smallest += extra
+        for n in kept:
+            lay = at_budget(n)
+            tt, dense = _step_times(lay, rows[n], speed)
+            program.notes[n] = (f"kept dense for speed: as TT at rank {max(lay.ranks)} it would take {_us(tt)} vs "
+                                f"dense {_us(dense)} per step at {rows[n]} rows (est. on {speed.device})")
+            mod = owners.pop(n)
+            program.graph_module.set_submodule(n, mod.dense)
+            base += mod.layout.dense_params
+        for n, cap in speed_caps.items():
+            if n in owners:
+                if n in absorbed or cap == 0:
+                    if n not in absorbed:
+                        program.notes[n] = ("slower than dense in time at every rank, kept as TT to reach "
+                                            "target_ratio (a higher target_ratio keeps it dense)")
+                    cap = macs_cap(n)
+                caps[n] = min(caps[n], max(cap, 1))
+        return base, absorbed
 
     @staticmethod
-    def _note_if_slower(program: Program, name: str, lay: TTLayout, rows: int) -> None:
-        tn, dense = fixed_order_macs(lay, rows), _dense_step_macs(lay, rows)
-        if tn > dense:
-            program.notes[name] = (f"slower than dense at {rows} rows: {tn / rows:,.0f} vs {dense / rows:,.0f} "
-                                   "multiply-adds per row, forward and backward")
+    def _note_if_slower(program: Program, name: str, lay: TTLayout, rows: int, speed: DeviceSpeed,
+                        absorbed: bool = False) -> None:
+        tt, dense = _step_times(lay, rows, speed)
+        if tt > dense:
+            why = f"; absorbed: under {tuning.SPEED_SLACK:.0%} of the model's step (SPEED_SLACK)" if absorbed else ""
+            program.notes[name] = (f"slower than dense at {rows} rows: est. {_us(tt)} vs {_us(dense)} a step on "
+                                   f"{speed.device}{why}")
 
     def _cap(self, lay) -> int:
         """Largest rank whose network keeps at most ``max_layer_ratio`` of the dense weight."""
@@ -209,10 +263,62 @@ class AssignRanks(Pass):
         return lo
 
 
-def _dense_step_macs(lay: TTLayout, rows: int) -> int:
-    """Multiply-adds of the dense layer's training step over ``rows`` rows:
-    forward, input gradient and weight gradient, ``rows * in * out`` each."""
-    return 3 * rows * lay.in_features * lay.out_features
+def _uniform_rank(owners: dict[str, PendingLayer], fixed: dict[str, int], caps: dict[str, int], size,
+                  base: int, budget: float) -> int:
+    """Largest rank that every network (clipped to its cap; ``fixed`` ones at theirs)
+    can share within ``budget`` parameters, by bisection (at least 1)."""
+    def total(r: int) -> int:
+        return base + sum(size[n](fixed.get(n, min(r, caps[n]))) for n in owners)
+    lo, hi = 1, max(caps[n] for n in owners)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if total(mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _largest_rank(lay: TTLayout, fits) -> int:
+    """Largest rank before the first one at which ``fits(lay.with_ranks(rank))`` is
+    false (0 when rank 1 is). Costs are not monotonic in the rank (bonds clip at
+    their bounds, and a near-full-rank network merges cheaply), so: double the
+    rank until it does not fit, then bisect below that."""
+    top = max(lay.rank_bounds())
+    if not fits(lay.with_ranks(1)):
+        return 0
+    ok = 1
+    while ok < top and fits(lay.with_ranks(min(2 * ok, top))):
+        ok = min(2 * ok, top)
+    if ok == top:
+        return top
+    lo, hi = ok, min(2 * ok, top) - 1  # ok fits; 2 * ok does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(lay.with_ranks(mid)):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _step_times(lay: TTLayout, rows: int, speed: DeviceSpeed) -> tuple[float, float]:
+    """Estimated seconds of a training step over ``rows`` rows: the network's (in
+    the fixed orders, :func:`~tncompile.planning.fixed_order_plan`) and its dense layer's."""
+    plan = fixed_order_plan(lay, rows)
+    return (speed.network_step_seconds(plan, lay.in_features, lay.out_features),
+            speed.dense_step_seconds(rows, lay.in_features, lay.out_features))
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.0f} us"
+
+
+def _model_device(program: Program) -> torch.device:
+    """The device of the model's first parameter (CPU for a model without any)."""
+    for p in program.graph_module.parameters():
+        return p.device
+    return torch.device("cpu")
 
 
 def _nothing_to_compress(program: Program, target: float, ratio: float) -> str:

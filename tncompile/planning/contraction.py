@@ -25,7 +25,7 @@ from .. import tuning
 from ..formats.indices import BATCH, planner_problem
 from ..runtime.plans import ContractionPlan, Step
 
-__all__ = ["plan_contraction", "plan_from_order", "ssa_to_linear", "fixed_order_macs"]
+__all__ = ["plan_contraction", "plan_from_order", "ssa_to_linear", "fixed_order_plan", "fixed_order_macs"]
 
 Indices = tuple[str, ...]
 
@@ -232,15 +232,20 @@ def _plan_of(inputs, output, sizes, built, strategy: str, candidates: dict[str, 
         sizes={k: int(v) for k, v in sizes.items() if k != batch})
 
 
-def fixed_order_macs(layout, rows: int, transpose: bool = False) -> int:
-    """Multiply-adds of a training step's forward and backward (every operand's
-    gradient) of ``layout``'s network over ``rows`` rows, in the cheaper of the
-    two fixed orders (left-to-right, merge-the-cores-first): no search, cheap
-    enough to evaluate at every candidate rank. :func:`plan_contraction`
-    considers both orders, so what it picks costs about as much or less (it
-    weighs memory traffic too). The dense layer's count is ``3 * rows * in * out``."""
+def fixed_order_plan(layout, rows: int, transpose: bool = False) -> ContractionPlan:
+    """The plan of ``layout``'s network over ``rows`` rows in the cheaper of the two
+    fixed orders (left-to-right, merge-the-cores-first): no search, cheap enough to
+    evaluate at every candidate rank. :func:`plan_contraction` considers both
+    orders, so what it picks costs about as much or less."""
     inputs, output, sizes = planner_problem(layout, transpose)
-    plan = plan_contraction(inputs, output, {**sizes, BATCH: int(rows)}, batch=BATCH,
+    return plan_contraction(inputs, output, {**sizes, BATCH: int(rows)}, batch=BATCH,
                             strategies=[k for k in ("left-to-right", "merge-cores-first")
                                         if k == "left-to-right" or _merge_first(list(inputs), BATCH)])
+
+
+def fixed_order_macs(layout, rows: int, transpose: bool = False) -> int:
+    """Multiply-adds of a training step's forward and backward (every operand's
+    gradient) of ``layout``'s network over ``rows`` rows, as :func:`fixed_order_plan`
+    contracts it. The dense layer's count is ``3 * rows * in * out``."""
+    plan = fixed_order_plan(layout, rows, transpose)
     return plan.fwd_flops + plan.bwd_flops

@@ -1,0 +1,281 @@
+"""How fast one device runs a layer's training step: the overhead-aware cost model.
+
+``compile(prefer="speed")`` (the default) keeps a linear dense, or gives its TT
+network a lower rank, wherever the network's training step would take longer
+than the dense layer's. Counting multiply-adds alone is not enough: a TT step
+is a chain of ~18 small kernels (forward and backward), each with a fixed cost
+(dispatch, autograd, Python; a node of a CUDA graph), so on small layers a
+network with half the multiply-adds of its dense layer can still be slower.
+
+A :class:`DeviceSpeed` holds what the model needs, measured once per device,
+torch version and thread count, and cached on disk
+(``~/.cache/tncompile/device_speed.json``; ``benchmarks/bench_device_speed.py``
+re-measures it and checks the model against timed steps):
+
+* ``gemm_macs_per_s``: multiply-adds per second of a large fp32 GEMM;
+* ``copy_bytes_per_s``: bytes read plus written per second by a large copy;
+* ``kernel_seconds``: a TT linear's training step at rank 1 over a few rows --
+  all fixed cost -- divided by the kernels its plan runs;
+* ``dense_call_seconds``: a dense linear's training step over a few rows.
+
+The estimate of one training step (forward, input and weight gradients) is
+``fixed + multiply-adds / gemm_macs_per_s + bytes / copy_bytes_per_s``
+(:meth:`DeviceSpeed.network_step_seconds`, :meth:`DeviceSpeed.dense_step_seconds`).
+On CUDA the fixed costs are measured on a replayed CUDA graph, as
+:class:`~tncompile.runtime.TrainStep` runs steps by default.
+
+``tncompile.tuning.DEVICE_SPEED = DeviceSpeed(...)`` -- or the environment variable
+``TNCOMPILE_DEVICE_SPEED`` holding :meth:`DeviceSpeed.as_dict` as JSON, which child
+processes inherit -- plans for another machine, or makes ranks reproducible across
+hosts.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .. import tuning
+from ..formats.indices import BATCH, planner_problem
+from ..formats.layout import TTLayout
+from ..runtime.plans import ContractionPlan
+from ..runtime.tt_layers import TTLinear
+from .contraction import plan_contraction
+
+__all__ = ["DeviceSpeed", "REFERENCE", "device_speed", "measure_device_speed", "cache_path", "speed_key"]
+
+
+@dataclass(frozen=True)
+class DeviceSpeed:
+    """Measured speed of one device (see the module docstring for each field)."""
+
+    device: str
+    gemm_macs_per_s: float
+    copy_bytes_per_s: float
+    kernel_seconds: float
+    dense_call_seconds: float
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.device, str):
+            raise TypeError(f"DeviceSpeed.device must be a str, got {type(self.device).__name__}")
+        for f in fields(self)[1:]:
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"DeviceSpeed.{f.name} must be a positive finite number, got {v!r}")
+
+    def network_step_seconds(self, plan: ContractionPlan, in_features: int, out_features: int,
+                             element_bytes: int = 4) -> float:
+        """Estimated seconds of a TT linear's training step contracted by ``plan``
+        (over ``plan.rows`` rows of ``in_features``): its kernels' fixed cost, the
+        plan's forward and backward multiply-adds, and its traffic -- every element
+        it writes is written and read back once, and the step reads its input
+        twice (forward, core gradients), reads the output gradient twice and
+        writes output and input gradient."""
+        rows = plan.rows
+        traffic = 2 * plan.write + 2 * rows * (in_features + out_features) + rows * (in_features + out_features)
+        return (plan.kernels * self.kernel_seconds + (plan.fwd_flops + plan.bwd_flops) / self.gemm_macs_per_s
+                + element_bytes * traffic / self.copy_bytes_per_s)
+
+    def dense_step_seconds(self, rows: int, in_features: int, out_features: int, element_bytes: int = 4) -> float:
+        """Estimated seconds of a dense linear's training step over ``rows`` rows:
+        three GEMMs of ``rows * in * out`` multiply-adds, each reading its two
+        operands and writing its result."""
+        traffic = 3 * rows * (in_features + out_features) + 3 * in_features * out_features
+        return (self.dense_call_seconds + 3 * rows * in_features * out_features / self.gemm_macs_per_s
+                + element_bytes * traffic / self.copy_bytes_per_s)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: object) -> "DeviceSpeed":
+        """Rebuild from :meth:`as_dict`'s output (a cache file's entry: checked
+        field by field, nothing else accepted). Raises ``ValueError``."""
+        names = [f.name for f in fields(cls)]
+        if not isinstance(data, dict) or sorted(data) != sorted(names):
+            raise ValueError(f"a DeviceSpeed entry must have exactly the keys {names}")
+        return cls(**{k: data[k] for k in names})
+
+
+#: A 2-core x86 CPU of this project's development machines (torch 2.13, 2 threads, copy
+#: ~33 GB/s, fp32 GEMM ~190 GFLOP/s): what the test suite plans with, so that ranks
+#: do not depend on the host CI runs on.
+REFERENCE = DeviceSpeed(device="reference 2-core x86 CPU", gemm_macs_per_s=95e9, copy_bytes_per_s=33e9,
+                        kernel_seconds=17e-6, dense_call_seconds=65e-6)
+
+_measured: dict[str, DeviceSpeed] = {}
+
+
+def speed_key(device: torch.device) -> str:
+    """What a measurement is valid for: device (a GPU by name), torch version, CPU threads."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return f"{device.type}:{name}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+
+
+def cache_path() -> Path:
+    """``$TNCOMPILE_CACHE_DIR/device_speed.json``, else under ``$XDG_CACHE_HOME`` or ``~/.cache``."""
+    root = os.environ.get("TNCOMPILE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "tncompile")
+    return Path(root) / "device_speed.json"
+
+
+def _read_cache() -> dict[str, DeviceSpeed]:
+    """The cached measurements; entries that do not check out are dropped (and re-measured)."""
+    try:
+        raw = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    if isinstance(raw, dict):
+        for key, entry in raw.items():
+            try:
+                out[str(key)] = DeviceSpeed.from_dict(entry)
+            except (TypeError, ValueError):
+                continue
+    return out
+
+
+def _write_cache(entries: dict[str, DeviceSpeed]) -> None:
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({k: v.as_dict() for k, v in entries.items()}, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: measure again next process
+
+
+def device_speed(device: torch.device | str = "cpu", remeasure: bool = False) -> DeviceSpeed:
+    """The speed ``compile(prefer="speed")`` plans with for ``device``:
+    ``tuning.DEVICE_SPEED`` when set, else ``$TNCOMPILE_DEVICE_SPEED``, else this
+    device's cached measurement,
+    else measured now (about a second) and cached. Devices that cannot be
+    timed (``meta``) get :data:`REFERENCE`."""
+    override = tuning.DEVICE_SPEED
+    if override is None and os.environ.get("TNCOMPILE_DEVICE_SPEED"):
+        override = _from_environment(os.environ["TNCOMPILE_DEVICE_SPEED"])
+    if override is not None and not remeasure:
+        if not isinstance(override, DeviceSpeed):
+            raise TypeError(f"tncompile.tuning.DEVICE_SPEED must be a DeviceSpeed or None, got "
+                            f"{type(override).__name__}")
+        return override
+    device = torch.device(device)
+    if device.type not in ("cpu", "cuda"):
+        return REFERENCE
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = speed_key(device)
+    if not remeasure:
+        if key in _measured:
+            return _measured[key]
+        cached = _read_cache().get(key)
+        if cached is not None:
+            _measured[key] = cached
+            return cached
+    speed = measure_device_speed(device)
+    _measured[key] = speed
+    entries = _read_cache()
+    entries[key] = speed
+    _write_cache(entries)
+    return speed
+
+
+def _from_environment(text: str) -> DeviceSpeed:
+    """``TNCOMPILE_DEVICE_SPEED``: a JSON object with :class:`DeviceSpeed`'s fields."""
+    try:
+        return DeviceSpeed.from_dict(json.loads(text))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"TNCOMPILE_DEVICE_SPEED must be a JSON object with the fields "
+                         f"{[f.name for f in fields(DeviceSpeed)]} (positive numbers but 'device'), as "
+                         f"DeviceSpeed.as_dict() writes them: {e}") from None
+
+
+def measure_device_speed(device: torch.device | str = "cpu") -> DeviceSpeed:
+    """Time the four figures of a :class:`DeviceSpeed` on ``device`` (best of several
+    runs each; about a second on a 2-core CPU). Copy: a 64 MB (CPU) or 1 GB (CUDA)
+    fp32 copy. GEMM: a square fp32 ``mm`` (1024 on CPU, 8192 on CUDA). Fixed costs:
+    the training step (``y.backward(dy)``) of a 64 -> 64 dense linear, and of its
+    3-core rank-1 TT network, over a few rows -- on CUDA replayed from a CUDA graph."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    numel = 2**28 if cuda else 2**24
+    src = torch.randn(numel, device=device)
+    dst = torch.empty_like(src)
+    copy_s = _best(lambda: dst.copy_(src), device, reps=5)
+    del src, dst
+    n = 8192 if cuda else 1024
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    gemm_s = _best(lambda: torch.mm(a, b), device, reps=5)
+    del a, b
+
+    rows = tuning.CHAIN_ROWS + 2  # past the few-row chain kernel: the planned contraction runs
+    layout = TTLayout.for_shape(64, 64, 3).with_ranks(1)
+    dense = torch.nn.Linear(64, 64).to(device)
+    network = TTLinear(layout).to(device)
+    dense_s = _step_seconds(dense, rows, device)
+    network_s = _step_seconds(network, rows, device)
+    inputs, output, sizes = planner_problem(layout)
+    kernels = plan_contraction(inputs, output, {**sizes, BATCH: rows}, batch=BATCH).kernels  # the plan it ran
+    return DeviceSpeed(device=f"cuda:{torch.cuda.get_device_name(device)}" if cuda else "cpu", gemm_macs_per_s=n**3 / gemm_s,
+                       copy_bytes_per_s=2 * numel * 4 / copy_s, kernel_seconds=network_s / kernels,
+                       dense_call_seconds=dense_s)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _best(fn: Callable[[], object], device: torch.device, reps: int, calls: int = 1) -> float:
+    """Fastest of ``reps`` timings of ``calls`` back-to-back calls, per call."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) / calls)
+    return min(times)
+
+
+def _step_seconds(module: torch.nn.Module, rows: int, device: torch.device) -> float:
+    """One training step of ``module`` (forward, backward into inputs and
+    parameters) over ``rows`` rows: eager on CPU, a replayed CUDA graph on CUDA."""
+    x = torch.randn(rows, 64, device=device, requires_grad=True)
+    dy = torch.randn(rows, 64, device=device)
+
+    def step() -> None:
+        module(x).backward(dy)
+
+    if device.type == "cuda":
+        step = _graphed(step, device)
+    for _ in range(5):
+        step()
+    return _best(step, device, reps=7, calls=50)
+
+
+def _graphed(step: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """``step`` captured as a CUDA graph (gradients accumulate in place); as written
+    when capture fails."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except RuntimeError:
+        return step
+    return graph.replay
