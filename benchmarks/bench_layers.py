@@ -1,6 +1,6 @@
 """TT linear / TTM embedding / six-encoder step: planned tncompile vs dense and vs fixed orders.
 
-    python benchmarks/bench_layers.py [--quick]
+    python benchmarks/bench_layers.py [--quick] [--six-encoder-only]
 
 Everything is measured in one process, round-robin interleaved (each round
 calls every variant once; medians per variant), forward + backward, fp32,
@@ -230,11 +230,18 @@ def plot(rows: list[dict], path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="ranks 8 and 30 only, six-encoder at batch 8")
+    ap.add_argument("--six-encoder-only", action="store_true",
+                    help="only the six-encoder step (batch 32x128), to benchmarks/results/six_encoder.json")
     args = ap.parse_args()
     torch.manual_seed(0)
     allocator = retain_freed_memory()
     # the model step first, so that the layer sweep's many large allocations cannot affect it
     six = bench_six_encoder(8 if args.quick else 32, 3 if args.quick else 7)
+    if args.six_encoder_only:
+        path = write_json("six_encoder.json", {**machine(), "retain_freed_memory": allocator, "six_encoder": six})
+        _print_six(six)
+        print(f"wrote {path}")
+        return
     linear = bench_linear(args.quick)
     emb = bench_embedding()
     result = {**machine(), "retain_freed_memory": allocator, "linear": linear, "embedding": emb,
@@ -257,6 +264,11 @@ def main() -> None:
     print("  with the AdamW step of the table's parameters: "
           + ", ".join(f"{k} {v:.1f} ms" for k, v in emb["ms_with_adamw_step"].items())
           + f" -> TTM / nn.Embedding {emb['planned_over_dense_time_with_adamw']:.2f}x")
+    _print_six(six)
+    print(f"\nwrote {path} and {path.with_name('layers_speedup.png')}")
+
+
+def _print_six(six: dict) -> None:
     print(f"\nsix-encoder train step, batch {six['batch']}x128 (ratio {six['ratio']:.4f}): "
           + ", ".join(f"{k} {v:.2f}s" for k, v in six["step_s"].items())
           + f" -> {six['speedup']:.2f}x ({six['speedup_torch_dropout']:.2f}x with torch's dropout)")
@@ -265,7 +277,6 @@ def main() -> None:
     print(f"    {'':28s}" + "".join(f"{n:>25s}" for n in names))
     for cat in six["breakdown_ms"]["dense"]:
         print(f"    {cat:28s}" + "".join(f"{six['breakdown_ms'][n][cat]:25.1f}" for n in names))
-    print(f"\nwrote {path} and {path.with_name('layers_speedup.png')}")
 
 
 if __name__ == "__main__":
