@@ -4,7 +4,7 @@ The TT / TTM layers against their dense matrices on the device (float64 values,
 gradients, gradcheck), their inference forms, fused attention's kernel call with
 dropout, the captured training step's non-finite guard (the ``torch.where`` path
 with no host read), swap-mode generate, ``fit`` through CUDA graphs with cuts, and
-``torch.compile`` of a compiled model.
+``torch.compile`` of a compiled model, and the device speed measured on a replayed CUDA graph.
 """
 import copy
 
@@ -209,3 +209,21 @@ def test_torch_compile_of_a_compiled_model_on_cuda_equals_eager():
     ref = torch.autograd.grad(compiled(ids).square().sum(), list(compiled.parameters()))
     for a, b in zip(grads, ref):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+def test_device_speed_on_cuda_is_measured_on_a_replayed_graph(tmp_path, monkeypatch):
+    """The GPU's figures: positive, named by the device, and the fixed costs timed on a
+    CUDA graph replay -- below the same step launched eagerly kernel by kernel."""
+    from tncompile.planning import speed_model
+    monkeypatch.setattr(tncompile.tuning, "DEVICE_SPEED", None)
+    monkeypatch.delenv("TNCOMPILE_DEVICE_SPEED", raising=False)
+    monkeypatch.setenv("TNCOMPILE_CACHE_DIR", str(tmp_path))
+    speed = speed_model.device_speed("cuda", remeasure=True)
+    assert speed.device == f"cuda:{torch.cuda.get_device_name()}"
+    assert speed.gemm_macs_per_s > 1e12 and speed.copy_bytes_per_s > 1e11
+    layer = TTLinear(TTLayout.for_shape(64, 64, 3).with_ranks(1)).to(CUDA)
+    eager = speed_model._best(lambda: layer(torch.randn(8, 64, device=CUDA, requires_grad=True)).sum().backward(),
+                              CUDA, reps=5, calls=20)
+    graphed = speed_model._step_seconds(layer, 8, CUDA)
+    assert graphed < eager
+    assert (tmp_path / "device_speed.json").exists()
