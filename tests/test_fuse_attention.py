@@ -77,6 +77,26 @@ def test_fused_call_gradchecks_against_the_written_steps():
     assert torch.autograd.gradcheck(lambda q, k, v: fused.fused(q, k, v, mask, 2.0), (q, k, v))
 
 
+@pytest.mark.parametrize("scaling", ["div", "mul", "none"])
+@pytest.mark.parametrize("mask_shape", [None, (2, 1, 1, 5), (2, 2, 5, 5), (5,)])
+def test_unfused_steps_equal_the_written_ones_and_gradcheck(scaling, mask_shape):
+    """float64: the unfused path (scale folded into q, mask added in place) computes
+    ``softmax(scale(q @ k.T) + mask) @ v`` as written, values and gradients -- also for
+    a mask that needs a gradient."""
+    torch.manual_seed(0)
+    fused = FusedAttention(scaling, None)
+    q, k, v = (torch.randn(2, 2, 5, 4, dtype=f64, requires_grad=True) for _ in range(3))
+    mask = None if mask_shape is None else torch.randn(*mask_shape, dtype=f64, requires_grad=True)
+
+    def written(q, k, v, mask):
+        s = q @ k.transpose(-2, -1)
+        s = s / 2.0 if scaling == "div" else s * 2.0 if scaling == "mul" else s
+        return (s if mask is None else s + mask).softmax(-1) @ v
+    torch.testing.assert_close(fused.unfused(q, k, v, mask, 2.0), written(q, k, v, mask))
+    inputs = (q, k, v) if mask is None else (q, k, v, mask)
+    assert torch.autograd.gradcheck(lambda *t: fused.unfused(*t[:3], t[3] if len(t) > 3 else None, 2.0), inputs)
+
+
 def test_six_encoder_fuses_every_layer_matches_the_original_and_reloads(tmp_path):
     torch.manual_seed(0)
     model = SixEncoder(vocab_size=100, d_model=32, n_heads=4, d_ff=64, n_layers=2, max_len=16,

@@ -123,6 +123,7 @@ def thin_everywhere(monkeypatch):
     monkeypatch.setattr(tuning, "THIN_OUTPUT", 0)
     monkeypatch.setattr(tuning, "GEMM_TINY", 0)
     monkeypatch.setattr(tuning, "BIG_OUTPUT", 0)
+    monkeypatch.setattr(tuning, "WEIGHT_GRAD_MIN_K", 0)
 
 
 @pytest.mark.parametrize("M, K, N", [(4096, 30, 3072), (100, 7, 50), (13, 1, 33), (37, 64, 70), (0, 5, 40)])
@@ -144,6 +145,24 @@ def test_thin_kernels_match_matmul(ops, M, K, N, dtype):
                 torch.testing.assert_close(got, ref, **tol)
             else:
                 assert got is None
+
+
+@pytest.mark.parametrize("rows, k, n", [(4096, 35, 768), (1024, 48, 100), (4096, 1, 768), (1024, 49, 768)])
+@pytest.mark.parametrize("dtype", [torch.float32, f64])
+def test_weight_gradient_on_the_native_kernel_equals_mm(ops, rows, k, n, dtype):
+    """``cpu_gemm(t.T, x)``, a core block's gradient over many rows, runs the native
+    kernel up to tuning.WEIGHT_GRAD_ROWS output rows and equals ``t.T @ x``."""
+    from tncompile.runtime.cpu_gemm import cpu_gemm
+    from tncompile.runtime.native import watch
+    g = torch.Generator().manual_seed(rows + k)
+    t, x = torch.randn(rows, k, generator=g, dtype=dtype), torch.randn(rows, n, generator=g, dtype=dtype)
+    calls = []
+    with watch(calls.append):
+        got = cpu_gemm(t.t(), x)
+    tol = {"rtol": 1e-4, "atol": 1e-3} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-10}
+    torch.testing.assert_close(got, t.t() @ x, **tol)
+    assert got.shape == (k, n)
+    assert ("tncompile::thin_expand_backward" in calls) == (k <= tuning.WEIGHT_GRAD_ROWS and n > tuning.THIN_RANK)
 
 
 def test_thin_kernels_reject_bad_input(ops):

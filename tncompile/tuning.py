@@ -133,6 +133,12 @@ THIN_RANK = 64
 #: ... when the wide matrix has at least this many elements
 #: (``benchmarks/bench_gemm_shapes.py``: 1.03-2.9x over MKL at 47 of 48 points).
 THIN_OUTPUT = 1 << 18
+#: A weight gradient ``t.T @ x`` with at most this many output rows (a core block's rank)
+#: and a contraction over at least ``WEIGHT_GRAD_MIN_K`` rows runs the native kernel: 4096
+#: rows into 768 / 3072 columns, MKL over native 1.30x / 1.25x at r = 35, 1.65x at r = 8;
+#: at r = 64 ``(x.T @ t).T`` is faster still (2.9 ms against 3.8 native, 4.4 ``mm``).
+WEIGHT_GRAD_ROWS = 48
+WEIGHT_GRAD_MIN_K = 1024
 #: Output elements from which a bias riding in the GEMM beats a separate pass (4 MB).
 BIG_OUTPUT = 1 << 20
 #: A weight gradient's few output rows: these counts run as the next size up

@@ -213,14 +213,25 @@ class FusedAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout_p(), scale=factor)
 
     def unfused(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
-        """The steps as the traced graph wrote them."""
-        scores = q @ k.transpose(-2, -1)
-        if self.scaling == "div":
-            scores = scores / scale
-        elif self.scaling == "mul":
-            scores = scores * scale
+        """The steps as the traced graph wrote them. A number ``scale`` multiplies
+        ``q`` (``L x E``) instead of the scores (``L x S``): the copy the batched
+        matmul makes of a head-transposed ``q`` anyway, and no pass over the
+        scores; the mask is added into the fresh scores in place."""
+        if self.scaling != "none" and isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            scores = (q * (1.0 / scale if self.scaling == "div" else scale)) @ k.transpose(-2, -1)
+        else:
+            scores = q @ k.transpose(-2, -1)
+            if self.scaling == "div":
+                scores = scores / scale
+            elif self.scaling == "mul":
+                scores = scores * scale
         if mask is not None:
-            scores = scores + mask
+            try:
+                in_place = tuple(torch.broadcast_shapes(mask.shape, scores.shape)) == tuple(scores.shape)
+            except RuntimeError:
+                in_place = False
+            in_place = in_place and torch.promote_types(scores.dtype, mask.dtype) == scores.dtype
+            scores = scores.add_(mask) if in_place else scores + mask
         weights = scores.softmax(-1)
         if self.dropout is not None:
             weights = self.dropout(weights)
