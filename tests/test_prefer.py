@@ -275,3 +275,29 @@ def test_device_speed_from_the_environment_is_checked(monkeypatch):
 def test_bad_prefer_names_the_choices():
     with pytest.raises(ValueError, match="prefer must be one of"):
         tncompile.compile(_mlp(), target_ratio=0.05, prefer="fast")
+
+
+def _speed_in_child(cache_dir: str, queue) -> None:
+    import os
+    os.environ.pop("TNCOMPILE_DEVICE_SPEED", None)
+    os.environ["TNCOMPILE_CACHE_DIR"] = cache_dir
+    from tncompile.planning import device_speed as speed_of
+    queue.put(speed_of("cpu").as_dict())
+
+
+def test_processes_starting_together_share_one_measurement(tmp_path):
+    """Two processes asking at once (DDP ranks compiling the same model): one
+    measures under the cache lock, the other reads its figures, so both size
+    their networks alike."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_speed_in_child, args=(str(tmp_path), queue)) for _ in range(2)]
+    for p in procs:
+        p.start()
+    got = [queue.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert got[0] == got[1]
+    assert list(json.loads((tmp_path / "device_speed.json").read_text()).values()) == [got[0]]

@@ -31,6 +31,7 @@ hosts.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -172,19 +173,39 @@ def device_speed(device: torch.device | str = "cpu", remeasure: bool = False) ->
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = speed_key(device)
-    if not remeasure:
-        if key in _measured:
-            return _measured[key]
-        cached = _read_cache().get(key)
-        if cached is not None:
-            _measured[key] = cached
-            return cached
-    speed = measure_device_speed(device)
-    _measured[key] = speed
-    entries = _read_cache()
-    entries[key] = speed
-    _write_cache(entries)
-    return speed
+    if not remeasure and key in _measured:
+        return _measured[key]
+    # one process measures, the others wait and read its figures: processes of one job on a host
+    # (DDP ranks compiling the same model) must size their networks alike
+    with _cache_lock():
+        cached = None if remeasure else _read_cache().get(key)
+        if cached is None:
+            cached = measure_device_speed(device)
+            entries = _read_cache()
+            entries[key] = cached
+            _write_cache(entries)
+    _measured[key] = cached
+    return cached
+
+
+@contextlib.contextmanager
+def _cache_lock():
+    """An exclusive lock on ``device_speed.lock`` beside the cache (POSIX ``flock``;
+    released when the process exits, so a killed process cannot leave it held).
+    Without ``fcntl`` or a writable folder, no lock."""
+    try:
+        import fcntl
+        path = cache_path().with_suffix(".lock")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path, "a")
+    except (ImportError, OSError):
+        yield
+        return
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+    finally:
+        handle.close()
 
 
 def _from_environment(text: str) -> DeviceSpeed:
