@@ -80,3 +80,28 @@ def test_layers_tell_torch_export_from_torch_compile():
     assert torch.equal(torch.compile(Probe(), fullgraph=True)(x), x - 1)
     assert torch.equal(torch.export.export(Probe(), (x,)).module()(x), x + 1)
     assert torch.equal(torch.export.export(Probe(), (x,), strict=True).module()(x), x + 1)
+
+
+@pytest.mark.parametrize("rows", [1024, 40])
+def test_traced_steps_take_the_eager_gradient_gemms(rows):
+    """Under torch.compile the planned steps' gradients are cpu_gemm products too
+    (executor._CpuGemm: native thin kernels, transposed layouts), traced whole, and
+    equal eager's in float64 (at 1024 rows the thin kernels run)."""
+    from tncompile.formats import TTLayout
+    from tncompile.runtime import TTLinear
+    torch.manual_seed(0)
+    layer = TTLinear(TTLayout.for_shape(256, 512, 3).with_ranks(8)).double()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    x = torch.randn(rows, 256, dtype=torch.float64, requires_grad=True)
+    traced = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    traced(x).square().sum().backward()
+    got = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+    x.grad = None
+    layer.zero_grad()
+    layer(x).square().sum().backward()
+    for g, want in zip(got, [x.grad] + [p.grad for p in layer.parameters()]):
+        assert want.abs().max() > 0
+        torch.testing.assert_close(g, want, rtol=1e-9, atol=1e-9)
+    torch._dynamo.reset()

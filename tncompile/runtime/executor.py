@@ -77,10 +77,30 @@ def pairwise(a: torch.Tensor, a_axes: Sequence[int], b: torch.Tensor, b_axes: Se
     if bias is not None:
         out = _gemm_bias(left, right, bias)
     elif left.device.type == "cpu":
-        out = cpu_gemm(left, right)
+        out = _CpuGemm.apply(left, right) if torch.compiler.is_compiling() else cpu_gemm(left, right)
     else:
         out = left @ right
     return out.reshape(*a_free, *b_free)
+
+
+class _CpuGemm(torch.autograd.Function):
+    """``left @ right`` whose gradients are :func:`cpu_gemm` products too. Under
+    ``torch.compile`` the planned steps run as plain ops and autograd derives the
+    backward; through this function (traced forward and backward alike) the
+    gradient GEMMs get the layouts and native thin kernels the eager executor
+    uses, instead of ``mm`` on transposed views."""
+
+    @staticmethod
+    def forward(ctx, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(left, right)
+        return cpu_gemm(left, right)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        left, right = ctx.saved_tensors
+        d_left = cpu_gemm(grad, right.t()) if ctx.needs_input_grad[0] else None
+        d_right = cpu_gemm(left.t(), grad) if ctx.needs_input_grad[1] else None
+        return d_left, d_right
 
 
 def _gemm_bias(left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
