@@ -195,16 +195,22 @@ class AssignRanks(Pass):
         budget_rank = _uniform_rank(owners, fixed, caps, size, base, budget)
         speed_caps = {n: self._speed_cap(owners[n].layout, r, speed) for n, r in rows.items() if n not in fixed}
 
+        macs_caps: dict[str, int] = {}
+
         def macs_cap(n: str) -> int:
-            r = rows[n]
-            return max(_largest_rank(owners[n].layout, lambda lay: fixed_order_macs(lay, r) <=
-                                     3 * r * lay.in_features * lay.out_features), 1)
+            if n not in macs_caps:
+                r = rows[n]
+                macs_caps[n] = max(_largest_rank(owners[n].layout, lambda lay: fixed_order_macs(lay, r) <=
+                                                 3 * r * lay.in_features * lay.out_features), 1)
+            return macs_caps[n]
 
         def at_budget(n: str) -> TTLayout:
             return owners[n].layout.with_ranks(max(min(budget_rank, caps[n], macs_cap(n)), 1))
         slow = [n for n, cap in speed_caps.items() if cap < tuning.DENSE_BELOW_RANK_SHARE * min(budget_rank, caps[n])]
-        loss = {n: max(_step_times(at_budget(n), rows[n], speed)[0] - _step_times(at_budget(n), rows[n], speed)[1], 0.0)
-                for n in slow}
+        loss = {}
+        for n in slow:
+            tt, dense = _step_times(at_budget(n), rows[n], speed)
+            loss[n] = max(tt - dense, 0.0)
         slack = tuning.SPEED_SLACK * sum(speed.dense_step_seconds(rows[n], owners[n].layout.in_features,
                                                                   owners[n].layout.out_features) for n in rows)
         absorbed = []
