@@ -197,12 +197,13 @@ def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy, mon
 
 
 @pytest.mark.parametrize("case", ["bias-as-rank", "transposed-weight-grad", "skinny-colmajor",
-                                  "padded-columns", "padded-rows", "plain"])
+                                  "padded-columns", "padded-rows", "thin-expand", "plain"])
 def test_pairwise_cpu_layout_paths_match_tensordot(case, monkeypatch):
     """Each CPU GEMM path of the executor (bias riding as an extra rank, x.T @ g
     computed as (g.T @ x).T, skinny right operand copied column-major, a
-    column count padded to a multiple of 8, 9 output rows run as 12) gives
-    tensordot's result, with gradients, in float64."""
+    column count padded to a multiple of 8, 9 output rows run as 12, a thin product
+    while autograd records: not the native kernels, which have no gradient formula)
+    gives tensordot's result, with gradients, in float64."""
     from tncompile.runtime import cpu_gemm
     from tncompile.runtime.executor import pairwise
     f64 = torch.float64
@@ -221,6 +222,8 @@ def test_pairwise_cpu_layout_paths_match_tensordot(case, monkeypatch):
     elif case == "padded-rows":       # h.T @ g with 9 rows (a rank-8 core gradient plus the bias row)
         a, b, ax = torch.randn(1024, 9, dtype=f64), torch.randn(1024, 1024, dtype=f64), ((0,), (0,))
         assert cpu_gemm.padded_rows(9, 1024, 1024) == 12
+    elif case == "thin-expand":       # (rows, 8) @ (8, 1024): a native kernel's shape, but autograd records
+        a, b, ax = torch.randn(512, 8, dtype=f64), torch.randn(8, 1024, dtype=f64), ((1,), (0,))
     else:
         a, b, ax = torch.randn(8, 6, dtype=f64), torch.randn(6, 9, dtype=f64), ((1,), (0,))
     a.requires_grad_(True), b.requires_grad_(True)

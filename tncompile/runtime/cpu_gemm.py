@@ -43,8 +43,10 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     k = left.shape[1]
     if m * n * k < tuning.GEMM_TINY:
         return torch.mm(left, right)
+    recording = torch.is_grad_enabled() and (left.requires_grad or right.requires_grad)
     if left.dtype == right.dtype and (k <= tuning.THIN_RANK < n or n <= tuning.THIN_RANK < k):
-        native = kernels_for(left) or traceable_kernels(left)  # the latter while torch.compile traces
+        # the eager kernels have no autograd formula; while torch.compile traces, the traced ones do
+        native = traceable_kernels(left) or (None if recording else kernels_for(left))
         if native is not None:
             if k <= tuning.THIN_RANK < n and m * n >= tuning.THIN_OUTPUT:                      # thin rank in, wide out
                 return native.thin_expand(left, right, None)
@@ -52,7 +54,7 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
                 return native.thin_project(left, right)
     if (m <= tuning.WEIGHT_GRAD_ROWS < tuning.THIN_RANK < n and k >= tuning.WEIGHT_GRAD_MIN_K
             and left.dtype == right.dtype and left.t().is_contiguous() and right.is_contiguous()):
-        native = kernels_for(left)
+        native = None if recording else kernels_for(left)
         if native is not None:  # a core block's gradient t.T @ x: the thin t read beside each cached row block of x
             return native.thin_expand_backward(right, left.t(), right.new_zeros(()).expand(m, n), False, True, False)[1]
     if n <= tuning.GEMM_THIN and m >= 4 * n and left.stride(0) == 1 and left.stride(1) != 1:
