@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .planning.contraction import fixed_order_plan
+from .planning.speed_model import layer_step_seconds
 from .planning.layer_info import fmt_count, layer_info, ranks_str
 
 __all__ = ["Report", "LayerRow", "build_report"]
@@ -98,10 +98,8 @@ def _step_times_per_row(program, name: str, layout) -> tuple[float | None, float
     rows = est.get("rows", {}).get(name)
     if rows is None or getattr(layout, "format", None) != "TT" or layout.ranks is None:
         return None, None
-    speed = est["speed"]
-    plan = fixed_order_plan(layout, rows)
-    return (speed.dense_step_seconds(rows, layout.in_features, layout.out_features) / rows,
-            speed.network_step_seconds(plan, layout.in_features, layout.out_features) / rows)
+    network, dense = layer_step_seconds(layout, rows, est["speed"])
+    return dense / rows, network / rows
 
 
 def _calibration_cell(errors: dict | None) -> str:

@@ -8,7 +8,7 @@ import torch
 from .. import tuning
 from ..formats.layout import TTLayout
 from ..ir.program import Program
-from ..planning import DeviceSpeed, device_speed, fixed_order_macs, fixed_order_plan
+from ..planning import DeviceSpeed, device_speed, fixed_order_macs, layer_step_seconds
 from ..runtime.experts import experts_rows
 from .base import Pass, register_pass
 from .pending import PendingLayer
@@ -36,14 +36,15 @@ class AssignRanks(Pass):
     weight, nor a rank at which it keeps more than ``max_layer_ratio`` of it
     (there a dense layer is as small, exact and cheaper to run).
 
-    With ``compile(prefer="speed")`` (the default) no TT linear gets a rank
-    at which a training step (forward and backward) over a batch of the
-    largest of ``batch_sizes`` (else ``tuning.ASSUMED_ROWS``) samples, each
-    with the rows per sample it saw when traced (a sequence's tokens), costs more
-    multiply-adds than its dense layer's, ``3 * rows * in * out`` (costed in the cheaper fixed order,
-    :func:`tncompile.planning.fixed_order_macs`). With ``prefer="size"``, and for ranks fixed by
-    ``rank_pattern``, such layers are noted in ``program.notes`` (the report
-    shows it).
+    With ``compile(prefer="speed")`` (the default) every TT linear is judged in
+    estimated time on the model's device (:mod:`tncompile.planning.speed_model`)
+    over a batch of the largest of ``batch_sizes`` (else ``tuning.ASSUMED_ROWS``)
+    samples, each with the rows per sample it saw when traced (a sequence's
+    tokens): no network gets a rank whose training step would take more than
+    ``tuning.SPEED_MARGIN`` of its dense layer's, or a layer stays dense
+    (:meth:`_apply_speed`). With ``prefer="size"``, and for ranks fixed by
+    ``rank_pattern``, layers estimated slower than dense are noted in
+    ``program.notes`` (the report shows it).
 
     Raises
     ------
@@ -167,11 +168,9 @@ class AssignRanks(Pass):
         ``rows`` rows is estimated to take longer than ``tuning.SPEED_MARGIN``
         times the dense layer's (:class:`~tncompile.planning.DeviceSpeed`); 0 when
         rank 1 already does."""
-        dense = speed.dense_step_seconds(rows, lay.in_features, lay.out_features)
-
         def fits(candidate: TTLayout) -> bool:
-            plan = fixed_order_plan(candidate, rows)
-            return speed.network_step_seconds(plan, lay.in_features, lay.out_features) <= tuning.SPEED_MARGIN * dense
+            network, dense = layer_step_seconds(candidate, rows, speed)
+            return network <= tuning.SPEED_MARGIN * dense
         return _largest_rank(lay, fits)
 
     def _apply_speed(self, program: Program, owners: dict[str, PendingLayer], fixed: dict[str, int],
@@ -209,7 +208,7 @@ class AssignRanks(Pass):
         slow = [n for n, cap in speed_caps.items() if cap < tuning.DENSE_BELOW_RANK_SHARE * min(budget_rank, caps[n])]
         loss = {}
         for n in slow:
-            tt, dense = _step_times(at_budget(n), rows[n], speed)
+            tt, dense = layer_step_seconds(at_budget(n), rows[n], speed)
             loss[n] = max(tt - dense, 0.0)
         slack = tuning.SPEED_SLACK * sum(speed.dense_step_seconds(rows[n], owners[n].layout.in_features,
                                                                   owners[n].layout.out_features) for n in rows)
@@ -231,7 +230,7 @@ class AssignRanks(Pass):
                 smallest += extra
         for n in kept:
             lay = at_budget(n)
-            tt, dense = _step_times(lay, rows[n], speed)
+            tt, dense = layer_step_seconds(lay, rows[n], speed)
             program.notes[n] = (f"kept dense for speed: as TT at rank {max(lay.ranks)} it would take {_us(tt)} vs "
                                 f"dense {_us(dense)} per step at {rows[n]} rows (est. on {speed.device})")
             mod = owners.pop(n)
@@ -250,7 +249,7 @@ class AssignRanks(Pass):
     @staticmethod
     def _note_if_slower(program: Program, name: str, lay: TTLayout, rows: int, speed: DeviceSpeed,
                         absorbed: bool = False) -> None:
-        tt, dense = _step_times(lay, rows, speed)
+        tt, dense = layer_step_seconds(lay, rows, speed)
         if tt > dense:
             why = f"; absorbed: under {tuning.SPEED_SLACK:.0%} of the model's step (SPEED_SLACK)" if absorbed else ""
             program.notes[name] = (f"slower than dense at {rows} rows: est. {_us(tt)} vs {_us(dense)} a step on "
@@ -306,14 +305,6 @@ def _largest_rank(lay: TTLayout, fits) -> int:
         else:
             hi = mid - 1
     return lo
-
-
-def _step_times(lay: TTLayout, rows: int, speed: DeviceSpeed) -> tuple[float, float]:
-    """Estimated seconds of a training step over ``rows`` rows: the network's (in
-    the fixed orders, :func:`~tncompile.planning.fixed_order_plan`) and its dense layer's."""
-    plan = fixed_order_plan(lay, rows)
-    return (speed.network_step_seconds(plan, lay.in_features, lay.out_features),
-            speed.dense_step_seconds(rows, lay.in_features, lay.out_features))
 
 
 def _us(seconds: float) -> str:

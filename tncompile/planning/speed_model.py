@@ -47,9 +47,10 @@ from ..formats.indices import BATCH, planner_problem
 from ..formats.layout import TTLayout
 from ..runtime.plans import ContractionPlan
 from ..runtime.tt_layers import TTLinear
-from .contraction import plan_contraction
+from .contraction import fixed_order_plan, plan_contraction
 
-__all__ = ["DeviceSpeed", "REFERENCE", "device_speed", "measure_device_speed", "cache_path", "speed_key"]
+__all__ = ["DeviceSpeed", "REFERENCE", "device_speed", "measure_device_speed", "layer_step_seconds", "cache_path",
+           "speed_key"]
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class DeviceSpeed:
         twice (forward, core gradients), reads the output gradient twice and
         writes output and input gradient."""
         rows = plan.rows
-        traffic = 2 * plan.write + 2 * rows * (in_features + out_features) + rows * (in_features + out_features)
+        traffic = 2 * plan.write + 3 * rows * (in_features + out_features)
         return (plan.kernels * self.kernel_seconds + (plan.fwd_flops + plan.bwd_flops) / self.gemm_macs_per_s
                 + element_bytes * traffic / self.copy_bytes_per_s)
 
@@ -102,6 +103,15 @@ class DeviceSpeed:
         if not isinstance(data, dict) or sorted(data) != sorted(names):
             raise ValueError(f"a DeviceSpeed entry must have exactly the keys {names}")
         return cls(**{k: data[k] for k in names})
+
+
+def layer_step_seconds(layout: TTLayout, rows: int, speed: DeviceSpeed) -> tuple[float, float]:
+    """Estimated seconds of one training step over ``rows`` rows on ``speed``'s device:
+    ``(network, dense layer)``, the network contracted in the cheaper fixed order
+    (:func:`~tncompile.planning.fixed_order_plan`)."""
+    plan = fixed_order_plan(layout, rows)
+    return (speed.network_step_seconds(plan, layout.in_features, layout.out_features),
+            speed.dense_step_seconds(rows, layout.in_features, layout.out_features))
 
 
 #: A 2-core x86 CPU of this project's development machines (torch 2.13, 2 threads, copy

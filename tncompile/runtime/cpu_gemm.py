@@ -43,10 +43,9 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     k = left.shape[1]
     if m * n * k < tuning.GEMM_TINY:
         return torch.mm(left, right)
-    recording = torch.is_grad_enabled() and (left.requires_grad or right.requires_grad)
     if left.dtype == right.dtype and (k <= tuning.THIN_RANK < n or n <= tuning.THIN_RANK < k):
         # the eager kernels have no autograd formula; while torch.compile traces, the traced ones do
-        native = traceable_kernels(left) or (None if recording else kernels_for(left))
+        native = traceable_kernels(left) or (None if _recording(left, right) else kernels_for(left))
         if native is not None:
             if k <= tuning.THIN_RANK < n and m * n >= tuning.THIN_OUTPUT:                      # thin rank in, wide out
                 return native.thin_expand(left, right, None)
@@ -54,7 +53,7 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
                 return native.thin_project(left, right)
     if (m <= tuning.WEIGHT_GRAD_ROWS < tuning.THIN_RANK < n and k >= tuning.WEIGHT_GRAD_MIN_K
             and left.dtype == right.dtype and left.t().is_contiguous() and right.is_contiguous()):
-        native = None if recording else kernels_for(left)
+        native = None if _recording(left, right) else kernels_for(left)
         if native is not None:  # a core block's gradient t.T @ x: the thin t read beside each cached row block of x
             return native.thin_expand_backward(right, left.t(), right.new_zeros(()).expand(m, n), False, True, False)[1]
     if n <= tuning.GEMM_THIN and m >= 4 * n and left.stride(0) == 1 and left.stride(1) != 1:
@@ -72,6 +71,11 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     if n <= tuning.GEMM_SKINNY < m and right.stride(1) == 1 and right.stride(0) != 1:
         right = right.t().contiguous().t()
     return torch.mm(left, right)
+
+
+def _recording(left: torch.Tensor, right: torch.Tensor) -> bool:
+    """Whether autograd records this product (an eager native kernel would lose its gradient)."""
+    return torch.is_grad_enabled() and (left.requires_grad or right.requires_grad)
 
 
 def padded_rows(m: int, k: int, n: int) -> int:
