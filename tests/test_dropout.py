@@ -41,6 +41,45 @@ def test_masks_have_dropouts_statistics(ops, p, dtype):
     assert abs(((other * centred).mean() / centred.square().mean()).item()) < 5 / math.sqrt(n)
 
 
+def philox4x32_10(counter, key):
+    """Reference Philox4x32-10 (Salmon et al., SC'11) on Python ints: four 32-bit
+    counter words and two key words -> four random words."""
+    c0, c1, c2, c3 = counter
+    k0, k1 = key
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
+        c0, c1, c2, c3 = (p1 >> 32) ^ c1 ^ k0, p1 & 0xFFFFFFFF, (p0 >> 32) ^ c3 ^ k1, p0 & 0xFFFFFFFF
+        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+    return c0, c1, c2, c3
+
+
+def test_reference_philox_matches_random123_known_answers():
+    assert philox4x32_10((0, 0, 0, 0), (0, 0)) == (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+    assert philox4x32_10((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2) == (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_masks_are_philox_words_against_the_threshold(ops, dtype):
+    """Every element's keep bit is word j of counter b*64 + g (element b*256 + j*64 + g)
+    compared with round(p 2^32): the vectorized generator, its float32 and
+    float64 paths and the partial last block, bit for bit against the reference."""
+    n, p, seed = 1000, 0.3, 0x0123456789ABCDEF
+    key = (seed & 0xFFFFFFFF, seed >> 32)
+    threshold = round(p * 2 ** 32)
+    expected = []
+    for e in range(n):
+        block, j, g = e // 256, e % 256 // 64, e % 64
+        counter = block * 64 + g
+        word = philox4x32_10((counter & 0xFFFFFFFF, counter >> 32, 0, 0), key)[j]
+        expected.append(word >= threshold)
+    x = torch.rand(n, dtype=dtype) + 0.5
+    y, mask = ops.dropout_forward(x, p, seed)
+    assert mask.tolist() == expected
+    torch.testing.assert_close(y, torch.where(mask, x / (1 - p), torch.zeros_like(x)))
+    g = torch.randn(n, dtype=dtype)
+    torch.testing.assert_close(ops.dropout_backward(g, mask, 1 / (1 - p)), g * mask / (1 - p))
+
+
 def test_masks_repeat_per_seed_on_any_thread_count(ops):
     x = torch.randn(3, 1000, 37)  # not a multiple of the 256-element blocks
     y1, m1 = ops.dropout_forward(x, 0.3, 7)

@@ -8,8 +8,8 @@
 // generator of cuRAND, JAX and PyTorch's CUDA dropout) keyed by a 64-bit seed
 // and counted by the element's index, so
 //   * any thread can produce any block: the result does not depend on how the
-//     work is split, and the loop vectorizes (the rounds are independent
-//     32 x 32 -> 64-bit products per lane);
+//     work is split, and it runs a vector of counters at once (the rounds
+//     are 32 x 32 -> 64-bit products, one per 64-bit lane);
 //   * one pass writes y and a one-byte mask (a quarter of a float mask) that
 //     backward reads.
 // An element is dropped when its 32-bit word is below round(p * 2^32).
@@ -21,6 +21,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <tuple>
+#include <type_traits>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace tncompile_native {
 
@@ -28,25 +33,62 @@ namespace {
 
 constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;   // Philox4x32 multipliers
 constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;  // key schedule increments
-constexpr int64_t kGroup = 64;  // counters per inner loop: 256 elements, a few vectors of lanes
+constexpr int64_t kGroup = 64;  // counters per block: 256 elements, a few vectors of lanes
+constexpr uint64_t kLow32 = 0xFFFFFFFFull;
 
-// Philox4x32-10 of counter (lo, hi, 0, 0) under key (k0, k1): four random words, written to
-// w0[0], w1[0], w2[0], w3[0] (callers pass one array per word, so a loop over counters stores whole vectors).
-inline void philox(uint32_t lo, uint32_t hi, uint32_t k0, uint32_t k1, uint32_t* w0, uint32_t* w1, uint32_t* w2,
-                   uint32_t* w3) {
-  uint32_t c0 = lo, c1 = hi, c2 = 0, c3 = 0;
+#if defined(__AVX512F__)
+constexpr int kVectorBytes = 64;
+#else
+constexpr int kVectorBytes = 32;
+#endif
+// Philox state: one counter per 64-bit lane, every value below 2^32 (so a 32 x 32 -> 64-bit
+// product per lane is the whole multiply). Floats, words and mask bytes of a block use their own widths.
+typedef uint64_t U64 __attribute__((vector_size(kVectorBytes)));
+constexpr int64_t kLanes = kVectorBytes / 8;
+typedef uint32_t U32Half __attribute__((vector_size(kVectorBytes / 2)));  // kLanes words
+typedef uint32_t U32 __attribute__((vector_size(kVectorBytes)));
+typedef int32_t I32 __attribute__((vector_size(kVectorBytes)));
+typedef float F32 __attribute__((vector_size(kVectorBytes)));
+constexpr int64_t kFloats = kVectorBytes / 4;
+typedef uint8_t U8 __attribute__((vector_size(kFloats)));  // one mask byte per float lane
+static_assert(kGroup % kLanes == 0 && (4 * kGroup) % kFloats == 0, "a block is whole vectors");
+
+template <typename V>
+inline V load(const void* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <typename V>
+inline void store(void* p, V v) {
+  __builtin_memcpy(p, &v, sizeof(V));
+}
+
+// low 32 bits of every lane times m, as 64-bit products
+inline U64 mul_low32(U64 a, uint32_t m) {
+#if defined(__AVX512F__)
+  return (U64)_mm512_mul_epu32((__m512i)a, _mm512_set1_epi64(m));
+#elif defined(__AVX2__)
+  return (U64)_mm256_mul_epu32((__m256i)a, _mm256_set1_epi64x(m));
+#else
+  return a * static_cast<uint64_t>(m);
+#endif
+}
+
+// Philox4x32-10 of the kLanes counters (lo, hi, 0, 0) under key (k0, k1): word j of lane l in w[j][l].
+inline void philox(U64 lo, U64 hi, uint32_t k0, uint32_t k1, U64 w[4]) {
+  U64 c0 = lo, c1 = hi, c2 = U64{}, c3 = U64{};
   for (int round = 0; round < 10; ++round) {
-    const uint64_t p0 = static_cast<uint64_t>(kMul0) * c0, p1 = static_cast<uint64_t>(kMul1) * c2;
-    const uint32_t h0 = static_cast<uint32_t>(p0 >> 32), l0 = static_cast<uint32_t>(p0);
-    const uint32_t h1 = static_cast<uint32_t>(p1 >> 32), l1 = static_cast<uint32_t>(p1);
-    c0 = h1 ^ c1 ^ k0;
-    c1 = l1;
-    c2 = h0 ^ c3 ^ k1;
-    c3 = l0;
+    const U64 p0 = mul_low32(c0, kMul0), p1 = mul_low32(c2, kMul1);
+    c0 = (p1 >> 32) ^ c1 ^ static_cast<uint64_t>(k0);
+    c1 = p1 & kLow32;
+    c2 = (p0 >> 32) ^ c3 ^ static_cast<uint64_t>(k1);
+    c3 = p0 & kLow32;
     k0 += kWeyl0;
     k1 += kWeyl1;
   }
-  *w0 = c0; *w1 = c1; *w2 = c2; *w3 = c3;
+  w[0] = c0; w[1] = c1; w[2] = c2; w[3] = c3;
 }
 
 uint32_t drop_threshold(double p) {
@@ -55,7 +97,28 @@ uint32_t drop_threshold(double p) {
 }
 
 // Block b holds elements [b B, (b + 1) B), B = 4 kGroup; its element j kGroup + g takes word j of
-// counter b kGroup + g.
+// counter b kGroup + g. Fills words[0, B).
+inline void block_words(int64_t b, uint32_t k0, uint32_t k1, uint32_t* words) {
+  U64 lane;
+  for (int64_t l = 0; l < kLanes; ++l) lane[l] = static_cast<uint64_t>(l);
+  for (int64_t g = 0; g < kGroup; g += kLanes) {
+    const U64 counter = lane + static_cast<uint64_t>(b * kGroup + g);
+    U64 w[4];
+    philox(counter & kLow32, counter >> 32, k0, k1, w);
+    for (int j = 0; j < 4; ++j) store(words + j * kGroup + g, __builtin_convertvector(w[j], U32Half));
+  }
+}
+
+template <typename T>
+inline void select_rows(const T* xp, T* yp, bool* mp, const uint32_t* words, int64_t len, uint32_t threshold,
+                        T scale, int64_t start) {
+  for (int64_t e = start; e < len; ++e) {
+    const bool keep = words[e] >= threshold;
+    mp[e] = keep;
+    yp[e] = keep ? xp[e] * scale : T(0);
+  }
+}
+
 template <typename T>
 void dropout_kernel(const T* xp, T* yp, bool* mp, int64_t n, uint32_t threshold, uint32_t k0, uint32_t k1,
                     T scale) {
@@ -63,19 +126,18 @@ void dropout_kernel(const T* xp, T* yp, bool* mp, int64_t n, uint32_t threshold,
   at::parallel_for(0, (n + B - 1) / B, 16, [&](int64_t b0, int64_t b1) {
     alignas(64) uint32_t words[B];
     for (int64_t b = b0; b < b1; ++b) {
-#pragma omp simd
-      for (int64_t g = 0; g < kGroup; ++g) {
-        const uint64_t counter = static_cast<uint64_t>(b * kGroup + g);
-        philox(static_cast<uint32_t>(counter), static_cast<uint32_t>(counter >> 32), k0, k1, words + g,
-               words + kGroup + g, words + 2 * kGroup + g, words + 3 * kGroup + g);
-      }
+      block_words(b, k0, k1, words);
       const int64_t e0 = b * B, len = std::min(B, n - e0);
-#pragma omp simd
-      for (int64_t e = 0; e < len; ++e) {
-        const bool keep = words[e] >= threshold;
-        mp[e0 + e] = keep;
-        yp[e0 + e] = keep ? xp[e0 + e] * scale : T(0);
+      int64_t e = 0;
+      if constexpr (std::is_same_v<T, float>) {  // whole vectors: compare, mask, scale; bytes of the mask
+        for (; e + kFloats <= len; e += kFloats) {
+          const I32 keep = load<U32>(words + e) >= threshold;  // -1 or 0 per lane
+          const F32 y = load<F32>(xp + e0 + e) * scale;
+          store(yp + e0 + e, (F32)((I32)y & keep));
+          store(mp + e0 + e, __builtin_convertvector(keep & 1, U8));
+        }
       }
+      select_rows<T>(xp + e0, yp + e0, mp + e0, words, len, threshold, scale, e);
     }
   });
 }
@@ -83,8 +145,14 @@ void dropout_kernel(const T* xp, T* yp, bool* mp, int64_t n, uint32_t threshold,
 template <typename T>
 void masked_scale(const T* gp, const bool* mp, T* dp, int64_t n, T scale) {
   at::parallel_for(0, n, 1 << 14, [&](int64_t e0, int64_t e1) {
-#pragma omp simd
-    for (int64_t e = e0; e < e1; ++e) dp[e] = mp[e] ? gp[e] * scale : T(0);
+    int64_t e = e0;
+    if constexpr (std::is_same_v<T, float>) {
+      for (; e + kFloats <= e1; e += kFloats) {
+        const F32 keep = __builtin_convertvector(load<U8>(mp + e), F32);  // 1.0 or 0.0
+        store(dp + e, load<F32>(gp + e) * (keep * scale));
+      }
+    }
+    for (; e < e1; ++e) dp[e] = mp[e] ? gp[e] * scale : T(0);
   });
 }
 
