@@ -68,6 +68,26 @@ def test_kernel_matches_torch(ops, M, K1, F_, K2, activation, dtype):
     torch.testing.assert_close(only[3], d_w2, **tol)
 
 
+def test_kernel_gelu_is_exact_gelu_to_float_precision(ops):
+    """The float32 GELU and its derivative inside the kernel (vector_math.h) against
+    float64 F.gelu over [-12, 12], near 0, the chunk tails and special values: one
+    hidden unit (r1 = F = r2 = 1, W1 = W2 = 1) makes the kernel's output gelu(t) and
+    its dt gelu'(t) du. (PyTorch's own float32 GELU is off by up to 8.9e-7 here.)"""
+    x = torch.cat([torch.linspace(-12, 12, 20011), torch.linspace(-0.01, 0.01, 2001),
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 40.0, -40.0])])[:, None]
+    x64 = x.double().requires_grad_()
+    one = torch.ones(1, 1)
+    ref = F.gelu(x64)
+    du = torch.randn_like(x)
+    (dx,) = torch.autograd.grad(ref, x64, du.double())
+    tol = {"rtol": 2e-6, "atol": 6e-7}
+    torch.testing.assert_close(ops.ffn_forward(x, one, None, one, "gelu"), ref.float(), **tol)
+    got = ops.ffn_backward(du, x, one, None, one, "gelu", True, False, False, False)[0]
+    torch.testing.assert_close(got, dx.float(), **tol)
+    special = ops.ffn_forward(torch.tensor([[float("inf")], [float("nan")], [3e38]]), one, None, one, "gelu")
+    assert special[0].item() == float("inf") and special[1].isnan().all() and special[2].item() == torch.tensor(3e38).item()
+
+
 def test_kernel_rejects_bad_input(ops):
     t, w1, w2 = torch.randn(4, 3), torch.randn(3, 8), torch.randn(8, 2)
     with pytest.raises(RuntimeError, match="unknown activation 'swish'"):

@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .attention_kernel import native_attention
+from .dropout import FastDropout
+
 __all__ = ["SelfAttention", "FusedAttention", "NestedPadding", "AttentionDropoutRate", "additive_mask"]
 
 
@@ -169,9 +172,11 @@ class FusedAttention(nn.Module):
     attention without dropout). Where it has none the steps run as written, one by one
     (:meth:`unfused`), which is also the reference the fused call is tested against:
 
-    * dropout active on CPU: PyTorch's CPU attention runs its unfused math path under
-      dropout anyway, with PyTorch's slower generator; the written steps run the graph's
-      own dropout module instead (tncompile's native kernel after ``lower_dropout``);
+    * dropout active on CPU: PyTorch's CPU attention has no fused kernel with dropout.
+      After ``lower_dropout`` (the dropout is a ``FastDropout``) the call runs
+      tncompile's native attention kernel (:meth:`native`: one head's scores in cache,
+      no head-transposed copies, the dropout drawn by the native generator); with
+      PyTorch's own ``nn.Dropout`` the written steps run, with that module;
     * inputs the kernel does not take: ranks or batch shapes that differ (the matmuls
       broadcast), a mask that is not floating point in the inputs' dtype, one that would
       broadcast the scores up or that needs a gradient, a scale that is a tensor.
@@ -203,14 +208,26 @@ class FusedAttention(nn.Module):
         return float(self.dropout.p) if self.dropout is not None and self.dropout.training else 0.0
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
-        if (self.dropout_p() and q.device.type == "cpu") or not _fusable(q, k, v, mask, scale):
-            return self.unfused(q, k, v, mask, scale)
-        return self.fused(q, k, v, mask, scale)
+        fusable = _fusable(q, k, v, mask, scale)
+        if self.dropout_p() and q.device.type == "cpu":
+            out = self.native(q, k, v, mask, scale) if fusable and isinstance(self.dropout, FastDropout) else None
+            return self.unfused(q, k, v, mask, scale) if out is None else out
+        return self.fused(q, k, v, mask, scale) if fusable else self.unfused(q, k, v, mask, scale)
+
+    def native(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
+               scale: float = 1.0) -> Tensor | None:
+        """tncompile's CPU attention kernel with its dropout
+        (:func:`~tncompile.runtime.attention_kernel.native_attention`), or ``None``
+        where it does not apply."""
+        return native_attention(q, k, v, mask, self._factor(scale), self.dropout_p())
+
+    def _factor(self, scale: float) -> float:
+        return 1.0 / scale if self.scaling == "div" else scale if self.scaling == "mul" else 1.0
 
     def fused(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
         """The one ``scaled_dot_product_attention`` call (for inputs it takes)."""
-        factor = 1.0 / scale if self.scaling == "div" else scale if self.scaling == "mul" else 1.0
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout_p(), scale=factor)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout_p(),
+                                              scale=self._factor(scale))
 
     def unfused(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, scale: float = 1.0) -> Tensor:
         """The steps as the traced graph wrote them. A number ``scale`` multiplies

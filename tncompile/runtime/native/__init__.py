@@ -10,8 +10,12 @@ Where PyTorch has no fast op for what a TT/TTM layer needs:
 * ``tt_chain.cpp``: a whole TT linear over a few rows as one op (forward, and a C++ autograd node);
 * ``feed_forward.cpp``: ``act(t @ W1 + b1) @ W2``, the wide middle of a
   block of two TT linears, without writing its hidden activation to memory;
-* ``dropout.cpp``: dropout with a counter-based (Philox) generator, one pass
-  each way and a one-byte mask;
+* ``dropout.cpp``: dropout with a counter-based (Philox, ``philox.h``)
+  generator, one pass each way and a one-byte mask;
+* ``attention.cpp``: scaled dot-product attention with dropout, forward and
+  backward, one head's scores at a time in cache, q/k/v read through their
+  strides (no head-transposed copies), the dropout mask drawn again in
+  backward instead of stored;
 * ``small_gemm.h``: the register-blocked small GEMM they share
   (``tensor_checks.h``: their argument checks).
 
@@ -44,7 +48,7 @@ __all__ = ["native_ops", "native_status", "native_kernels", "kernels_for", "trac
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _SOURCES = [str(Path(__file__).with_name(name))
             for name in ("gathered_product.cpp", "thin_gemm.cpp", "tt_chain.cpp", "feed_forward.cpp",
-                         "dropout.cpp")]
+                         "dropout.cpp", "attention.cpp")]
 _lock = threading.Lock()
 _state: dict = {"ops": None, "tried": False, "error": None, "enabled": True, "watch": None}
 log = logging.getLogger("tncompile.native")

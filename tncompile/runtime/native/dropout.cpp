@@ -5,8 +5,8 @@
 // keeps a float mask for backward: ~7 ns an element on the machines we
 // measure, a quarter of a compressed transformer's training step. Here every
 // element's random word comes from Philox4x32-10 (Salmon et al., SC'11, the
-// generator of cuRAND, JAX and PyTorch's CUDA dropout) keyed by a 64-bit seed
-// and counted by the element's index, so
+// generator of cuRAND, JAX and PyTorch's CUDA dropout; philox.h) keyed by a
+// 64-bit seed and counted by the element's index, so
 //   * any thread can produce any block: the result does not depend on how the
 //     work is split, and it runs a vector of counters at once (the rounds
 //     are 32 x 32 -> 64-bit products, one per 64-bit lane);
@@ -23,35 +23,25 @@
 #include <tuple>
 #include <type_traits>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
+#include "philox.h"
 
 namespace tncompile_native {
 
 namespace {
 
-constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;   // Philox4x32 multipliers
-constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;  // key schedule increments
 constexpr int64_t kGroup = 64;  // counters per block: 256 elements, a few vectors of lanes
-constexpr uint64_t kLow32 = 0xFFFFFFFFull;
 
 #if defined(__AVX512F__)
 constexpr int kVectorBytes = 64;
 #else
 constexpr int kVectorBytes = 32;
 #endif
-// Philox state: one counter per 64-bit lane, every value below 2^32 (so a 32 x 32 -> 64-bit
-// product per lane is the whole multiply). Floats, words and mask bytes of a block use their own widths.
-typedef uint64_t U64 __attribute__((vector_size(kVectorBytes)));
-constexpr int64_t kLanes = kVectorBytes / 8;
-typedef uint32_t U32Half __attribute__((vector_size(kVectorBytes / 2)));  // kLanes words
 typedef uint32_t U32 __attribute__((vector_size(kVectorBytes)));
 typedef int32_t I32 __attribute__((vector_size(kVectorBytes)));
 typedef float F32 __attribute__((vector_size(kVectorBytes)));
 constexpr int64_t kFloats = kVectorBytes / 4;
 typedef uint8_t U8 __attribute__((vector_size(kFloats)));  // one mask byte per float lane
-static_assert(kGroup % kLanes == 0 && (4 * kGroup) % kFloats == 0, "a block is whole vectors");
+static_assert(kGroup % philox::kLanes == 0 && (4 * kGroup) % kFloats == 0, "a block is whole vectors");
 
 template <typename V>
 inline V load(const void* p) {
@@ -65,48 +55,12 @@ inline void store(void* p, V v) {
   __builtin_memcpy(p, &v, sizeof(V));
 }
 
-// low 32 bits of every lane times m, as 64-bit products
-inline U64 mul_low32(U64 a, uint32_t m) {
-#if defined(__AVX512F__)
-  return (U64)_mm512_mul_epu32((__m512i)a, _mm512_set1_epi64(m));
-#elif defined(__AVX2__)
-  return (U64)_mm256_mul_epu32((__m256i)a, _mm256_set1_epi64x(m));
-#else
-  return a * static_cast<uint64_t>(m);
-#endif
-}
-
-// Philox4x32-10 of the kLanes counters (lo, hi, 0, 0) under key (k0, k1): word j of lane l in w[j][l].
-inline void philox(U64 lo, U64 hi, uint32_t k0, uint32_t k1, U64 w[4]) {
-  U64 c0 = lo, c1 = hi, c2 = U64{}, c3 = U64{};
-  for (int round = 0; round < 10; ++round) {
-    const U64 p0 = mul_low32(c0, kMul0), p1 = mul_low32(c2, kMul1);
-    c0 = (p1 >> 32) ^ c1 ^ static_cast<uint64_t>(k0);
-    c1 = p1 & kLow32;
-    c2 = (p0 >> 32) ^ c3 ^ static_cast<uint64_t>(k1);
-    c3 = p0 & kLow32;
-    k0 += kWeyl0;
-    k1 += kWeyl1;
-  }
-  w[0] = c0; w[1] = c1; w[2] = c2; w[3] = c3;
-}
-
-uint32_t drop_threshold(double p) {
-  const double t = std::nearbyint(p * 4294967296.0);
-  return t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<uint32_t>(t);
-}
+using philox::drop_threshold;
 
 // Block b holds elements [b B, (b + 1) B), B = 4 kGroup; its element j kGroup + g takes word j of
 // counter b kGroup + g. Fills words[0, B).
 inline void block_words(int64_t b, uint32_t k0, uint32_t k1, uint32_t* words) {
-  U64 lane;
-  for (int64_t l = 0; l < kLanes; ++l) lane[l] = static_cast<uint64_t>(l);
-  for (int64_t g = 0; g < kGroup; g += kLanes) {
-    const U64 counter = lane + static_cast<uint64_t>(b * kGroup + g);
-    U64 w[4];
-    philox(counter & kLow32, counter >> 32, k0, k1, w);
-    for (int j = 0; j < 4; ++j) store(words + j * kGroup + g, __builtin_convertvector(w[j], U32Half));
-  }
+  philox::word_rows(static_cast<uint64_t>(b * kGroup), kGroup, k0, k1, words, kGroup);
 }
 
 template <typename T>

@@ -1,0 +1,78 @@
+"""Attention with dropout on CPU as one native op each way (``attention.cpp``).
+
+PyTorch's CPU attention has no fused kernel that takes dropout: under dropout
+it runs the math as separate ops, copying head-transposed ``q``/``k``/``v``
+for its batched matmuls and writing the scores, the weights, the dropped
+weights and a mask. :func:`native_attention` runs ``tncompile::attention_*``
+instead: one head's scores stay in cache from ``q k^T`` to the product with
+``v``, inputs are read through their strides, and backward keeps only the
+softmax weights (the dropout mask is drawn again from the same Philox seed).
+
+Semantics are ``softmax(scale q k^T + mask)``, dropout on the weights (each
+zeroed independently with probability ``p``, the rest scaled by
+``1 / (1 - p)``), times ``v``; the masks come from the native counter-based
+generator seeded from PyTorch's default generator, as
+:func:`tncompile.runtime.dropout.dropout`'s do.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .dropout import _seed
+from .native import kernels_for
+
+__all__ = ["native_attention"]
+
+
+class _NativeAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ops, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, p: float) -> Tensor:
+        seed = _seed() if p else 0
+        keep_probs = any(ctx.needs_input_grad[1:4])
+        out, probs = ops.attention_forward(q, k, v, mask, scale, p, seed, keep_probs)
+        ctx.ops, ctx.scale, ctx.p, ctx.seed = ops, scale, p, seed
+        if keep_probs:
+            ctx.save_for_backward(q, k, v, probs)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        q, k, v, probs = ctx.saved_tensors
+        dq, dk, dv = ctx.ops.attention_backward(grad, q, k, v, probs, ctx.scale, ctx.p, ctx.seed)
+        return None, dq, dk, dv, None, None, None
+
+
+def native_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, p: float) -> Tensor | None:
+    """``dropout(softmax(scale q k^T + mask), p) @ v`` on the native kernel, or
+    ``None`` where it does not apply (then the caller runs its own path).
+
+    Applies to CPU float32/float64 tensors outside ``torch.compile`` and
+    autocast, ``q (B, H, L, E)``, ``k (B, H, S, E)``, ``v (B, H, S, F)`` (or
+    the same without ``H``), in any strides, and an additive mask of ``q``'s
+    dtype that broadcasts to ``(B, H, L, S)`` and needs no gradient.
+
+    Shapes: -> ``(B, H, L, F)`` (a view of a ``(B, L, H, F)`` tensor).
+    """
+    ops = kernels_for(q)
+    if ops is None or not 3 <= q.dim() <= 4 or not q.dim() == k.dim() == v.dim() or not 0.0 <= p < 1.0:
+        return None
+    if not (q.dtype == k.dtype == v.dtype) or (k.device, v.device) != (q.device, q.device):
+        return None
+    squeeze = q.dim() == 3
+    if squeeze:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+        mask = mask.unsqueeze(-3) if mask is not None and mask.dim() >= 3 else mask
+    batch, heads, length, width = q.shape
+    if k.shape[:2] != (batch, heads) or v.shape[:2] != (batch, heads) or k.shape[3] != width \
+            or v.shape[2] != k.shape[2]:
+        return None
+    if mask is not None:
+        if mask.dtype != q.dtype or mask.requires_grad or mask.device != q.device or mask.dim() > 4:
+            return None
+        try:
+            mask = mask.expand(batch, heads, length, k.shape[2])
+        except RuntimeError:
+            return None
+    out = _NativeAttention.apply(ops, q, k, v, mask, float(scale), float(p))
+    return out.squeeze(1) if squeeze else out

@@ -1,0 +1,267 @@
+// Scaled dot-product attention with dropout, forward and backward, one (batch, head) at a time.
+//
+//   P = softmax(scale q k^T + mask)     (L x S per head)
+//   out = dropout(P) v                  (L x F)
+//
+// PyTorch's CPU attention runs this as separate ops when dropout is on (its
+// flash kernel takes no dropout): two batched matmuls that first copy
+// head-transposed q, k and v into contiguous tensors, a softmax pass, a
+// dropout pass that writes the dropped weights and a mask, and as many again
+// backward. Here one head's scores stay in L2 from q k^T to the product with
+// v; q, k, v, the output and the gradients are read and written in place
+// through their strides (the output and gradients as (batch, length, heads,
+// width), the layout the projections next to them use, so reshaping them back
+// to (batch, length, embed) is free); the only tensor kept for backward is P.
+// The dropout mask is not stored: backward draws the same Philox words again
+// (philox.h): element j of row r of head bh takes word j / G of counter
+// (bh L + r) G + j % G, G = ceil(S / 4), and is dropped when the word is below
+// round(p 2^32), as in dropout.cpp.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "philox.h"
+#include "small_gemm.h"
+#include "vector_math.h"
+
+namespace tncompile_native {
+
+namespace {
+
+using vmath::F32;
+using vmath::kFloats;
+
+template <typename V>
+inline V vload(const void* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <typename V>
+inline void vstore(void* p, V v) {
+  __builtin_memcpy(p, &v, sizeof(V));
+}
+
+// row (S) <- softmax(scale row + mask row); a row whose every score is -inf becomes NaN, as in PyTorch
+template <typename T>
+void softmax_row(T* row, int64_t S, T scale, const T* mask, int64_t mask_stride) {
+  if (mask) {
+    if (mask_stride == 1) {
+      for (int64_t j = 0; j < S; ++j) row[j] = row[j] * scale + mask[j];
+    } else {
+      for (int64_t j = 0; j < S; ++j) row[j] = row[j] * scale + mask[j * mask_stride];
+    }
+  } else {
+    for (int64_t j = 0; j < S; ++j) row[j] *= scale;
+  }
+  T top = -std::numeric_limits<T>::infinity();
+  for (int64_t j = 0; j < S; ++j) top = std::max(top, row[j]);
+  if (top == -std::numeric_limits<T>::infinity()) {
+    std::fill(row, row + S, std::numeric_limits<T>::quiet_NaN());
+    return;
+  }
+  T sum = 0;
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    F32 acc{};
+    for (; j + kFloats <= S; j += kFloats) {
+      const F32 e = vmath::exp(vload<F32>(row + j) - top);
+      vstore(row + j, e);
+      acc += e;
+    }
+    for (int64_t l = 0; l < kFloats; ++l) sum += acc[l];
+  }
+  for (; j < S; ++j) {
+    row[j] = std::exp(row[j] - top);
+    sum += row[j];
+  }
+  const T inv = T(1) / sum;
+  for (j = 0; j < S; ++j) row[j] *= inv;
+}
+
+// keep (S) <- 1 / (1 - p) for kept elements of attention row `row`, 0 for dropped ones
+template <typename T>
+void keep_factors(uint64_t row, int64_t S, uint32_t threshold, uint32_t k0, uint32_t k1, T scale, uint32_t* words,
+                  T* keep) {
+  const int64_t G = (S + 3) / 4, GP = philox::padded_groups(G);
+  philox::word_rows(row * static_cast<uint64_t>(G), G, k0, k1, words, GP);
+  if (G == GP) {
+    for (int64_t j = 0; j < S; ++j) keep[j] = words[j] >= threshold ? scale : T(0);
+  } else {
+    for (int64_t j = 0; j < S; ++j) keep[j] = words[j / G * GP + j % G] >= threshold ? scale : T(0);
+  }
+}
+
+struct Shape {
+  int64_t B, H, L, S, E, F;
+};
+
+// strides of a (B, H, rows, cols) tensor whose last stride is 1
+struct Strides {
+  int64_t b, h, r;
+  explicit Strides(const at::Tensor& t) : b(t.stride(0)), h(t.stride(1)), r(t.stride(2)) {}
+  int64_t at(int64_t bi, int64_t hi) const { return bi * b + hi * h; }
+};
+
+template <typename T>
+void forward_kernel(const Shape& d, const T* q, Strides qs, const T* k, Strides ks, const T* v, Strides vs,
+                    const T* mask, const int64_t* ms, T* out, T* probs, T scale, double p, int64_t seed) {
+  const uint32_t threshold = philox::drop_threshold(p);
+  const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32);
+  const T inv_keep = static_cast<T>(1.0 / (1.0 - p));
+  at::parallel_for(0, d.B * d.H, 1, [&](int64_t bh0, int64_t bh1) {
+    std::vector<T> kt(d.E * d.S), scores(d.L * d.S), keep(d.S);
+    std::vector<uint32_t> words(4 * philox::padded_groups((d.S + 3) / 4));
+    for (int64_t bh = bh0; bh < bh1; ++bh) {
+      const int64_t b = bh / d.H, h = bh % d.H;
+      const T *qp = q + qs.at(b, h), *kp = k + ks.at(b, h), *vp = v + vs.at(b, h);
+      for (int64_t j = 0; j < d.S; ++j)  // k^T (E x S), so that q k^T runs on whole vectors of keys
+        for (int64_t e = 0; e < d.E; ++e) kt[e * d.S + j] = kp[j * ks.r + e];
+      small_gemm<T>(qp, qs.r, 1, kt.data(), d.S, scores.data(), d.S, d.L, d.E, d.S, false);
+      for (int64_t i = 0; i < d.L; ++i) {
+        T* row = scores.data() + i * d.S;
+        softmax_row<T>(row, d.S, scale, mask ? mask + b * ms[0] + h * ms[1] + i * ms[2] : nullptr, ms[3]);
+        if (probs) std::copy(row, row + d.S, probs + (bh * d.L + i) * d.S);
+        if (p > 0) {
+          keep_factors<T>(static_cast<uint64_t>(bh * d.L + i), d.S, threshold, k0, k1, inv_keep, words.data(),
+                          keep.data());
+          for (int64_t j = 0; j < d.S; ++j) row[j] *= keep[j];
+        }
+      }
+      small_gemm<T>(scores.data(), d.S, 1, vp, vs.r, out + (b * d.L * d.H + h) * d.F, d.H * d.F, d.L, d.S, d.F,
+                    false);
+    }
+  });
+}
+
+template <typename T>
+void backward_kernel(const Shape& d, const T* go, Strides gs, const T* q, Strides qs, const T* k, Strides ks,
+                     const T* v, Strides vs, const T* probs, T* dq, T* dk, T* dv, T scale, double p, int64_t seed) {
+  const uint32_t threshold = philox::drop_threshold(p);
+  const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32);
+  const T inv_keep = static_cast<T>(1.0 / (1.0 - p));
+  at::parallel_for(0, d.B * d.H, 1, [&](int64_t bh0, int64_t bh1) {
+    std::vector<T> vt(d.F * d.S), grad(d.L * d.S), keep(p > 0 ? d.L * d.S : 0), dropped(p > 0 ? d.L * d.S : 0);
+    std::vector<uint32_t> words(4 * philox::padded_groups((d.S + 3) / 4));
+    for (int64_t bh = bh0; bh < bh1; ++bh) {
+      const int64_t b = bh / d.H, h = bh % d.H;
+      const T *gp = go + gs.at(b, h), *qp = q + qs.at(b, h), *kp = k + ks.at(b, h), *vp = v + vs.at(b, h);
+      const T* pp = probs + bh * d.L * d.S;
+      const T* used = pp;  // the weights that multiplied v: dropout(P)
+      if (p > 0) {
+        for (int64_t i = 0; i < d.L; ++i) {
+          T* kr = keep.data() + i * d.S;
+          keep_factors<T>(static_cast<uint64_t>(bh * d.L + i), d.S, threshold, k0, k1, inv_keep, words.data(), kr);
+          for (int64_t j = 0; j < d.S; ++j) dropped[i * d.S + j] = pp[i * d.S + j] * kr[j];
+        }
+        used = dropped.data();
+      }
+      // dv = dropout(P)^T dout (S x F), into (B, S, H, F)
+      small_gemm<T>(used, 1, d.S, gp, gs.r, dv + (b * d.S * d.H + h) * d.F, d.H * d.F, d.S, d.L, d.F, false);
+      for (int64_t j = 0; j < d.S; ++j)
+        for (int64_t f = 0; f < d.F; ++f) vt[f * d.S + j] = vp[j * vs.r + f];
+      small_gemm<T>(gp, gs.r, 1, vt.data(), d.S, grad.data(), d.S, d.L, d.F, d.S, false);  // d dropout(P)
+      for (int64_t i = 0; i < d.L; ++i) {  // through dropout and softmax: dS = P (dP - <dP, P>), times scale
+        T* g = grad.data() + i * d.S;
+        const T* pr = pp + i * d.S;
+        if (p > 0)
+          for (int64_t j = 0; j < d.S; ++j) g[j] *= keep[i * d.S + j];
+        T dot = 0;
+        for (int64_t j = 0; j < d.S; ++j) dot += g[j] * pr[j];
+        for (int64_t j = 0; j < d.S; ++j) g[j] = pr[j] * (g[j] - dot) * scale;
+      }
+      // dq = dS k (L x E), dk = dS^T q (S x E), into (B, L | S, H, E)
+      small_gemm<T>(grad.data(), d.S, 1, kp, ks.r, dq + (b * d.L * d.H + h) * d.E, d.H * d.E, d.L, d.S, d.E, false);
+      small_gemm<T>(grad.data(), 1, d.S, qp, qs.r, dk + (b * d.S * d.H + h) * d.E, d.H * d.E, d.S, d.L, d.E, false);
+    }
+  });
+}
+
+at::Tensor rows_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 4, "tncompile attention: ", name, " must be 4-D (batch, heads, length, width), got ",
+              t.sizes());
+  return t.stride(3) == 1 ? t : t.contiguous();
+}
+
+Shape shape_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "tncompile attention: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
+                  (q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble),
+              "tncompile attention: q, k, v must all be float32 or all float64");
+  const Shape d{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+  TORCH_CHECK(k.size(0) == d.B && v.size(0) == d.B && k.size(1) == d.H && v.size(1) == d.H && k.size(3) == d.E &&
+                  v.size(2) == d.S,
+              "tncompile attention: q (B, H, L, E), k (B, H, S, E), v (B, H, S, F), got ", q.sizes(), ", ",
+              k.sizes(), ", ", v.sizes());
+  return d;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                                                     const c10::optional<at::Tensor>& mask_, double scale, double p,
+                                                     int64_t seed, bool keep_probs) {
+  const auto q = rows_contiguous(q_, "q"), k = rows_contiguous(k_, "k"), v = rows_contiguous(v_, "v");
+  const Shape d = shape_of(q, k, v);
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "tncompile attention: dropout p must be in [0, 1), got ", p);
+  at::Tensor mask;
+  int64_t ms[4] = {0, 0, 0, 1};
+  if (mask_.has_value() && mask_->defined()) {
+    TORCH_CHECK(mask_->scalar_type() == q.scalar_type(), "tncompile attention: the mask must have q's dtype");
+    mask = mask_->expand({d.B, d.H, d.L, d.S});
+    for (int i = 0; i < 4; ++i) ms[i] = mask.stride(i);
+  }
+  auto out = at::empty({d.B, d.L, d.H, d.F}, q.options());
+  at::Tensor probs = keep_probs ? at::empty({d.B, d.H, d.L, d.S}, q.options()) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "tncompile_attention_forward", [&] {
+    forward_kernel<scalar_t>(d, q.data_ptr<scalar_t>(), Strides(q), k.data_ptr<scalar_t>(), Strides(k),
+                             v.data_ptr<scalar_t>(), Strides(v), mask.defined() ? mask.data_ptr<scalar_t>() : nullptr,
+                             ms, out.data_ptr<scalar_t>(), keep_probs ? probs.data_ptr<scalar_t>() : nullptr,
+                             static_cast<scalar_t>(scale), p, seed);
+  });
+  return {out.permute({0, 2, 1, 3}), probs};
+}
+
+std::vector<at::Tensor> attention_backward(const at::Tensor& grad_, const at::Tensor& q_, const at::Tensor& k_,
+                                           const at::Tensor& v_, const at::Tensor& probs_, double scale, double p,
+                                           int64_t seed) {
+  const auto q = rows_contiguous(q_, "q"), k = rows_contiguous(k_, "k"), v = rows_contiguous(v_, "v");
+  const auto grad = rows_contiguous(grad_, "grad");
+  const Shape d = shape_of(q, k, v);
+  TORCH_CHECK(grad.sizes() == at::IntArrayRef({d.B, d.H, d.L, d.F}) && grad.scalar_type() == q.scalar_type(),
+              "tncompile attention backward: grad must be (B, H, L, F) in q's dtype, got ", grad.sizes());
+  TORCH_CHECK(probs_.sizes() == at::IntArrayRef({d.B, d.H, d.L, d.S}) && probs_.scalar_type() == q.scalar_type(),
+              "tncompile attention backward: the forward's weights (B, H, L, S) are needed, got ", probs_.sizes());
+  const auto probs = probs_.contiguous();
+  auto dq = at::empty({d.B, d.L, d.H, d.E}, q.options());
+  auto dk = at::empty({d.B, d.S, d.H, d.E}, q.options());
+  auto dv = at::empty({d.B, d.S, d.H, d.F}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "tncompile_attention_backward", [&] {
+    backward_kernel<scalar_t>(d, grad.data_ptr<scalar_t>(), Strides(grad), q.data_ptr<scalar_t>(), Strides(q),
+                              k.data_ptr<scalar_t>(), Strides(k), v.data_ptr<scalar_t>(), Strides(v),
+                              probs.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
+                              dv.data_ptr<scalar_t>(), static_cast<scalar_t>(scale), p, seed);
+  });
+  return {dq.permute({0, 2, 1, 3}), dk.permute({0, 2, 1, 3}), dv.permute({0, 2, 1, 3})};
+}
+
+}  // namespace tncompile_native
+
+TORCH_LIBRARY_FRAGMENT(tncompile, m) {
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float p, int seed, "
+        "bool keep_probs) -> (Tensor, Tensor)",
+        tncompile_native::attention_forward);
+  m.def("attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor probs, float scale, float p, "
+        "int seed) -> Tensor[]",
+        tncompile_native::attention_backward);
+}
