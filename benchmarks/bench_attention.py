@@ -8,10 +8,14 @@ The six-encoder's attention (32 x 12 heads x 128 x 64, an additive padding mask,
 * ``eval``: forward only under ``inference_mode`` (``FusedAttention`` runs
   ``scaled_dot_product_attention``; on CPU PyTorch's flash kernel);
 * ``train, p=0``: forward + backward without dropout (the fused kernel both ways);
-* ``train, p=0.1``: forward + backward with dropout. On CPU ``FusedAttention`` runs the
-  written steps with tncompile's native dropout here (PyTorch's CPU attention has no
-  fused kernel under dropout); the row also times PyTorch's own call
-  (``scaled_dot_product_attention(dropout_p=0.1)``, its math path) to show why.
+* ``train, p=0.1``: forward + backward with dropout. On CPU ``FusedAttention`` runs
+  tncompile's native attention kernel here (``attention.cpp``; PyTorch's CPU attention
+  has no fused kernel under dropout); the written steps use tncompile's native dropout,
+  and the row also times PyTorch's own call (``scaled_dot_product_attention(dropout_p=0.1)``,
+  its math path).
+
+q, k and v are head-transposed views of (batch, length, heads, head_dim) tensors, as a
+model's projections give them (``h.view(b, t, heads, d).transpose(1, 2)``).
 
 Writes ``benchmarks/results/attention.json`` with the host's copy bandwidth and GEMM
 throughput beside the times.
@@ -38,7 +42,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     shape = (args.batch, args.heads, args.length, args.head_dim)
-    q, k, v = (torch.randn(shape, requires_grad=True) for _ in range(3))
+    b, h, t, d = shape
+    q, k, v = (torch.randn(b, t, h, d).transpose(1, 2).requires_grad_() for _ in range(3))
     mask = torch.zeros(args.batch, 1, 1, args.length)
     mask[: args.batch // 2, ..., args.length * 3 // 4:] = -1e9          # half the batch padded
     scale = args.head_dim ** 0.5
