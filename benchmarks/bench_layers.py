@@ -178,6 +178,7 @@ STEP_CATEGORIES = {
                           "tncompile::gathered_product", "tncompile::gathered_product_backward"),
     "dropout masks": ("aten::bernoulli_", "tncompile::dropout_forward", "tncompile::dropout_backward"),
     "attention batched matmuls": ("aten::bmm",),
+    "fused attention (native)": ("tncompile::attention_forward", "tncompile::attention_backward"),
     "softmax": ("aten::_softmax", "aten::_softmax_backward_data"),
     "GELU": ("aten::gelu", "aten::gelu_", "aten::gelu_backward"),
     "layer norm": ("aten::native_layer_norm", "aten::native_layer_norm_backward"),
