@@ -38,18 +38,8 @@ namespace {
 
 using vmath::F32;
 using vmath::kFloats;
-
-template <typename V>
-inline V vload(const void* p) {
-  V v;
-  __builtin_memcpy(&v, p, sizeof(V));
-  return v;
-}
-
-template <typename V>
-inline void vstore(void* p, V v) {
-  __builtin_memcpy(p, &v, sizeof(V));
-}
+using vmath::vload;
+using vmath::vstore;
 
 // row (S) <- softmax(scale row + mask row); a row whose every score is -inf becomes NaN, as in PyTorch
 template <typename T>

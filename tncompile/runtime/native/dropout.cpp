@@ -24,6 +24,7 @@
 #include <type_traits>
 
 #include "philox.h"
+#include "vector_math.h"
 
 namespace tncompile_native {
 
@@ -31,29 +32,15 @@ namespace {
 
 constexpr int64_t kGroup = 64;  // counters per block: 256 elements, a few vectors of lanes
 
-#if defined(__AVX512F__)
-constexpr int kVectorBytes = 64;
-#else
-constexpr int kVectorBytes = 32;
-#endif
+using vmath::F32;
+using vmath::I32;
+using vmath::kFloats;
 typedef uint32_t U32 __attribute__((vector_size(kVectorBytes)));
-typedef int32_t I32 __attribute__((vector_size(kVectorBytes)));
-typedef float F32 __attribute__((vector_size(kVectorBytes)));
-constexpr int64_t kFloats = kVectorBytes / 4;
 typedef uint8_t U8 __attribute__((vector_size(kFloats)));  // one mask byte per float lane
 static_assert(kGroup % philox::kLanes == 0 && (4 * kGroup) % kFloats == 0, "a block is whole vectors");
 
-template <typename V>
-inline V load(const void* p) {
-  V v;
-  __builtin_memcpy(&v, p, sizeof(V));
-  return v;
-}
-
-template <typename V>
-inline void store(void* p, V v) {
-  __builtin_memcpy(p, &v, sizeof(V));
-}
+using vmath::vload;
+using vmath::vstore;
 
 using philox::drop_threshold;
 
@@ -85,10 +72,10 @@ void dropout_kernel(const T* xp, T* yp, bool* mp, int64_t n, uint32_t threshold,
       int64_t e = 0;
       if constexpr (std::is_same_v<T, float>) {  // whole vectors: compare, mask, scale; bytes of the mask
         for (; e + kFloats <= len; e += kFloats) {
-          const I32 keep = load<U32>(words + e) >= threshold;  // -1 or 0 per lane
-          const F32 y = load<F32>(xp + e0 + e) * scale;
-          store(yp + e0 + e, (F32)((I32)y & keep));
-          store(mp + e0 + e, __builtin_convertvector(keep & 1, U8));
+          const I32 keep = vload<U32>(words + e) >= threshold;  // -1 or 0 per lane
+          const F32 y = vload<F32>(xp + e0 + e) * scale;
+          vstore(yp + e0 + e, (F32)((I32)y & keep));
+          vstore(mp + e0 + e, __builtin_convertvector(keep & 1, U8));
         }
       }
       select_rows<T>(xp + e0, yp + e0, mp + e0, words, len, threshold, scale, e);
@@ -102,8 +89,8 @@ void masked_scale(const T* gp, const bool* mp, T* dp, int64_t n, T scale) {
     int64_t e = e0;
     if constexpr (std::is_same_v<T, float>) {
       for (; e + kFloats <= e1; e += kFloats) {
-        const F32 keep = __builtin_convertvector(load<U8>(mp + e), F32);  // 1.0 or 0.0
-        store(dp + e, load<F32>(gp + e) * (keep * scale));
+        const F32 keep = __builtin_convertvector(vload<U8>(mp + e), F32);  // 1.0 or 0.0
+        vstore(dp + e, vload<F32>(gp + e) * (keep * scale));
       }
     }
     for (; e < e1; ++e) dp[e] = mp[e] ? gp[e] * scale : T(0);

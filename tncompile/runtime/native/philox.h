@@ -8,6 +8,8 @@
 
 #include <cstdint>
 
+#include "small_gemm.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
@@ -19,11 +21,7 @@ constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;   // multipliers
 constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;  // key schedule increments
 constexpr uint64_t kLow32 = 0xFFFFFFFFull;
 
-#if defined(__AVX512F__)
-constexpr int kBytes = 64;
-#else
-constexpr int kBytes = 32;
-#endif
+constexpr int kBytes = kVectorBytes;  // small_gemm.h: 64 where AVX-512 is compiled in, else 32
 typedef uint64_t U64 __attribute__((vector_size(kBytes)));
 constexpr int64_t kLanes = kBytes / 8;  // counters per call
 typedef uint32_t Words __attribute__((vector_size(kBytes / 2)));  // kLanes 32-bit words

@@ -21,13 +21,22 @@ constexpr int64_t kFloats = kVectorBytes / 4;
 
 inline F32 splat(float v) { return F32{} + v; }
 
-inline F32 load(const float* p) {
-  F32 v;
-  __builtin_memcpy(&v, p, sizeof(F32));
+// any vector type from / to memory of any alignment
+template <typename V>
+inline V vload(const void* p) {
+  V v;
+  __builtin_memcpy(&v, p, sizeof(V));
   return v;
 }
 
-inline void store(float* p, F32 v) { __builtin_memcpy(p, &v, sizeof(F32)); }
+template <typename V>
+inline void vstore(void* p, V v) {
+  __builtin_memcpy(p, &v, sizeof(V));
+}
+
+inline F32 load(const float* p) { return vload<F32>(p); }
+
+inline void store(float* p, F32 v) { vstore(p, v); }
 
 inline F32 exp(F32 x) {
   const I32 under = x < -87.33654f;
