@@ -30,9 +30,9 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     * row and column counts MKL handles badly are padded with zeros
       (:func:`padded_rows`, :func:`padded_columns`).
     * a weight gradient with at most ``tuning.WEIGHT_GRAD_ROWS`` rows, ``t.T @ x`` over
-      many rows into a wide output, runs the native kernel that sums ``t.T @ x``
-      block by block (1.25-1.6x over MKL at r = 8-35, 4096 rows, 768 / 3072 columns;
-      at r = 64 MKL is faster);
+      many rows into a wide output, or its transpose ``x.T @ t``, runs the native
+      kernel that sums ``t.T @ x`` block by block (1.25-1.6x over MKL at r = 8-35,
+      4096 rows, 768 / 3072 columns; at r = 64 MKL is faster);
     * a wide output from a contraction over at most ``tuning.THIN_RANK`` (``t @ B``)
       or a thin output from a wide row-major input (``x @ A``) runs the native
       thin kernels where they are built: 1.03-2.9x faster than MKL at 47 of
@@ -51,11 +51,18 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
                 return native.thin_expand(left, right, None)
             if n <= tuning.THIN_RANK and k >= 256 and m * k >= tuning.THIN_OUTPUT and left.is_contiguous():  # wide in, thin out
                 return native.thin_project(left, right)
-    if (m <= tuning.WEIGHT_GRAD_ROWS < tuning.THIN_RANK < n and k >= tuning.WEIGHT_GRAD_MIN_K
-            and left.dtype == right.dtype and left.t().is_contiguous() and right.is_contiguous()):
-        native = None if _recording(left, right) else kernels_for(left)
-        if native is not None:  # a core block's gradient t.T @ x: the thin t read beside each cached row block of x
-            return native.thin_expand_backward(right, left.t(), right.new_zeros(()).expand(m, n), False, True, False)[1]
+    if k >= tuning.WEIGHT_GRAD_MIN_K and left.dtype == right.dtype and not _recording(left, right):
+        # a core block's gradient t.T @ x (or its transpose x.T @ t): the thin t read beside each cached
+        # row block of x. The kernel copies t into its own (rows x r+1) buffer, so t may have any strides
+        # (a rank-padded dt from thin_expand_backward is a narrowed view); x must be row-major.
+        if m <= tuning.WEIGHT_GRAD_ROWS < tuning.THIN_RANK < n and right.is_contiguous():
+            native = kernels_for(left)
+            if native is not None:
+                return _weight_grad(native, left.t(), right)
+        if n <= tuning.WEIGHT_GRAD_ROWS < tuning.THIN_RANK < m and left.t().is_contiguous():
+            native = kernels_for(left)
+            if native is not None:
+                return _weight_grad(native, right, left.t()).t()
     if n <= tuning.GEMM_THIN and m >= 4 * n and left.stride(0) == 1 and left.stride(1) != 1:
         return torch.mm(right.t(), left.t()).t()
     rows = padded_rows(m, left.shape[1], n)
@@ -71,6 +78,12 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     if n <= tuning.GEMM_SKINNY < m and right.stride(1) == 1 and right.stride(0) != 1:
         right = right.t().contiguous().t()
     return torch.mm(left, right)
+
+
+def _weight_grad(native, t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``t.T @ x`` for a thin ``t (rows x r)`` and a row-major ``x (rows x N)``, on the
+    native kernel's weight-gradient pass (``thin_expand_backward``'s ``dB``)."""
+    return native.thin_expand_backward(x, t, x.new_zeros(()).expand(t.shape[1], x.shape[1]), False, True, False)[1]
 
 
 def _recording(left: torch.Tensor, right: torch.Tensor) -> bool:

@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "small_gemm.h"
@@ -183,15 +184,25 @@ std::vector<at::Tensor> ffn_backward(const at::Tensor& du_, const at::Tensor& t_
           const scalar_t* duc = dup + m0 * K2P;
           auto y = pre.narrow(0, 0, rows), g = work.narrow(0, 0, rows);
           small_gemm<scalar_t>(tp + m0 * s.K1, s.K1, 1, w1p, s.F, yp, s.F, rows, s.K1, s.F, false, bp);
+          // float GELU: act(y) into the work buffer and act'(y) over y in one pass
+          const bool both = act == Act::Gelu && std::is_same_v<scalar_t, float>;
+          if (both) vmath::gelu_and_derivative_(reinterpret_cast<float*>(yp), reinterpret_cast<float*>(wp),
+                                                rows * s.F);
           if (need_w2) {  // dW2 += act(y)^T du
-            g.copy_(y);
-            activate_(g, act);
+            if (!both) {
+              g.copy_(y);
+              activate_(g, act);
+            }
             small_gemm<scalar_t>(wp, 1, s.F, duc, K2P, a2p + part * s.F * K2P, K2P, s.F, rows, K2P, true);
           }
           if (!need_t && !tep) continue;
           // dg = du W2^T, then dy = dg * act'(y), in the work buffer
           small_gemm<scalar_t>(duc, K2P, 1, w2tp, s.F, wp, s.F, rows, s.K2, s.F, false);
-          activation_backward_(g, y, act);
+          if (both) {
+            for (int64_t e = 0; e < rows * s.F; ++e) wp[e] *= yp[e];
+          } else {
+            activation_backward_(g, y, act);
+          }
           if (tep)  // [dW1; db1] += [t, 1]^T dy
             small_gemm<scalar_t>(tep + m0 * KE, 1, KE, wp, s.F, a1p + part * KE * s.F, s.F, KE, rows, s.F, true);
           if (need_t)  // dt = dy W1^T

@@ -81,6 +81,23 @@ inline F32 gelu_backward(F32 g, F32 x) {
   return g * (cdf + x * pdf);
 }
 
+// gelu(x) and gelu'(x) = Phi(x) + x phi(x) together: the one exp(-x^2 / 2) serves erf and phi
+inline void gelu_and_derivative(F32 x, F32& value, F32& derivative) {
+  const F32 e = exp(-0.5f * x * x);
+  const I32 sign = (I32)x & (int32_t)0x80000000;
+  const F32 a = (F32)((I32)x & 0x7FFFFFFF) * kSqrtHalf;
+  const F32 t = 1.0f / (a * 0.3275911f + 1.0f);
+  F32 r = splat(1.061405429f);
+  r = r * t - 1.453152027f;
+  r = r * t + 1.421413741f;
+  r = r * t - 0.284496736f;
+  r = r * t + 0.254829592f;
+  const F32 erf_x = (F32)((I32)(1.0f - t * r * e) ^ sign);  // erf(x / sqrt 2), exp(-a^2) = e
+  const F32 cdf = 0.5f * (1.0f + erf_x);
+  value = x * cdf;
+  derivative = cdf + x * (kInvSqrt2Pi * e);
+}
+
 // the last n % kFloats elements through one padded vector
 template <typename Fn>
 inline void tail(float* p, int64_t n, Fn fn) {
@@ -105,6 +122,28 @@ inline void gelu_backward_(float* g, const float* x, int64_t n) {
     for (int64_t j = 0; j < n - i; ++j) xs[j] = x[i + j];
     const F32 xv = load(xs);
     tail(g + i, n - i, [xv](F32 v) { return gelu_backward(v, xv); });
+  }
+}
+
+// value <- gelu(x), x <- gelu'(x)
+inline void gelu_and_derivative_(float* x, float* value, int64_t n) {
+  int64_t i = 0;
+  F32 v, d;
+  for (; i + kFloats <= n; i += kFloats) {
+    gelu_and_derivative(load(x + i), v, d);
+    store(value + i, v);
+    store(x + i, d);
+  }
+  if (i < n) {
+    float xs[kFloats] = {}, vs[kFloats], ds[kFloats];
+    for (int64_t j = 0; j < n - i; ++j) xs[j] = x[i + j];
+    gelu_and_derivative(load(xs), v, d);
+    store(vs, v);
+    store(ds, d);
+    for (int64_t j = 0; j < n - i; ++j) {
+      value[i + j] = vs[j];
+      x[i + j] = ds[j];
+    }
   }
 }
 
