@@ -41,6 +41,50 @@ using vmath::kFloats;
 using vmath::vload;
 using vmath::vstore;
 
+// dst (cols x rows, leading dimension ldd) <- src^T, src (rows x cols) with row stride lds:
+// 4 x 4 tiles transposed in SSE registers where the type is float, element by element elsewhere
+template <typename T>
+void transpose_into(const T* src, int64_t lds, int64_t rows, int64_t cols, T* dst, int64_t ldd) {
+  int64_t r0 = 0;
+#if defined(__SSE__)
+  if constexpr (std::is_same_v<T, float>) {
+    for (; r0 + 4 <= rows; r0 += 4) {
+      const float* s0 = src + r0 * lds;
+      int64_t c0 = 0;
+      for (; c0 + 4 <= cols; c0 += 4) {
+        __m128 a = _mm_loadu_ps(s0 + c0), b = _mm_loadu_ps(s0 + lds + c0), c = _mm_loadu_ps(s0 + 2 * lds + c0),
+               d = _mm_loadu_ps(s0 + 3 * lds + c0);
+        _MM_TRANSPOSE4_PS(a, b, c, d);
+        _mm_storeu_ps(dst + c0 * ldd + r0, a);
+        _mm_storeu_ps(dst + (c0 + 1) * ldd + r0, b);
+        _mm_storeu_ps(dst + (c0 + 2) * ldd + r0, c);
+        _mm_storeu_ps(dst + (c0 + 3) * ldd + r0, d);
+      }
+      for (; c0 < cols; ++c0)
+        for (int64_t r = r0; r < r0 + 4; ++r) dst[c0 * ldd + r] = src[r * lds + c0];
+    }
+  }
+#endif
+  for (; r0 < rows; ++r0)
+    for (int64_t c = 0; c < cols; ++c) dst[c * ldd + r0] = src[r0 * lds + c];
+}
+
+template <typename T>
+T row_max(const T* row, int64_t S) {
+  T top = -std::numeric_limits<T>::infinity();
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {  // lane-wise maxima, then across lanes
+    F32 lanes = vmath::splat(top);
+    for (; j + kFloats <= S; j += kFloats) {
+      const F32 v = vload<F32>(row + j);
+      lanes = v > lanes ? v : lanes;
+    }
+    for (int64_t l = 0; l < kFloats; ++l) top = std::max(top, lanes[l]);
+  }
+  for (; j < S; ++j) top = std::max(top, row[j]);
+  return top;
+}
+
 // row (S) <- softmax(scale row + mask row); a row whose every score is -inf becomes NaN, as in PyTorch
 template <typename T>
 void softmax_row(T* row, int64_t S, T scale, const T* mask, int64_t mask_stride) {
@@ -53,8 +97,7 @@ void softmax_row(T* row, int64_t S, T scale, const T* mask, int64_t mask_stride)
   } else {
     for (int64_t j = 0; j < S; ++j) row[j] *= scale;
   }
-  T top = -std::numeric_limits<T>::infinity();
-  for (int64_t j = 0; j < S; ++j) top = std::max(top, row[j]);
+  const T top = row_max(row, S);
   if (top == -std::numeric_limits<T>::infinity()) {
     std::fill(row, row + S, std::numeric_limits<T>::quiet_NaN());
     return;
@@ -114,8 +157,7 @@ void forward_kernel(const Shape& d, const T* q, Strides qs, const T* k, Strides 
     for (int64_t bh = bh0; bh < bh1; ++bh) {
       const int64_t b = bh / d.H, h = bh % d.H;
       const T *qp = q + qs.at(b, h), *kp = k + ks.at(b, h), *vp = v + vs.at(b, h);
-      for (int64_t j = 0; j < d.S; ++j)  // k^T (E x S), so that q k^T runs on whole vectors of keys
-        for (int64_t e = 0; e < d.E; ++e) kt[e * d.S + j] = kp[j * ks.r + e];
+      transpose_into<T>(kp, ks.r, d.S, d.E, kt.data(), d.S);  // k^T (E x S): q k^T on whole vectors of keys
       small_gemm<T>(qp, qs.r, 1, kt.data(), d.S, scores.data(), d.S, d.L, d.E, d.S, false);
       for (int64_t i = 0; i < d.L; ++i) {
         T* row = scores.data() + i * d.S;
@@ -157,8 +199,7 @@ void backward_kernel(const Shape& d, const T* go, Strides gs, const T* q, Stride
       }
       // dv = dropout(P)^T dout (S x F), into (B, S, H, F)
       small_gemm<T>(used, 1, d.S, gp, gs.r, dv + (b * d.S * d.H + h) * d.F, d.H * d.F, d.S, d.L, d.F, false);
-      for (int64_t j = 0; j < d.S; ++j)
-        for (int64_t f = 0; f < d.F; ++f) vt[f * d.S + j] = vp[j * vs.r + f];
+      transpose_into<T>(vp, vs.r, d.S, d.F, vt.data(), d.S);
       small_gemm<T>(gp, gs.r, 1, vt.data(), d.S, grad.data(), d.S, d.L, d.F, d.S, false);  // d dropout(P)
       for (int64_t i = 0; i < d.L; ++i) {  // through dropout and softmax: dS = P (dP - <dP, P>), times scale
         T* g = grad.data() + i * d.S;
