@@ -173,7 +173,7 @@ def bench_six_encoder(batch: int, reps: int) -> dict:
 STEP_CATEGORIES = {
     "GEMMs (linear / TT layers)": ("aten::mm", "aten::addmm", "tncompile::thin_expand",
                                    "tncompile::thin_project", "tncompile::thin_expand_backward"),
-    "fused TT feed-forward": ("tncompile::ffn_forward", "tncompile::ffn_backward"),  # their GELU: under GELU
+    "fused TT feed-forward": ("tncompile::ffn_forward", "tncompile::ffn_backward"),  # float GELU inside them
     "embedding lookups": ("aten::embedding_dense_backward", "aten::index_select",
                           "tncompile::gathered_product", "tncompile::gathered_product_backward"),
     "dropout masks": ("aten::bernoulli_", "tncompile::dropout_forward", "tncompile::dropout_backward"),

@@ -42,8 +42,9 @@ def _tt(fin, fout, rank, dtype=torch.float32, bias=True, seed=0):
     return tt
 
 
-# (rows, r1, F, r2): rows off and on the kernel's 24-row chunks, ranks off the 8-column padding
-@pytest.mark.parametrize("M, K1, F_, K2", [(50, 5, 40, 3), (24, 8, 33, 16), (7, 13, 70, 9), (0, 4, 16, 4)])
+# (rows, r1, F, r2): rows off and on the kernel's 96-row chunks, F over its 512-unit tiles, ranks off the 8-column padding
+@pytest.mark.parametrize("M, K1, F_, K2", [(50, 5, 40, 3), (24, 8, 33, 16), (7, 13, 70, 9), (0, 4, 16, 4),
+                                           (200, 6, 1100, 5)])  # several row chunks and hidden-unit tiles
 @pytest.mark.parametrize("activation", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("dtype", [torch.float32, f64])
 def test_kernel_matches_torch(ops, M, K1, F_, K2, activation, dtype):

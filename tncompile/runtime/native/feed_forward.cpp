@@ -10,7 +10,7 @@
 // backward does the same with their gradients: ~10 passes over M x F floats,
 // where the arithmetic around them (rank r1, r2 <= 64) is small. Here rows are
 // taken kRows at a time; a chunk's hidden activation lives in a per-thread
-// buffer that stays in cache, and backward recomputes it from t instead of
+// buffer that stays in cache (kTile hidden units at a time), and backward recomputes it from t instead of
 // keeping it (so the block saves only t and u, not two M x F tensors).
 //
 // Backward, per chunk (y = t W1 + b1, g = act(y)):
@@ -39,7 +39,12 @@ namespace tncompile_native {
 
 namespace {
 
-constexpr int64_t kRows = 24;  // rows per chunk: 24 x 3072 fp32 = 295 KB per buffer, within L2
+// Rows per chunk, and hidden units per tile: a chunk's hidden activation is computed kTile units
+// at a time, so its buffers (96 x 512 fp32 = 196 KB each), the weight tiles it reads and the weight-
+// gradient tiles it accumulates stay in L2 together; the chunk is tall enough that those gradient
+// tiles are read and written once per 96 rows, not once per few rows.
+constexpr int64_t kRows = 96;
+constexpr int64_t kTile = 512;
 
 enum class Act { Gelu, GeluTanh, Relu };
 
@@ -118,15 +123,19 @@ at::Tensor ffn_forward(const at::Tensor& t_, const at::Tensor& w1_, const c10::o
     const scalar_t* bp = b1.defined() ? b1.data_ptr<scalar_t>() : nullptr;
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-      auto hidden = at::empty({kRows, s.F}, t.options());
+      auto hidden = at::empty({kRows * std::min(kTile, s.F)}, t.options());
       scalar_t* hp = hidden.data_ptr<scalar_t>();
       for (int64_t part = p0; part < p1; ++part)
         for (int64_t c = part * per; c < std::min(chunks, (part + 1) * per); ++c) {
           const int64_t m0 = c * kRows, rows = std::min(kRows, s.M - m0);
-          small_gemm<scalar_t>(tp + m0 * s.K1, s.K1, 1, w1p, s.F, hp, s.F, rows, s.K1, s.F, false, bp);
-          auto h = hidden.narrow(0, 0, rows);
-          activate_(h, act);
-          small_gemm<scalar_t>(hp, s.F, 1, w2pp, K2P, op + m0 * K2P, K2P, rows, s.F, K2P, false);
+          for (int64_t f0 = 0; f0 < s.F; f0 += kTile) {  // u = sum over tiles of act(t W1[:, tile] + b1) W2[tile]
+            const int64_t fw = std::min(kTile, s.F - f0);
+            small_gemm<scalar_t>(tp + m0 * s.K1, s.K1, 1, w1p + f0, s.F, hp, fw, rows, s.K1, fw, false,
+                                 bp ? bp + f0 : nullptr);
+            auto h = hidden.narrow(0, 0, rows * fw);
+            activate_(h, act);
+            small_gemm<scalar_t>(hp, fw, 1, w2pp + f0 * K2P, K2P, op + m0 * K2P, K2P, rows, fw, K2P, f0 > 0);
+          }
         }
     });
   });
@@ -175,38 +184,44 @@ std::vector<at::Tensor> ffn_backward(const at::Tensor& du_, const at::Tensor& t_
     scalar_t* a1p = acc1.defined() ? acc1.data_ptr<scalar_t>() : nullptr;
     scalar_t* a2p = need_w2 ? acc2.data_ptr<scalar_t>() : nullptr;
     at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
-      auto pre = at::empty({kRows, s.F}, opts), work = at::empty({kRows, s.F}, opts);
+      const int64_t tile = std::min(kTile, s.F);
+      auto pre = at::empty({kRows * tile}, opts), work = at::empty({kRows * tile}, opts);
       scalar_t* yp = pre.data_ptr<scalar_t>();
       scalar_t* wp = work.data_ptr<scalar_t>();
+      // float GELU: act(y) into the work buffer and act'(y) over y in one pass
+      constexpr bool kFloat = std::is_same_v<scalar_t, float>;
+      const bool both = act == Act::Gelu && kFloat;
       for (int64_t part = p0; part < p1; ++part)
         for (int64_t c = part * per; c < std::min(chunks, (part + 1) * per); ++c) {
           const int64_t m0 = c * kRows, rows = std::min(kRows, s.M - m0);
           const scalar_t* duc = dup + m0 * K2P;
-          auto y = pre.narrow(0, 0, rows), g = work.narrow(0, 0, rows);
-          small_gemm<scalar_t>(tp + m0 * s.K1, s.K1, 1, w1p, s.F, yp, s.F, rows, s.K1, s.F, false, bp);
-          // float GELU: act(y) into the work buffer and act'(y) over y in one pass
-          const bool both = act == Act::Gelu && std::is_same_v<scalar_t, float>;
-          if (both) vmath::gelu_and_derivative_(reinterpret_cast<float*>(yp), reinterpret_cast<float*>(wp),
-                                                rows * s.F);
-          if (need_w2) {  // dW2 += act(y)^T du
-            if (!both) {
-              g.copy_(y);
-              activate_(g, act);
+          for (int64_t f0 = 0; f0 < s.F; f0 += kTile) {  // hidden units [f0, f0 + fw) of the chunk's rows
+            const int64_t fw = std::min(kTile, s.F - f0), n = rows * fw;
+            auto y = pre.narrow(0, 0, n), g = work.narrow(0, 0, n);
+            small_gemm<scalar_t>(tp + m0 * s.K1, s.K1, 1, w1p + f0, s.F, yp, fw, rows, s.K1, fw, false,
+                                 bp ? bp + f0 : nullptr);
+            if (both) vmath::gelu_and_derivative_(reinterpret_cast<float*>(yp), reinterpret_cast<float*>(wp), n);
+            if (need_w2) {  // dW2[tile] += act(y)^T du
+              if (!both) {
+                g.copy_(y);
+                activate_(g, act);
+              }
+              small_gemm<scalar_t>(wp, 1, fw, duc, K2P, a2p + (part * s.F + f0) * K2P, K2P, fw, rows, K2P, true);
             }
-            small_gemm<scalar_t>(wp, 1, s.F, duc, K2P, a2p + part * s.F * K2P, K2P, s.F, rows, K2P, true);
+            if (!need_t && !tep) continue;
+            // dg = du W2[tile]^T, then dy = dg * act'(y), in the work buffer
+            small_gemm<scalar_t>(duc, K2P, 1, w2tp + f0, s.F, wp, fw, rows, s.K2, fw, false);
+            if (both) {
+              for (int64_t e = 0; e < n; ++e) wp[e] *= yp[e];
+            } else {
+              activation_backward_(g, y, act);
+            }
+            if (tep)  // [dW1; db1][:, tile] += [t, 1]^T dy
+              small_gemm<scalar_t>(tep + m0 * KE, 1, KE, wp, fw, a1p + part * KE * s.F + f0, s.F, KE, rows, fw,
+                                   true);
+            if (need_t)  // dt += dy W1[:, tile]^T
+              small_gemm<scalar_t>(wp, fw, 1, w1tp + f0 * K1P, K1P, dtp + m0 * K1P, K1P, rows, fw, K1P, f0 > 0);
           }
-          if (!need_t && !tep) continue;
-          // dg = du W2^T, then dy = dg * act'(y), in the work buffer
-          small_gemm<scalar_t>(duc, K2P, 1, w2tp, s.F, wp, s.F, rows, s.K2, s.F, false);
-          if (both) {
-            for (int64_t e = 0; e < rows * s.F; ++e) wp[e] *= yp[e];
-          } else {
-            activation_backward_(g, y, act);
-          }
-          if (tep)  // [dW1; db1] += [t, 1]^T dy
-            small_gemm<scalar_t>(tep + m0 * KE, 1, KE, wp, s.F, a1p + part * KE * s.F, s.F, KE, rows, s.F, true);
-          if (need_t)  // dt = dy W1^T
-            small_gemm<scalar_t>(wp, s.F, 1, w1tp, K1P, dtp + m0 * K1P, K1P, rows, s.F, K1P, false);
         }
     });
   });
