@@ -26,7 +26,17 @@ constexpr int kVectorBytes = 64;
 constexpr int kVectorBytes = 32;
 #endif
 
-constexpr int64_t MR = 6;  // rows per register block: 6 x 2 accumulators + operands fit the register file
+// rows per register block: MR x 2 accumulators + operands fit the register file (32 vector
+// registers with AVX-512, 16 without)
+#if defined(__AVX512F__)
+constexpr int64_t MR = 8;
+#else
+constexpr int64_t MR = 6;
+#endif
+
+// rows per block for an M-row product: MR, or 6 where that splits M evenly and MR does not
+// (36 = [t, 1]^T rows of a rank-35 gradient: six blocks of 6, not four of 8 and one of 4)
+inline int64_t row_block(int64_t M) { return (M % MR != 0 && M % 6 == 0) ? 6 : MR; }
 
 template <typename T>
 struct Lanes {
@@ -117,6 +127,10 @@ template <typename T, int NV, typename LanesT = Lanes<T>>
 inline void rows_block(int64_t rows, const T* a, int64_t a_rs, int64_t a_cs, const T* b, int64_t ldb, T* c,
                        int64_t ldc, int64_t K, bool accumulate, const T* init) {
   switch (rows) {
+#if defined(__AVX512F__)
+    case 8: block<T, 8, NV, LanesT>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
+    case 7: block<T, 7, NV, LanesT>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
+#endif
     case 6: block<T, 6, NV, LanesT>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
     case 5: block<T, 5, NV, LanesT>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
     case 4: block<T, 4, NV, LanesT>(a, a_rs, a_cs, b, ldb, c, ldc, K, accumulate, init); break;
@@ -131,20 +145,21 @@ template <typename T>
 void small_gemm(const T* a, int64_t a_rs, int64_t a_cs, const T* b, int64_t ldb, T* c, int64_t ldc, int64_t M,
                 int64_t K, int64_t N, bool accumulate, const T* init = nullptr) {
   constexpr int64_t L = Lanes<T>::n;
+  const int64_t mr = row_block(M);
   int64_t n0 = 0;
   for (; n0 + 2 * L <= N; n0 += 2 * L)
-    for (int64_t m0 = 0; m0 < M; m0 += MR)
-      rows_block<T, 2>(std::min(MR, M - m0), a + m0 * a_rs, a_rs, a_cs, b + n0, ldb, c + m0 * ldc + n0, ldc, K,
+    for (int64_t m0 = 0; m0 < M; m0 += mr)
+      rows_block<T, 2>(std::min(mr, M - m0), a + m0 * a_rs, a_rs, a_cs, b + n0, ldb, c + m0 * ldc + n0, ldc, K,
                        accumulate, init ? init + n0 : nullptr);
   for (; n0 + L <= N; n0 += L)
-    for (int64_t m0 = 0; m0 < M; m0 += MR)
-      rows_block<T, 1>(std::min(MR, M - m0), a + m0 * a_rs, a_rs, a_cs, b + n0, ldb, c + m0 * ldc + n0, ldc, K,
+    for (int64_t m0 = 0; m0 < M; m0 += mr)
+      rows_block<T, 1>(std::min(mr, M - m0), a + m0 * a_rs, a_rs, a_cs, b + n0, ldb, c + m0 * ldc + n0, ldc, K,
                        accumulate, init ? init + n0 : nullptr);
   if constexpr (kVectorBytes == 64) {  // a half-width (32-byte) block for 8..15 remaining fp32 columns
     constexpr int64_t H = L / 2;
     for (; n0 + H <= N; n0 += H)
-      for (int64_t m0 = 0; m0 < M; m0 += MR)
-        rows_block<T, 1, HalfLanes<T>>(std::min(MR, M - m0), a + m0 * a_rs, a_rs, a_cs, b + n0, ldb,
+      for (int64_t m0 = 0; m0 < M; m0 += mr)
+        rows_block<T, 1, HalfLanes<T>>(std::min(mr, M - m0), a + m0 * a_rs, a_rs, a_cs, b + n0, ldb,
                                        c + m0 * ldc + n0, ldc, K, accumulate, init ? init + n0 : nullptr);
   }
   for (; n0 < N; ++n0)  // the last columns, fewer than a vector
