@@ -85,9 +85,10 @@ T row_max(const T* row, int64_t S) {
   return top;
 }
 
-// row (S) <- softmax(scale row + mask row); a row whose every score is -inf becomes NaN, as in PyTorch
+// row (S) <- exp(scale row + mask row - max); returns 1 / (sum of the row), so that row * that is
+// the softmax. A row whose every score is -inf becomes NaN, as in PyTorch.
 template <typename T>
-void softmax_row(T* row, int64_t S, T scale, const T* mask, int64_t mask_stride) {
+T softmax_exp(T* row, int64_t S, T scale, const T* mask, int64_t mask_stride) {
   if (mask) {
     if (mask_stride == 1) {
       for (int64_t j = 0; j < S; ++j) row[j] = row[j] * scale + mask[j];
@@ -100,7 +101,7 @@ void softmax_row(T* row, int64_t S, T scale, const T* mask, int64_t mask_stride)
   const T top = row_max(row, S);
   if (top == -std::numeric_limits<T>::infinity()) {
     std::fill(row, row + S, std::numeric_limits<T>::quiet_NaN());
-    return;
+    return std::numeric_limits<T>::quiet_NaN();
   }
   T sum = 0;
   int64_t j = 0;
@@ -117,20 +118,54 @@ void softmax_row(T* row, int64_t S, T scale, const T* mask, int64_t mask_stride)
     row[j] = std::exp(row[j] - top);
     sum += row[j];
   }
-  const T inv = T(1) / sum;
-  for (j = 0; j < S; ++j) row[j] *= inv;
+  return T(1) / sum;
 }
 
-// keep (S) <- 1 / (1 - p) for kept elements of attention row `row`, 0 for dropped ones
+// sum of a[j] b[j]
 template <typename T>
-void keep_factors(uint64_t row, int64_t S, uint32_t threshold, uint32_t k0, uint32_t k1, T scale, uint32_t* words,
-                  T* keep) {
+T dot(const T* a, const T* b, int64_t S) {
+  T sum = 0;
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    F32 acc{};
+    for (; j + kFloats <= S; j += kFloats) acc += vload<F32>(a + j) * vload<F32>(b + j);
+    for (int64_t l = 0; l < kFloats; ++l) sum += acc[l];
+  }
+  for (; j < S; ++j) sum += a[j] * b[j];
+  return sum;
+}
+
+// The Philox word of every element of attention row `row` (S keys), in key order: word j / G of
+// counter row G + j % G, G = ceil(S / 4). Returns `words` itself when the groups fill whole vectors
+// of counters (S a multiple of 4 kLanes), else the words gathered into `gathered`.
+inline const uint32_t* element_words(uint64_t row, int64_t S, uint32_t k0, uint32_t k1, uint32_t* words,
+                                     uint32_t* gathered) {
   const int64_t G = (S + 3) / 4, GP = philox::padded_groups(G);
   philox::word_rows(row * static_cast<uint64_t>(G), G, k0, k1, words, GP);
-  if (G == GP) {
-    for (int64_t j = 0; j < S; ++j) keep[j] = words[j] >= threshold ? scale : T(0);
-  } else {
-    for (int64_t j = 0; j < S; ++j) keep[j] = words[j / G * GP + j % G] >= threshold ? scale : T(0);
+  if (G == GP) return words;
+  for (int64_t j = 0; j < S; ++j) gathered[j] = words[j / G * GP + j % G];
+  return gathered;
+}
+// (an element is kept when its word is at least philox::drop_threshold(p))
+
+typedef uint32_t U32 __attribute__((vector_size(kVectorBytes)));
+
+// P = row inv into kept (when given); row <- dropout(P): P / (1 - p) where the word is kept, else 0
+template <typename T>
+void drop_row(T* row, int64_t S, T inv, T* kept, const uint32_t* w, uint32_t threshold, T inv_keep) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    for (; j + kFloats <= S; j += kFloats) {
+      const F32 pj = vload<F32>(row + j) * inv;
+      if (kept) vstore(kept + j, pj);
+      const vmath::I32 keep = vload<U32>(w + j) >= threshold;  // -1 or 0 per lane
+      vstore(row + j, (F32)((vmath::I32)(pj * inv_keep) & keep));
+    }
+  }
+  for (; j < S; ++j) {
+    const T pj = row[j] * inv;
+    if (kept) kept[j] = pj;
+    row[j] = w[j] >= threshold ? pj * inv_keep : T(0);
   }
 }
 
@@ -152,8 +187,8 @@ void forward_kernel(const Shape& d, const T* q, Strides qs, const T* k, Strides 
   const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32);
   const T inv_keep = static_cast<T>(1.0 / (1.0 - p));
   at::parallel_for(0, d.B * d.H, 1, [&](int64_t bh0, int64_t bh1) {
-    std::vector<T> kt(d.E * d.S), scores(d.L * d.S), keep(d.S);
-    std::vector<uint32_t> words(4 * philox::padded_groups((d.S + 3) / 4));
+    std::vector<T> kt(d.E * d.S), scores(d.L * d.S);
+    std::vector<uint32_t> words(4 * philox::padded_groups((d.S + 3) / 4)), gathered(d.S);
     for (int64_t bh = bh0; bh < bh1; ++bh) {
       const int64_t b = bh / d.H, h = bh % d.H;
       const T *qp = q + qs.at(b, h), *kp = k + ks.at(b, h), *vp = v + vs.at(b, h);
@@ -161,12 +196,16 @@ void forward_kernel(const Shape& d, const T* q, Strides qs, const T* k, Strides 
       small_gemm<T>(qp, qs.r, 1, kt.data(), d.S, scores.data(), d.S, d.L, d.E, d.S, false);
       for (int64_t i = 0; i < d.L; ++i) {
         T* row = scores.data() + i * d.S;
-        softmax_row<T>(row, d.S, scale, mask ? mask + b * ms[0] + h * ms[1] + i * ms[2] : nullptr, ms[3]);
-        if (probs) std::copy(row, row + d.S, probs + (bh * d.L + i) * d.S);
-        if (p > 0) {
-          keep_factors<T>(static_cast<uint64_t>(bh * d.L + i), d.S, threshold, k0, k1, inv_keep, words.data(),
-                          keep.data());
-          for (int64_t j = 0; j < d.S; ++j) row[j] *= keep[j];
+        const T inv = softmax_exp<T>(row, d.S, scale, mask ? mask + b * ms[0] + h * ms[1] + i * ms[2] : nullptr,
+                                     ms[3]);
+        T* kept = probs ? probs + (bh * d.L + i) * d.S : nullptr;  // P, for backward
+        if (p > 0) {  // one pass: P, and dropout(P) in place
+          const uint32_t* w = element_words(static_cast<uint64_t>(bh * d.L + i), d.S, k0, k1, words.data(),
+                                            gathered.data());
+          drop_row<T>(row, d.S, inv, kept, w, threshold, inv_keep);
+        } else {
+          for (int64_t j = 0; j < d.S; ++j) row[j] *= inv;
+          if (kept) std::copy(row, row + d.S, kept);
         }
       }
       small_gemm<T>(scores.data(), d.S, 1, vp, vs.r, out + (b * d.L * d.H + h) * d.F, d.H * d.F, d.L, d.S, d.F,
@@ -183,17 +222,32 @@ void backward_kernel(const Shape& d, const T* go, Strides gs, const T* q, Stride
   const T inv_keep = static_cast<T>(1.0 / (1.0 - p));
   at::parallel_for(0, d.B * d.H, 1, [&](int64_t bh0, int64_t bh1) {
     std::vector<T> vt(d.F * d.S), grad(d.L * d.S), keep(p > 0 ? d.L * d.S : 0), dropped(p > 0 ? d.L * d.S : 0);
-    std::vector<uint32_t> words(4 * philox::padded_groups((d.S + 3) / 4));
+    std::vector<uint32_t> words(4 * philox::padded_groups((d.S + 3) / 4)), gathered(d.S);
     for (int64_t bh = bh0; bh < bh1; ++bh) {
       const int64_t b = bh / d.H, h = bh % d.H;
       const T *gp = go + gs.at(b, h), *qp = q + qs.at(b, h), *kp = k + ks.at(b, h), *vp = v + vs.at(b, h);
       const T* pp = probs + bh * d.L * d.S;
       const T* used = pp;  // the weights that multiplied v: dropout(P)
-      if (p > 0) {
+      if (p > 0) {  // the forward's keep factors, drawn again, and dropout(P)
         for (int64_t i = 0; i < d.L; ++i) {
+          const uint32_t* w = element_words(static_cast<uint64_t>(bh * d.L + i), d.S, k0, k1, words.data(),
+                                            gathered.data());
           T* kr = keep.data() + i * d.S;
-          keep_factors<T>(static_cast<uint64_t>(bh * d.L + i), d.S, threshold, k0, k1, inv_keep, words.data(), kr);
-          for (int64_t j = 0; j < d.S; ++j) dropped[i * d.S + j] = pp[i * d.S + j] * kr[j];
+          T* dr = dropped.data() + i * d.S;
+          const T* pr = pp + i * d.S;
+          int64_t j = 0;
+          if constexpr (std::is_same_v<T, float>) {
+            for (; j + kFloats <= d.S; j += kFloats) {
+              const vmath::I32 kept = vload<U32>(w + j) >= threshold;
+              const F32 factor = (F32)((vmath::I32)vmath::splat(inv_keep) & kept);
+              vstore(kr + j, factor);
+              vstore(dr + j, vload<F32>(pr + j) * factor);
+            }
+          }
+          for (; j < d.S; ++j) {
+            kr[j] = w[j] >= threshold ? inv_keep : T(0);
+            dr[j] = pr[j] * kr[j];
+          }
         }
         used = dropped.data();
       }
@@ -204,11 +258,12 @@ void backward_kernel(const Shape& d, const T* go, Strides gs, const T* q, Stride
       for (int64_t i = 0; i < d.L; ++i) {  // through dropout and softmax: dS = P (dP - <dP, P>), times scale
         T* g = grad.data() + i * d.S;
         const T* pr = pp + i * d.S;
-        if (p > 0)
-          for (int64_t j = 0; j < d.S; ++j) g[j] *= keep[i * d.S + j];
-        T dot = 0;
-        for (int64_t j = 0; j < d.S; ++j) dot += g[j] * pr[j];
-        for (int64_t j = 0; j < d.S; ++j) g[j] = pr[j] * (g[j] - dot) * scale;
+        if (p > 0) {
+          const T* kr = keep.data() + i * d.S;
+          for (int64_t j = 0; j < d.S; ++j) g[j] *= kr[j];
+        }
+        const T centre = dot<T>(g, pr, d.S);
+        for (int64_t j = 0; j < d.S; ++j) g[j] = pr[j] * (g[j] - centre) * scale;
       }
       // dq = dS k (L x E), dk = dS^T q (S x E), into (B, L | S, H, E)
       small_gemm<T>(grad.data(), d.S, 1, kp, ks.r, dq + (b * d.L * d.H + h) * d.E, d.H * d.E, d.L, d.S, d.E, false);
