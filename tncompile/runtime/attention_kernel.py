@@ -6,7 +6,7 @@ for its batched matmuls and writing the scores, the weights, the dropped
 weights and a mask. :func:`native_attention` runs ``tncompile::attention_*``
 instead: one head's scores stay in cache from ``q k^T`` to the product with
 ``v``, inputs are read through their strides, and backward keeps only the
-softmax weights (the dropout mask is drawn again from the same Philox seed).
+softmax weights (the dropout mask rides in their sign bits).
 
 Semantics are ``softmax(scale q k^T + mask)``, dropout on the weights (each
 zeroed independently with probability ``p``, the rest scaled by
@@ -31,7 +31,7 @@ class _NativeAttention(torch.autograd.Function):
         seed = _seed() if p else 0
         keep_probs = any(ctx.needs_input_grad[1:4])
         out, probs = ops.attention_forward(q, k, v, mask, scale, p, seed, keep_probs)
-        ctx.ops, ctx.scale, ctx.p, ctx.seed = ops, scale, p, seed
+        ctx.ops, ctx.scale, ctx.p = ops, scale, p
         if keep_probs:
             ctx.save_for_backward(q, k, v, probs)
         return out
@@ -39,7 +39,7 @@ class _NativeAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         q, k, v, probs = ctx.saved_tensors
-        dq, dk, dv = ctx.ops.attention_backward(grad, q, k, v, probs, ctx.scale, ctx.p, ctx.seed)
+        dq, dk, dv = ctx.ops.attention_backward(grad, q, k, v, probs, ctx.scale, ctx.p)
         return None, dq, dk, dv, None, None, None
 
 

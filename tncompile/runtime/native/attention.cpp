@@ -11,11 +11,12 @@
 // v; q, k, v, the output and the gradients are read and written in place
 // through their strides (the output and gradients as (batch, length, heads,
 // width), the layout the projections next to them use, so reshaping them back
-// to (batch, length, embed) is free); the only tensor kept for backward is P.
-// The dropout mask is not stored: backward draws the same Philox words again
-// (philox.h): element j of row r of head bh takes word j / G of counter
-// (bh L + r) G + j % G, G = ceil(S / 4), and is dropped when the word is below
-// round(p 2^32), as in dropout.cpp.
+// to (batch, length, embed) is free); the only tensor kept for backward is P,
+// with the dropout mask in its sign bits (the weights are >= 0; a dropped
+// weight is saved negated), so no mask is stored and none is drawn again.
+// The mask comes from Philox (philox.h): element j of row r of head bh takes
+// word j / G of counter (bh L + r) G + j % G, G = ceil(S / 4), and is dropped
+// when the word is below round(p 2^32), as in dropout.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -150,22 +151,51 @@ inline const uint32_t* element_words(uint64_t row, int64_t S, uint32_t k0, uint3
 
 typedef uint32_t U32 __attribute__((vector_size(kVectorBytes)));
 
-// P = row inv into kept (when given); row <- dropout(P): P / (1 - p) where the word is kept, else 0
+// P = row inv into kept (when given), negated where dropped: the weights are >= 0, so the sign bit
+// carries the mask to backward (-0.0 for a dropped 0) and no mask is stored or drawn again there.
+// row <- dropout(P): P / (1 - p) where the word is kept, else 0.
 template <typename T>
 void drop_row(T* row, int64_t S, T inv, T* kept, const uint32_t* w, uint32_t threshold, T inv_keep) {
   int64_t j = 0;
   if constexpr (std::is_same_v<T, float>) {
+    const vmath::I32 sign = vmath::I32{} + static_cast<int32_t>(0x80000000);
     for (; j + kFloats <= S; j += kFloats) {
       const F32 pj = vload<F32>(row + j) * inv;
-      if (kept) vstore(kept + j, pj);
       const vmath::I32 keep = vload<U32>(w + j) >= threshold;  // -1 or 0 per lane
+      if (kept) vstore(kept + j, (F32)((vmath::I32)pj | (sign & ~keep)));
       vstore(row + j, (F32)((vmath::I32)(pj * inv_keep) & keep));
     }
   }
   for (; j < S; ++j) {
     const T pj = row[j] * inv;
-    if (kept) kept[j] = pj;
-    row[j] = w[j] >= threshold ? pj * inv_keep : T(0);
+    const bool keep = w[j] >= threshold;
+    if (kept) kept[j] = keep ? pj : -pj;
+    row[j] = keep ? pj * inv_keep : T(0);
+  }
+}
+
+// From a saved row (P, negated where dropped): plain[j] = P, factor[j] = 1 / (1 - p) or 0,
+// dropped[j] = P factor[j]
+template <typename T>
+void split_saved_row(const T* saved, int64_t S, T inv_keep, T* plain, T* factor, T* dropped) {
+  int64_t j = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    const vmath::I32 sign = vmath::I32{} + static_cast<int32_t>(0x80000000);
+    const vmath::I32 scale = (vmath::I32)vmath::splat(inv_keep);
+    for (; j + kFloats <= S; j += kFloats) {
+      const vmath::I32 bits = vload<vmath::I32>(saved + j);
+      const vmath::I32 kept = (bits & sign) == 0;  // -1 or 0 per lane
+      const F32 pj = (F32)(bits & ~sign), f = (F32)(scale & kept);
+      vstore(plain + j, pj);
+      vstore(factor + j, f);
+      vstore(dropped + j, pj * f);
+    }
+  }
+  for (; j < S; ++j) {
+    const bool keep = !std::signbit(saved[j]);
+    plain[j] = std::fabs(saved[j]);
+    factor[j] = keep ? inv_keep : T(0);
+    dropped[j] = plain[j] * factor[j];
   }
 }
 
@@ -216,40 +246,20 @@ void forward_kernel(const Shape& d, const T* q, Strides qs, const T* k, Strides 
 
 template <typename T>
 void backward_kernel(const Shape& d, const T* go, Strides gs, const T* q, Strides qs, const T* k, Strides ks,
-                     const T* v, Strides vs, const T* probs, T* dq, T* dk, T* dv, T scale, double p, int64_t seed) {
-  const uint32_t threshold = philox::drop_threshold(p);
-  const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32);
+                     const T* v, Strides vs, const T* probs, T* dq, T* dk, T* dv, T scale, double p) {
   const T inv_keep = static_cast<T>(1.0 / (1.0 - p));
   at::parallel_for(0, d.B * d.H, 1, [&](int64_t bh0, int64_t bh1) {
-    std::vector<T> vt(d.F * d.S), grad(d.L * d.S), keep(p > 0 ? d.L * d.S : 0), dropped(p > 0 ? d.L * d.S : 0);
-    std::vector<uint32_t> words(4 * philox::padded_groups((d.S + 3) / 4)), gathered(d.S);
+    const int64_t n = p > 0 ? d.L * d.S : 0;
+    std::vector<T> vt(d.F * d.S), grad(d.L * d.S), keep(n), dropped(n), plain(n);
     for (int64_t bh = bh0; bh < bh1; ++bh) {
       const int64_t b = bh / d.H, h = bh % d.H;
       const T *gp = go + gs.at(b, h), *qp = q + qs.at(b, h), *kp = k + ks.at(b, h), *vp = v + vs.at(b, h);
-      const T* pp = probs + bh * d.L * d.S;
+      const T* pp = probs + bh * d.L * d.S;  // P; with dropout, negated where dropped (drop_row)
       const T* used = pp;  // the weights that multiplied v: dropout(P)
-      if (p > 0) {  // the forward's keep factors, drawn again, and dropout(P)
-        for (int64_t i = 0; i < d.L; ++i) {
-          const uint32_t* w = element_words(static_cast<uint64_t>(bh * d.L + i), d.S, k0, k1, words.data(),
-                                            gathered.data());
-          T* kr = keep.data() + i * d.S;
-          T* dr = dropped.data() + i * d.S;
-          const T* pr = pp + i * d.S;
-          int64_t j = 0;
-          if constexpr (std::is_same_v<T, float>) {
-            for (; j + kFloats <= d.S; j += kFloats) {
-              const vmath::I32 kept = vload<U32>(w + j) >= threshold;
-              const F32 factor = (F32)((vmath::I32)vmath::splat(inv_keep) & kept);
-              vstore(kr + j, factor);
-              vstore(dr + j, vload<F32>(pr + j) * factor);
-            }
-          }
-          for (; j < d.S; ++j) {
-            kr[j] = w[j] >= threshold ? inv_keep : T(0);
-            dr[j] = pr[j] * kr[j];
-          }
-        }
+      if (p > 0) {  // P, the keep factors and dropout(P) from the saved signs
+        split_saved_row<T>(pp, d.L * d.S, inv_keep, plain.data(), keep.data(), dropped.data());
         used = dropped.data();
+        pp = plain.data();
       }
       // dv = dropout(P)^T dout (S x F), into (B, S, H, F)
       small_gemm<T>(used, 1, d.S, gp, gs.r, dv + (b * d.S * d.H + h) * d.F, d.H * d.F, d.S, d.L, d.F, false);
@@ -319,8 +329,8 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q_, const
 }
 
 std::vector<at::Tensor> attention_backward(const at::Tensor& grad_, const at::Tensor& q_, const at::Tensor& k_,
-                                           const at::Tensor& v_, const at::Tensor& probs_, double scale, double p,
-                                           int64_t seed) {
+                                           const at::Tensor& v_, const at::Tensor& probs_, double scale,
+                                           double p) {
   const auto q = rows_contiguous(q_, "q"), k = rows_contiguous(k_, "k"), v = rows_contiguous(v_, "v");
   const auto grad = rows_contiguous(grad_, "grad");
   const Shape d = shape_of(q, k, v);
@@ -336,7 +346,7 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& grad_, const at::Te
     backward_kernel<scalar_t>(d, grad.data_ptr<scalar_t>(), Strides(grad), q.data_ptr<scalar_t>(), Strides(q),
                               k.data_ptr<scalar_t>(), Strides(k), v.data_ptr<scalar_t>(), Strides(v),
                               probs.data_ptr<scalar_t>(), dq.data_ptr<scalar_t>(), dk.data_ptr<scalar_t>(),
-                              dv.data_ptr<scalar_t>(), static_cast<scalar_t>(scale), p, seed);
+                              dv.data_ptr<scalar_t>(), static_cast<scalar_t>(scale), p);
   });
   return {dq.permute({0, 2, 1, 3}), dk.permute({0, 2, 1, 3}), dv.permute({0, 2, 1, 3})};
 }
@@ -347,7 +357,7 @@ TORCH_LIBRARY_FRAGMENT(tncompile, m) {
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float p, int seed, "
         "bool keep_probs) -> (Tensor, Tensor)",
         tncompile_native::attention_forward);
-  m.def("attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor probs, float scale, float p, "
-        "int seed) -> Tensor[]",
+  m.def("attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor probs, float scale, float p) "
+        "-> Tensor[]",
         tncompile_native::attention_backward);
 }
