@@ -136,9 +136,10 @@ def bench_embedding() -> dict:
 
 def bench_six_encoder(batch: int, reps: int) -> dict:
     """One AdamW train step of the paper's six-encoder: the dense model, the
-    compiled one (default pipeline), and the compiled one without the
+    compiled one (default pipeline), the compiled one without the
     ``lower_dropout`` pass (PyTorch's dropout, i.e. only the TT rewrite and
-    its fusion differ from dense)."""
+    its fusion differ from dense), and without ``fuse_siblings`` (what one pass
+    over the q/k/v projections' shared input gains)."""
     import tncompile
     from tncompile.zoo import six_encoder
     torch.manual_seed(0)
@@ -149,10 +150,14 @@ def bench_six_encoder(batch: int, reps: int) -> dict:
     torch_dropout = tncompile.compile(dense, target_ratio=1 / 44.9, init="random", batch_sizes=[batch],
                                       example_inputs=example,
                                       passes=tncompile.default_pipeline().remove("lower_dropout"))
+    no_siblings = tncompile.compile(dense, target_ratio=1 / 44.9, init="random", batch_sizes=[batch],
+                                    example_inputs=example,
+                                    passes=tncompile.default_pipeline().remove("fuse_siblings"))
     x = torch.randint(1, 30522, (batch, 128))
     y = torch.randint(0, 3, (batch,))
     steps = {}
-    for name, model in (("dense", dense), ("compiled", compiled), ("compiled, torch dropout", torch_dropout)):
+    for name, model in (("dense", dense), ("compiled", compiled), ("compiled, torch dropout", torch_dropout),
+                        ("compiled, no fuse_siblings", no_siblings)):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
         def step(model=model, opt=opt):
@@ -166,6 +171,7 @@ def bench_six_encoder(batch: int, reps: int) -> dict:
     out = {k: v / 1000 for k, v in interleaved_ms(steps, reps, warmup=5).items()}
     return {"batch": batch, "seq": 128, "step_s": out, "speedup": out["dense"] / out["compiled"],
             "speedup_torch_dropout": out["dense"] / out["compiled, torch dropout"],
+            "speedup_no_fuse_siblings": out["dense"] / out["compiled, no fuse_siblings"],
             "ratio": compiled.ratio, "breakdown_ms": {k: step_breakdown(fn) for k, fn in steps.items()}}
 
 
@@ -272,7 +278,8 @@ def main() -> None:
 def _print_six(six: dict) -> None:
     print(f"\nsix-encoder train step, batch {six['batch']}x128 (ratio {six['ratio']:.4f}): "
           + ", ".join(f"{k} {v:.2f}s" for k, v in six["step_s"].items())
-          + f" -> {six['speedup']:.2f}x ({six['speedup_torch_dropout']:.2f}x with torch's dropout)")
+          + f" -> {six['speedup']:.2f}x ({six['speedup_torch_dropout']:.2f}x with torch's dropout, "
+          f"{six['speedup_no_fuse_siblings']:.2f}x without fuse_siblings)")
     print("  where a profiled step's time goes (ms, mean of 3 steps; profiling slows memory-bound ops):")
     names = list(six["breakdown_ms"])
     print(f"    {'':28s}" + "".join(f"{n:>25s}" for n in names))

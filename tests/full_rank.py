@@ -22,5 +22,5 @@ def full_ranks(program):
 
 def compile_full_rank(model, example_inputs, **kw):
     passes = ["canonicalize", "follow_device", "tensorize", FunctionPass(full_ranks, "full_ranks"), "decompose",
-              "plan_contractions", "fuse_feed_forward", "lower_dropout", "fuse_attention"]
+              "plan_contractions", "fuse_feed_forward", "lower_dropout", "fuse_attention", "fuse_siblings"]
     return tncompile.compile(model, target_ratio=1.0, example_inputs=example_inputs, passes=passes, **kw)

@@ -90,7 +90,8 @@ def test_to_dense_matches_and_save_load_identical(tmp_path):
     assert torch.equal(loaded(ids), compiled(ids))
     assert loaded.ratio == compiled.ratio
     assert [r.name for r in loaded.program.history] == ["canonicalize", "follow_device", "tensorize", "assign_ranks", "decompose", "plan_contractions",
-                                                          "fuse_feed_forward", "lower_dropout", "fuse_attention"]
+                                                          "fuse_feed_forward", "lower_dropout", "fuse_attention",
+                                                          "fuse_siblings"]
     # state_dict round trip into a fresh load
     with torch.no_grad():
         for p in compiled.parameters():

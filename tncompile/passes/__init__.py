@@ -16,6 +16,7 @@ from .plan_contractions import PlanContractions
 from .fuse_feed_forward import FuseFeedForward
 from .lower_dropout import LowerDropout
 from .fuse_attention import FuseAttention
+from .fuse_siblings import FuseSiblings
 from .replan import Replan, replan_module
 from .truncate_ranks import Cut, TruncateRanks, cut_ranks
 from .collapse_layers import CollapseLayers
@@ -30,7 +31,8 @@ __all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "reg
 
 def default_pipeline() -> Pipeline:
     """``canonicalize -> follow_device -> tensorize -> assign_ranks -> decompose ->
-    plan_contractions -> fuse_feed_forward -> lower_dropout -> fuse_attention``, a fresh,
+    plan_contractions -> fuse_feed_forward -> lower_dropout -> fuse_attention -> fuse_siblings``, a fresh,
     editable copy."""
     return Pipeline(["canonicalize", "follow_device", "tensorize", "assign_ranks", "decompose",
-                     "plan_contractions", "fuse_feed_forward", "lower_dropout", "fuse_attention"])
+                     "plan_contractions", "fuse_feed_forward", "lower_dropout", "fuse_attention",
+                     "fuse_siblings"])

@@ -1,0 +1,71 @@
+"""``fuse_siblings``: TT linears that read the same tensor run through one pass over it.
+
+The rewrite, for every node ``%x`` that two or more different
+:class:`~tncompile.runtime.TTLinear` modules are called on::
+
+    %q = call_module[q](%x)                  %q_ref = get_attr[q] (and k, v)
+    %k = call_module[k](%x)        ==>       %qkv = tt_siblings(%x, (%q_ref, %k_ref, %v_ref))
+    %v = call_module[v](%x)                  %q = getitem(%qkv, 0)  (and 1, 2)
+
+inserted where the first of them was. The layers stay where they were in the module
+tree (same parameter names, state dict, rank control); the graph now passes them to
+:func:`~tncompile.runtime.siblings.tt_siblings`, which decides per call whether one pass
+over ``%x`` applies (CPU, enough rows, the merged factors no costlier than the planned
+contractions) and otherwise runs each layer as before. Counted under ``siblings`` (one
+per shared input) in the dump.
+"""
+from __future__ import annotations
+
+import operator
+
+from torch import fx
+
+from ..ir.program import Program
+from ..runtime.module_kinds import runs_as
+from ..runtime.siblings import tt_siblings
+from ..runtime.tt_layers import TTLinear
+from .base import Pass, register_pass
+from .canonicalize import require_canonical
+
+__all__ = ["FuseSiblings"]
+
+
+def _tt_calls_on(x: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
+    """The call_module nodes of distinct TT linears whose one argument is ``x`` (graph order)."""
+    seen, calls = set(), []
+    for node in gm.graph.nodes:
+        if (node.op == "call_module" and node.args == (x,) and not node.kwargs and node.target not in seen
+                and runs_as(gm.get_submodule(node.target), TTLinear)):
+            seen.add(node.target)
+            calls.append(node)
+    return calls
+
+
+@register_pass
+class FuseSiblings(Pass):
+    """Run TT linears that share an input through one pass over it (see the module doc)."""
+
+    name = "fuse_siblings"
+
+    def requires(self, program: Program) -> None:
+        require_canonical(program, self.name)
+
+    def run(self, program: Program) -> Program:
+        gm = program.graph_module
+        self.matches["siblings"] += 0
+        for x in list(gm.graph.nodes):
+            if sum(1 for u in x.users if u.op == "call_module") < 2:
+                continue
+            group = _tt_calls_on(x, gm)
+            if len(group) < 2:
+                continue
+            with gm.graph.inserting_before(group[0]):
+                refs = tuple(gm.graph.get_attr(node.target) for node in group)
+                fused = gm.graph.call_function(tt_siblings, (x, refs))
+                items = [gm.graph.call_function(operator.getitem, (fused, i)) for i in range(len(group))]
+            for node, item in zip(group, items):
+                item.meta = dict(node.meta)
+                node.replace_all_uses_with(item)
+                gm.graph.erase_node(node)
+            self.matches["siblings"] += 1
+        return program
