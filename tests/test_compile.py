@@ -135,7 +135,7 @@ def test_dumps_written_for_every_pass(tmp_path, monkeypatch):
                      "05-decompose.txt", "06-plan_contractions.json", "06-plan_contractions.txt",
                      "07-fuse_feed_forward.json", "07-fuse_feed_forward.txt",
                      "08-lower_dropout.json", "08-lower_dropout.txt", "09-fuse_attention.json",
-                     "09-fuse_attention.txt"]
+                     "09-fuse_attention.txt", "10-fuse_siblings.json", "10-fuse_siblings.txt"]
     text = (tmp_path / "env" / "05-decompose.txt").read_text()
     assert "TT 4x4x4->4x8x4" in text or "TT " in text
     doc = json.loads((tmp_path / "env" / "05-decompose.json").read_text())
