@@ -73,6 +73,33 @@ def call_spy(monkeypatch):
     return install
 
 
+@pytest.fixture
+def trains_like():
+    """``trains_like(compiled, plain, ids)``: a rewritten model computes what the model
+    without the rewrite does, outputs and every parameter's gradient."""
+    def check(compiled, plain, ids):
+        torch.testing.assert_close(compiled(ids), plain(ids), rtol=1e-5, atol=1e-5)
+        compiled(ids).square().sum().backward()
+        plain(ids).square().sum().backward()
+        for (name, p), q in zip(compiled.model.named_parameters(), plain.model.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    return check
+
+
+@pytest.fixture
+def reloads_with(tmp_path):
+    """``reloads_with(compiled, ids, function, count)``: a saved and loaded model still
+    calls ``function`` ``count`` times in its graph and gives the same outputs."""
+    def check(compiled, ids, function, count):
+        import tncompile
+        path = tmp_path / "rewritten.tnc"
+        tncompile.save(compiled, path)
+        loaded = tncompile.load(path)
+        assert sum(n.target is function for n in loaded.program.graph.nodes) == count
+        assert torch.equal(loaded(ids), compiled(ids))
+    return check
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

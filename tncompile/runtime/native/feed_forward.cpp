@@ -70,10 +70,6 @@ void activate_(at::Tensor& y, Act act) {
 
 // grad (dL/d act(y)) becomes dL/dy, in place
 void activation_backward_(at::Tensor& grad, const at::Tensor& y, Act act) {
-  if (act == Act::Gelu && grad.scalar_type() == at::kFloat && grad.is_contiguous() && y.is_contiguous()) {
-    vmath::gelu_backward_(grad.data_ptr<float>(), y.data_ptr<float>(), grad.numel());
-    return;
-  }
   switch (act) {
     case Act::Gelu: at::gelu_backward_out(grad, grad, y, "none"); break;
     case Act::GeluTanh: at::gelu_backward_out(grad, grad, y, "tanh"); break;

@@ -56,44 +56,31 @@ inline F32 exp(F32 x) {
   return (F32)((I32)(y * (F32)pow2) & ~under);
 }
 
-inline F32 erf(F32 x) {
-  const I32 sign = (I32)x & (int32_t)0x80000000;
-  const F32 a = (F32)((I32)x & 0x7FFFFFFF);
+// erf(z), given z and exp(-z^2) (a caller that has that exp passes it)
+inline F32 erf_with(F32 z, F32 exp_minus_z2) {
+  const I32 sign = (I32)z & (int32_t)0x80000000;
+  const F32 a = (F32)((I32)z & 0x7FFFFFFF);
   const F32 t = 1.0f / (a * 0.3275911f + 1.0f);
   F32 r = splat(1.061405429f);
   r = r * t - 1.453152027f;
   r = r * t + 1.421413741f;
   r = r * t - 0.284496736f;
   r = r * t + 0.254829592f;
-  const F32 magnitude = 1.0f - t * r * exp(-(a * a));
+  const F32 magnitude = 1.0f - t * r * exp_minus_z2;
   return (F32)((I32)magnitude ^ sign);
 }
+
+inline F32 erf(F32 x) { return erf_with(x, exp(-(x * x))); }
 
 constexpr float kSqrtHalf = 0.70710678118654752f, kInvSqrt2Pi = 0.39894228040143268f;
 
 // x <- x Phi(x), Phi the standard normal CDF
 inline F32 gelu(F32 x) { return x * (0.5f * (1.0f + erf(x * kSqrtHalf))); }
 
-// dL/dx from dL/dy = g at y = gelu(x): g (Phi(x) + x phi(x))
-inline F32 gelu_backward(F32 g, F32 x) {
-  const F32 cdf = 0.5f * (1.0f + erf(x * kSqrtHalf));
-  const F32 pdf = kInvSqrt2Pi * exp(-0.5f * x * x);
-  return g * (cdf + x * pdf);
-}
-
 // gelu(x) and gelu'(x) = Phi(x) + x phi(x) together: the one exp(-x^2 / 2) serves erf and phi
 inline void gelu_and_derivative(F32 x, F32& value, F32& derivative) {
   const F32 e = exp(-0.5f * x * x);
-  const I32 sign = (I32)x & (int32_t)0x80000000;
-  const F32 a = (F32)((I32)x & 0x7FFFFFFF) * kSqrtHalf;
-  const F32 t = 1.0f / (a * 0.3275911f + 1.0f);
-  F32 r = splat(1.061405429f);
-  r = r * t - 1.453152027f;
-  r = r * t + 1.421413741f;
-  r = r * t - 0.284496736f;
-  r = r * t + 0.254829592f;
-  const F32 erf_x = (F32)((I32)(1.0f - t * r * e) ^ sign);  // erf(x / sqrt 2), exp(-a^2) = e
-  const F32 cdf = 0.5f * (1.0f + erf_x);
+  const F32 cdf = 0.5f * (1.0f + erf_with(x * kSqrtHalf, e));
   value = x * cdf;
   derivative = cdf + x * (kInvSqrt2Pi * e);
 }
@@ -111,18 +98,6 @@ inline void gelu_(float* x, int64_t n) {
   int64_t i = 0;
   for (; i + kFloats <= n; i += kFloats) store(x + i, gelu(load(x + i)));
   if (i < n) tail(x + i, n - i, [](F32 v) { return gelu(v); });
-}
-
-// g <- dL/dx at pre-activations x
-inline void gelu_backward_(float* g, const float* x, int64_t n) {
-  int64_t i = 0;
-  for (; i + kFloats <= n; i += kFloats) store(g + i, gelu_backward(load(g + i), load(x + i)));
-  if (i < n) {
-    float xs[kFloats] = {};
-    for (int64_t j = 0; j < n - i; ++j) xs[j] = x[i + j];
-    const F32 xv = load(xs);
-    tail(g + i, n - i, [xv](F32 v) { return gelu_backward(v, xv); });
-  }
 }
 
 // value <- gelu(x), x <- gelu'(x)
