@@ -129,3 +129,44 @@ def test_inputs_it_does_not_take_return_none(ops):
     assert native_attention(q[None], k[None], v[None], None, 1.0, 0.1) is None  # 5-D
     three = native_attention(q[0], k[0], v[0], None, 1.0, 0.0)                      # (B, L, E): one head
     torch.testing.assert_close(three, written(q[0], k[0], v[0], None, 1.0), atol=1e-5, rtol=1e-4)
+
+
+class _WithMultiheadAttention(nn.Module):
+    """nn.MultiheadAttention inside an fx-traceable model: the frontend's SelfAttention."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(32, 64)
+        self.mha = nn.MultiheadAttention(64, 4, dropout=0.2, batch_first=True)
+        self.out = nn.Linear(64, 4)
+
+    def forward(self, x, pad):
+        h = self.inp(x)
+        return self.out(self.mha(h, h, h, key_padding_mask=pad, need_weights=False)[0])
+
+
+def test_lowered_multihead_attention_runs_the_kernel_in_training_only(ops, spy):
+    import tncompile
+    from tncompile.runtime.attention import SelfAttention
+    torch.manual_seed(0)
+    x, pad = torch.randn(4, 16, 32), torch.zeros(4, 16, dtype=torch.bool)
+    pad[:, 12:] = True
+    compiled = tncompile.compile(_WithMultiheadAttention(), target_ratio=0.6, mode="graph", example_inputs=(x, pad))
+    matches = next(r.matches for r in compiled.program.history if r.name == "lower_dropout")
+    assert matches["attention-dropout"] == 1
+    attend = [m for m in compiled.modules() if isinstance(m, SelfAttention)]
+    assert len(attend) == 1 and attend[0].native_dropout and "native_dropout=True" in repr(attend[0])
+    compiled.train()
+    compiled(x, pad).sum().backward()
+    assert spy == [(4, 4, 16, 16)]
+    full = pad.clone()
+    full[0] = True                               # a sequence of padding only: PyTorch's call (zeros, no NaN)
+    assert not compiled(x, full).isnan().any() and len(spy) == 1
+    compiled.eval()
+    compiled(x, pad)
+    assert len(spy) == 1
+    kept = tncompile.compile(_WithMultiheadAttention(), target_ratio=0.6, mode="graph", example_inputs=(x, pad),
+                             passes=tncompile.default_pipeline().remove("lower_dropout"))
+    assert not [m for m in kept.modules() if isinstance(m, SelfAttention)][0].native_dropout
+    kept.train()(x, pad)
+    assert len(spy) == 1

@@ -102,7 +102,7 @@ def test_dropout_spellings_then_lowering():
         [(0.2, True, False), (0.1, True, False), (0.4, False, False)]
     assert isinstance(program.graph_module.get_submodule("drop"), nn.Dropout)  # modules stay modules
     program = Pipeline(["lower_dropout"]).run(program, progress=False)
-    assert program.history[-1].matches == {"dropout-module": 1, "dropout-function": 3}
+    assert program.history[-1].matches == {"dropout-module": 1, "dropout-function": 3, "attention-dropout": 0}
     assert type(program.graph_module.get_submodule("drop")) is FastDropout
     assert [n.target for n in program.graph.nodes if n.op == "call_function"] == [dropout] * 3
 
@@ -171,7 +171,7 @@ def test_match_counts_in_the_dump(tmp_path):
     text = (tmp_path / "08-lower_dropout.txt").read_text()
     assert "# matches 01-canonicalize: gelu-module 0, gelu-function 2," in text
     assert "# matches 07-fuse_feed_forward: tt-act-tt 2" in text
-    assert "# matches 08-lower_dropout: dropout-module 4, dropout-function 0" in text
+    assert "# matches 08-lower_dropout: dropout-module 4, dropout-function 0, attention-dropout 0" in text
     assert compiled.program.history[6].matches == {"tt-act-tt": 2}
 
 

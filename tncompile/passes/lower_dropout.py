@@ -8,7 +8,11 @@ Two small rules over the canonical forms (``canonicalize`` runs first):
   state dict is unchanged);
 * ``dropout-function``: a canonical ``F.dropout(x, p=, training=, inplace=False)``
   call (every functional spelling, ``aten.dropout.default`` from
-  ``torch.export`` included) calls :func:`tncompile.runtime.dropout.dropout`.
+  ``torch.export`` included) calls :func:`tncompile.runtime.dropout.dropout`;
+* ``attention-dropout``: the fx frontend's
+  :class:`~tncompile.runtime.attention.SelfAttention` (``nn.MultiheadAttention``,
+  ``nn.TransformerEncoder``) with dropout gets ``native_dropout=True``: in training on
+  CPU it runs tncompile's native attention kernel with this generator.
 
 Where the native kernel does not apply (CUDA, bf16, autocast,
 ``torch.compile``) both run PyTorch's dropout. Remove the pass
@@ -19,6 +23,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..ir.program import Program
+from ..runtime.attention import SelfAttention
 from ..runtime.dropout import FastDropout, dropout
 from .base import Pass, register_pass
 from .canonicalize import DROPOUT, require_canonical
@@ -37,9 +42,20 @@ def _call_native(m: Match) -> None:
     m.root.target = dropout
 
 
+def _attention_with_dropout(node, gm) -> bool:
+    mod = gm.get_submodule(node.target)
+    return mod.dropout > 0 and not mod.native_dropout
+
+
+def _native_attention_dropout(m: Match) -> None:
+    m.module("root").native_dropout = True
+
+
 RULES = [
     Rule("dropout-module", Pat.module(nn.Dropout, name="root"), _swap_module),
     Rule("dropout-function", Pat.call(DROPOUT), _call_native),
+    Rule("attention-dropout", Pat.module(SelfAttention, name="root", where=_attention_with_dropout),
+         _native_attention_dropout),
 ]
 
 

@@ -53,6 +53,11 @@ class SelfAttention(nn.Module):
         On the attention weights, in training mode only.
     batch_first : bool
         As in ``nn.MultiheadAttention``.
+    native_dropout : bool
+        Set by the ``lower_dropout`` pass: in training with dropout on CPU, run
+        tncompile's native attention kernel with its counter-based dropout
+        (:func:`~tncompile.runtime.attention_kernel.native_attention`) instead of
+        PyTorch's unfused math path and generator.
 
     Shapes
     ------
@@ -60,9 +65,13 @@ class SelfAttention(nn.Module):
     ``(attention (like qkv with E columns), weights (N, L, L) or (N, H, L, L) or None)``.
     """
 
-    def __init__(self, num_heads: int, dropout: float = 0.0, batch_first: bool = False):
+    native_dropout = False  # files saved before the attribute existed load with PyTorch's dropout
+
+    def __init__(self, num_heads: int, dropout: float = 0.0, batch_first: bool = False,
+                 native_dropout: bool = False):
         super().__init__()
         self.num_heads, self.dropout, self.batch_first = num_heads, float(dropout), batch_first
+        self.native_dropout = bool(native_dropout)
 
     def forward(self, qkv: Tensor, attn_mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
                 need_weights: bool = False, average_attn_weights: bool = True) -> tuple[Tensor, Tensor | None]:
@@ -90,7 +99,13 @@ class SelfAttention(nn.Module):
             if unbatched:
                 weights = weights.squeeze(0)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            # PyTorch's attention gives rows whose every key is masked zeros (the kernel: NaN, as
+            # the written softmax does): such masks keep PyTorch's call
+            native = (p and self.native_dropout and q.device.type == "cpu"
+                      and (mask is None or not torch.isneginf(mask).all(-1).any()))
+            out = native_attention(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]), p) if native else None
+            if out is None:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         out = out.transpose(1, 2).reshape(batch, length, embed)
         if not self.batch_first:
             out = out.transpose(0, 1)
@@ -99,7 +114,8 @@ class SelfAttention(nn.Module):
         return out, weights
 
     def extra_repr(self) -> str:
-        return f"num_heads={self.num_heads}, dropout={self.dropout}, batch_first={self.batch_first}"
+        native = ", native_dropout=True" if self.native_dropout else ""
+        return f"num_heads={self.num_heads}, dropout={self.dropout}, batch_first={self.batch_first}{native}"
 
 
 class NestedPadding(nn.Module):
