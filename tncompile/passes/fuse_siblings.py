@@ -30,10 +30,10 @@ from .canonicalize import require_canonical
 __all__ = ["FuseSiblings"]
 
 
-def _tt_calls_on(x: fx.Node, gm: fx.GraphModule) -> list[fx.Node]:
+def _tt_calls_on(x: fx.Node, gm: fx.GraphModule, order: dict[fx.Node, int]) -> list[fx.Node]:
     """The call_module nodes of distinct TT linears whose one argument is ``x`` (graph order)."""
     seen, calls = set(), []
-    for node in gm.graph.nodes:
+    for node in sorted(x.users, key=lambda n: order.get(n, len(order))):  # a node this pass inserted: last
         if (node.op == "call_module" and node.args == (x,) and not node.kwargs and node.target not in seen
                 and runs_as(gm.get_submodule(node.target), TTLinear)):
             seen.add(node.target)
@@ -53,10 +53,9 @@ class FuseSiblings(Pass):
     def run(self, program: Program) -> Program:
         gm = program.graph_module
         self.matches["siblings"] += 0
+        order = {node: i for i, node in enumerate(gm.graph.nodes)}
         for x in list(gm.graph.nodes):
-            if sum(1 for u in x.users if u.op == "call_module") < 2:
-                continue
-            group = _tt_calls_on(x, gm)
+            group = _tt_calls_on(x, gm, order)
             if len(group) < 2:
                 continue
             with gm.graph.inserting_before(group[0]):

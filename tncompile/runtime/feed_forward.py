@@ -25,7 +25,7 @@ from torch import nn
 
 from .. import tuning
 from .cpu_gemm import cpu_gemm
-from .module_kinds import runs_as
+from .module_kinds import runs_as, runs_hooks
 from .native import kernels_for, traceable_kernels
 from .plans import bucket_of
 from .tracing import exporting
@@ -53,7 +53,7 @@ def uses_fused_kernel(x: torch.Tensor, first: nn.Module, second: nn.Module):
     """The native ops when :func:`tt_feed_forward` would fuse the block for
     input ``x``, else ``None``. The flop comparison is cached on ``second``
     per bucket and ranks."""
-    if not (runs_as(first, TTLinear) and runs_as(second, TTLinear)) or _hooked(first) or _hooked(second):
+    if not (runs_as(first, TTLinear) and runs_as(second, TTLinear)) or runs_hooks(first) or runs_hooks(second):
         return None
     if exporting():  # one form for every row count, core ATen ops only: the layers' own
         return None
@@ -71,14 +71,6 @@ def uses_fused_kernel(x: torch.Tensor, first: nn.Module, second: nn.Module):
         planned = first.plan_for(bucket).fwd_flops + second.plan_for(bucket).fwd_flops
         cheap = cache[key] = fused_macs(first, second, bucket) <= tuning.FUSE_FLOP_SLACK * planned
     return ops if cheap else None
-
-
-def _hooked(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs forward hooks (its own or global ones)."""
-    from torch.nn.modules import module as module_mod
-
-    return bool(module._forward_hooks or module._forward_pre_hooks or module_mod._global_forward_hooks
-                or module_mod._global_forward_pre_hooks)
 
 
 def tt_feed_forward(x: torch.Tensor, first: nn.Module, second: nn.Module, activation: str) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 __all__ = ["is_hf_conv1d", "linear_weight_of", "runs_as", "replaces_forward", "linear_on", "embedding_on",
-           "is_shard", "is_sharded"]
+           "runs_hooks", "is_shard", "is_sharded"]
 
 
 def is_hf_conv1d(module: nn.Module) -> bool:
@@ -54,6 +54,15 @@ def runs_as(module: nn.Module, cls: type) -> bool:
     wrapper subclass that keeps the forward (FSDP's), not a subclass that
     replaces it (whose behaviour tncompile cannot know)."""
     return isinstance(module, cls) and type(module).forward is cls.forward
+
+
+def runs_hooks(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs forward hooks (its own or global ones): a fused
+    call that skips the module's own ``__call__`` would skip them."""
+    from torch.nn.modules import module as module_mod
+
+    return bool(module._forward_hooks or module._forward_pre_hooks or module_mod._global_forward_hooks
+                or module_mod._global_forward_pre_hooks)
 
 
 def is_shard(t: torch.Tensor) -> bool:

@@ -24,20 +24,13 @@ import torch
 from torch import nn
 
 from .. import tuning
-from .module_kinds import runs_as
+from .module_kinds import runs_as, runs_hooks
 from .native import kernels_for
 from .plans import bucket_of
 from .tracing import exporting
 from .tt_layers import TTLinear, choice_cache, first_cpu_use
 
 __all__ = ["tt_siblings", "sibling_kernels"]
-
-
-def _hooked(module: nn.Module) -> bool:
-    from torch.nn.modules import module as module_mod
-
-    return bool(module._forward_hooks or module._forward_pre_hooks or module_mod._global_forward_hooks
-                or module_mod._global_forward_pre_hooks)
 
 
 def _factor_rank(layer: TTLinear) -> int:
@@ -48,7 +41,7 @@ def sibling_kernels(x: torch.Tensor, layers: Sequence[nn.Module]):
     """The native ops when :func:`tt_siblings` runs ``layers`` through one pass over
     ``x``, else ``None`` (see the module doc). The flop comparison is cached per layer
     and bucket."""
-    if len(layers) < 2 or exporting() or not all(runs_as(m, TTLinear) and not _hooked(m) for m in layers):
+    if len(layers) < 2 or exporting() or not all(runs_as(m, TTLinear) and not runs_hooks(m) for m in layers):
         return None
     width = layers[0].in_features
     if any(m.in_features != width for m in layers) or x.shape[-1:] != (width,):
