@@ -102,7 +102,8 @@ def test_dropout_spellings_then_lowering():
         [(0.2, True, False), (0.1, True, False), (0.4, False, False)]
     assert isinstance(program.graph_module.get_submodule("drop"), nn.Dropout)  # modules stay modules
     program = Pipeline(["lower_dropout"]).run(program, progress=False)
-    assert program.history[-1].matches == {"dropout-module": 1, "dropout-function": 3, "attention-dropout": 0}
+    assert program.history[-1].matches == {"dropout-module": 1, "dropout-function": 3, "attention-dropout": 0,
+                                           "attention-function": 0}
     assert type(program.graph_module.get_submodule("drop")) is FastDropout
     assert [n.target for n in program.graph.nodes if n.op == "call_function"] == [dropout] * 3
 

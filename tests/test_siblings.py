@@ -93,3 +93,18 @@ def test_pass_groups_query_key_value_and_keeps_parameter_names(ops, spy, trains_
     trains_like(compiled, plain, ids)
     assert len(spy) == 4                               # two layers, two forwards: one pass over x each
     reloads_with(compiled, ids, tt_siblings, 2)
+
+
+def test_graph_functions_survive_pickling(ops):
+    """fx pickles a graph module as its source and traces it again on load: the
+    rewrites' functions (``tt_siblings``, ``tt_feed_forward``) stay one call each."""
+    import pickle
+    from tncompile.runtime.feed_forward import tt_feed_forward
+    model = small_encoder(d_model=64, d_ff=256, max_len=64).eval()
+    ids = torch.randint(1, 1000, (2, 16))
+    compiled = tncompile.compile(model, target_ratio=0.2, example_inputs=(ids,))
+    back = pickle.loads(pickle.dumps(compiled))
+    targets = [n.target for n in back.program.graph.nodes]
+    assert targets.count(tt_siblings) == 2 and targets.count(tt_feed_forward) == 2
+    assert back.program.graph_module is back.model
+    assert torch.equal(back(ids), compiled(ids))

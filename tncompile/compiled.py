@@ -8,6 +8,7 @@ from torch import fx, nn
 
 from .ir.program import Program, module_at
 from .report import Report, build_report
+from .runtime.graph_functions import keep_functions_when_pickled
 from .runtime.tt_layers import TNModule, TTMTiedLinear
 
 __all__ = ["CompiledModel"]
@@ -33,6 +34,10 @@ class CompiledModel(nn.Module):
     @property
     def program(self) -> Program:
         return self._program
+
+    def __getstate__(self) -> dict:
+        keep_functions_when_pickled(self.model)  # the graph module is pickled before the program
+        return super().__getstate__()
 
     def forward(self, *args, **kwargs):
         args, kwargs = self._program.inputs.bind(args, kwargs)

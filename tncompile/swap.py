@@ -6,7 +6,8 @@ the user's module tree at the paths of the layers they replace (as PEFT and
 torchao do) and returns that model -- a copy unless ``inplace=True``. The
 model keeps its class and its own ``forward``: a HuggingFace model keeps
 ``config``, ``generate`` with its KV cache, masks, every keyword argument;
-dropout follows ``train()`` / ``eval()`` as written. ``save_pretrained`` writes a
+dropout follows ``train()`` / ``eval()`` as written (on tncompile's kernels when
+``lower_dropout`` is in the pipeline: :mod:`tncompile.swap_dropout`). ``save_pretrained`` writes a
 folder that ``tncompile.load(folder, model=TheClass)`` rebuilds exactly and that
 plain ``from_pretrained`` refuses (:mod:`tncompile.serialization.pretrained_folder`).
 
@@ -40,6 +41,7 @@ from .layers import is_compressible, kind_of
 from .report import Report, build_report
 from .runtime.module_kinds import replaces_forward
 from .runtime.tt_layers import TNModule, TTMTiedLinear
+from .swap_dropout import register_for, restore_dropout
 from .swap_experts import put_experts, restore_dense_experts
 from .swap_subclass import is_stand_in, network_of, put_stand_in, restore_subclass
 
@@ -144,6 +146,7 @@ class SwapMixin:
                     dense.set_submodule(path, dense_head)
                 else:  # a head subclass with its own forward, tied to the embedding
                     restore_subclass(layer, dense_head.weight, dense_head.bias)
+        restore_dropout(dense)
         return dense
 
     def save_pretrained(self, save_directory, **kwargs: Any) -> None:
@@ -162,6 +165,7 @@ class SwapMixin:
 
 
 def _rebuild(base: type) -> nn.Module:
+    register_for(base)  # an HF model's attention may be tncompile's, in a fresh process too
     cls = subclass_of(base)
     return cls.__new__(cls)
 

@@ -10,6 +10,7 @@ from torch import fx, nn
 
 from . import printers
 from .modules import count_params, module_at
+from ..runtime.graph_functions import keep_functions_when_pickled
 
 __all__ = ["Program", "InputSpec", "PassRecord", "count_params", "module_at"]
 
@@ -194,6 +195,12 @@ class Program:
         self.calibration = None
         self.calibration_summary: dict[str, dict[str, float]] = {}
         self.speed_estimates: dict = {}
+
+    def __getstate__(self) -> dict:
+        # fx pickles the graph module as its source and traces it again on load: keep
+        # tncompile's graph functions whole there
+        keep_functions_when_pickled(self.graph_module)
+        return self.__dict__
 
     @property
     def graph(self) -> fx.Graph:

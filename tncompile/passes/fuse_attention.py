@@ -21,7 +21,7 @@ absorbed (``layers.0.attention.fused_attention``, the dropout then its child
 root when there is none.
 
 Calls that already are fused attention -- ``F.scaled_dot_product_attention`` (HF models'
-"sdpa" implementation) and the fx frontend's
+"sdpa" implementation), ``lower_dropout``'s drop-in for it and the fx frontend's
 :class:`~tncompile.runtime.attention.SelfAttention` (``nn.MultiheadAttention``,
 ``nn.TransformerEncoder``) -- are counted under ``already-fused`` and left alone, so the
 dump's match counts say how every attention in the model runs.
@@ -38,6 +38,7 @@ from torch import fx, nn
 
 from ..ir.program import Program
 from ..runtime.attention import FusedAttention, SelfAttention
+from ..runtime.attention_kernel import scaled_dot_product_attention
 from ..runtime.dropout import FastDropout, dropout as native_dropout
 from .base import Pass, register_pass
 from .canonicalize import require_canonical
@@ -233,7 +234,7 @@ def _fuse(m: Match) -> None:
 RULES = [
     Rule("attention", Pat.call(MATMULS, name="root", where=lambda n, gm: _parse(n, gm) is not None), _fuse),
     Rule("already-fused", Pat.module(SelfAttention), lambda m: None),
-    Rule("already-fused", Pat.call(SDPA), lambda m: None),
+    Rule("already-fused", Pat.call(SDPA | {scaled_dot_product_attention}), lambda m: None),
 ]
 
 

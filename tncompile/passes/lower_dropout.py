@@ -12,7 +12,15 @@ Two small rules over the canonical forms (``canonicalize`` runs first):
 * ``attention-dropout``: the fx frontend's
   :class:`~tncompile.runtime.attention.SelfAttention` (``nn.MultiheadAttention``,
   ``nn.TransformerEncoder``) with dropout gets ``native_dropout=True``: in training on
-  CPU it runs tncompile's native attention kernel with this generator.
+  CPU it runs tncompile's native attention kernel with this generator;
+* ``attention-function``: an ``F.scaled_dot_product_attention`` call (or
+  ``aten.scaled_dot_product_attention``) with dropout -- its ``dropout_p`` read from
+  an :class:`~tncompile.runtime.attention.AttentionDropoutRate` (the frontend's
+  train/eval-following rate) or a nonzero number -- calls
+  :func:`tncompile.runtime.attention_kernel.scaled_dot_product_attention` instead:
+  the same function, on the native kernel in training on CPU.
+
+Swap mode makes the same choice in the user's module tree (:mod:`tncompile.swap_dropout`).
 
 Where the native kernel does not apply (CUDA, bf16, autocast,
 ``torch.compile``) both run PyTorch's dropout. Remove the pass
@@ -20,13 +28,15 @@ Where the native kernel does not apply (CUDA, bf16, autocast,
 """
 from __future__ import annotations
 
-from torch import nn
+from torch import fx, nn
 
 from ..ir.program import Program
-from ..runtime.attention import SelfAttention
+from ..runtime.attention import AttentionDropoutRate, SelfAttention
+from ..runtime.attention_kernel import scaled_dot_product_attention
 from ..runtime.dropout import FastDropout, dropout
 from .base import Pass, register_pass
 from .canonicalize import DROPOUT, require_canonical
+from .fuse_attention import SDPA
 from .rules import Match, Pat, Rule, apply_rules
 
 __all__ = ["LowerDropout"]
@@ -51,11 +61,23 @@ def _native_attention_dropout(m: Match) -> None:
     m.module("root").native_dropout = True
 
 
+def _sdpa_with_dropout(node: fx.Node, gm: fx.GraphModule) -> bool:
+    rate = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+    if isinstance(rate, fx.Node):
+        return rate.op == "call_module" and isinstance(gm.get_submodule(rate.target), AttentionDropoutRate)
+    return isinstance(rate, (int, float)) and rate > 0
+
+
+def _call_native_attention(m: Match) -> None:
+    m.root.target = scaled_dot_product_attention
+
+
 RULES = [
     Rule("dropout-module", Pat.module(nn.Dropout, name="root"), _swap_module),
     Rule("dropout-function", Pat.call(DROPOUT), _call_native),
     Rule("attention-dropout", Pat.module(SelfAttention, name="root", where=_attention_with_dropout),
          _native_attention_dropout),
+    Rule("attention-function", Pat.call(SDPA, where=_sdpa_with_dropout), _call_native_attention),
 ]
 
 

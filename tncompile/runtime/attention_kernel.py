@@ -17,12 +17,13 @@ generator seeded from PyTorch's default generator, as
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .dropout import _seed
 from .native import kernels_for
 
-__all__ = ["native_attention"]
+__all__ = ["native_attention", "native_sdpa", "scaled_dot_product_attention"]
 
 
 class _NativeAttention(torch.autograd.Function):
@@ -76,3 +77,64 @@ def native_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale
             return None
     out = _NativeAttention.apply(ops, q, k, v, mask, float(scale), float(p))
     return out.squeeze(1) if squeeze else out
+
+
+def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None = None,
+                                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                                 enable_gqa: bool = False) -> Tensor:
+    """``F.scaled_dot_product_attention`` (same arguments, same result), on the native
+    kernel where :func:`native_sdpa` takes the call: in training with dropout on CPU.
+    What ``lower_dropout`` puts in a graph's attention calls with dropout.
+
+    Shapes: as ``F.scaled_dot_product_attention``: ``(..., L, E)``, ``(..., S, E)``,
+    ``(..., S, F)`` -> ``(..., L, F)``.
+    """
+    out = native_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if out is not None:
+        return out
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def native_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                is_causal: bool, scale: float | None, enable_gqa: bool) -> Tensor | None:
+    """``F.scaled_dot_product_attention``'s call on the native kernel, or ``None`` where
+    the kernel does not compute exactly what it would: no dropout (PyTorch's CPU flash
+    attention is as fast), not CPU, a causal flag beside a mask (PyTorch refuses it), a
+    mask that leaves a query with no key (PyTorch gives zeros there, the softmax NaN) or
+    that needs a gradient, inputs :func:`native_attention` does not take.
+
+    Masks as PyTorch reads them: boolean ``True`` = attend, else added to the scores;
+    ``is_causal``: query ``i`` sees keys ``0..i``; ``enable_gqa``: key/value head ``j``
+    serves query heads ``j*g .. j*g+g-1``.
+
+    Shapes: ``query (B, H, L, E)`` (or ``(B, L, E)``) -> ``(B, H, L, F)``, a view of a
+    ``(B, L, H, F)`` tensor.
+    """
+    if not dropout_p or query.device.type != "cpu" or (is_causal and attn_mask is not None):
+        return None
+    if torch.compiler.is_compiling():  # the mask checks below read values; a tracer keeps PyTorch's call
+        return None
+    if query.dim() != key.dim() or query.dim() != value.dim():
+        return None
+    if enable_gqa and query.dim() == 4 and key.shape[1] != query.shape[1]:
+        if query.shape[1] % key.shape[1] or key.shape[1] != value.shape[1]:
+            return None
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    length, keys = query.shape[-2], key.shape[-2]
+    if is_causal:
+        mask = torch.full((length, keys), float("-inf"), dtype=query.dtype, device=query.device).triu_(1)
+    elif attn_mask is None:
+        mask = None
+    elif attn_mask.dtype == torch.bool:
+        if not attn_mask.any(-1).all():
+            return None
+        mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=attn_mask.device)
+        mask.masked_fill_(attn_mask.logical_not(), float("-inf"))
+    elif attn_mask.requires_grad or torch.isneginf(attn_mask).all(-1).any():
+        return None
+    else:
+        mask = attn_mask
+    factor = float(scale) if scale is not None else query.shape[-1] ** -0.5
+    return native_attention(query, key, value, mask, factor, float(dropout_p))

@@ -22,6 +22,7 @@ from torch import nn
 
 from ..errors import ModelFileError
 from ..ir.program import Program, module_at
+from ..swap_dropout import lower_dropout_into, wants_native_dropout
 from ..swap_experts import is_expert_parameter
 from ..swap import Resync, is_swapped, subclass_of, swap_into, swappable_layers, user_class
 from .codec import Decoder, Encoder, qualified_name
@@ -95,6 +96,8 @@ def attach_swap(program: Program, data: Any, dec: Decoder, model: Any, path) -> 
     _share(program, model)
     model.__class__ = subclass_of(type(model))
     model.__dict__["_tncompile_program"] = program
+    if wants_native_dropout(program):
+        lower_dropout_into(model)
     program.listeners.append(Resync(model))
     return model
 

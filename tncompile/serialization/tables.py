@@ -28,11 +28,10 @@ from torch import nn
 from ..passes.pending import PendingLayer
 from ..runtime.attention import AttentionDropoutRate, FusedAttention, NestedPadding, SelfAttention
 from ..runtime.collapsed import CollapsedLayer
-from ..runtime.dropout import FastDropout, dropout as native_dropout
+from ..runtime.dropout import FastDropout
 from ..runtime.embedding_bag import TTMEmbeddingBag
 from ..runtime.experts import ExpertLinear, TTExperts
-from ..runtime.feed_forward import tt_feed_forward
-from ..runtime.siblings import tt_siblings
+from ..runtime.graph_functions import GRAPH_FUNCTIONS
 from ..runtime.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
 
 __all__ = ["IDENTIFIER", "QUALNAME", "is_identifier", "is_qualname", "function_table", "function_name",
@@ -98,9 +97,7 @@ lshift rshift truth iadd isub imul itruediv ifloordiv imod ipow imatmul iand ior
 """.split()
 _BUILTINS = "getattr len int float bool min max abs round slice range tuple list".split()
 # tncompile's own functions that passes put into graphs
-_TNCOMPILE = {"tncompile.runtime.dropout.dropout": native_dropout,
-              "tncompile.runtime.feed_forward.tt_feed_forward": tt_feed_forward,
-              "tncompile.runtime.siblings.tt_siblings": tt_siblings}
+_TNCOMPILE = {f"{f.__module__}.{f.__qualname__}": f for f in GRAPH_FUNCTIONS}
 
 # functions whose literal int arguments are sizes of a new tensor (checked against the file's size)
 ALLOCATING_FUNCTIONS = frozenset({
