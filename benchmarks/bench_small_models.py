@@ -1,7 +1,7 @@
 """Does a small model get slower when compiled? A 2-layer, 128-wide BERT, one training step.
 
     python benchmarks/bench_small_models.py [--ratio 0.3] [--batch 32] [--length 64] [--no-torch-compile]
-                                            [--device cuda] [--mode graph|swap|auto]
+                                            [--device cuda] [--mode graph|swap|auto] [--family bert|gpt2|llama]
 
 Issue 28's first point: layers whose TT network costs fewer multiply-adds than the
 dense layer but more kernels and Python calls can lose in time. The model
@@ -11,7 +11,11 @@ an HF model; written to ``small_models_auto.json``) at
 ``--ratio``; each step is a forward over ``batch x length`` ids and a backward of a
 mean-square loss on the last hidden state. Timed interleaved against the dense model,
 eagerly and, unless ``--no-torch-compile``, with both models under ``torch.compile``.
-Writes ``benchmarks/results/small_models.json`` with the host's copy bandwidth and
+``--family gpt2`` (``GPT2LMHeadModel``, 256 wide, 4 layers, 4 heads, dropout 0.1
+everywhere) and ``--family llama`` (``LlamaForCausalLM``, 256 wide, 4 layers, 4 query
+and 2 key/value heads, FFN 688, attention dropout 0.1) train on their language-model
+loss instead. Writes ``benchmarks/results/small_models.json`` (``small_models_<family>``
+for the others; ``_<mode>`` unless graph mode) with the host's copy bandwidth and
 GEMM throughput (``small_models_cuda.json`` on a GPU, where every timed step ends with a
 synchronize).
 """
@@ -27,6 +31,28 @@ import tncompile
 from common import interleaved_ms, machine, write_json
 
 
+def _bert(length: int):
+    config = transformers.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=512, max_position_embeddings=length)
+    return "BertModel hidden 128, 2 layers, FFN 512", transformers.BertModel(config)
+
+
+def _gpt2(length: int):
+    config = transformers.GPT2Config(vocab_size=1000, n_embd=256, n_layer=4, n_head=4, n_positions=length)
+    return "GPT2LMHeadModel hidden 256, 4 layers, dropout 0.1", transformers.GPT2LMHeadModel(config)
+
+
+def _llama(length: int):
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1,
+                                      max_position_embeddings=length)
+    return ("LlamaForCausalLM hidden 256, 4 layers, 4/2 heads, FFN 688, attention dropout 0.1",
+            transformers.LlamaForCausalLM(config))
+
+
+FAMILIES = {"bert": _bert, "gpt2": _gpt2, "llama": _llama}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ratio", type=float, default=0.3)
@@ -37,12 +63,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--mode", default="graph", choices=["graph", "swap", "auto"],
                     help="compile mode (auto: what a user gets by default; swap for HF models)")
+    ap.add_argument("--family", default="bert", choices=list(FAMILIES))
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=512, max_position_embeddings=args.length)
-    dense = transformers.BertModel(config).train().to(device)
+    describe, dense = FAMILIES[args.family](args.length)
+    dense = dense.train().to(device)
     ids = torch.randint(0, 1000, (args.batch, args.length), device=device)
     compiled = tncompile.compile(dense, target_ratio=args.ratio, example_inputs={"input_ids": ids},
                                  mode=args.mode).train()
@@ -50,7 +76,10 @@ def main() -> None:
 
     def step(model):
         def run():
-            model(input_ids=ids).last_hidden_state.square().mean().backward()
+            if args.family == "bert":
+                model(input_ids=ids).last_hidden_state.square().mean().backward()
+            else:
+                model(input_ids=ids, labels=ids).loss.backward()
         return run
 
     def clear():
@@ -70,10 +99,10 @@ def main() -> None:
                      "speed_vs_dense": round(ms["dense"] / ms["compiled"], 3)})
         print(f"{case:14s} dense {ms['dense']:8.2f} ms  compiled {ms['compiled']:8.2f} ms  "
               f"{ms['dense'] / ms['compiled']:5.2f}x dense", flush=True)
-    name = "small_models" + ("" if device.type == "cpu" else f"_{device.type}") + \
-        ("" if args.mode == "graph" else f"_{args.mode}") + ".json"
+    name = "small_models" + ("" if args.family == "bert" else f"_{args.family}") + \
+        ("" if device.type == "cpu" else f"_{device.type}") + ("" if args.mode == "graph" else f"_{args.mode}") + ".json"
     path = write_json(name, {
-        "benchmark": "small_models", "model": "BertModel hidden 128, 2 layers, FFN 512", "ratio": compiled.ratio, "mode": args.mode,
+        "benchmark": "small_models", "model": describe, "ratio": compiled.ratio, "mode": args.mode,
         "batch": args.batch, "length": args.length, "rows": rows, "device": str(device), **machine(device)})
     print(f"wrote {path}")
 
