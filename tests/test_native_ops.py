@@ -90,3 +90,54 @@ def test_planned_contraction_as_one_op(rows, bias):
     # numerical Jacobian took a minute on 2 cores)
     assert torch.autograd.gradcheck(lambda h, *c: traced_contract([h, *c], b, key)[0], (h, *cores),
                                     fast_mode=rows > 50)
+
+
+def _attention_args(dtype, mask=True, grad=True, keep_probs=True):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, e, generator=g, dtype=dtype).requires_grad_(grad)
+               for n, e in ((5, 4), (7, 4), (7, 6)))
+    bias = torch.randn(2, 1, 5, 7, generator=g, dtype=dtype) if mask else None
+    return (q, k, v, bias, 0.5, 0.25, torch.tensor(1234), keep_probs)
+
+
+@pytest.mark.parametrize("mask", [True, False], ids=["mask", "no-mask"])
+def test_dropout_and_attention_ops_opcheck_and_equal_the_eager_kernels(ops, mask):
+    """traced_dropout / traced_attention: opcheck, and the eager kernels' values for the same seed."""
+    x = torch.randn(6, 33, requires_grad=True)
+    torch.library.opcheck(torch.ops.tncompile.traced_dropout.default, (x, 0.3, torch.tensor(77)))
+    y, keep = traced.dropout(x, 0.3, torch.tensor(77))
+    eager_y, eager_keep = ops.dropout_forward(x.detach(), 0.3, 77)
+    assert torch.equal(y, eager_y) and torch.equal(keep, eager_keep)
+    args = _attention_args(torch.float32, mask)
+    torch.library.opcheck(torch.ops.tncompile.traced_attention.default, args)
+    q, k, v, bias, scale, p, seed, _ = args
+    out, probs = traced.attention(*args)
+    eager_out, eager_probs = ops.attention_forward(q.detach(), k.detach(), v.detach(), bias, scale, p, 1234, True)
+    assert torch.equal(out, eager_out) and torch.equal(probs, eager_probs) and out.stride() == eager_out.stride()
+    no_probs = traced.attention(*args[:-1], False)
+    assert torch.equal(no_probs[0], out) and no_probs[1].numel() == 0
+
+
+def test_dropout_and_attention_ops_gradcheck(ops):
+    """Gradients through the ops (float64) equal the written steps with the op's own masks."""
+    x = torch.randn(4, 9, dtype=f64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: traced.dropout(t, 0.4, torch.tensor(5))[0], (x,))
+    q, k, v, bias, scale, p, seed, keep_probs = _attention_args(f64)
+    assert torch.autograd.gradcheck(lambda a, b, c: traced.attention(a, b, c, bias, scale, p, seed, True)[0],
+                                    (q, k, v))
+    _, probs = traced.attention(q, k, v, bias, scale, p, seed, True)
+    keep = ~torch.signbit(probs)  # the kernel's encoding: a dropped weight saved negated
+    weights = torch.softmax(scale * q @ k.transpose(-2, -1) + bias, -1)
+    torch.testing.assert_close(traced.attention(q, k, v, bias, scale, p, seed, True)[0],
+                               (weights * keep / (1 - p)) @ v)
+
+
+@pytest.mark.parametrize("name", ["dropout", "attention"])
+def test_dropout_and_attention_ops_run_on_fake_tensors(name):
+    args = (torch.randn(3, 8), 0.2, torch.tensor(3)) if name == "dropout" else _attention_args(torch.float32, grad=False)
+    real = getattr(traced, name)(*args)
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+        out = getattr(traced, name)(*fake)
+    for a, b in zip(out, real):
+        assert a.shape == b.shape and a.dtype == b.dtype and a.stride() == b.stride()

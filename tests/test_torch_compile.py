@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import tncompile
-from tncompile.zoo import six_encoder
+from tncompile.zoo import six_encoder, small_encoder
 
 
 def _bert():
@@ -105,3 +105,46 @@ def test_traced_steps_take_the_eager_gradient_gemms(rows):
         assert want.abs().max() > 0
         torch.testing.assert_close(g, want, rtol=1e-9, atol=1e-9)
     torch._dynamo.reset()
+
+
+def _bert_train():
+    import transformers as tf
+    cfg = tf.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=64, num_labels=3)
+    ids = torch.randint(0, 1000, (2, 16))
+    model = tncompile.compile(tf.BertForSequenceClassification(cfg).train(), target_ratio=0.3,
+                              example_inputs={"input_ids": ids})
+    assert model.config._attn_implementation == "tncompile_sdpa"  # swap mode, lower_dropout's attention
+    return model, {"input_ids": ids}, (lambda out: out.logits)
+
+
+def _encoder_train():
+    ids = torch.randint(1, 1000, (2, 32))
+    return tncompile.compile(small_encoder(d_model=64, d_ff=256, max_len=64).train(), target_ratio=0.2,
+                             example_inputs=(ids,)), {"ids": ids}, (lambda out: out)
+
+
+@pytest.mark.parametrize("build", [_encoder_train, _bert_train], ids=["encoder-graph", "bert-swap"])
+def test_training_with_dropout_runs_the_native_kernels_as_ops(ops, build):
+    """In training, dropout and attention with dropout trace as tncompile's ops (no graph
+    break), draw their seeds in the graph, and -- with the generator left to PyTorch
+    (aot_eager) -- give exactly the eager model's outputs and gradients."""
+    torch.manual_seed(0)
+    compiled, inputs, logits = build()
+    explained = torch._dynamo.explain(compiled)(**inputs)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    code = explained.graphs[0].code
+    assert "traced_dropout" in code and "traced_attention" in code
+    torch._dynamo.reset()
+    traced = torch.compile(compiled, fullgraph=True, backend="aot_eager")
+    results = []
+    for run in (traced, compiled):
+        torch.manual_seed(1)
+        loss = F.cross_entropy(logits(run(**inputs)), torch.tensor([0, 1]))
+        loss.backward()
+        results.append((loss.detach(), [p.grad.clone() for p in compiled.parameters()]))
+        compiled.zero_grad()
+    (loss_t, grads_t), (loss_e, grads_e) = results
+    torch.testing.assert_close(loss_t, loss_e, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads_t, grads_e):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

@@ -9,9 +9,10 @@ took about a sixth of the step). :data:`NAME` (``"tncompile_sdpa"``) is
 ``"sdpa"`` with one difference: a training call with dropout on CPU runs
 :func:`~tncompile.runtime.attention_kernel.native_attention` (one head's
 scores in cache, the dropout drawn by the native counter-based generator).
-Every other call -- eval, no dropout, CUDA, ``torch.compile``, a mask that
-needs a gradient or leaves a query row with no key, ``output_attentions``,
-softcapping -- is ``transformers``' own ``sdpa_attention_forward``, unchanged.
+Every other call -- eval, no dropout, CUDA, a mask that needs a gradient or
+leaves a query row with no key (under ``torch.compile``: any mask but the causal
+one, whose rows a tracer cannot check), ``output_attentions``, softcapping -- is
+``transformers``' own ``sdpa_attention_forward``, unchanged.
 Its masks are the ``"sdpa"`` ones (``sdpa_mask``).
 
 Swap mode switches a model's configs from ``"sdpa"`` to :data:`NAME` when the
@@ -19,7 +20,6 @@ Swap mode switches a model's configs from ``"sdpa"`` to :data:`NAME` when the
 """
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -62,7 +62,7 @@ def native_call(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, at
                 dropout: float, scaling: float | None, is_causal: bool | None, kwargs: dict) -> Tensor | None:
     """The native kernel's ``(B, L, H, F)`` output for a training call with dropout on
     CPU that it computes exactly as ``sdpa_attention_forward`` would, else ``None``."""
-    if not dropout or query.device.type != "cpu" or query.dim() != 4 or torch.compiler.is_compiling():
+    if not dropout or query.device.type != "cpu" or query.dim() != 4:
         return None
     if kwargs.get("softcap") is not None or kwargs.get("output_attentions") or kwargs.get("position_bias") is not None:
         return None

@@ -101,8 +101,7 @@ class SelfAttention(nn.Module):
         else:
             # PyTorch's attention gives rows whose every key is masked zeros (the kernel: NaN, as
             # the written softmax does): such masks keep PyTorch's call
-            native = (p and self.native_dropout and q.device.type == "cpu"
-                      and (mask is None or not torch.isneginf(mask).all(-1).any()))
+            native = p and self.native_dropout and q.device.type == "cpu" and _every_row_has_a_key(mask)
             out = native_attention(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]), p) if native else None
             if out is None:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
@@ -116,6 +115,15 @@ class SelfAttention(nn.Module):
     def extra_repr(self) -> str:
         native = ", native_dropout=True" if self.native_dropout else ""
         return f"num_heads={self.num_heads}, dropout={self.dropout}, batch_first={self.batch_first}{native}"
+
+
+def _every_row_has_a_key(mask: Tensor | None) -> bool:
+    """Whether no query row of an additive ``mask`` is ``-inf`` at every key (then the
+    kernel's softmax gives NaN where PyTorch's attention gives zeros). A tracer cannot
+    read the values: under ``torch.compile`` only the absent mask counts as checked."""
+    if mask is None:
+        return True
+    return not torch.compiler.is_compiling() and not bool(torch.isneginf(mask).all(-1).any())
 
 
 class NestedPadding(nn.Module):

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .dropout import _seed
-from .native import kernels_for
+from .native import kernels_for, traceable_kernels
 
 __all__ = ["native_attention", "native_sdpa", "scaled_dot_product_attention"]
 
@@ -48,15 +48,19 @@ def native_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale
     """``dropout(softmax(scale q k^T + mask), p) @ v`` on the native kernel, or
     ``None`` where it does not apply (then the caller runs its own path).
 
-    Applies to CPU float32/float64 tensors outside ``torch.compile`` and
-    autocast, ``q (B, H, L, E)``, ``k (B, H, S, E)``, ``v (B, H, S, F)`` (or
-    the same without ``H``), in any strides, and an additive mask of ``q``'s
-    dtype that broadcasts to ``(B, H, L, S)`` and needs no gradient.
+    Applies to CPU float32/float64 tensors outside autocast (under ``torch.compile``
+    as the traceable op ``tncompile::traced_attention``), ``q (B, H, L, E)``,
+    ``k (B, H, S, E)``, ``v (B, H, S, F)`` (or the same without ``H``), in any
+    strides, and an additive mask of ``q``'s dtype that broadcasts to
+    ``(B, H, L, S)`` and needs no gradient.
 
     Shapes: -> ``(B, H, L, F)`` (a view of a ``(B, L, H, F)`` tensor).
     """
-    ops = kernels_for(q)
-    if ops is None or not 3 <= q.dim() <= 4 or not q.dim() == k.dim() == v.dim() or not 0.0 <= p < 1.0:
+    traced = traceable_kernels(q)  # torch.compile / export: one opaque op each way
+    ops = kernels_for(q) if traced is None else None
+    if ops is None and traced is None:
+        return None
+    if not 3 <= q.dim() <= 4 or not q.dim() == k.dim() == v.dim() or not 0.0 <= p < 1.0:
         return None
     if not (q.dtype == k.dtype == v.dtype) or (k.device, v.device) != (q.device, q.device):
         return None
@@ -75,7 +79,12 @@ def native_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale
             mask = mask.expand(batch, heads, length, k.shape[2])
         except RuntimeError:
             return None
-    out = _NativeAttention.apply(ops, q, k, v, mask, float(scale), float(p))
+    if traced is not None:
+        keep_probs = q.requires_grad or k.requires_grad or v.requires_grad
+        seed = traced.seed() if p else torch.zeros((), dtype=torch.int64)
+        out = traced.attention(q, k, v, mask, float(scale), float(p), seed, keep_probs)[0]
+    else:
+        out = _NativeAttention.apply(ops, q, k, v, mask, float(scale), float(p))
     return out.squeeze(1) if squeeze else out
 
 
@@ -113,8 +122,6 @@ def native_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | N
     """
     if not dropout_p or query.device.type != "cpu" or (is_causal and attn_mask is not None):
         return None
-    if torch.compiler.is_compiling():  # the mask checks below read values; a tracer keeps PyTorch's call
-        return None
     if query.dim() != key.dim() or query.dim() != value.dim():
         return None
     if enable_gqa and query.dim() == 4 and key.shape[1] != query.shape[1]:
@@ -127,6 +134,8 @@ def native_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | N
         mask = torch.full((length, keys), float("-inf"), dtype=query.dtype, device=query.device).triu_(1)
     elif attn_mask is None:
         mask = None
+    elif torch.compiler.is_compiling():  # the masks' checks below read values: a tracer keeps PyTorch's call
+        return None
     elif attn_mask.dtype == torch.bool:
         if not attn_mask.any(-1).all():
             return None

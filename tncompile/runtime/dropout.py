@@ -5,7 +5,7 @@ two more passes over the tensor, and a float mask kept for backward); in a
 compressed transformer's training step that is a quarter of the time. The
 ``lower_dropout`` pass swaps ``nn.Dropout`` modules for :class:`FastDropout`
 and functional dropout calls for :func:`dropout`, which on CPU (fp32/fp64,
-no autocast, not traced by ``torch.compile``) run ``tncompile::dropout_*``
+no autocast) run ``tncompile::dropout_*``
 (:mod:`.native`): Philox4x32-10 keyed by a seed drawn from PyTorch's default
 generator, one pass each way, a one-byte mask.
 
@@ -13,7 +13,9 @@ Semantics are dropout's: each element is zeroed independently with
 probability ``p`` and the rest are scaled by ``1 / (1 - p)``; eval mode is
 the identity. The masks differ from PyTorch's own for the same seed (as
 with ``torch.compile``'s generated kernels), but ``torch.manual_seed`` still
-makes a run repeat exactly, on any number of threads.
+makes a run repeat exactly, on any number of threads. Under ``torch.compile``
+the same kernel runs as one opaque op (``tncompile::traced_dropout``) whose seed
+is drawn inside the compiled graph.
 """
 from __future__ import annotations
 
@@ -21,15 +23,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .native import kernels_for
+from .native import kernels_for, traceable_kernels
+from .native.traced import seed as seed_tensor
 
 __all__ = ["FastDropout", "dropout"]
 
 
 def _seed() -> int:
-    """A 63-bit seed from PyTorch's default CPU generator (so manual_seed and
-    saved RNG states govern the masks)."""
-    return int(torch.empty((), dtype=torch.int64).random_())
+    """A seed from PyTorch's default CPU generator (so manual_seed and saved RNG
+    states govern the masks), drawn as the traced ops draw theirs
+    (:func:`.native.traced.seed`): a model and its ``torch.compile``-d form draw
+    the same masks where the compiler leaves PyTorch's generator in place."""
+    return int(seed_tensor())
 
 
 class _NativeDropout(torch.autograd.Function):
@@ -55,7 +60,12 @@ def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace:
     """
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
-    ops = kernels_for(input) if training and 0.0 < p < 1.0 and not inplace else None
+    if not (training and 0.0 < p < 1.0 and not inplace):
+        return F.dropout(input, p, training, inplace)
+    traced = traceable_kernels(input)  # torch.compile / export: one opaque op, its seed drawn in the graph
+    if traced is not None:
+        return traced.dropout(input, float(p), traced.seed())[0]
+    ops = kernels_for(input)
     if ops is None:
         return F.dropout(input, p, training, inplace)
     return _NativeDropout.apply(ops, input, float(p))

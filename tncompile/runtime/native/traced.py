@@ -16,7 +16,10 @@ here wrap the same kernels for those tracers:
 ``torch.library.opcheck`` checks every op against its fake kernel and its
 autograd formula (``tests/test_native_ops.py``). Ops: ``traced_thin_expand``
 (``t @ w + bias``), ``traced_thin_project`` (``x @ w``), ``traced_ffn``
-(``act(t @ w1 + b1) @ w2``), and the backward ops of the first and third.
+(``act(t @ w1 + b1) @ w2``), ``traced_dropout`` and ``traced_attention`` (attention
+with dropout), and the backward ops of all but the second. The dropout ops take their
+seed as a tensor (:func:`seed`, drawn in the traced graph), so each op is a pure
+function of its inputs: a compiler may reorder or recompute it safely.
 A TTM lookup traces as one op of its own, which calls the native gathered
 product inside (:mod:`tncompile.runtime.traced_lookup`).
 """
@@ -28,7 +31,7 @@ from torch import Tensor
 
 from . import native_ops
 
-__all__ = ["thin_expand", "thin_project", "ffn", "separate_outputs", "empty_grad"]
+__all__ = ["thin_expand", "thin_project", "ffn", "dropout", "attention", "seed", "separate_outputs", "empty_grad"]
 
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu}
 
@@ -41,6 +44,12 @@ def _native(*tensors: Tensor):
     if any(t.device.type != "cpu" or t.dtype != first.dtype for t in tensors[1:]):
         return None
     return native_ops()
+
+
+def seed() -> Tensor:
+    """A seed for the dropout ops, drawn from PyTorch's generator inside the traced graph
+    (an int64 scalar; under ``torch.compile`` the compiler's own random stream)."""
+    return torch.randint(0, 2 ** 62, (), dtype=torch.int64)
 
 
 def empty_grad(like: Tensor) -> Tensor:
@@ -203,3 +212,125 @@ def _ffn_grad(ctx, du):
 
 
 ffn.register_autograd(_ffn_grad, setup_context=_ffn_setup)
+
+
+# ----------------------------------------------------------------- dropout
+@torch.library.custom_op("tncompile::traced_dropout", mutates_args=())
+def dropout(x: Tensor, p: float, seed: Tensor) -> tuple[Tensor, Tensor]:
+    """``(x`` with each element zeroed with probability ``p`` and the rest scaled by
+    ``1 / (1 - p)``, the boolean keep-mask``)``, drawn from the counter-based generator
+    keyed by ``seed`` (an int64 scalar tensor): the eager kernel's masks for that seed.
+
+    Shapes: ``x`` any -> ``(like x, contiguous; bool like x)``.
+    """
+    ops = _native(x)
+    if ops is not None:
+        return ops.dropout_forward(x, p, int(seed))
+    generator = torch.Generator(device=x.device).manual_seed(int(seed) & (2 ** 63 - 1))
+    keep = torch.rand(x.shape, generator=generator, device=x.device) >= p
+    return (x * keep / (1.0 - p)).contiguous(), keep
+
+
+@dropout.register_fake
+def _(x, p, seed):
+    return x.new_empty(x.shape), x.new_empty(x.shape, dtype=torch.bool)
+
+
+@torch.library.custom_op("tncompile::traced_dropout_backward", mutates_args=())
+def dropout_backward(grad: Tensor, keep: Tensor, scale: float) -> Tensor:
+    """``grad * keep * scale``: dropout's input gradient."""
+    ops = _native(grad)
+    if ops is not None:
+        return ops.dropout_backward(grad, keep, scale).contiguous()
+    return (grad * keep * scale).contiguous()
+
+
+@dropout_backward.register_fake
+def _(grad, keep, scale):
+    return grad.new_empty(grad.shape)
+
+
+def _dropout_setup(ctx, inputs, output):
+    ctx.scale = 1.0 / (1.0 - inputs[1])
+    ctx.save_for_backward(output[1])
+
+
+def _dropout_grad(ctx, grad, _keep_grad):
+    (keep,) = ctx.saved_tensors
+    return dropout_backward(grad.contiguous(), keep, ctx.scale), None, None
+
+
+dropout.register_autograd(_dropout_grad, setup_context=_dropout_setup)
+
+
+# ----------------------------------------------------------------- attention with dropout
+def _attention_native(*tensors: Tensor):
+    ops = _native(*tensors)
+    if ops is None:
+        raise RuntimeError("tncompile::traced_attention runs the native CPU kernel: float32/float64 CPU tensors "
+                           f"of one dtype, got {[(t.dtype, t.device.type) for t in tensors]}")
+    return ops
+
+
+def _heads_last(b: int, h: int, length: int, width: int, like: Tensor) -> Tensor:
+    """An empty ``(b, h, length, width)`` view of ``(b, length, h, width)`` memory: the kernel's layout."""
+    return like.new_empty((b, length, h, width)).permute(0, 2, 1, 3)
+
+
+@torch.library.custom_op("tncompile::traced_attention", mutates_args=())
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, p: float, seed: Tensor,
+              keep_probs: bool) -> tuple[Tensor, Tensor]:
+    """``dropout(softmax(scale q k^T + mask), p) @ v`` and, if ``keep_probs``, the softmax
+    weights for backward (a dropped weight saved negated), with the dropout keyed by
+    ``seed`` (an int64 scalar tensor).
+
+    Shapes: ``q (B, H, L, E)``, ``k (B, H, S, E)``, ``v (B, H, S, F)``, ``mask`` in q's
+    dtype broadcastable to ``(B, H, L, S)`` -> ``(out (B, H, L, F)`` over ``(B, L, H, F)``
+    memory, ``weights (B, H, L, S)`` or ``(0,))``.
+    """
+    ops = _attention_native(q, k, v)
+    out, probs = ops.attention_forward(q, k, v, mask, scale, p, int(seed), keep_probs)
+    return out, probs if keep_probs else empty_grad(q)
+
+
+@attention.register_fake
+def _(q, k, v, mask, scale, p, seed, keep_probs):
+    b, h, length, _ = q.shape
+    probs = q.new_empty((b, h, length, k.shape[2])) if keep_probs else empty_grad(q)
+    return _heads_last(b, h, length, v.shape[3], q), probs
+
+
+@torch.library.custom_op("tncompile::traced_attention_backward", mutates_args=())
+def attention_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, probs: Tensor, scale: float,
+                       p: float) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of ``q, k, v`` from the forward's saved weights (each over ``(B, L, H, ·)`` memory)."""
+    ops = _attention_native(grad, q, k, v, probs)
+    dq, dk, dv = ops.attention_backward(grad, q, k, v, probs, scale, p)
+    return dq, dk, dv
+
+
+@attention_backward.register_fake
+def _(grad, q, k, v, probs, scale, p):
+    b, h, length, width = q.shape
+    keys = k.shape[2]
+    return _heads_last(b, h, length, width, q), _heads_last(b, h, keys, width, q), \
+        _heads_last(b, h, keys, v.shape[3], q)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, mask, scale, p, seed, keep_probs = inputs
+    ctx.scale, ctx.p, ctx.keep_probs = scale, p, keep_probs
+    if keep_probs:
+        ctx.save_for_backward(q, k, v, output[1])
+
+
+def _attention_grad(ctx, grad, _probs_grad):
+    if not ctx.keep_probs:
+        raise RuntimeError("tncompile::traced_attention was called with keep_probs=False; its inputs' "
+                           "gradients need the weights (call it with keep_probs=True)")
+    q, k, v, probs = ctx.saved_tensors
+    dq, dk, dv = attention_backward(grad, q, k, v, probs, ctx.scale, ctx.p)
+    return dq, dk, dv, None, None, None, None, None
+
+
+attention.register_autograd(_attention_grad, setup_context=_attention_setup)
