@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from common import clear_grads, interleaved_ms, machine, write_json
+from common import clear_grads, host_speed, interleaved_ms, machine, write_json
 from tncompile.formats import TTLayout
 from tncompile.ir import TensorNetwork
 from tncompile.planning import plan_contraction
@@ -242,16 +242,20 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     allocator = retain_freed_memory()
-    # the model step first, so that the layer sweep's many large allocations cannot affect it
+    # the model step first, so that the layer sweep's many large allocations cannot affect it;
+    # the host's speed is measured before it too (machine() measures after): a shared host's
+    # bandwidth swings within minutes, so the figure comes with both readings
+    before = {f"{k}_before": v for k, v in host_speed().items() if k != "speed_device"}
     six = bench_six_encoder(8 if args.quick else 32, 3 if args.quick else 7)
     if args.six_encoder_only:
-        path = write_json("six_encoder.json", {**machine(), "retain_freed_memory": allocator, "six_encoder": six})
+        path = write_json("six_encoder.json", {**machine(), **before, "retain_freed_memory": allocator,
+                                               "six_encoder": six})
         _print_six(six)
         print(f"wrote {path}")
         return
     linear = bench_linear(args.quick)
     emb = bench_embedding()
-    result = {**machine(), "retain_freed_memory": allocator, "linear": linear, "embedding": emb,
+    result = {**machine(), **before, "retain_freed_memory": allocator, "linear": linear, "embedding": emb,
               "six_encoder": six}
     path = write_json("layers.json", result)
     plot(linear, path.with_name("layers_speedup.png"))
