@@ -70,8 +70,8 @@ def main() -> None:
     describe, dense = FAMILIES[args.family](args.length)
     dense = dense.train().to(device)
     ids = torch.randint(0, 1000, (args.batch, args.length), device=device)
-    compiled = tncompile.compile(dense, target_ratio=args.ratio, example_inputs={"input_ids": ids},
-                                 mode=args.mode).train()
+    example = {"input_ids": ids} if args.family == "bert" else {"input_ids": ids, "labels": ids}
+    compiled = tncompile.compile(dense, target_ratio=args.ratio, example_inputs=example, mode=args.mode).train()
     params = {m: [p for p in m.parameters() if p.requires_grad] for m in (dense, compiled)}
 
     def step(model):

@@ -20,7 +20,7 @@ LAYERS = [
                  "tncompile.nn_trace", "tncompile.passes",
                  "tncompile.report", "tncompile.calibration")),
     ("product", ("tncompile.compiled", "tncompile.swap", "tncompile.swap_experts", "tncompile.swap_subclass",
-                 "tncompile.swap_dropout", "tncompile.swap_attention", "tncompile.api", "tncompile.serialization")),
+                 "tncompile.swap_lowering", "tncompile.swap_attention", "tncompile.api", "tncompile.serialization")),
     ("train", ("tncompile.train", "tncompile.distributed", "tncompile.pretrained", "tncompile.integrations")),
     ("entry", ("tncompile", "tncompile.cli", "tncompile.__main__", "tncompile.zoo")),
 ]

@@ -194,3 +194,43 @@ def test_a_user_rule():
     program = Pipeline([DropTimesOne()]).run(_program(Spellings()), progress=False)
     assert program.history[-1].matches == {"mul-one": 1}
     assert operator.mul not in _calls(program)
+
+
+class _TanhFormula(nn.Module):
+    """GPT-2's ``gelu_new`` written out, in one of its operand orders, optionally with an
+    intermediate read by something else."""
+
+    def __init__(self, flipped: bool = False, leak: bool = False, cubic: float = 0.044715):
+        super().__init__()
+        self.flipped, self.leak, self.cubic = flipped, leak, cubic
+
+    def forward(self, x):
+        import math
+        if self.flipped:
+            inner = (self.cubic * torch.pow(x, 3.0) + x) * math.sqrt(2.0 / math.pi)
+            out = (torch.tanh(inner) + 1.0) * (x * 0.5)
+        else:
+            inner = math.sqrt(2.0 / math.pi) * (x + self.cubic * torch.pow(x, 3.0))
+            out = 0.5 * x * (1.0 + torch.tanh(inner))
+        return out + inner if self.leak else out
+
+
+@pytest.mark.parametrize("flipped", [False, True], ids=["gpt2-order", "flipped-operands"])
+def test_the_tanh_gelu_formula_becomes_one_gelu(flipped):
+    module = _TanhFormula(flipped)
+    program, matches = _canonical(module)
+    assert matches["gelu-tanh-formula"] == 1
+    assert _calls(program) == [F.gelu] and program.graph_module.code.count("approximate = 'tanh'") == 1
+    x = torch.randn(5, 7, dtype=torch.float64)
+    torch.testing.assert_close(program.graph_module(x), module(x))
+    # torch.export's aten spelling (HF GPT-2 traced in graph mode) too
+    exported = torch.export.export(module, (torch.randn(3, 4),)).module()
+    gm = fx.GraphModule(exported, exported.graph)
+    program = Pipeline([Canonicalize()]).run(Program(gm, InputSpec("export"), 1), progress=False)
+    assert program.history[-1].matches["gelu-tanh-formula"] == 1
+
+
+def test_a_formula_read_elsewhere_or_with_other_constants_is_left_alone():
+    for module in (_TanhFormula(leak=True), _TanhFormula(cubic=0.05)):
+        program, matches = _canonical(module)
+        assert matches["gelu-tanh-formula"] == 0 and F.gelu not in _calls(program)

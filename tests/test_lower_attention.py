@@ -1,6 +1,6 @@
 """Attention with dropout on the native kernel wherever a model calls PyTorch's:
 ``lower_dropout``'s ``attention-function`` rule (graph mode: ``F.scaled_dot_product_attention``
-calls), swap mode's dropout (``tncompile.swap_dropout``) and HF's ``"tncompile_sdpa"``
+calls), swap mode's dropout (``tncompile.swap_lowering``) and HF's ``"tncompile_sdpa"``
 attention (``tncompile.swap_attention``): the same numbers as PyTorch's in
 eval, the native kernel with the mask PyTorch would apply in training, everything
 undone by ``to_dense()``, kept by save / load and pickling."""

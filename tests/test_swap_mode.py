@@ -359,3 +359,29 @@ def test_dry_run_checks_a_swapped_models_step():
                                torch.randint(0, 3, (2,)), controller=ctl)
     assert report.ok and report.stages == ["early", "late"]
     assert all(c.get_submodule(k) is v for k, v in c.tensorized_modules().items())  # untouched by the dry run
+
+
+def test_gpt2_activation_runs_pytorchs_tanh_gelu_and_to_dense_gives_it_back(tmp_path):
+    """GPT-2's gelu_new (the tanh formula written out, ~8 kernels each way) runs as one
+    nn.GELU(approximate="tanh") in swap mode: the same outputs and gradients; to_dense()
+    and the user's model keep HF's module; save / load swaps it again."""
+    from tncompile.swap_lowering import TanhGELU
+    model = _gpt2().train()
+    ids = torch.randint(1, 500, (2, 8))
+    c = tncompile.compile(model, target_ratio=0.4, example_inputs={"input_ids": ids, "use_cache": False})
+    assert all(type(b.mlp.act) is TanhGELU for b in c.transformer.h)
+    assert type(model.transformer.h[0].mlp.act).__name__ == "NewGELUActivation"
+    counts = next(r.matches for r in c.program.history if r.name == "canonicalize")
+    assert counts["gelu-tanh-formula"] == 2  # the traced graph's two formulas: the same decision
+    dense = c.to_dense().eval()
+    assert type(dense.transformer.h[0].mlp.act).__name__ == "NewGELUActivation"
+    c.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(c(ids).logits, dense(ids).logits, rtol=1e-5, atol=1e-5)
+    x = torch.randn(4, 64, dtype=torch.float64, requires_grad=True)
+    act, original = c.transformer.h[0].mlp.act, dense.transformer.h[0].mlp.act
+    grads = [torch.autograd.grad(f(x).square().sum(), x)[0] for f in (act, original)]
+    torch.testing.assert_close(grads[0], grads[1])
+    c.save_pretrained(tmp_path / "c")
+    loaded = tncompile.load(tmp_path / "c", model=transformers.GPT2LMHeadModel)
+    assert type(loaded.transformer.h[0].mlp.act) is TanhGELU

@@ -15,7 +15,7 @@ from .layers import is_compressible
 from .options import CompileOptions, check_target_ratio
 from .passes import Pass, Pipeline, default_pipeline
 from .swap import MIXIN_NAMES, Resync, subclass_of, swap_into, swappable_layers, unswappable_layers
-from .swap_dropout import lower_dropout_into, wants_native_dropout
+from .swap_lowering import lower_into
 from .swap_experts import expert_weights
 
 __all__ = ["compile"]
@@ -236,8 +236,7 @@ def _compile_swapped(work: nn.Module, gm, inputs, layers: dict[str, str], skippe
     work.__class__ = subclass_of(type(work))
     work.__dict__["_tncompile_program"] = program
     swap_into(work, program)
-    if wants_native_dropout(program):
-        lower_dropout_into(work)
+    lower_into(work, program)
     program.listeners.append(Resync(work))
     return work
 

@@ -7,7 +7,8 @@ torchao do) and returns that model -- a copy unless ``inplace=True``. The
 model keeps its class and its own ``forward``: a HuggingFace model keeps
 ``config``, ``generate`` with its KV cache, masks, every keyword argument;
 dropout follows ``train()`` / ``eval()`` as written (on tncompile's kernels when
-``lower_dropout`` is in the pipeline: :mod:`tncompile.swap_dropout`). ``save_pretrained`` writes a
+``lower_dropout`` is in the pipeline; graph-mode lowerings made in the tree:
+:mod:`tncompile.swap_lowering`). ``save_pretrained`` writes a
 folder that ``tncompile.load(folder, model=TheClass)`` rebuilds exactly and that
 plain ``from_pretrained`` refuses (:mod:`tncompile.serialization.pretrained_folder`).
 
@@ -41,7 +42,7 @@ from .layers import is_compressible, kind_of
 from .report import Report, build_report
 from .runtime.module_kinds import replaces_forward
 from .runtime.tt_layers import TNModule, TTMTiedLinear
-from .swap_dropout import register_for, restore_dropout
+from .swap_lowering import register_for, restore_lowerings
 from .swap_experts import put_experts, restore_dense_experts
 from .swap_subclass import is_stand_in, network_of, put_stand_in, restore_subclass
 
@@ -146,7 +147,7 @@ class SwapMixin:
                     dense.set_submodule(path, dense_head)
                 else:  # a head subclass with its own forward, tied to the embedding
                     restore_subclass(layer, dense_head.weight, dense_head.bias)
-        restore_dropout(dense)
+        restore_lowerings(dense)
         return dense
 
     def save_pretrained(self, save_directory, **kwargs: Any) -> None:

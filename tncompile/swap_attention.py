@@ -16,7 +16,7 @@ one, whose rows a tracer cannot check), ``output_attentions``, softcapping -- is
 Its masks are the ``"sdpa"`` ones (``sdpa_mask``).
 
 Swap mode switches a model's configs from ``"sdpa"`` to :data:`NAME` when the
-``lower_dropout`` pass is in the pipeline (:mod:`tncompile.swap_dropout`).
+``lower_dropout`` pass is in the pipeline (:mod:`tncompile.swap_lowering`).
 """
 from __future__ import annotations
 

@@ -10,7 +10,9 @@ one pattern:
 ========== ==========================================================
 op         canonical form
 ========== ==========================================================
-GELU       ``F.gelu(x, approximate="none" | "tanh")``
+GELU       ``F.gelu(x, approximate="none" | "tanh")``; also the tanh
+           formula written out (HF's ``gelu_new``, GPT-2's:
+           ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``)
 ReLU       ``torch.relu(x)``
 dropout    ``nn.Dropout`` modules stay modules (they follow ``train()`` /
            ``eval()``); every functional spelling becomes
@@ -29,6 +31,9 @@ they are. Module spellings whose class overrides ``forward`` are left alone.
 """
 from __future__ import annotations
 
+import math
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch import fx, nn
@@ -39,7 +44,7 @@ from ..runtime.module_kinds import embedding_on, linear_on, runs_as
 from .base import Pass, register_pass
 from .rules import Match, Pat, Rule, apply_rules
 
-__all__ = ["Canonicalize", "GELU", "RELU", "DROPOUT", "activation_of", "require_canonical"]
+__all__ = ["Canonicalize", "GELU", "RELU", "DROPOUT", "activation_of", "require_canonical", "tanh_gelu_formula"]
 
 aten = torch.ops.aten
 
@@ -72,6 +77,57 @@ def _gelu_module(m: Match) -> None:
 
 def _gelu_function(m: Match) -> None:
     _call(m, GELU, (m.root.args[0],), {"approximate": m.root.kwargs.get("approximate", "none")})
+
+
+_MUL = {operator.mul, torch.mul, aten.mul.Tensor, aten.mul.Scalar}
+_ADD = {operator.add, torch.add, aten.add.Tensor, aten.add.Scalar}
+_POW = {operator.pow, torch.pow, aten.pow.Tensor_Scalar}
+_TANH = {torch.tanh, aten.tanh.default}
+
+
+def _operands(node, targets) -> tuple | None:
+    """``(a, b)`` of a binary ``call_function`` of one of ``targets`` (no other arguments)."""
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets \
+            and len(node.args) == 2 and not node.kwargs:
+        return node.args
+    return None
+
+
+def _times_constant(node, targets, value: float) -> fx.Node | None:
+    """``x`` of ``op(x, c)`` or ``op(c, x)`` with ``c`` the number ``value`` (to 1e-6)."""
+    pair = _operands(node, targets)
+    for x, c in (pair, pair[::-1]) if pair else ():
+        if isinstance(x, fx.Node) and isinstance(c, (int, float)) and not isinstance(c, bool) \
+                and abs(c - value) <= 1e-6 * abs(value):
+            return x
+    return None
+
+
+def tanh_gelu_formula(node: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``(x, the formula's inner nodes)`` when ``node`` computes
+    ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`` (operands in either order),
+    every inner node read only by the formula; else ``None``."""
+    pair = _operands(node, _MUL)
+    for half, rest in (pair, pair[::-1]) if pair else ():
+        x = _times_constant(half, _MUL, 0.5)
+        t = _times_constant(rest, _ADD, 1.0)
+        if x is None or t is None or t.op != "call_function" or t.target not in _TANH or len(t.args) != 1:
+            continue
+        inner = _times_constant(t.args[0], _MUL, math.sqrt(2.0 / math.pi))
+        terms = _operands(inner, _ADD)
+        for xx, cubic in (terms, terms[::-1]) if terms else ():
+            power = _times_constant(cubic, _MUL, 0.044715)
+            if xx is x and _operands(power, _POW) in ((x, 3), (x, 3.0)):
+                nodes = [half, rest, t, t.args[0], inner, cubic, power]
+                if all(len(n.users) == 1 for n in nodes):
+                    return x, nodes
+    return None
+
+
+def _tanh_gelu(m: Match) -> None:
+    x, nodes = tanh_gelu_formula(m.root)
+    m.nodes.update({f"formula_{i}": n for i, n in enumerate(nodes)})
+    _call(m, GELU, (x,), {"approximate": "tanh"})
 
 
 def _is_canonical_gelu(node: fx.Node, gm) -> bool:
@@ -204,6 +260,7 @@ RULES = [
     Rule("gelu-module", Pat.module(nn.GELU, name="gelu", nargs=1, kwargs=()), _gelu_module),
     Rule("gelu-function", Pat.call({GELU, aten.gelu.default}, nargs=1, kwargs=("approximate",),
                                    where=lambda n, gm: not _is_canonical_gelu(n, gm)), _gelu_function),
+    Rule("gelu-tanh-formula", Pat.call(_MUL, where=lambda n, gm: tanh_gelu_formula(n) is not None), _tanh_gelu),
     Rule("relu-module", Pat.module(nn.ReLU, nargs=1, kwargs=(), where=_relu_module_ok), _relu),
     Rule("relu-function", Pat.call({F.relu, aten.relu.default}, kwargs=("inplace",), where=_relu_function_ok),
          _relu),

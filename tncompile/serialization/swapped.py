@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import ModelFileError
 from ..ir.program import Program, module_at
-from ..swap_dropout import lower_dropout_into, wants_native_dropout
+from ..swap_lowering import lower_into
 from ..swap_experts import is_expert_parameter
 from ..swap import Resync, is_swapped, subclass_of, swap_into, swappable_layers, user_class
 from .codec import Decoder, Encoder, qualified_name
@@ -96,8 +96,7 @@ def attach_swap(program: Program, data: Any, dec: Decoder, model: Any, path) -> 
     _share(program, model)
     model.__class__ = subclass_of(type(model))
     model.__dict__["_tncompile_program"] = program
-    if wants_native_dropout(program):
-        lower_dropout_into(model)
+    lower_into(model, program)
     program.listeners.append(Resync(model))
     return model
 
