@@ -10,7 +10,8 @@ pipeline that compiled it:
   mode; no state, so ``state_dict`` is unchanged), and a ``transformers`` model
   whose attention is ``"sdpa"`` gets ``"tncompile_sdpa"``
   (:mod:`tncompile.swap_attention`): ``sdpa`` except that a training call with
-  dropout on CPU runs the native attention kernel;
+  dropout on CPU runs the native attention kernel (not where the model's code
+  compares ``_attn_implementation`` with ``"sdpa"`` by name: falcon, gemma4);
 * ``canonicalize`` (:func:`canonicalize_into`): a parameter-free module whose
   forward writes the tanh GELU formula out (HF's ``NewGELUActivation``,
   ``gelu_new``: GPT-2, GPT-Neo, GPT-J, CodeGen; about eight elementwise kernels
@@ -24,6 +25,8 @@ a dense model handed back to ``transformers`` holds nothing of tncompile's.
 """
 from __future__ import annotations
 
+import inspect
+import re
 import sys
 
 from torch import fx, nn
@@ -94,7 +97,7 @@ def lower_dropout_into(model: nn.Module) -> dict[str, int]:
         if path and type(module) is nn.Dropout:
             model.set_submodule(path, FastDropout.from_dropout(module))
             swapped += 1
-    configs = _configs(model, SDPA)
+    configs = [] if _compares_sdpa_by_name(model) else _configs(model, SDPA)
     if configs:
         from .swap_attention import NAME, register  # noqa: PLC0415 - only HF models get here
         register()
@@ -125,6 +128,26 @@ def register_for(cls: type) -> None:
     if any(base.__module__.startswith("transformers.") for base in cls.__mro__):
         from .swap_attention import register  # noqa: PLC0415
         register()
+
+
+_SDPA_BY_NAME = re.compile(r'_attn_implementation[^#\n]*"sdpa"')
+_SOURCES: dict[str, bool] = {}
+
+
+def _compares_sdpa_by_name(model: nn.Module) -> bool:
+    """Whether the code of a class in ``model`` reads ``_attn_implementation`` against
+    ``"sdpa"`` by name (falcon, gemma4: such a model would take its non-sdpa branch
+    under another name, so it keeps ``"sdpa"``)."""
+    for name in {type(m).__module__ for m in model.modules()}:
+        if name not in _SOURCES:
+            try:
+                source = inspect.getsource(sys.modules[name])
+            except (KeyError, OSError, TypeError):
+                source = ""
+            _SOURCES[name] = bool(_SDPA_BY_NAME.search(source))
+        if _SOURCES[name]:
+            return True
+    return False
 
 
 def _configs(model: nn.Module, implementation: str) -> list:
