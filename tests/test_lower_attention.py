@@ -148,11 +148,8 @@ def test_attention_function_passes_the_kernel_the_mask_sdpa_would_apply(ops):
 def test_attention_function_is_sdpa_wherever_the_kernel_does_not_apply(ops):
     q, k, v = _qkv(dtype=torch.float32)
     module = _Heads()
-    pad = torch.ones(2, 1, 6, 6, dtype=torch.bool)
-    pad[0, :, 2] = False  # query 2 of sequence 0 sees no key: sdpa gives zeros, the kernel would not
     bias = torch.zeros(2, 4, 6, 6, requires_grad=True)  # a learned bias: the kernel takes no mask gradient
     cases = [dict(attention_mask=None, dropout=0.0),  # eval / no dropout
-             dict(attention_mask=pad, dropout=0.3),
              dict(attention_mask=bias, dropout=0.3)]
     for case in cases:
         called = []
@@ -267,3 +264,28 @@ def test_models_whose_code_names_sdpa_keep_it():
     c = tncompile.compile(model, target_ratio=0.9, example_inputs={"input_ids": ids})
     assert c.config._attn_implementation == "sdpa" and "FastDropout" in _dropouts(c)
     assert c(ids).logits.shape == (2, 8, 300)
+
+
+def test_a_query_with_no_key_gets_zeros_as_from_sdpa(ops):
+    """A mask leaving a query no key: zeros there (PyTorch's answer; the written softmax's
+    NaN stays FusedAttention's), the kernel still runs, the other rows as with the kernel,
+    gradients finite -- so no call reads the mask's values, under torch.compile too."""
+    q, k, v = (t.requires_grad_() for t in _qkv())
+    keep = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    keep[0, :, 2] = False  # query 2 of sequence 0 sees no key
+    called = []
+    with watch(called.append):
+        got = _seeded(lambda: scaled_dot_product_attention(q, k, v, keep, 0.3))
+        got.sum().backward()
+    assert "tncompile::attention_forward" in called and "tncompile::attention_backward" in called
+    assert torch.equal(got[0, :, 2], torch.zeros_like(got[0, :, 2]))
+    additive = torch.zeros(2, 1, 6, 6, dtype=q.dtype).masked_fill(~keep, float("-inf"))
+    plain = _seeded(lambda: native_attention(q, k, v, additive, 8 ** -0.5, 0.3))
+    assert torch.isnan(plain[0, :, 2]).all()  # without empty_rows_zero: the written softmax's NaN
+    rows = torch.ones(6, dtype=torch.bool)
+    rows[2] = False
+    torch.testing.assert_close(got[0][:, rows], plain[0][:, rows], rtol=0, atol=0)
+    torch.testing.assert_close(got[1], plain[1], rtol=0, atol=0)
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+    torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, keep)[0, :, 2],
+                               torch.zeros_like(got[0, :, 2]))  # what PyTorch gives there

@@ -92,12 +92,12 @@ def test_planned_contraction_as_one_op(rows, bias):
                                     fast_mode=rows > 50)
 
 
-def _attention_args(dtype, mask=True, grad=True, keep_probs=True):
+def _attention_args(dtype, mask=True, grad=True, keep_probs=True, empty_rows_zero=False):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, n, e, generator=g, dtype=dtype).requires_grad_(grad)
                for n, e in ((5, 4), (7, 4), (7, 6)))
     bias = torch.randn(2, 1, 5, 7, generator=g, dtype=dtype) if mask else None
-    return (q, k, v, bias, 0.5, 0.25, torch.tensor(1234), keep_probs)
+    return (q, k, v, bias, 0.5, 0.25, torch.tensor(1234), keep_probs, empty_rows_zero)
 
 
 @pytest.mark.parametrize("mask", [True, False], ids=["mask", "no-mask"])
@@ -110,11 +110,12 @@ def test_dropout_and_attention_ops_opcheck_and_equal_the_eager_kernels(ops, mask
     assert torch.equal(y, eager_y) and torch.equal(keep, eager_keep)
     args = _attention_args(torch.float32, mask)
     torch.library.opcheck(torch.ops.tncompile.traced_attention.default, args)
-    q, k, v, bias, scale, p, seed, _ = args
+    q, k, v, bias, scale, p, seed, _, _ = args
     out, probs = traced.attention(*args)
-    eager_out, eager_probs = ops.attention_forward(q.detach(), k.detach(), v.detach(), bias, scale, p, 1234, True)
+    eager_out, eager_probs = ops.attention_forward(q.detach(), k.detach(), v.detach(), bias, scale, p, 1234, True,
+                                                   False)
     assert torch.equal(out, eager_out) and torch.equal(probs, eager_probs) and out.stride() == eager_out.stride()
-    no_probs = traced.attention(*args[:-1], False)
+    no_probs = traced.attention(*args[:-2], False, False)
     assert torch.equal(no_probs[0], out) and no_probs[1].numel() == 0
 
 
@@ -122,13 +123,13 @@ def test_dropout_and_attention_ops_gradcheck(ops):
     """Gradients through the ops (float64) equal the written steps with the op's own masks."""
     x = torch.randn(4, 9, dtype=f64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: traced.dropout(t, 0.4, torch.tensor(5))[0], (x,))
-    q, k, v, bias, scale, p, seed, keep_probs = _attention_args(f64)
-    assert torch.autograd.gradcheck(lambda a, b, c: traced.attention(a, b, c, bias, scale, p, seed, True)[0],
+    q, k, v, bias, scale, p, seed, keep_probs, _ = _attention_args(f64)
+    assert torch.autograd.gradcheck(lambda a, b, c: traced.attention(a, b, c, bias, scale, p, seed, True, False)[0],
                                     (q, k, v))
-    _, probs = traced.attention(q, k, v, bias, scale, p, seed, True)
+    _, probs = traced.attention(q, k, v, bias, scale, p, seed, True, False)
     keep = ~torch.signbit(probs)  # the kernel's encoding: a dropped weight saved negated
     weights = torch.softmax(scale * q @ k.transpose(-2, -1) + bias, -1)
-    torch.testing.assert_close(traced.attention(q, k, v, bias, scale, p, seed, True)[0],
+    torch.testing.assert_close(traced.attention(q, k, v, bias, scale, p, seed, True, False)[0],
                                (weights * keep / (1 - p)) @ v)
 
 

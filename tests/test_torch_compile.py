@@ -124,7 +124,15 @@ def _encoder_train():
                              example_inputs=(ids,)), {"ids": ids}, (lambda out: out)
 
 
-@pytest.mark.parametrize("build", [_encoder_train, _bert_train], ids=["encoder-graph", "bert-swap"])
+def _bert_padded_train():
+    model, inputs, logits = _bert_train()
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[1, 10:] = 0  # a padded sequence: a boolean mask reaches the attention op
+    return model, {**inputs, "attention_mask": mask}, logits
+
+
+@pytest.mark.parametrize("build", [_encoder_train, _bert_train, _bert_padded_train],
+                         ids=["encoder-graph", "bert-swap", "bert-swap-padded"])
 def test_training_with_dropout_runs_the_native_kernels_as_ops(ops, build):
     """In training, dropout and attention with dropout trace as tncompile's ops (no graph
     break), draw their seeds in the graph, and -- with the generator left to PyTorch

@@ -9,10 +9,10 @@ took about a sixth of the step). :data:`NAME` (``"tncompile_sdpa"``) is
 ``"sdpa"`` with one difference: a training call with dropout on CPU runs
 :func:`~tncompile.runtime.attention_kernel.native_attention` (one head's
 scores in cache, the dropout drawn by the native counter-based generator).
-Every other call -- eval, no dropout, CUDA, a mask that needs a gradient or
-leaves a query row with no key (under ``torch.compile``: any mask but the causal
-one, whose rows a tracer cannot check), ``output_attentions``, softcapping -- is
-``transformers``' own ``sdpa_attention_forward``, unchanged.
+Every other call -- eval, no dropout, CUDA, a mask that needs a gradient,
+``output_attentions``, softcapping -- is ``transformers``' own
+``sdpa_attention_forward``, unchanged. A query the mask leaves no key gets zeros,
+as from ``sdpa``; under ``torch.compile`` the kernel runs as a traceable op.
 Its masks are the ``"sdpa"`` ones (``sdpa_mask``).
 
 Swap mode switches a model's configs from ``"sdpa"`` to :data:`NAME` when the

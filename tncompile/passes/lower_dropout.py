@@ -25,8 +25,7 @@ Swap mode makes the same choice in the user's module tree (:mod:`tncompile.swap_
 Where the native kernels do not apply (CUDA, bf16, autocast) PyTorch's
 dropout and attention run; under ``torch.compile`` the kernels run as the
 opaque ops ``tncompile::traced_dropout`` / ``traced_attention`` (their seeds
-drawn in the graph; attention with a mask other than a causal one keeps
-PyTorch's call there, as a tracer cannot check its rows). Remove the pass
+drawn in the graph). Remove the pass
 (``default_pipeline().remove("lower_dropout")``) to keep PyTorch's masks.
 """
 from __future__ import annotations

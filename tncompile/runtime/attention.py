@@ -99,10 +99,10 @@ class SelfAttention(nn.Module):
             if unbatched:
                 weights = weights.squeeze(0)
         else:
-            # PyTorch's attention gives rows whose every key is masked zeros (the kernel: NaN, as
-            # the written softmax does): such masks keep PyTorch's call
-            native = p and self.native_dropout and q.device.type == "cpu" and _every_row_has_a_key(mask)
-            out = native_attention(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]), p) if native else None
+            # a query whose every key is masked gets zeros, as from PyTorch's attention
+            native = p and self.native_dropout and q.device.type == "cpu"
+            out = native_attention(q, k, v, mask, 1.0 / math.sqrt(q.shape[-1]), p,
+                                   empty_rows_zero=True) if native else None
             if out is None:
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         out = out.transpose(1, 2).reshape(batch, length, embed)
@@ -115,15 +115,6 @@ class SelfAttention(nn.Module):
     def extra_repr(self) -> str:
         native = ", native_dropout=True" if self.native_dropout else ""
         return f"num_heads={self.num_heads}, dropout={self.dropout}, batch_first={self.batch_first}{native}"
-
-
-def _every_row_has_a_key(mask: Tensor | None) -> bool:
-    """Whether no query row of an additive ``mask`` is ``-inf`` at every key (then the
-    kernel's softmax gives NaN where PyTorch's attention gives zeros). A tracer cannot
-    read the values: under ``torch.compile`` only the absent mask counts as checked."""
-    if mask is None:
-        return True
-    return not torch.compiler.is_compiling() and not bool(torch.isneginf(mask).all(-1).any())
 
 
 class NestedPadding(nn.Module):

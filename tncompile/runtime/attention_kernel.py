@@ -28,10 +28,11 @@ __all__ = ["native_attention", "native_sdpa", "scaled_dot_product_attention"]
 
 class _NativeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ops, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, p: float) -> Tensor:
+    def forward(ctx, ops, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, p: float,
+                empty_rows_zero: bool) -> Tensor:
         seed = _seed() if p else 0
         keep_probs = any(ctx.needs_input_grad[1:4])
-        out, probs = ops.attention_forward(q, k, v, mask, scale, p, seed, keep_probs)
+        out, probs = ops.attention_forward(q, k, v, mask, scale, p, seed, keep_probs, empty_rows_zero)
         ctx.ops, ctx.scale, ctx.p = ops, scale, p
         if keep_probs:
             ctx.save_for_backward(q, k, v, probs)
@@ -41,12 +42,16 @@ class _NativeAttention(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         q, k, v, probs = ctx.saved_tensors
         dq, dk, dv = ctx.ops.attention_backward(grad, q, k, v, probs, ctx.scale, ctx.p)
-        return None, dq, dk, dv, None, None, None
+        return None, dq, dk, dv, None, None, None, None
 
 
-def native_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, p: float) -> Tensor | None:
+def native_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, p: float, *,
+                     empty_rows_zero: bool = False) -> Tensor | None:
     """``dropout(softmax(scale q k^T + mask), p) @ v`` on the native kernel, or
     ``None`` where it does not apply (then the caller runs its own path).
+
+    A query whose every key the mask removes gets NaN, as the written softmax gives
+    it, or zeros with ``empty_rows_zero`` (``scaled_dot_product_attention``'s answer).
 
     Applies to CPU float32/float64 tensors outside autocast (under ``torch.compile``
     as the traceable op ``tncompile::traced_attention``), ``q (B, H, L, E)``,
@@ -82,9 +87,9 @@ def native_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale
     if traced is not None:
         keep_probs = q.requires_grad or k.requires_grad or v.requires_grad
         seed = traced.seed() if p else torch.zeros((), dtype=torch.int64)
-        out = traced.attention(q, k, v, mask, float(scale), float(p), seed, keep_probs)[0]
+        out = traced.attention(q, k, v, mask, float(scale), float(p), seed, keep_probs, empty_rows_zero)[0]
     else:
-        out = _NativeAttention.apply(ops, q, k, v, mask, float(scale), float(p))
+        out = _NativeAttention.apply(ops, q, k, v, mask, float(scale), float(p), empty_rows_zero)
     return out.squeeze(1) if squeeze else out
 
 
@@ -110,8 +115,9 @@ def native_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | N
     """``F.scaled_dot_product_attention``'s call on the native kernel, or ``None`` where
     the kernel does not compute exactly what it would: no dropout (PyTorch's CPU flash
     attention is as fast), not CPU, a causal flag beside a mask (PyTorch refuses it), a
-    mask that leaves a query with no key (PyTorch gives zeros there, the softmax NaN) or
-    that needs a gradient, inputs :func:`native_attention` does not take.
+    mask that needs a gradient, inputs :func:`native_attention` does not take. A query
+    the mask leaves no key gets zeros, as from PyTorch; nothing here reads tensor
+    values, so tracers (``torch.compile``) take the same path.
 
     Masks as PyTorch reads them: boolean ``True`` = attend, else added to the scores;
     ``is_causal``: query ``i`` sees keys ``0..i``; ``enable_gqa``: key/value head ``j``
@@ -134,16 +140,12 @@ def native_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | N
         mask = torch.full((length, keys), float("-inf"), dtype=query.dtype, device=query.device).triu_(1)
     elif attn_mask is None:
         mask = None
-    elif torch.compiler.is_compiling():  # the masks' checks below read values: a tracer keeps PyTorch's call
-        return None
     elif attn_mask.dtype == torch.bool:
-        if not attn_mask.any(-1).all():
-            return None
         mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=attn_mask.device)
-        mask.masked_fill_(attn_mask.logical_not(), float("-inf"))
-    elif attn_mask.requires_grad or torch.isneginf(attn_mask).all(-1).any():
+        mask = mask.masked_fill(attn_mask.logical_not(), float("-inf"))
+    elif attn_mask.requires_grad:
         return None
     else:
         mask = attn_mask
     factor = float(scale) if scale is not None else query.shape[-1] ** -0.5
-    return native_attention(query, key, value, mask, factor, float(dropout_p))
+    return native_attention(query, key, value, mask, factor, float(dropout_p), empty_rows_zero=True)

@@ -87,9 +87,10 @@ T row_max(const T* row, int64_t S) {
 }
 
 // row (S) <- exp(scale row + mask row - max); returns 1 / (sum of the row), so that row * that is
-// the softmax. A row whose every score is -inf becomes NaN, as in PyTorch.
+// the softmax. A row whose every score is -inf becomes NaN, as the written softmax gives it, or,
+// with empty_rows_zero, zeros (as PyTorch's scaled_dot_product_attention gives it: no key, no output).
 template <typename T>
-T softmax_exp(T* row, int64_t S, T scale, const T* mask, int64_t mask_stride) {
+T softmax_exp(T* row, int64_t S, T scale, const T* mask, int64_t mask_stride, bool empty_rows_zero) {
   if (mask) {
     if (mask_stride == 1) {
       for (int64_t j = 0; j < S; ++j) row[j] = row[j] * scale + mask[j];
@@ -101,8 +102,9 @@ T softmax_exp(T* row, int64_t S, T scale, const T* mask, int64_t mask_stride) {
   }
   const T top = row_max(row, S);
   if (top == -std::numeric_limits<T>::infinity()) {
-    std::fill(row, row + S, std::numeric_limits<T>::quiet_NaN());
-    return std::numeric_limits<T>::quiet_NaN();
+    const T fill = empty_rows_zero ? T(0) : std::numeric_limits<T>::quiet_NaN();
+    std::fill(row, row + S, fill);
+    return fill;
   }
   T sum = 0;
   int64_t j = 0;
@@ -212,7 +214,8 @@ struct Strides {
 
 template <typename T>
 void forward_kernel(const Shape& d, const T* q, Strides qs, const T* k, Strides ks, const T* v, Strides vs,
-                    const T* mask, const int64_t* ms, T* out, T* probs, T scale, double p, int64_t seed) {
+                    const T* mask, const int64_t* ms, T* out, T* probs, T scale, double p, int64_t seed,
+                    bool empty_rows_zero) {
   const uint32_t threshold = philox::drop_threshold(p);
   const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(static_cast<uint64_t>(seed) >> 32);
   const T inv_keep = static_cast<T>(1.0 / (1.0 - p));
@@ -227,7 +230,7 @@ void forward_kernel(const Shape& d, const T* q, Strides qs, const T* k, Strides 
       for (int64_t i = 0; i < d.L; ++i) {
         T* row = scores.data() + i * d.S;
         const T inv = softmax_exp<T>(row, d.S, scale, mask ? mask + b * ms[0] + h * ms[1] + i * ms[2] : nullptr,
-                                     ms[3]);
+                                     ms[3], empty_rows_zero);
         T* kept = probs ? probs + (bh * d.L + i) * d.S : nullptr;  // P, for backward
         if (p > 0) {  // one pass: P, and dropout(P) in place
           const uint32_t* w = element_words(static_cast<uint64_t>(bh * d.L + i), d.S, k0, k1, words.data(),
@@ -306,7 +309,7 @@ Shape shape_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
                                                      const c10::optional<at::Tensor>& mask_, double scale, double p,
-                                                     int64_t seed, bool keep_probs) {
+                                                     int64_t seed, bool keep_probs, bool empty_rows_zero) {
   const auto q = rows_contiguous(q_, "q"), k = rows_contiguous(k_, "k"), v = rows_contiguous(v_, "v");
   const Shape d = shape_of(q, k, v);
   TORCH_CHECK(p >= 0.0 && p < 1.0, "tncompile attention: dropout p must be in [0, 1), got ", p);
@@ -323,7 +326,7 @@ std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q_, const
     forward_kernel<scalar_t>(d, q.data_ptr<scalar_t>(), Strides(q), k.data_ptr<scalar_t>(), Strides(k),
                              v.data_ptr<scalar_t>(), Strides(v), mask.defined() ? mask.data_ptr<scalar_t>() : nullptr,
                              ms, out.data_ptr<scalar_t>(), keep_probs ? probs.data_ptr<scalar_t>() : nullptr,
-                             static_cast<scalar_t>(scale), p, seed);
+                             static_cast<scalar_t>(scale), p, seed, empty_rows_zero);
   });
   return {out.permute({0, 2, 1, 3}), probs};
 }
@@ -355,7 +358,7 @@ std::vector<at::Tensor> attention_backward(const at::Tensor& grad_, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(tncompile, m) {
   m.def("attention_forward(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, float p, int seed, "
-        "bool keep_probs) -> (Tensor, Tensor)",
+        "bool keep_probs, bool empty_rows_zero) -> (Tensor, Tensor)",
         tncompile_native::attention_forward);
   m.def("attention_backward(Tensor grad, Tensor q, Tensor k, Tensor v, Tensor probs, float scale, float p) "
         "-> Tensor[]",

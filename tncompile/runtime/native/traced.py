@@ -279,22 +279,23 @@ def _heads_last(b: int, h: int, length: int, width: int, like: Tensor) -> Tensor
 
 @torch.library.custom_op("tncompile::traced_attention", mutates_args=())
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, p: float, seed: Tensor,
-              keep_probs: bool) -> tuple[Tensor, Tensor]:
+              keep_probs: bool, empty_rows_zero: bool) -> tuple[Tensor, Tensor]:
     """``dropout(softmax(scale q k^T + mask), p) @ v`` and, if ``keep_probs``, the softmax
     weights for backward (a dropped weight saved negated), with the dropout keyed by
-    ``seed`` (an int64 scalar tensor).
+    ``seed`` (an int64 scalar tensor); a query with no key gets NaN, or zeros with
+    ``empty_rows_zero``.
 
     Shapes: ``q (B, H, L, E)``, ``k (B, H, S, E)``, ``v (B, H, S, F)``, ``mask`` in q's
     dtype broadcastable to ``(B, H, L, S)`` -> ``(out (B, H, L, F)`` over ``(B, L, H, F)``
     memory, ``weights (B, H, L, S)`` or ``(0,))``.
     """
     ops = _attention_native(q, k, v)
-    out, probs = ops.attention_forward(q, k, v, mask, scale, p, int(seed), keep_probs)
+    out, probs = ops.attention_forward(q, k, v, mask, scale, p, int(seed), keep_probs, empty_rows_zero)
     return out, probs if keep_probs else empty_grad(q)
 
 
 @attention.register_fake
-def _(q, k, v, mask, scale, p, seed, keep_probs):
+def _(q, k, v, mask, scale, p, seed, keep_probs, empty_rows_zero):
     b, h, length, _ = q.shape
     probs = q.new_empty((b, h, length, k.shape[2])) if keep_probs else empty_grad(q)
     return _heads_last(b, h, length, v.shape[3], q), probs
@@ -318,7 +319,7 @@ def _(grad, q, k, v, probs, scale, p):
 
 
 def _attention_setup(ctx, inputs, output):
-    q, k, v, mask, scale, p, seed, keep_probs = inputs
+    q, k, v, mask, scale, p, seed, keep_probs, _ = inputs
     ctx.scale, ctx.p, ctx.keep_probs = scale, p, keep_probs
     if keep_probs:
         ctx.save_for_backward(q, k, v, output[1])
@@ -330,7 +331,7 @@ def _attention_grad(ctx, grad, _probs_grad):
                            "gradients need the weights (call it with keep_probs=True)")
     q, k, v, probs = ctx.saved_tensors
     dq, dk, dv = attention_backward(grad, q, k, v, probs, ctx.scale, ctx.p)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 attention.register_autograd(_attention_grad, setup_context=_attention_setup)
