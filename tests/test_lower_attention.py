@@ -70,6 +70,21 @@ def test_swap_mode_runs_tncompiles_dropout_and_attention_leaving_the_user_model_
     assert all(p.grad is not None for p in c.parameters() if p.requires_grad)
 
 
+def test_swapped_dropouts_keep_the_users_hooks():
+    model = _bert()
+    seen = []
+    handle = model.bert.embeddings.dropout.register_forward_hook(lambda m, i, o: seen.append(type(m).__name__))
+    c = _compile(model)
+    seen.clear()
+    c.train()(**_inputs())
+    assert seen == ["FastDropout"]
+    c.to_dense().train()(**_inputs())
+    assert seen == ["FastDropout", "Dropout"]
+    handle.remove()  # the user's handle on the original removes nothing from the copies: their own dicts
+    c(**_inputs())
+    assert len(seen) == 3
+
+
 def test_to_dense_gives_back_pytorch_dropout_and_sdpa(tmp_path):
     c = _compile(_bert())
     dense = c.to_dense()

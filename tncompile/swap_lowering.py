@@ -70,7 +70,7 @@ def canonicalize_into(model: nn.Module) -> dict[str, int]:
     swapped = 0
     for path, module in list(model.named_modules()):
         if path and writes_tanh_gelu(module):
-            model.set_submodule(path, TanhGELU(module))
+            model.set_submodule(path, _with_hooks_of(module, TanhGELU(module)))
             swapped += 1
     return {"gelu-tanh-formula": swapped}
 
@@ -95,7 +95,7 @@ def lower_dropout_into(model: nn.Module) -> dict[str, int]:
     swapped = 0
     for path, module in list(model.named_modules()):
         if path and type(module) is nn.Dropout:
-            model.set_submodule(path, FastDropout.from_dropout(module))
+            model.set_submodule(path, _with_hooks_of(module, FastDropout.from_dropout(module)))
             swapped += 1
     configs = [] if _compares_sdpa_by_name(model) else _configs(model, SDPA)
     if configs:
@@ -113,13 +113,25 @@ def restore_lowerings(model: nn.Module) -> None:
         if path and type(module) is FastDropout:
             dense = nn.Dropout(module.p, module.inplace)
             dense.train(module.training)
-            model.set_submodule(path, dense)
+            model.set_submodule(path, _with_hooks_of(module, dense))
         elif path and type(module) is TanhGELU:
             model.set_submodule(path, module.original)
     if "tncompile.swap_attention" in sys.modules:
         from .swap_attention import NAME  # noqa: PLC0415
         for config in _configs(model, NAME):
             _set_implementation(config, SDPA)
+
+
+_HOOKS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+          "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks")
+
+
+def _with_hooks_of(old: nn.Module, new: nn.Module) -> nn.Module:
+    """``new``, running ``old``'s hooks: the same dicts, so the user's handles still remove them."""
+    for name in _HOOKS:
+        if hasattr(old, name):
+            setattr(new, name, getattr(old, name))
+    return new
 
 
 def register_for(cls: type) -> None:
