@@ -78,8 +78,8 @@ def canonicalize_into(model: nn.Module) -> dict[str, int]:
 def writes_tanh_gelu(module: nn.Module) -> bool:
     """Whether ``module`` has no state and its forward, traced by ``torch.fx``, is the
     tanh GELU formula of its one input (``canonicalize``'s own matcher decides)."""
-    if isinstance(module, (nn.GELU, TanhGELU)) or module._modules or module._parameters or module._buffers:
-        return False
+    if type(module).__module__.startswith("torch.") or module._modules or module._parameters or module._buffers:
+        return False  # PyTorch's own modules (nn.Dropout, nn.GELU, ...) are never the written-out formula
     try:
         graph = fx.symbolic_trace(module).graph
     except Exception:  # noqa: BLE001 - any module fx cannot trace is not the formula

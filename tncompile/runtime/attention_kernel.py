@@ -128,6 +128,8 @@ def native_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | N
     """
     if not dropout_p or query.device.type != "cpu" or (is_causal and attn_mask is not None):
         return None
+    if query.dtype not in (torch.float32, torch.float64):  # before any work: the kernel would refuse it
+        return None
     if query.dim() != key.dim() or query.dim() != value.dim():
         return None
     if enable_gqa and query.dim() == 4 and key.shape[1] != query.shape[1]:
@@ -142,7 +144,7 @@ def native_sdpa(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | N
         mask = None
     elif attn_mask.dtype == torch.bool:
         mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=attn_mask.device)
-        mask = mask.masked_fill(attn_mask.logical_not(), float("-inf"))
+        mask.masked_fill_(attn_mask.logical_not(), float("-inf"))
     elif attn_mask.requires_grad:
         return None
     else:
