@@ -227,3 +227,72 @@ def test_device_speed_on_cuda_is_measured_on_a_replayed_graph(tmp_path, monkeypa
     graphed = speed_model._step_seconds(layer, 8, CUDA)
     assert graphed < eager
     assert (tmp_path / "device_speed.json").exists()
+
+
+def test_lowered_dropout_and_attention_run_pytorchs_kernels_on_cuda():
+    """lower_dropout's rewrites -- swap mode's FastDropout and HF "tncompile_sdpa", graph
+    mode's drop-in sdpa -- hand CUDA tensors to PyTorch's kernels: eval equals the model
+    compiled without the pass, training drops out at its rate and every parameter gets a
+    gradient, and to_dense() gives back PyTorch's modules."""
+    transformers = pytest.importorskip("transformers")
+    from tncompile.passes import default_pipeline
+    from tncompile.runtime.attention_kernel import scaled_dot_product_attention
+    from tncompile.runtime.dropout import FastDropout
+    cfg = transformers.BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=32, num_labels=3,
+                                  attention_probs_dropout_prob=0.2, attn_implementation="sdpa")
+    ids = torch.randint(1, 500, (3, 12), device=CUDA)
+    mask = torch.ones_like(ids)
+    mask[1, 8:] = 0
+    x = {"input_ids": ids, "attention_mask": mask}
+
+    def bert(passes=None):
+        torch.manual_seed(0)
+        model = transformers.BertForSequenceClassification(cfg).to(CUDA)
+        return tncompile.compile(model, target_ratio=0.5, example_inputs=x, passes=passes)
+    c, plain = bert(), bert(default_pipeline().remove("lower_dropout"))
+    assert c.config._attn_implementation == "tncompile_sdpa" and plain.config._attn_implementation == "sdpa"
+    assert any(isinstance(m, FastDropout) for m in c.modules())
+    plain.load_state_dict(c.state_dict())
+    c.eval(), plain.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(c(**x).logits, plain(**x).logits, rtol=1e-5, atol=1e-5)
+    c.train()
+    loss = F.cross_entropy(c(**x).logits, torch.tensor([0, 1, 2], device=CUDA))
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and p.grad.device.type == CUDA.type for p in c.parameters() if p.requires_grad)
+    drop = FastDropout(0.3).to(CUDA).train()
+    kept = drop(torch.ones(1 << 20, device=CUDA))
+    assert abs(float((kept == 0).float().mean()) - 0.3) < 0.005
+    torch.testing.assert_close(kept[kept != 0], torch.full_like(kept[kept != 0], 1 / 0.7))
+    dense = c.to_dense()
+    assert not any(isinstance(m, FastDropout) for m in dense.modules())
+    assert dense.config._attn_implementation == "sdpa"
+
+    class Heads(nn.Module):  # graph mode: F.scaled_dot_product_attention with dropout_p
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = nn.Linear(64, 192), nn.Linear(64, 64)
+
+        def forward(self, h):
+            q, k, v = self.qkv(h).view(h.shape[0], h.shape[1], 3, 4, 16).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2 if self.training else 0.0, is_causal=True)
+            return self.out(y.transpose(1, 2).reshape(h.shape))
+    torch.manual_seed(0)
+    model = Heads().to(CUDA).train()
+    h = torch.randn(3, 10, 64, device=CUDA)
+    g = tncompile.compile(model, target_ratio=0.9, mode="graph", example_inputs=(h,))
+    unlowered = tncompile.compile(model, target_ratio=0.9, mode="graph", example_inputs=(h,),
+                                  passes=default_pipeline().remove("lower_dropout"))
+    assert sum(n.target is scaled_dot_product_attention for n in g.program.graph.nodes) == 1
+    unlowered.load_state_dict(g.state_dict())
+    g.eval(), unlowered.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(g(h), unlowered(h), rtol=1e-5, atol=1e-5)
+    g.train()
+    train_out = g(h)
+    train_out.square().sum().backward()
+    with torch.no_grad():
+        assert not torch.allclose(train_out, g.eval()(h)), "train mode did not drop out"
+    assert all(p.grad is not None for p in g.parameters() if p.requires_grad)
