@@ -11,6 +11,9 @@ an HF model; written to ``small_models_auto.json``) at
 ``--ratio``; each step is a forward over ``batch x length`` ids and a backward of a
 mean-square loss on the last hidden state. Timed interleaved against the dense model,
 eagerly and, unless ``--no-torch-compile``, with both models under ``torch.compile``.
+Where the report estimates some TT linears slower than their dense layers (its speed
+line, ``report.speed``), the model it offers -- those kept dense, at the ratio it names --
+is timed beside them (``--no-slower-kept-dense`` skips it).
 ``--family gpt2`` (``GPT2LMHeadModel``, 256 wide, 4 layers, 4 heads, dropout 0.1
 everywhere) and ``--family llama`` (``LlamaForCausalLM``, 256 wide, 4 layers, 4 query
 and 2 key/value heads, FFN 688, attention dropout 0.1) train on their language-model
@@ -64,6 +67,9 @@ def main() -> None:
     ap.add_argument("--mode", default="graph", choices=["graph", "swap", "auto"],
                     help="compile mode (auto: what a user gets by default; swap for HF models)")
     ap.add_argument("--family", default="bert", choices=list(FAMILIES))
+    ap.add_argument("--slower-kept-dense", action=argparse.BooleanOptionalAction, default=True,
+                    help="also time the model the report offers: its TT linears estimated slower than "
+                         "dense kept dense (exclude_modules=report.speed.slower, at report.speed.ratio_without_slower)")
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -72,7 +78,16 @@ def main() -> None:
     ids = torch.randint(0, 1000, (args.batch, args.length), device=device)
     example = {"input_ids": ids} if args.family == "bert" else {"input_ids": ids, "labels": ids}
     compiled = tncompile.compile(dense, target_ratio=args.ratio, example_inputs=example, mode=args.mode).train()
-    params = {m: [p for p in m.parameters() if p.requires_grad] for m in (dense, compiled)}
+    models = {"dense": dense, "compiled": compiled}
+    estimate = compiled.report().speed
+    if estimate is not None:
+        print("\n".join(estimate.lines()), flush=True)
+    if args.slower_kept_dense and estimate is not None and estimate.slower:
+        # the report's offer: the slower layers kept dense, at the ratio it names
+        models["no-slower"] = tncompile.compile(dense, target_ratio=estimate.ratio_without_slower,
+                                                exclude_modules=list(estimate.slower), example_inputs=example,
+                                                mode=args.mode).train()
+    params = {m: [p for p in m.parameters() if p.requires_grad] for m in models.values()}
 
     def step(model):
         def run():
@@ -88,21 +103,28 @@ def main() -> None:
                 p.grad = None
 
     rows = []
-    variants = {"dense": step(dense), "compiled": step(compiled)}
-    cases = [("eager", variants)]
+    cases = [("eager", {name: step(model) for name, model in models.items()})]
     if args.torch_compile:
-        cases.append(("torch.compile", {name: step(torch.compile(model)) for name, model in
-                                        (("dense", dense), ("compiled", compiled))}))
+        cases.append(("torch.compile", {name: step(torch.compile(model)) for name, model in models.items()}))
     for case, fns in cases:
         ms = interleaved_ms(fns, reps=args.reps, warmup=3, setup=clear, device=device)
-        rows.append({"case": case, "dense_ms": round(ms["dense"], 2), "compiled_ms": round(ms["compiled"], 2),
-                     "speed_vs_dense": round(ms["dense"] / ms["compiled"], 3)})
-        print(f"{case:14s} dense {ms['dense']:8.2f} ms  compiled {ms['compiled']:8.2f} ms  "
-              f"{ms['dense'] / ms['compiled']:5.2f}x dense", flush=True)
+        row = {"case": case, "dense_ms": round(ms["dense"], 2), "compiled_ms": round(ms["compiled"], 2),
+               "speed_vs_dense": round(ms["dense"] / ms["compiled"], 3)}
+        text = f"{case:14s} dense {ms['dense']:8.2f} ms  compiled {ms['compiled']:8.2f} ms  " \
+               f"{ms['dense'] / ms['compiled']:5.2f}x dense"
+        if "no-slower" in ms:
+            row.update(no_slower_ms=round(ms["no-slower"], 2), no_slower_speed_vs_dense=round(ms["dense"] / ms["no-slower"], 3))
+            text += f"  |  slower layers dense {ms['no-slower']:8.2f} ms {ms['dense'] / ms['no-slower']:5.2f}x dense"
+        rows.append(row)
+        print(text, flush=True)
     name = "small_models" + ("" if args.family == "bert" else f"_{args.family}") + \
         ("" if device.type == "cpu" else f"_{device.type}") + ("" if args.mode == "graph" else f"_{args.mode}") + ".json"
     path = write_json(name, {
         "benchmark": "small_models", "model": describe, "ratio": compiled.ratio, "mode": args.mode,
+        "estimate": None if estimate is None else {
+            "device": estimate.device, "tt_linears": estimate.layers, "speed_vs_dense": round(estimate.speedup, 3),
+            "slower": len(estimate.slower), "ratio_without_slower": round(estimate.ratio_without_slower, 4)},
+        "no_slower_ratio": models["no-slower"].ratio if "no-slower" in models else None,
         "batch": args.batch, "length": args.length, "rows": rows, "device": str(device), **machine(device)})
     print(f"wrote {path}")
 

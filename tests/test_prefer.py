@@ -196,6 +196,92 @@ def test_report_shows_estimated_step_time_per_row():
             assert f"{row.time_dense * 1e9:,.0f}ns->{row.time_now * 1e9:,.0f}ns" in text
 
 
+def test_report_sums_the_estimated_step_and_names_the_ratio_with_no_slower_layer(monkeypatch):
+    """The report's speed line: the TT linears' estimated step against their dense layers'
+    (the per-row estimates times the rows each was planned for), the layers estimated
+    slower, and the ratio with those kept dense -- which, asked for with them excluded,
+    compiles to a model with no slower layer."""
+    monkeypatch.setattr(tuning, "DEVICE_SPEED", SLOW_KERNELS)
+    x = torch.randn(32, 256)
+    compiled = tncompile.compile(_mlp(), target_ratio=0.05, example_inputs=(x,))
+    report = compiled.report()
+    summary = report.speed
+    timed = [r for r in report.rows if r.time_now is not None]
+    assert summary.layers == len(timed) == 2 and summary.device == SLOW_KERNELS.device
+    assert summary.seconds == pytest.approx(sum(r.time_now * 32 for r in timed))
+    assert summary.dense_seconds == pytest.approx(sum(r.time_dense * 32 for r in timed))
+    assert summary.speedup < 1 and set(summary.slower) == {"0", "2"}
+    back = sum(r.dense_params - r.params for r in timed)
+    assert summary.ratio_without_slower == pytest.approx((report.params + back) / report.original_params)
+    text = str(report)
+    assert f"{summary.speedup:.2f}x dense" in text and f"gives ratio {summary.ratio_without_slower:.4f}" in text
+    kept = tncompile.compile(_mlp(), target_ratio=summary.ratio_without_slower, exclude_modules=list(summary.slower),
+                             example_inputs=(x,))
+    assert kept.ratio <= summary.ratio_without_slower
+    assert kept.report().speed is None or not kept.report().speed.slower
+    monkeypatch.setattr(tuning, "DEVICE_SPEED", FREE_KERNELS)
+    fast = tncompile.compile(_mlp(), target_ratio=0.05, example_inputs=(x,)).report()
+    assert fast.speed.speedup > 1 and not {"0", "2"} & set(fast.speed.slower)
+
+
+#: ops that launch no kernel (views), and the CPU-only host reads of an eager lookup
+_NO_KERNEL = {"view", "t", "_unsafe_view", "expand", "unsqueeze", "squeeze", "transpose", "permute", "detach",
+              "slice", "select", "alias", "reshape", "min", "max", "_local_scalar_dense", "_unique2"}
+
+
+@pytest.mark.parametrize("cores", [1, 3, 4])
+def test_the_lookup_estimate_counts_the_kernels_pytorchs_ops_launch(cores):
+    """lookup_kernels(cores) is the kernel count of a TTM embedding's training step as
+    PyTorch's ops run it (CUDA's path: the native CPU kernels off), counted here."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from tncompile.formats import TTMLayout
+    from tncompile.planning.speed_model import lookup_kernels
+    from tncompile.runtime import TTMEmbedding
+    from tncompile.runtime.native import native_kernels
+
+    class Launches(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in _NO_KERNEL:
+                Launches.count += 1
+            return func(*args, **(kwargs or {}))
+    emb = TTMEmbedding(TTMLayout.for_shape(1000, 128, cores, ranks=8))
+    ids = torch.randint(0, 1000, (8, 64))
+    with native_kernels(False):
+        emb(ids).square().sum().backward()  # warm: plans, no gradient buffers left
+        emb.zero_grad(set_to_none=True)
+        out = emb(ids)
+        g = torch.randn_like(out)
+        with Launches():
+            emb(ids).backward(g)
+    assert Launches.count == lookup_kernels(cores)
+
+
+def test_report_estimates_lookups_and_notes_the_slower_ones(monkeypatch):
+    """TTM embeddings get the step/tok column (per id) and, estimated slower than
+    nn.Embedding, a note; the speed line counts them, and excluding them removes them."""
+    from tncompile.planning import lookup_step_seconds
+    monkeypatch.setattr(tuning, "DEVICE_SPEED", SLOW_KERNELS)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(4096, 64), nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    ids = torch.randint(0, 4096, (4, 16))
+    report = tncompile.compile(model, target_ratio=0.2, example_inputs=(ids,)).report()
+    row = next(r for r in report.rows if r.name == "0")
+    assert row.format == "TTM" and row.time_now is not None
+    lay = tncompile.compile(model, target_ratio=0.2, example_inputs=(ids,)).tensorized_modules()["0"].layout
+    network, dense = lookup_step_seconds(lay, 32 * 16, SLOW_KERNELS)  # 16 ids a sample, 32 samples
+    assert row.time_now == pytest.approx(network / 512) and row.time_dense == pytest.approx(dense / 512)
+    assert "slower than dense at 512 ids" in row.note and "0" in report.speed.slower
+    assert report.speed.layers == sum(r.time_now is not None for r in report.rows)
+
+
+def test_cached_speeds_are_keyed_by_how_fixed_costs_were_timed():
+    """Entries cached before fixed costs were timed eagerly on every device (a CUDA entry
+    timed on a replayed graph) have another key, and are measured again."""
+    assert speed_module.speed_key(torch.device("cpu")).endswith("|eager")
+
+
 def test_speed_cap_is_the_first_rank_too_slow():
     """Time is not monotonic in the rank: the cap stops below the first rank over the margin."""
     lay = TTLayout.for_shape(256, 512, 3)

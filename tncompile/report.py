@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .planning.speed_model import layer_step_seconds
+from .planning.speed_model import layer_step_seconds, lookup_step_seconds
 from .planning.layer_info import fmt_count, layer_info, ranks_str
 
-__all__ = ["Report", "LayerRow", "build_report"]
+__all__ = ["Report", "LayerRow", "SpeedSummary", "build_report", "speed_summary"]
 
 
 @dataclass
@@ -23,7 +23,8 @@ class LayerRow:
     flops_now: int | None = None
     note: str = ""
     calibration: dict | None = None
-    #: estimated seconds per row of a training step (dense layer, network now) over the rows
+    #: estimated seconds per row (per id: a TTM embedding) of a training step (dense layer,
+    #: network now) over the rows
     #: ``prefer="speed"`` planned with (:class:`~tncompile.planning.DeviceSpeed`)
     time_dense: float | None = None
     time_now: float | None = None  # relative output errors on calibration data (compile(calibration=...))
@@ -43,6 +44,9 @@ class Report:
     other_params: int = 0
     history: list = field(default_factory=list)
     speed_device: str = ""
+    #: the estimated training step of the TT linears against their dense layers
+    #: (:func:`speed_summary`), ``None`` where no layer was timed
+    speed: "SpeedSummary | None" = None
 
     @property
     def ratio(self) -> float:
@@ -79,6 +83,8 @@ class Report:
         if timed:
             out.append(f"step/tok (est.): a training step's time per row, dense -> network, on {self.speed_device} "
                        "at the rows each layer was planned for")
+        if self.speed is not None:
+            out.extend(self.speed.lines())
         if calibrated:
             out.append("calib. error: relative output error on the calibration data -- est.: rank allocation's "
                        "estimate at the chosen rank; TT-SVD's -> after the calibrated fit")
@@ -88,18 +94,81 @@ class Report:
         p.text(str(self))
 
 
+@dataclass(frozen=True)
+class SpeedSummary:
+    """What ``prefer="speed"``'s cost model estimates for the model's TT linears and TTM
+    embeddings: one training step of all of them (each over the rows or ids it was
+    traced with) as compiled and as dense layers, on ``device``; the layers estimated slower than their dense layer,
+    and the ratio the model would have with those kept dense
+    (``exclude_modules=slower``: a model whose every compressed layer is estimated no slower)."""
+
+    device: str
+    layers: int
+    seconds: float
+    dense_seconds: float
+    slower: tuple[str, ...]
+    ratio_without_slower: float
+
+    @property
+    def speedup(self) -> float:
+        """Estimated dense step time over compiled step time of these layers (> 1: faster)."""
+        return self.dense_seconds / self.seconds
+
+    def lines(self) -> list[str]:
+        out = [f"speed (est., {self.device}): the {self.layers} compressed layers' training step "
+               f"{_ms(self.seconds)} vs {_ms(self.dense_seconds)} as dense layers: {self.speedup:.2f}x dense"]
+        if self.slower:
+            names = ", ".join(repr(n) for n in self.slower[:4]) + (", ..." if len(self.slower) > 4 else "")
+            out.append(f"  {len(self.slower)} of them estimated slower than dense (see notes); keeping them dense "
+                       f"(exclude_modules=report.speed.slower: [{names}]) gives ratio "
+                       f"{self.ratio_without_slower:.4f}")
+        return out
+
+
+def speed_summary(rows: list[LayerRow], program, params: int) -> SpeedSummary | None:
+    """:class:`SpeedSummary` from the timed rows (``time_dense`` / ``time_now`` per row
+    times the rows each layer was planned for); ``None`` without timed rows."""
+    est = getattr(program, "speed_estimates", None) or {}
+    planned = _planned_rows(est)
+    timed = [r for r in rows if r.time_now is not None and r.name in planned]
+    if not timed:
+        return None
+    slower = tuple(r.name for r in timed if r.time_now > r.time_dense)
+    back = sum(r.dense_params - r.params for r in timed if r.name in slower)
+    return SpeedSummary(device=est["speed"].device, layers=len(timed),
+                        seconds=sum(r.time_now * planned[r.name] for r in timed),
+                        dense_seconds=sum(r.time_dense * planned[r.name] for r in timed),
+                        slower=slower, ratio_without_slower=(params + back) / program.original_params)
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.0f} us"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.3f} ms"
+
+
 def _ns(seconds: float) -> str:
     return f"{seconds * 1e9:,.0f}ns"
 
 
 def _step_times_per_row(program, name: str, layout) -> tuple[float | None, float | None]:
-    """Estimated training-step seconds per row (dense, network) of a planned TT linear."""
+    """Estimated training-step seconds per row (dense, network) of a planned TT linear,
+    or per id of a TTM embedding."""
     est = getattr(program, "speed_estimates", None) or {}
-    rows = est.get("rows", {}).get(name)
-    if rows is None or getattr(layout, "format", None) != "TT" or layout.ranks is None:
+    fmt = getattr(layout, "format", None)
+    rows = _planned_rows(est).get(name)
+    if rows is None or fmt not in ("TT", "TTM") or layout.ranks is None:
         return None, None
-    network, dense = layer_step_seconds(layout, rows, est["speed"])
+    step = layer_step_seconds if fmt == "TT" else lookup_step_seconds
+    network, dense = step(layout, rows, est["speed"])
     return dense / rows, network / rows
+
+
+def _planned_rows(est: dict) -> dict[str, int]:
+    """Rows each TT linear, ids each TTM embedding was judged at."""
+    return {**est.get("rows", {}), **est.get("ids", {})}
 
 
 def _calibration_cell(errors: dict | None) -> str:
@@ -152,5 +221,13 @@ def build_report(program) -> Report:
     total = program.num_params()
     in_rows = sum(r.params for r in rows)
     est = getattr(program, "speed_estimates", None) or {}
+    ids = est.get("ids", {})
+    for r in rows:  # the planner notes the linears it judged; lookups are only estimated
+        if r.format == "TTM" and r.time_now is not None and r.time_now > r.time_dense and r.name in ids:
+            r.note = "; ".join(filter(None, [r.note, (
+                f"slower than dense at {ids[r.name]} ids: est. {_us(r.time_now * ids[r.name])} vs "
+                f"{_us(r.time_dense * ids[r.name])} a step on {est['speed'].device} (lookups are not kept dense "
+                "for speed: exclude_modules does)")]))
     return Report(rows, program.original_params, total, other_params=total - in_rows,
-                  history=list(program.history), speed_device=est["speed"].device if "speed" in est else "")
+                  history=list(program.history), speed_device=est["speed"].device if "speed" in est else "",
+                  speed=speed_summary(rows, program, total))

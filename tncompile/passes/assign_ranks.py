@@ -6,7 +6,7 @@ import math
 import torch
 
 from .. import tuning
-from ..formats.layout import TTLayout
+from ..formats.layout import TTLayout, TTMLayout
 from ..ir.program import Program
 from ..planning import DeviceSpeed, device_speed, fixed_order_macs, layer_step_seconds
 from ..runtime.experts import experts_rows
@@ -91,8 +91,9 @@ class AssignRanks(Pass):
         fixed = {n: r for n in owners if (r := pattern_lookup(n, opts.rank_pattern)) is not None}
         caps = {n: self._cap(m.layout) for n, m in owners.items()}
         rows = self._traced_rows(program, owners)
-        speed = device_speed(_model_device(program)) if rows else None
-        program.speed_estimates = {"speed": speed, "rows": dict(rows)} if speed else {}
+        ids = self._traced_rows(program, owners, lookups=True)
+        speed = device_speed(_model_device(program)) if rows or ids else None
+        program.speed_estimates = {"speed": speed, "rows": dict(rows), "ids": ids} if speed else {}
         size = {n: (lambda r, lay=m.layout: lay.with_ranks(r).num_params()) for n, m in owners.items()}
         absorbed: list[str] = []
         if opts.prefer == "speed":
@@ -146,19 +147,20 @@ class AssignRanks(Pass):
         return program
 
     @staticmethod
-    def _traced_rows(program: Program, owners: dict[str, PendingLayer]) -> dict[str, int]:
+    def _traced_rows(program: Program, owners: dict[str, PendingLayer], lookups: bool = False) -> dict[str, int]:
         """Rows each TT network multiplied when traced (largest over its call
-        sites; an expert's share of its layer's rows)."""
+        sites; an expert's share of its layer's rows); with ``lookups``, the ids each
+        TTM embedding looked up instead (the report's estimates)."""
         rows: dict[str, int] = {}
         for node, mod in program.modules():
-            if node.target in owners and isinstance(mod.layout, TTLayout):
-                seen = example_rows(node, lookup=False)
+            if node.target in owners and isinstance(mod.layout, TTMLayout if lookups else TTLayout):
+                seen = example_rows(node, lookup=lookups)
                 # rows per sample as traced (sequence length), times the batch asked for with
                 # batch_sizes, else a typical one: never the batch the example happened to have.
                 # No shapes (fx without example_inputs): one row per sample.
                 batch = max(program.options.batch_sizes or [tuning.ASSUMED_ROWS])
                 traced = batch * max(seen[1] // max(seen[0], 1), 1) if seen is not None else batch
-                per_network = experts_rows(traced, mod.layout.experts)
+                per_network = traced if lookups else experts_rows(traced, mod.layout.experts)
                 rows[node.target] = max(rows.get(node.target, 0), per_network)
         return rows
 

@@ -21,8 +21,11 @@ re-measures it and checks the model against timed steps):
 The estimate of one training step (forward, input and weight gradients) is
 ``fixed + multiply-adds / gemm_macs_per_s + bytes / copy_bytes_per_s``
 (:meth:`DeviceSpeed.network_step_seconds`, :meth:`DeviceSpeed.dense_step_seconds`).
-On CUDA the fixed costs are measured on a replayed CUDA graph, as
-:class:`~tncompile.runtime.TrainStep` runs steps by default.
+The fixed costs are timed eagerly on every device, CUDA included: the step a
+plain training loop, ``transformers.Trainer`` or ``torch.compile`` without CUDA graphs
+runs, and an upper bound on a step replayed from a CUDA graph
+(:class:`~tncompile.train.TrainStep`), whose kernels start without the host's
+dispatch -- a layer estimated no slower than dense is no slower captured either.
 
 ``tncompile.tuning.DEVICE_SPEED = DeviceSpeed(...)`` -- or the environment variable
 ``TNCOMPILE_DEVICE_SPEED`` holding :meth:`DeviceSpeed.as_dict` as JSON, which child
@@ -44,13 +47,14 @@ import torch
 
 from .. import tuning
 from ..formats.indices import BATCH, planner_problem
-from ..formats.layout import TTLayout
-from ..runtime.plans import ContractionPlan
+from ..formats.layout import TTLayout, TTMLayout
+from ..runtime.plans import ContractionPlan, LookupPlan
 from ..runtime.tt_layers import TTLinear
 from .contraction import fixed_order_plan, plan_contraction
+from .lookup import plan_lookup
 
-__all__ = ["DeviceSpeed", "REFERENCE", "device_speed", "measure_device_speed", "layer_step_seconds", "cache_path",
-           "speed_key"]
+__all__ = ["DeviceSpeed", "REFERENCE", "device_speed", "measure_device_speed", "layer_step_seconds",
+           "lookup_step_seconds", "lookup_kernels", "cache_path", "speed_key"]
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,24 @@ class DeviceSpeed:
         return (self.dense_call_seconds + 3 * rows * in_features * out_features / self.gemm_macs_per_s
                 + element_bytes * traffic / self.copy_bytes_per_s)
 
+    def lookup_step_seconds(self, plan: LookupPlan, cores: int, embedding_dim: int, element_bytes: int = 4) -> float:
+        """Estimated seconds of a TTM embedding's training step over ``plan.rows`` ids
+        as ``plan`` splits it: :func:`lookup_kernels` fixed costs, the half tables'
+        merge and the per-id products forward and twice backward, and their traffic
+        (the largest intermediate written and read back, the rows written, their
+        gradient read twice)."""
+        traffic = 2 * plan.largest + 3 * plan.rows * embedding_dim
+        return (lookup_kernels(cores) * self.kernel_seconds + 3 * plan.fwd_flops / self.gemm_macs_per_s
+                + element_bytes * traffic / self.copy_bytes_per_s)
+
+    def embedding_step_seconds(self, ids: int, num_embeddings: int, embedding_dim: int,
+                               element_bytes: int = 4) -> float:
+        """Estimated seconds of ``nn.Embedding``'s training step over ``ids`` ids: a
+        dense call's fixed cost, the rows gathered and their gradient read, and the
+        table-sized gradient zeroed and written (``embedding_dense_backward``)."""
+        traffic = 3 * ids * embedding_dim + 2 * num_embeddings * embedding_dim
+        return self.dense_call_seconds + element_bytes * traffic / self.copy_bytes_per_s
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -114,6 +136,24 @@ def layer_step_seconds(layout: TTLayout, rows: int, speed: DeviceSpeed) -> tuple
             speed.dense_step_seconds(rows, layout.in_features, layout.out_features))
 
 
+def lookup_kernels(cores: int) -> int:
+    """Kernels of a TTM lookup's training step over ``cores`` cores, as PyTorch's ops
+    run it (CUDA; CPU without the native kernels): forward, the gates and the two half
+    tables' merges, the ids split and gathered, one batched product; backward, per half
+    table a zeroed gradient, a gather, a product and a scatter-add, then the merges'
+    and gates' gradients -- 9 per core and 5 more (counted: 32 at 3 cores, 41 at 4);
+    one core, 6."""
+    return 6 if cores == 1 else 9 * cores + 5
+
+
+def lookup_step_seconds(layout: TTMLayout, ids: int, speed: DeviceSpeed) -> tuple[float, float]:
+    """Estimated seconds of one training step over ``ids`` ids on ``speed``'s device:
+    ``(TTM network, nn.Embedding)``, the network split as :func:`plan_lookup` plans it."""
+    plan = plan_lookup(layout, ids)
+    return (speed.lookup_step_seconds(plan, len(layout.row_modes), layout.embedding_dim),
+            speed.embedding_step_seconds(ids, layout.num_embeddings, layout.embedding_dim))
+
+
 #: A 2-core x86 CPU of this project's development machines (torch 2.13, 2 threads, copy
 #: ~33 GB/s, fp32 GEMM ~190 GFLOP/s): what the test suite plans with, so that ranks
 #: do not depend on the host CI runs on.
@@ -124,9 +164,11 @@ _measured: dict[str, DeviceSpeed] = {}
 
 
 def speed_key(device: torch.device) -> str:
-    """What a measurement is valid for: device (a GPU by name), torch version, CPU threads."""
+    """What a measurement is valid for: device (a GPU by name), torch version, CPU threads,
+    and how the fixed costs were timed (``eager``: entries cached before, timed on a
+    replayed CUDA graph, are measured again)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return f"{device.type}:{name}|torch {torch.__version__}|threads {torch.get_num_threads()}"
+    return f"{device.type}:{name}|torch {torch.__version__}|threads {torch.get_num_threads()}|eager"
 
 
 def cache_path() -> Path:
@@ -233,7 +275,7 @@ def measure_device_speed(device: torch.device | str = "cpu") -> DeviceSpeed:
     runs each; about a second on a 2-core CPU). Copy: a 64 MB (CPU) or 1 GB (CUDA)
     fp32 copy. GEMM: a square fp32 ``mm`` (1024 on CPU, 8192 on CUDA). Fixed costs:
     the training step (``y.backward(dy)``) of a 64 -> 64 dense linear, and of its
-    3-core rank-1 TT network, over a few rows -- on CUDA replayed from a CUDA graph."""
+    3-core rank-1 TT network, over a few rows, run eagerly (on CUDA too)."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     numel = 2**28 if cuda else 2**24
@@ -279,34 +321,14 @@ def _best(fn: Callable[[], object], device: torch.device, reps: int, calls: int 
 
 
 def _step_seconds(module: torch.nn.Module, rows: int, device: torch.device) -> float:
-    """One training step of ``module`` (forward, backward into inputs and
-    parameters) over ``rows`` rows: eager on CPU, a replayed CUDA graph on CUDA."""
+    """One eager training step of ``module`` (forward, backward into inputs and
+    parameters) over ``rows`` rows, up to a device synchronize."""
     x = torch.randn(rows, 64, device=device, requires_grad=True)
     dy = torch.randn(rows, 64, device=device)
 
     def step() -> None:
         module(x).backward(dy)
 
-    if device.type == "cuda":
-        step = _graphed(step, device)
     for _ in range(5):
         step()
     return _best(step, device, reps=7, calls=50)
-
-
-def _graphed(step: Callable[[], None], device: torch.device) -> Callable[[], None]:
-    """``step`` captured as a CUDA graph (gradients accumulate in place); as written
-    when capture fails."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            step()
-    except RuntimeError:
-        return step
-    return graph.replay
