@@ -2,6 +2,7 @@
 
     python benchmarks/bench_small_models.py [--ratio 0.3] [--batch 32] [--length 64] [--no-torch-compile]
                                             [--device cuda] [--mode graph|swap|auto] [--family bert|gpt2|llama]
+                                            [--train-step eager|captured] [--no-slower-kept-dense]
 
 Issue 28's first point: layers whose TT network costs fewer multiply-adds than the
 dense layer but more kernels and Python calls can lose in time. The model
@@ -13,7 +14,9 @@ mean-square loss on the last hidden state. Timed interleaved against the dense m
 eagerly and, unless ``--no-torch-compile``, with both models under ``torch.compile``.
 Where the report estimates some TT linears slower than their dense layers (its speed
 line, ``report.speed``), the model it offers -- those kept dense, at the ratio it names --
-is timed beside them (``--no-slower-kept-dense`` skips it).
+is timed beside them (``--no-slower-kept-dense`` skips it). ``--train-step eager|captured``
+adds whole training steps (``tncompile.TrainStep``, AdamW; ``captured``: CUDA graphs, as
+``fit`` runs them on a GPU).
 ``--family gpt2`` (``GPT2LMHeadModel``, 256 wide, 4 layers, 4 heads, dropout 0.1
 everywhere) and ``--family llama`` (``LlamaForCausalLM``, 256 wide, 4 layers, 4 query
 and 2 key/value heads, FFN 688, attention dropout 0.1) train on their language-model
@@ -30,6 +33,7 @@ import torch
 import transformers
 
 import tncompile
+from tncompile.train import TrainStep
 
 from common import interleaved_ms, machine, write_json
 
@@ -67,6 +71,9 @@ def main() -> None:
     ap.add_argument("--mode", default="graph", choices=["graph", "swap", "auto"],
                     help="compile mode (auto: what a user gets by default; swap for HF models)")
     ap.add_argument("--family", default="bert", choices=list(FAMILIES))
+    ap.add_argument("--train-step", choices=["eager", "captured"], default=None,
+                    help="also time full training steps (tncompile.TrainStep with AdamW) of every model: eagerly, "
+                         "or captured as CUDA graphs (--device cuda)")
     ap.add_argument("--slower-kept-dense", action=argparse.BooleanOptionalAction, default=True,
                     help="also time the model the report offers: its TT linears estimated slower than "
                          "dense kept dense (exclude_modules=report.speed.slower, at report.speed.ratio_without_slower)")
@@ -97,6 +104,15 @@ def main() -> None:
                 model(input_ids=ids, labels=ids).loss.backward()
         return run
 
+    def train_step(model, captured: bool):
+        """A full step (forward, backward, AdamW) through tncompile.TrainStep."""
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+        if args.family == "bert":
+            step = TrainStep(model, opt, lambda out, _: out.last_hidden_state.square().mean(), cuda_graph=captured)
+            return lambda: step({"input_ids": ids}, None)
+        step = TrainStep(model, opt, lambda out, _: out.loss, cuda_graph=captured)
+        return lambda: step({"input_ids": ids, "labels": ids}, None)
+
     def clear():
         for ps in params.values():
             for p in ps:
@@ -106,8 +122,14 @@ def main() -> None:
     cases = [("eager", {name: step(model) for name, model in models.items()})]
     if args.torch_compile:
         cases.append(("torch.compile", {name: step(torch.compile(model)) for name, model in models.items()}))
+    if args.train_step == "captured" and device.type != "cuda":
+        ap.error("--train-step captured needs --device cuda")
+    if args.train_step:
+        cases.append((f"TrainStep {args.train_step}", {name: train_step(model, args.train_step == "captured")
+                                                       for name, model in models.items()}))
     for case, fns in cases:
-        ms = interleaved_ms(fns, reps=args.reps, warmup=3, setup=clear, device=device)
+        ms = interleaved_ms(fns, reps=args.reps, warmup=3, setup=None if case.startswith("TrainStep") else clear,
+                            device=device)
         row = {"case": case, "dense_ms": round(ms["dense"], 2), "compiled_ms": round(ms["compiled"], 2),
                "speed_vs_dense": round(ms["dense"] / ms["compiled"], 3)}
         text = f"{case:14s} dense {ms['dense']:8.2f} ms  compiled {ms['compiled']:8.2f} ms  " \
@@ -122,7 +144,7 @@ def main() -> None:
     path = write_json(name, {
         "benchmark": "small_models", "model": describe, "ratio": compiled.ratio, "mode": args.mode,
         "estimate": None if estimate is None else {
-            "device": estimate.device, "tt_linears": estimate.layers, "speed_vs_dense": round(estimate.speedup, 3),
+            "device": estimate.device, "compressed_layers": estimate.layers, "speed_vs_dense": round(estimate.speedup, 3),
             "slower": len(estimate.slower), "ratio_without_slower": round(estimate.ratio_without_slower, 4)},
         "no_slower_ratio": models["no-slower"].ratio if "no-slower" in models else None,
         "batch": args.batch, "length": args.length, "rows": rows, "device": str(device), **machine(device)})
