@@ -1,6 +1,6 @@
 """Where a GPU training step's time goes: kernels per step and GPU time by kind, dense vs compiled.
 
-    python benchmarks/bench_gpu_kernels.py [--batches 1 32] [--steps 5]
+    python benchmarks/bench_gpu_kernels.py [--batches 1 32] [--steps 5] [--model six-encoder|small-bert]
 
 The paper's six-encoder (sequence 128, AdamW), dense and compiled at CoMERA's 1/44.9,
 one eager :class:`tncompile.TrainStep` per model (``cuda_graph=False``: a captured step
@@ -11,12 +11,16 @@ elementwise/copy, other). Per step: the kernel count, the sum of kernel times (t
 time a captured replay cannot go below), and per kind count and time; the 12 costliest
 kernels. With a floor of a few microseconds per kernel, a step of thousands of small
 kernels is bound by their count, not by its FLOPs -- what this shows at batch 1.
-Writes ``benchmarks/results/gpu_kernels.json`` with the device's copy bandwidth and
-GEMM throughput.
+``--model small-bert``: issue 28's 2-layer, 128-wide ``BertModel`` at 0.3 with the defaults
+(32x64 ids), against the same model dense. Beside the profile, each step's wall time
+(timed unprofiled): where it far exceeds the kernels' sum, the host's dispatch is the
+step. Writes ``benchmarks/results/gpu_kernels.json`` (``gpu_kernels_small_bert.json``)
+with the device's copy bandwidth and GEMM throughput.
 """
 from __future__ import annotations
 
 import argparse
+import time
 from collections import defaultdict
 
 import torch
@@ -83,39 +87,77 @@ def profile_step(step, x, y, steps: int) -> dict:
                     for n, (c, t) in top]}
 
 
+def _six_encoder(batch: int, device):
+    """The paper's six-encoder at 1/44.9, cross-entropy over 3 classes."""
+    x = torch.randint(1, 30522, (batch, SEQ), device=device)
+    y = torch.randint(0, 3, (batch,), device=device)
+
+    def build(compiled: bool):
+        model = six_encoder().to(device)
+        if compiled:
+            model = tncompile.compile(model, target_ratio=PAPER_RATIO, init="random",
+                                      batch_sizes=[batch * SEQ]).to(device)
+        return model, F.cross_entropy
+    return x, y, build
+
+
+def _small_bert(batch: int, device):
+    """bench_small_models' BertModel (hidden 128, 2 layers, FFN 512) over 64 ids a
+    sample, compiled with the defaults at 0.3; a mean-square loss on the last hidden state."""
+    import transformers
+    config = transformers.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=512, max_position_embeddings=64)
+    x = {"input_ids": torch.randint(0, 1000, (batch, 64), device=device)}
+
+    def build(compiled: bool):
+        model = transformers.BertModel(config).train().to(device)
+        if compiled:
+            model = tncompile.compile(model, target_ratio=0.3, example_inputs=x)
+        return model, (lambda out, _: out.last_hidden_state.square().mean())
+    return x, None, build
+
+
+MODELS = {"six-encoder": _six_encoder, "small-bert": _small_bert}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 32 (small-bert: 32)")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--model", choices=list(MODELS), default="six-encoder")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu_kernels needs a CUDA GPU")
     device = torch.device("cuda")
     rows = []
-    for batch in args.batches:
+    for batch in args.batches or ([32] if args.model == "small-bert" else [1, 32]):
         torch.manual_seed(0)
-        x = torch.randint(1, 30522, (batch, SEQ), device=device)
-        y = torch.randint(0, 3, (batch,), device=device)
+        x, y, build = MODELS[args.model](batch, device)
         for name in ("dense", "compiled"):
             torch.manual_seed(0)
-            model = six_encoder().to(device)
-            if name == "compiled":
-                model = tncompile.compile(model, target_ratio=PAPER_RATIO, init="random",
-                                          batch_sizes=[batch * SEQ]).to(device)
+            model, loss_fn = build(name == "compiled")
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            step = TrainStep(model, opt, F.cross_entropy, cuda_graph=False)
+            step = TrainStep(model, opt, loss_fn, cuda_graph=False)
             for _ in range(4):
                 step(x, y)
             torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step(x, y)
+            torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - start) / args.steps * 1e3
             result = profile_step(step, x, y, args.steps)
-            rows.append({"batch": batch, "model": name, **result})
+            rows.append({"batch": batch, "model": name, "wall_ms_per_step": round(wall_ms, 3), **result})
             kinds = ", ".join(f"{k} {v['kernels']:.0f}/{v['ms']:.2f} ms" for k, v in result["by_kind"].items())
             print(f"batch {batch:4d} {name:9s} {result['kernels_per_step']:7.0f} kernels  "
-                  f"{result['gpu_ms_per_step']:7.2f} ms of kernels per step  ({kinds})", flush=True)
+                  f"{result['gpu_ms_per_step']:7.2f} ms of kernels, {wall_ms:7.2f} ms wall per step  ({kinds})",
+                  flush=True)
             del model, opt, step
             torch.cuda.empty_cache()
-    path = write_json("gpu_kernels.json", {"benchmark": "gpu_kernels", "gpu": torch.cuda.get_device_name(),
-                                           "rows": rows, **machine(device)})
+    suffix = "" if args.model == "six-encoder" else "_" + args.model.replace("-", "_")
+    path = write_json(f"gpu_kernels{suffix}.json", {"benchmark": "gpu_kernels", "model": args.model,
+                                                    "gpu": torch.cuda.get_device_name(), "rows": rows,
+                                                    **machine(device)})
     print(f"wrote {path}")
 
 
