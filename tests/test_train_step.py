@@ -169,6 +169,24 @@ def test_bad_inputs_and_settings_are_clear_errors():
         TrainStep(other, other_opt, lambda out, t: F.cross_entropy(out, t, reduction="none"))(x, y)
 
 
+def test_fused_adamw_steps_through_cuts_like_the_default():
+    """``AdamW(fused=True)`` (one kernel for all of a compressed model's many small
+    tensors) trains through truncations and a stage switch as the default loop does."""
+    data = _batches(20)
+    results = []
+    for fused in (False, True):
+        compiled, _, _ = _setup()
+        opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=2e-3, gate_lr=5e-2), fused=fused)
+        ctl = tncompile.RankController(compiled, opt, target_ratio=0.1, threshold=0.95, rank_weight=1.0,
+                                       truncate_every=5, early_steps=8)
+        step = TrainStep(compiled, opt, F.cross_entropy, controller=ctl)
+        losses = torch.stack([step(x, y) for x, y in data])
+        results.append((losses, ctl.ranks(), compiled.ratio))
+    (plain, plain_ranks, plain_ratio), (fused, fused_ranks, fused_ratio) = results
+    assert fused_ranks == plain_ranks and fused_ratio == plain_ratio < 0.2
+    torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-5)
+
+
 def test_make_capturable():
     compiled, opt, _ = _setup()
     make_capturable(opt)
