@@ -24,10 +24,12 @@ def _eager(left, right, i, j, grad):
     return out, g_left, g_right
 
 
-# sizes off the kernel's register blocks (6 rows, 2 x 32-byte vectors) and on them
+# sizes off the kernel's register blocks (6 / 8 rows, 2 vectors, the 32- and 16-byte column
+# blocks, dL's rank padded to whole 16-byte vectors) and on them
 @pytest.mark.parametrize("m_l, n_l, rank, m_r, n_r, T", [
     (5, 48, 32, 7, 16, 300), (3, 1, 1, 2, 1, 5), (4, 7, 5, 3, 12, 64), (6, 13, 6, 5, 20, 33),
-    (2, 6, 9, 4, 35, 17), (9, 24, 7, 8, 8, 0),
+    (2, 6, 9, 4, 35, 17), (9, 24, 7, 8, 8, 0), (5, 48, 30, 7, 16, 300), (4, 32, 20, 8, 4, 100),
+    (3, 9, 37, 4, 5, 50), (2, 16, 33, 3, 7, 40),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, f64])
 def test_kernel_matches_eager_products(ops, m_l, n_l, rank, m_r, n_r, T, dtype):

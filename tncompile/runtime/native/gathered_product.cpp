@@ -63,18 +63,27 @@ std::vector<at::Tensor> gathered_product_backward(const at::Tensor& grad, const 
   TORCH_CHECK(grad.dim() == 3 && grad.size(0) == n && grad.size(1) == nl && grad.size(2) == nr,
               "gathered_product_backward: grad must be (T, N_L, N_R)");
   const auto G = grad.to(left.scalar_type()).contiguous(), L = left.contiguous();
-  const auto RT = right.transpose(1, 2).contiguous();  // (M_R, N_R, r): R[j]^T row-major
   const auto I = i.contiguous(), J = j.contiguous();
+  // dL's products have r columns: R[j]^T and dL's accumulators are padded with zero columns
+  // to a whole number of the GEMM's narrowest vector (30 -> 32 fp32), so no column runs scalar
+  const int64_t rank_pad = AT_DISPATCH_FLOATING_TYPES(L.scalar_type(), "gathered_rank_pad", [&] {
+    return round_up(rank, narrowest_lanes<scalar_t>());
+  });
+  at::Tensor RT;  // (M_R, N_R, r_pad): R[j]^T row-major
+  if (need_left) {
+    RT = at::zeros({right.size(0), nr, rank_pad}, L.options());
+    RT.narrow(2, 0, rank).copy_(right.transpose(1, 2));
+  }
   // one private accumulator per thread, summed at the end (no atomics, deterministic per thread count)
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + 15) / 16));
   at::Tensor gl, gr;
-  if (need_left) gl = at::zeros({threads, left.size(0), nl, rank}, L.options());
+  if (need_left) gl = at::zeros({threads, left.size(0), nl, rank_pad}, L.options());
   if (need_right) gr = at::zeros({threads, right.size(0), rank, nr}, L.options());
-  const int64_t l_size = left.numel(), r_size = right.numel();
+  const int64_t l_size = left.size(0) * nl * rank_pad, r_size = right.numel();
   AT_DISPATCH_FLOATING_TYPES(L.scalar_type(), "gathered_product_backward", [&] {
     const scalar_t* g = G.data_ptr<scalar_t>();
     const scalar_t* l = L.data_ptr<scalar_t>();
-    const scalar_t* rt = RT.data_ptr<scalar_t>();
+    const scalar_t* rt = need_left ? RT.data_ptr<scalar_t>() : nullptr;
     const int64_t* ii = I.data_ptr<int64_t>();
     const int64_t* jj = J.data_ptr<int64_t>();
     scalar_t* gl_p = need_left ? gl.data_ptr<scalar_t>() : nullptr;
@@ -84,9 +93,9 @@ std::vector<at::Tensor> gathered_product_backward(const at::Tensor& grad, const 
       for (int64_t part = first; part < last; ++part) {
         for (int64_t t = part * chunk; t < std::min(n, (part + 1) * chunk); ++t) {
           const scalar_t* gt = g + t * nl * nr;
-          if (gl_p)  // dL[i] += dout[t] (N_L x N_R) @ R[j]^T (N_R x r)
-            small_gemm<scalar_t>(gt, nr, 1, rt + jj[t] * nr * rank, rank,
-                                 gl_p + part * l_size + ii[t] * nl * rank, rank, nl, nr, rank, true);
+          if (gl_p)  // dL[i] += dout[t] (N_L x N_R) @ R[j]^T (N_R x r_pad)
+            small_gemm<scalar_t>(gt, nr, 1, rt + jj[t] * nr * rank_pad, rank_pad,
+                                 gl_p + part * l_size + ii[t] * nl * rank_pad, rank_pad, nl, nr, rank_pad, true);
           if (gr_p)  // dR[j] += L[i]^T (r x N_L) @ dout[t] (N_L x N_R)
             small_gemm<scalar_t>(l + ii[t] * nl * rank, 1, rank, gt, nr,
                                  gr_p + part * r_size + jj[t] * rank * nr, nr, rank, nl, nr, true);
@@ -94,7 +103,12 @@ std::vector<at::Tensor> gathered_product_backward(const at::Tensor& grad, const 
       }
     });
   });
-  return {need_left ? gl.sum(0) : at::Tensor(), need_right ? gr.sum(0) : at::Tensor()};
+  at::Tensor d_left;
+  if (need_left) {
+    d_left = gl.sum(0);
+    if (rank_pad != rank) d_left = d_left.narrow(2, 0, rank).contiguous();
+  }
+  return {d_left, need_right ? gr.sum(0) : at::Tensor()};
 }
 
 }  // namespace tncompile_native

@@ -5,9 +5,10 @@
 // a's element (m, k) sits at a[m * a_rs + k * a_cs] (any layout, a is small);
 // b and c are row-major with row strides ldb, ldc. Blocks of MR rows x (1 or
 // 2) vectors of c are accumulated in registers (GCC/Clang vector extensions:
-// 64-byte vectors where AVX-512 is compiled in, 32-byte otherwise; with
-// 64-byte vectors a 32-byte block takes 8..15 remaining fp32 columns); the
-// columns past the last block run scalar.
+// 64-byte vectors where AVX-512 is compiled in, 32-byte otherwise; narrower
+// blocks of 32 and 16 bytes take the remaining columns down to 4 fp32); the
+// last 1..3 fp32 columns run scalar (none where N is a multiple of
+// narrowest_lanes<T>(): callers that own c can pad to it).
 #pragma once
 
 #include <algorithm>
@@ -45,10 +46,25 @@ struct Lanes {
 };
 
 template <typename T>
-struct HalfLanes {  // half a register: column tails of 8..15 fp32 on AVX-512
+struct HalfLanes {  // half a register: column tails of 8..15 fp32 on AVX-512, 4..7 with 32-byte vectors
   typedef T vec __attribute__((vector_size(kVectorBytes / 2)));
   static constexpr int64_t n = kVectorBytes / 2 / sizeof(T);
 };
+
+template <typename T>
+struct QuarterLanes {  // a quarter of a 64-byte register (16 bytes): column tails of 4..7 fp32 on AVX-512
+  typedef T vec __attribute__((vector_size(kVectorBytes / 4)));
+  static constexpr int64_t n = kVectorBytes / 4 / sizeof(T);
+};
+
+// The narrowest column block small_gemm vectorizes: 16 bytes (4 fp32, 2 fp64). Columns
+// padded to a multiple of it leave no scalar tail.
+template <typename T>
+constexpr int64_t narrowest_lanes() {
+  return 16 / static_cast<int64_t>(sizeof(T));
+}
+
+inline int64_t round_up(int64_t n, int64_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
 template <typename V, typename T>
 inline V load(const T* p) {
@@ -155,12 +171,19 @@ void small_gemm(const T* a, int64_t a_rs, int64_t a_cs, const T* b, int64_t ldb,
     for (int64_t m0 = 0; m0 < M; m0 += mr)
       rows_block<T, 1>(std::min(mr, M - m0), a + m0 * a_rs, a_rs, a_cs, b + n0, ldb, c + m0 * ldc + n0, ldc, K,
                        accumulate, init ? init + n0 : nullptr);
-  if constexpr (kVectorBytes == 64) {  // a half-width (32-byte) block for 8..15 remaining fp32 columns
+  if constexpr (kVectorBytes >= 32) {  // a half-width block: 8..15 remaining fp32 columns (4..7 on AVX2)
     constexpr int64_t H = L / 2;
     for (; n0 + H <= N; n0 += H)
       for (int64_t m0 = 0; m0 < M; m0 += mr)
         rows_block<T, 1, HalfLanes<T>>(std::min(mr, M - m0), a + m0 * a_rs, a_rs, a_cs, b + n0, ldb,
                                        c + m0 * ldc + n0, ldc, K, accumulate, init ? init + n0 : nullptr);
+  }
+  if constexpr (kVectorBytes == 64) {  // a quarter-width (16-byte) block for 4..7 remaining fp32 columns
+    constexpr int64_t Q = L / 4;
+    for (; n0 + Q <= N; n0 += Q)
+      for (int64_t m0 = 0; m0 < M; m0 += mr)
+        rows_block<T, 1, QuarterLanes<T>>(std::min(mr, M - m0), a + m0 * a_rs, a_rs, a_cs, b + n0, ldb,
+                                          c + m0 * ldc + n0, ldc, K, accumulate, init ? init + n0 : nullptr);
   }
   for (; n0 < N; ++n0)  // the last columns, fewer than a vector
     for (int64_t i = 0; i < M; ++i) {
