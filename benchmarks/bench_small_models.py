@@ -135,7 +135,8 @@ def main() -> None:
         text = f"{case:14s} dense {ms['dense']:8.2f} ms  compiled {ms['compiled']:8.2f} ms  " \
                f"{ms['dense'] / ms['compiled']:5.2f}x dense"
         if "no-slower" in ms:
-            row.update(no_slower_ms=round(ms["no-slower"], 2), no_slower_speed_vs_dense=round(ms["dense"] / ms["no-slower"], 3))
+            row.update(no_slower_ms=round(ms["no-slower"], 2),
+                       no_slower_speed_vs_dense=round(ms["dense"] / ms["no-slower"], 3))
             text += f"  |  slower layers dense {ms['no-slower']:8.2f} ms {ms['dense'] / ms['no-slower']:5.2f}x dense"
         rows.append(row)
         print(text, flush=True)
@@ -144,7 +145,8 @@ def main() -> None:
     path = write_json(name, {
         "benchmark": "small_models", "model": describe, "ratio": compiled.ratio, "mode": args.mode,
         "estimate": None if estimate is None else {
-            "device": estimate.device, "compressed_layers": estimate.layers, "speed_vs_dense": round(estimate.speedup, 3),
+            "device": estimate.device, "compressed_layers": estimate.layers,
+            "speed_vs_dense": round(estimate.speedup, 3),
             "slower": len(estimate.slower), "ratio_without_slower": round(estimate.ratio_without_slower, 4)},
         "no_slower_ratio": models["no-slower"].ratio if "no-slower" in models else None,
         "batch": args.batch, "length": args.length, "rows": rows, "device": str(device), **machine(device)})

@@ -44,8 +44,8 @@ class Report:
     other_params: int = 0
     history: list = field(default_factory=list)
     speed_device: str = ""
-    #: the estimated training step of the TT linears against their dense layers
-    #: (:func:`speed_summary`), ``None`` where no layer was timed
+    #: the estimated training step of the compressed layers (TT linears, TTM embeddings)
+    #: against their dense layers (:func:`speed_summary`), ``None`` where no layer was timed
     speed: "SpeedSummary | None" = None
 
     @property
@@ -97,10 +97,23 @@ class Report:
 @dataclass(frozen=True)
 class SpeedSummary:
     """What ``prefer="speed"``'s cost model estimates for the model's TT linears and TTM
-    embeddings: one training step of all of them (each over the rows or ids it was
-    traced with) as compiled and as dense layers, on ``device``; the layers estimated slower than their dense layer,
-    and the ratio the model would have with those kept dense
-    (``exclude_modules=slower``: a model whose every compressed layer is estimated no slower)."""
+    embeddings, each over the rows (ids) it was traced with, on one device.
+
+    Attributes
+    ----------
+    device : str
+        The :class:`~tncompile.planning.DeviceSpeed` the estimates are for.
+    layers : int
+        How many compressed layers were estimated.
+    seconds, dense_seconds : float
+        One training step of all of them, as compiled and as their dense layers.
+    slower : tuple of str
+        The layers estimated slower than their dense layer (names in the model).
+    ratio_without_slower : float
+        The model's ratio with those kept dense: ``compile(..., target_ratio=that,
+        exclude_modules=list(slower))`` gives a model whose every compressed layer is
+        estimated no slower than dense.
+    """
 
     device: str
     layers: int
