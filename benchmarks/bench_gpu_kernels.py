@@ -104,13 +104,11 @@ def _six_encoder(batch: int, device):
 def _small_bert(batch: int, device):
     """bench_small_models' BertModel (hidden 128, 2 layers, FFN 512) over 64 ids a
     sample, compiled with the defaults at 0.3; a mean-square loss on the last hidden state."""
-    import transformers
-    config = transformers.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=512, max_position_embeddings=64)
+    from bench_small_models import FAMILIES  # noqa: PLC0415 - needs transformers, this model only
     x = {"input_ids": torch.randint(0, 1000, (batch, 64), device=device)}
 
     def build(compiled: bool):
-        model = transformers.BertModel(config).train().to(device)
+        model = FAMILIES["bert"](64)[1].train().to(device)
         if compiled:
             model = tncompile.compile(model, target_ratio=0.3, example_inputs=x)
         return model, (lambda out, _: out.last_hidden_state.square().mean())

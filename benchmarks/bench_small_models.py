@@ -96,22 +96,17 @@ def main() -> None:
                                                 mode=args.mode).train()
     params = {m: [p for p in m.parameters() if p.requires_grad] for m in models.values()}
 
+    def loss_of(out):  # the encoder: a mean-square loss on its last hidden state; decoders: their LM loss
+        return out.last_hidden_state.square().mean() if args.family == "bert" else out.loss
+
     def step(model):
-        def run():
-            if args.family == "bert":
-                model(input_ids=ids).last_hidden_state.square().mean().backward()
-            else:
-                model(input_ids=ids, labels=ids).loss.backward()
-        return run
+        return lambda: loss_of(model(**example)).backward()
 
     def train_step(model, captured: bool):
         """A full step (forward, backward, AdamW) through tncompile.TrainStep."""
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-        if args.family == "bert":
-            step = TrainStep(model, opt, lambda out, _: out.last_hidden_state.square().mean(), cuda_graph=captured)
-            return lambda: step({"input_ids": ids}, None)
-        step = TrainStep(model, opt, lambda out, _: out.loss, cuda_graph=captured)
-        return lambda: step({"input_ids": ids, "labels": ids}, None)
+        step = TrainStep(model, opt, lambda out, _: loss_of(out), cuda_graph=captured)
+        return lambda: step(example, None)
 
     def clear():
         for ps in params.values():
