@@ -312,3 +312,41 @@ def test_lowered_dropout_and_attention_run_pytorchs_kernels_on_cuda():
     with torch.no_grad():
         assert not torch.allclose(train_out, g.eval()(h)), "train mode did not drop out"
     assert all(p.grad is not None for p in g.parameters() if p.requires_grad)
+
+
+def test_batched_factor_merging_on_cuda_cuts_kernels_and_captures_like_per_layer(monkeypatch):
+    """One layout's layers merge their cores in one batched pass (runtime.factor_groups):
+    the six-encoder's eager step launches fewer kernels, and captured steps train as the
+    per-layer merges do."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tncompile import tuning
+
+    def build():
+        torch.manual_seed(0)
+        model = tncompile.compile(SixEncoder(n_layers=2).to(CUDA), target_ratio=0.1, init="random",
+                                  example_inputs=(torch.randint(1, 30522, (2, 128), device=CUDA),))
+        return model.to(CUDA)
+    x = torch.randint(1, 30522, (4, 128), device=CUDA)
+    y = torch.randint(0, 3, (4,), device=CUDA)
+
+    def kernels(group):
+        monkeypatch.setattr(tuning, "GROUP_FACTORS", group)
+        model = build()
+        F.cross_entropy(model(x), y).backward()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            F.cross_entropy(model(x), y).backward()
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+    def captured(group):
+        monkeypatch.setattr(tuning, "GROUP_FACTORS", group)
+        model = build().eval()  # no dropout: the two runs are comparable
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        step = TrainStep(model, opt, F.cross_entropy, cuda_graph=True)
+        losses = [float(step(x, y)) for _ in range(6)]
+        return losses, step.stats()["captures"]
+    assert kernels(True) < 0.8 * kernels(False)
+    (grouped, caps), (plain, _) = captured(True), captured(False)
+    assert caps >= 1
+    assert grouped == pytest.approx(plain, rel=1e-4)

@@ -8,6 +8,7 @@ from torch import fx, nn
 
 from .ir.program import Program, module_at
 from .report import Report, build_report
+from .runtime.factor_groups import link_factor_groups
 from .runtime.graph_functions import keep_functions_when_pickled
 from .runtime.tt_layers import TNModule, TTMTiedLinear
 
@@ -30,6 +31,8 @@ class CompiledModel(nn.Module):
         self.model = program.graph_module
         self._program = program
         self.training = program.graph_module.training
+        # layers of one layout merge their factors together; each forward starts afresh
+        self.__dict__["_factor_peers"] = link_factor_groups(self.model)
 
     @property
     def program(self) -> Program:
@@ -40,6 +43,9 @@ class CompiledModel(nn.Module):
         return super().__getstate__()
 
     def forward(self, *args, **kwargs):
+        peers = self.__dict__.get("_factor_peers")
+        if peers is not None:
+            peers.forget()
         args, kwargs = self._program.inputs.bind(args, kwargs)
         try:
             return self.model(*args, **kwargs)

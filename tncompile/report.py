@@ -1,8 +1,10 @@
 """``CompiledModel.report()``: per-layer sizes and costs as a table."""
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
+from .formats.layout import TTLayout
 from .planning.speed_model import layer_step_seconds, lookup_step_seconds
 from .planning.layer_info import fmt_count, layer_info, ranks_str
 
@@ -166,16 +168,19 @@ def _ns(seconds: float) -> str:
     return f"{seconds * 1e9:,.0f}ns"
 
 
-def _step_times_per_row(program, name: str, layout) -> tuple[float | None, float | None]:
+def _step_times_per_row(program, name: str, layout, sharing: dict) -> tuple[float | None, float | None]:
     """Estimated training-step seconds per row (dense, network) of a planned TT linear,
-    or per id of a TTM embedding."""
+    or per id of a TTM embedding; ``sharing``: TT linears per layout (they merge their
+    cores in one batch, :mod:`tncompile.runtime.factor_groups`)."""
     est = getattr(program, "speed_estimates", None) or {}
     fmt = getattr(layout, "format", None)
     rows = _planned_rows(est).get(name)
     if rows is None or fmt not in ("TT", "TTM") or layout.ranks is None:
         return None, None
-    step = layer_step_seconds if fmt == "TT" else lookup_step_seconds
-    network, dense = step(layout, rows, est["speed"])
+    if fmt == "TT":
+        network, dense = layer_step_seconds(layout, rows, est["speed"], sharing=sharing.get(layout, 1))
+    else:
+        network, dense = lookup_step_seconds(layout, rows, est["speed"])
     return dense / rows, network / rows
 
 
@@ -201,6 +206,9 @@ def build_report(program) -> Report:
     seen = set()
     counted: set[int] = set()
     first_name: dict[int, str] = {}  # a module called under several names (a shared table's lookups)
+    distinct = {id(mod): mod for _, mod in program.modules()}.values()
+    sharing = Counter(mod.layout for mod in distinct
+                      if isinstance(getattr(mod, "layout", None), TTLayout) and mod.layout.ranks is not None)
     for node, mod in program.modules():
         if node.target in seen:
             continue
@@ -222,7 +230,8 @@ def build_report(program) -> Report:
                                      program.notes.get(node.target, "")])),
                                  calibration=dict(getattr(program, "calibration_summary", {}).get(node.target, {}))
                                  or None, **dict(zip(("time_dense", "time_now"),
-                                                     _step_times_per_row(program, node.target, mod.layout)))))
+                                                     _step_times_per_row(program, node.target, mod.layout,
+                                                                         sharing)))))
         elif node.target in program.notes and hasattr(mod, "dense_params"):  # collapsed by rank adaptation
             rows.append(LayerRow(node.target, "removed", "", None, mod.dense_params, 0, note=program.notes[node.target]))
         elif node.target in program.notes:

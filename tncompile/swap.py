@@ -40,6 +40,7 @@ from torch import nn
 from .ir.program import Program, module_at
 from .layers import is_compressible, kind_of
 from .report import Report, build_report
+from .runtime.factor_groups import link_factor_groups
 from .runtime.module_kinds import replaces_forward
 from .runtime.tt_layers import TNModule, TTMTiedLinear
 from .swap_lowering import register_for, restore_lowerings
@@ -97,6 +98,16 @@ class SwapMixin:
     """What a model compiled in swap mode adds to its own class (see the module docstring)."""
 
     _tncompile_program: Program
+    transient_state = ("_factor_peers",)  # not saved: rebuilt when a file is loaded
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # each call is a fresh forward: merged factors left from the last one are not used
+        # (runtime.factor_groups); under torch.compile the layers merge their own
+        if not torch.compiler.is_compiling():
+            peers = self.__dict__.get("_factor_peers")
+            if peers is not None:
+                peers.forget()
+        return super().__call__(*args, **kwargs)
 
     @property
     def program(self) -> Program:
@@ -124,6 +135,7 @@ class SwapMixin:
         dense = copy.deepcopy(self)
         dense.__class__ = user_class(self)
         dense.__dict__.pop("_tncompile_program", None)
+        dense.__dict__.pop("_factor_peers", None)
         kinds = self.program.swap_layers
         restore_dense_experts(dense, [path for path, kind in kinds.items() if kind == "experts"])
         rebuilt: dict[int, nn.Module] = {}
@@ -220,3 +232,4 @@ def swap_into(model: nn.Module, program: Program) -> None:
             put_stand_in(model, path, current, mod)
         else:
             model.set_submodule(path, mod)
+    model.__dict__["_factor_peers"] = link_factor_groups(model)  # one layout's layers merge factors together

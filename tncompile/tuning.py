@@ -105,6 +105,12 @@ FUSE_MIN_ROWS = 256
 #: Fuse only while merging the cores costs at most this many times the planned multiply-adds.
 FUSE_FLOP_SLACK = 1.25
 
+# ---------------------------------------------------------------- runtime: merged factors
+#: TT linears of one model that share a layout merge their cores into factors in one
+#: batched pass per forward (:mod:`tncompile.runtime.factor_groups`): a few kernels per
+#: layout instead of a dozen per layer, forward and backward.
+GROUP_FACTORS = True
+
 # ---------------------------------------------------------------- runtime: TTM lookup
 #: Look up only the distinct ids when they are under this share of the batch ...
 DEDUP_BELOW = 0.8

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import torch
 
@@ -93,11 +94,13 @@ class AssignRanks(Pass):
         rows = self._traced_rows(program, owners)
         ids = self._traced_rows(program, owners, lookups=True)
         speed = device_speed(_model_device(program)) if rows or ids else None
+        sharing = _layout_sharing(owners)
         program.speed_estimates = {"speed": speed, "rows": dict(rows), "ids": ids} if speed else {}
         size = {n: (lambda r, lay=m.layout: lay.with_ranks(r).num_params()) for n, m in owners.items()}
         absorbed: list[str] = []
         if opts.prefer == "speed":
-            base, absorbed = self._apply_speed(program, owners, fixed, caps, size, base, budget, rows, speed)
+            base, absorbed = self._apply_speed(program, owners, fixed, caps, size, base, budget, rows, speed,
+                                                sharing)
             if not owners:
                 return program
 
@@ -140,7 +143,8 @@ class AssignRanks(Pass):
         for n, mod in owners.items():
             mod.layout = mod.layout.with_ranks(ranks[n])
             if n in rows and n not in program.notes:
-                self._note_if_slower(program, n, mod.layout, rows[n], speed, absorbed=n in absorbed)
+                self._note_if_slower(program, n, mod.layout, rows[n], speed, absorbed=n in absorbed,
+                                     sharing=sharing.get(n, 1))
         for _, mod in program.modules():  # tied heads share their embedding's layout
             if isinstance(mod, PendingLayer) and mod.tied_to is not None:
                 mod.layout = owners[mod.tied_to].layout
@@ -165,19 +169,19 @@ class AssignRanks(Pass):
         return rows
 
     @staticmethod
-    def _speed_cap(lay: TTLayout, rows: int, speed: DeviceSpeed) -> int:
+    def _speed_cap(lay: TTLayout, rows: int, speed: DeviceSpeed, sharing: int = 1) -> int:
         """Largest rank before the first one whose network's training step over
         ``rows`` rows is estimated to take longer than ``tuning.SPEED_MARGIN``
         times the dense layer's (:class:`~tncompile.planning.DeviceSpeed`); 0 when
         rank 1 already does."""
         def fits(candidate: TTLayout) -> bool:
-            network, dense = layer_step_seconds(candidate, rows, speed)
+            network, dense = layer_step_seconds(candidate, rows, speed, sharing=sharing)
             return network <= tuning.SPEED_MARGIN * dense
         return _largest_rank(lay, fits)
 
     def _apply_speed(self, program: Program, owners: dict[str, PendingLayer], fixed: dict[str, int],
                      caps: dict[str, int], size, base: int, budget: float, rows: dict[str, int],
-                     speed: DeviceSpeed) -> tuple[int, list[str]]:
+                     speed: DeviceSpeed, sharing: dict[str, int]) -> tuple[int, list[str]]:
         """``prefer="speed"``: lower ``caps`` so that no network is slower than its
         dense layer by more than the model can absorb, putting back the dense layer
         of those the rule would cut hardest as far as the budget allows (they leave
@@ -194,7 +198,8 @@ class AssignRanks(Pass):
         their weights take at most ``tuning.DENSE_FOR_SPEED_SHARE`` of the budget and
         the target stays reachable; any left stay TT at their cap (the report says so)."""
         budget_rank = _uniform_rank(owners, fixed, caps, size, base, budget)
-        speed_caps = {n: self._speed_cap(owners[n].layout, r, speed) for n, r in rows.items() if n not in fixed}
+        speed_caps = {n: self._speed_cap(owners[n].layout, r, speed, sharing.get(n, 1))
+                      for n, r in rows.items() if n not in fixed}
 
         macs_caps: dict[str, int] = {}
 
@@ -210,7 +215,7 @@ class AssignRanks(Pass):
         slow = [n for n, cap in speed_caps.items() if cap < tuning.DENSE_BELOW_RANK_SHARE * min(budget_rank, caps[n])]
         loss = {}
         for n in slow:
-            tt, dense = layer_step_seconds(at_budget(n), rows[n], speed)
+            tt, dense = layer_step_seconds(at_budget(n), rows[n], speed, sharing=sharing.get(n, 1))
             loss[n] = max(tt - dense, 0.0)
         slack = tuning.SPEED_SLACK * sum(speed.dense_step_seconds(rows[n], owners[n].layout.in_features,
                                                                   owners[n].layout.out_features) for n in rows)
@@ -232,7 +237,7 @@ class AssignRanks(Pass):
                 smallest += extra
         for n in kept:
             lay = at_budget(n)
-            tt, dense = layer_step_seconds(lay, rows[n], speed)
+            tt, dense = layer_step_seconds(lay, rows[n], speed, sharing=sharing.get(n, 1))
             program.notes[n] = (f"kept dense for speed: as TT at rank {max(lay.ranks)} it would take {_us(tt)} vs "
                                 f"dense {_us(dense)} per step at {rows[n]} rows (est. on {speed.device})")
             mod = owners.pop(n)
@@ -250,8 +255,8 @@ class AssignRanks(Pass):
 
     @staticmethod
     def _note_if_slower(program: Program, name: str, lay: TTLayout, rows: int, speed: DeviceSpeed,
-                        absorbed: bool = False) -> None:
-        tt, dense = layer_step_seconds(lay, rows, speed)
+                        absorbed: bool = False, sharing: int = 1) -> None:
+        tt, dense = layer_step_seconds(lay, rows, speed, sharing=sharing)
         if tt > dense:
             why = f"; absorbed: under {tuning.SPEED_SLACK:.0%} of the model's step (SPEED_SLACK)" if absorbed else ""
             program.notes[name] = (f"slower than dense at {rows} rows: est. {_us(tt)} vs {_us(dense)} a step on "
@@ -268,6 +273,16 @@ class AssignRanks(Pass):
             else:
                 hi = mid - 1
         return lo
+
+
+def _layout_sharing(owners: dict[str, PendingLayer]) -> dict[str, int]:
+    """Per linear: how many linears of the model have its modes. With near-equal ranks
+    (what the allocator gives them) they merge their cores in one batch at run time
+    (:mod:`tncompile.runtime.factor_groups`), sharing those kernels' fixed cost."""
+    modes = {n: (m.layout.in_modes, m.layout.out_modes) for n, m in owners.items()
+             if m.kind in ("linear", "conv1d") and isinstance(m.layout, TTLayout)}
+    counts = Counter(modes.values())
+    return {n: counts[key] for n, key in modes.items()}
 
 
 def _uniform_rank(owners: dict[str, PendingLayer], fixed: dict[str, int], caps: dict[str, int], size,

@@ -48,12 +48,13 @@ import torch
 from .. import tuning
 from ..formats.indices import BATCH, planner_problem
 from ..formats.layout import TTLayout, TTMLayout
+from ..runtime.executor import is_merge_first
 from ..runtime.plans import ContractionPlan, LookupPlan
 from ..runtime.tt_layers import TTLinear
 from .contraction import fixed_order_plan, plan_contraction
 from .lookup import plan_lookup
 
-__all__ = ["DeviceSpeed", "REFERENCE", "device_speed", "measure_device_speed", "layer_step_seconds",
+__all__ = ["DeviceSpeed", "REFERENCE", "device_speed", "measure_device_speed", "layer_step_seconds", "network_kernels",
            "lookup_step_seconds", "lookup_kernels", "cache_path", "speed_key"]
 
 
@@ -76,16 +77,21 @@ class DeviceSpeed:
                 raise ValueError(f"DeviceSpeed.{f.name} must be a positive finite number, got {v!r}")
 
     def network_step_seconds(self, plan: ContractionPlan, in_features: int, out_features: int,
-                             element_bytes: int = 4) -> float:
+                             element_bytes: int = 4, sharing: int = 1) -> float:
         """Estimated seconds of a TT linear's training step contracted by ``plan``
         (over ``plan.rows`` rows of ``in_features``): its kernels' fixed cost, the
         plan's forward and backward multiply-adds, and its traffic -- every element
         it writes is written and read back once, and the step reads its input
         twice (forward, core gradients), reads the output gradient twice and
-        writes output and input gradient."""
+        writes output and input gradient.
+
+        ``sharing``: how many layers of the model merge their cores in one batch with
+        this one (:mod:`tncompile.runtime.factor_groups`, merge-cores-first plans):
+        the kernels that merge the cores are then shared, the row-wide ones not."""
         rows = plan.rows
         traffic = 2 * plan.write + 3 * rows * (in_features + out_features)
-        return (plan.kernels * self.kernel_seconds + (plan.fwd_flops + plan.bwd_flops) / self.gemm_macs_per_s
+        return (network_kernels(plan, sharing) * self.kernel_seconds
+                + (plan.fwd_flops + plan.bwd_flops) / self.gemm_macs_per_s
                 + element_bytes * traffic / self.copy_bytes_per_s)
 
     def dense_step_seconds(self, rows: int, in_features: int, out_features: int, element_bytes: int = 4) -> float:
@@ -127,12 +133,26 @@ class DeviceSpeed:
         return cls(**{k: data[k] for k in names})
 
 
-def layer_step_seconds(layout: TTLayout, rows: int, speed: DeviceSpeed) -> tuple[float, float]:
+#: kernels of a merge-cores-first plan's two row-wide steps (a GEMM forward, two backward)
+ROW_KERNELS = 6
+
+
+def network_kernels(plan: ContractionPlan, sharing: int = 1) -> float:
+    """Kernels a TT linear's training step runs by ``plan``, counting those that merge
+    its cores as ``1 / sharing`` each when ``sharing`` layers merge theirs in one batch
+    (merge-cores-first plans, :mod:`tncompile.runtime.factor_groups`)."""
+    if sharing <= 1 or not tuning.GROUP_FACTORS or not is_merge_first(plan) or plan.kernels <= ROW_KERNELS:
+        return plan.kernels
+    return ROW_KERNELS + (plan.kernels - ROW_KERNELS) / sharing
+
+
+def layer_step_seconds(layout: TTLayout, rows: int, speed: DeviceSpeed, sharing: int = 1) -> tuple[float, float]:
     """Estimated seconds of one training step over ``rows`` rows on ``speed``'s device:
     ``(network, dense layer)``, the network contracted in the cheaper fixed order
-    (:func:`~tncompile.planning.fixed_order_plan`)."""
+    (:func:`~tncompile.planning.fixed_order_plan`); ``sharing`` as for
+    :meth:`DeviceSpeed.network_step_seconds`."""
     plan = fixed_order_plan(layout, rows)
-    return (speed.network_step_seconds(plan, layout.in_features, layout.out_features),
+    return (speed.network_step_seconds(plan, layout.in_features, layout.out_features, sharing=sharing),
             speed.dense_step_seconds(rows, layout.in_features, layout.out_features))
 
 

@@ -22,7 +22,8 @@ from .native import kernels_for, traceable_kernels
 from .plan_program import program_for
 from .plans import ContractionPlan
 
-__all__ = ["contract", "PlannedContraction", "pairwise", "generated_code", "generated_code_dump"]
+__all__ = ["contract", "PlannedContraction", "pairwise", "generated_code", "generated_code_dump", "is_merge_first",
+           "thin_pair"]
 
 
 def _compute_layout(ndim: int, axes: tuple[int, ...]) -> tuple[str, tuple[int, ...]]:
@@ -324,6 +325,65 @@ class PlannedContraction(torch.autograd.Function):
         if wants_bias and g_bias is None:
             g_bias = _column_sums(grad_out)
         return (None, g_bias, *grads[:n])
+
+
+def is_merge_first(plan: ContractionPlan) -> bool:
+    """Whether ``plan`` touches the rows in exactly two steps, ``x A`` with ``A`` all the
+    input cores merged, then ``(x A) B`` with ``B`` all the output cores merged, giving
+    ``(rows, out modes...)`` in order -- so :func:`thin_pair` with the network's merged
+    factors runs the same products."""
+    batch, steps = plan.batch, plan.steps
+    if batch is None or plan.out_perm is not None or not steps or not plan.inputs:
+        return False
+    row_steps = [k for k, s in enumerate(steps) if batch in s.c_idx]
+    if len(row_steps) != 2 or row_steps[1] != len(steps) - 1:
+        return False
+    first, second = steps[row_steps[0]], steps[row_steps[1]]
+    in_modes = tuple(x for x in plan.inputs[0] if x != batch)
+    out_modes = tuple(x for x in plan.output if x != batch)
+    if first.a != 0 or first.a_idx != (batch, *in_modes):
+        return False
+    if len(first.b_idx) != len(in_modes) + 1 or first.b_idx[:-1] != in_modes:
+        return False
+    bond = first.b_idx[-1]
+    if first.c_idx != (batch, bond):
+        return False
+    return (second.a == len(plan.inputs) + row_steps[0] and second.a_idx == (batch, bond)
+            and second.b_idx == (bond, *out_modes) and second.c_idx == plan.output == (batch, *out_modes))
+
+
+class _ThinPair(torch.autograd.Function):
+    """``x A B + bias`` with the factors given: a merge-cores-first plan's two row-wide
+    steps, on the same GEMMs as the plan's generated code."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None):
+        mm = _gemm_for(x)
+        t = mm(x, a)
+        ctx.has_bias = bias is not None
+        ctx.autocast = autocast_state(x.device.type)
+        ctx.save_for_backward(x, a, t, b)
+        return _gemm_bias(t, b, bias) if bias is not None else mm(t, b)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, a, t, b = ctx.saved_tensors
+        need_x, need_a, need_b, need_bias = ctx.needs_input_grad
+        with same_autocast(ctx.autocast):
+            mm = _gemm_for(grad)
+            g_t, g_b, g_bias = _expand_grads(t, b, grad, need_x or need_a, need_b, need_bias and ctx.has_bias)
+            g_x = mm(g_t, a.t()) if need_x else None
+            g_a = mm(x.t(), g_t) if need_a else None
+        return g_x, g_a, g_b, g_bias
+
+
+def thin_pair(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ a @ b + bias``, differentiable, as a merge-cores-first plan runs it.
+
+    Shapes: ``x (rows, P_in)``, ``a (P_in, r)``, ``b (r, P_out)``, ``bias (P_out,)`` ->
+    ``(rows, P_out)``.
+    """
+    return _ThinPair.apply(x, a, b, bias)
 
 
 def contract(plan: ContractionPlan, operands: Sequence[torch.Tensor],

@@ -25,7 +25,7 @@ from ..formats.layout import TTLayout, TTMLayout
 from .module_kinds import linear_weight_of
 from .cpu_allocator import _state as _ALLOCATOR_STATE
 from .cpu_allocator import ensure_retained
-from .executor import autocast_state, contract, same_autocast
+from .executor import autocast_state, contract, is_merge_first, same_autocast, thin_pair
 from .gated_cores import gate_cores
 from .plans import ContractionPlan, LookupPlan, bucket_of, get_planner
 from .traced_contract import register
@@ -292,7 +292,7 @@ class TTLinear(TNModule):
     small products, which is what decoding (one row per sequence) needs.
     """
 
-    transient_state = TNModule.transient_state + ("_inference",)
+    transient_state = TNModule.transient_state + ("_inference", "_pair_choice", "_factor_peers")
     merge_in_inference = True
 
     def __init__(self, layout: TTLayout, bias: bool = True, *, device=None, dtype=None):
@@ -336,7 +336,15 @@ class TTLinear(TNModule):
     def merged_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The matrix as two thin factors, ``W.T = A @ B`` (gates included):
         ``A (padded_in, r)`` merges the input cores, ``B (r, padded_out)``
-        the output cores, ``r`` the bond between them. Differentiable."""
+        the output cores, ``r`` the bond between them. Differentiable.
+
+        In a model ``compile`` made, computed with those of every layer of the same
+        layout in one batched pass (:mod:`.factor_groups`)."""
+        peers = self.__dict__.get("_factor_peers")
+        if peers is not None:
+            got = peers.factors(self)
+            if got is not None:
+                return got
         return tt_factors(self.scaled_cores(), len(self.layout.in_modes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -400,7 +408,23 @@ class TTLinear(TNModule):
         if ops is not None:
             return tt_chain(ops, len(self.layout.in_modes), h, bias, list(self.cores._parameters.values()),
                             list(self.gates._parameters.values()))
-        return contract(self.plan_for(rows), [h, *_drop_boundary(self.scaled_cores())], bias)
+        plan = self.plan_for(rows)
+        if self.__dict__.get("_factor_peers") is not None and self._runs_as_pair(plan):
+            a, b = self.merged_factors()  # merged with the other layers of this layout
+            return thin_pair(h.reshape(rows, a.shape[0]), a, b, bias)
+        return contract(plan, [h, *_drop_boundary(self.scaled_cores())], bias)
+
+    def _runs_as_pair(self, plan: ContractionPlan) -> bool:
+        """Whether ``plan`` is merge-cores-first (``x A`` then ``(x A) B``), so the layer
+        can run it from its merged factors (cached per bucket and ranks)."""
+        if not tuning.GROUP_FACTORS or torch.compiler.is_compiling():
+            return False
+        cache = choice_cache(self, "_pair_choice")
+        key = (plan.rows, self.layout.ranks)
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = is_merge_first(plan)
+        return got
 
     def to_dense_module(self) -> nn.Linear:
         lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None,

@@ -1,0 +1,338 @@
+"""Merged factors of many TT linears in one batched pass (tncompile.runtime.factor_groups)."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import tncompile
+from tncompile import tuning
+from tncompile.formats import TTLayout
+from tncompile.formats.decompose import tt_factors
+from tncompile.formats.indices import BATCH, planner_problem
+from tncompile.passes import replan_module
+from tncompile.passes.truncate_ranks import cut_ranks
+from tncompile.planning import plan_contraction
+from tncompile.runtime import TTLinear, executor
+from tncompile.runtime.executor import is_merge_first
+from tncompile.runtime.factor_groups import BatchedFactors, link_factor_groups, peers_of
+
+f64 = torch.float64
+
+
+def _networks(n, in_modes, out_modes, ranks, dtype=f64, seed=0):
+    """``n`` TT linears of one layout with random cores and non-trivial gates."""
+    g = torch.Generator().manual_seed(seed)
+    lay = TTLayout(in_modes=in_modes, out_modes=out_modes, ranks=ranks)
+    layers = []
+    for _ in range(n):
+        layer = TTLinear(lay, bias=True, dtype=dtype)
+        with torch.no_grad():
+            for c in layer.cores:
+                c.copy_(torch.randn(c.shape, generator=g, dtype=dtype))
+            for gate in layer.gates:
+                gate.uniform_(0.5, 1.5, generator=g)
+        layers.append(layer)
+    return layers
+
+
+def _flat(layers):
+    return [t for m in layers for group in (list(m.cores), list(m.gates)) for t in group]
+
+
+LAYOUTS = [((2, 3), (3, 2), (2, 3, 2)),        # two cores a side
+           ((4,), (2, 3), (3, 2)),               # A is the first core alone
+           ((2, 2), (5,), (3, 2)),               # B is the last core alone
+           ((2, 3, 2), (2, 2, 3), (2, 3, 4, 3, 2))]
+
+
+@pytest.mark.parametrize("in_modes,out_modes,ranks", LAYOUTS)
+def test_batched_factors_equal_each_networks_own(in_modes, out_modes, ranks):
+    layers = _networks(3, in_modes, out_modes, ranks)
+    d = len(in_modes) + len(out_modes)
+    out = BatchedFactors.apply(3, len(in_modes), d, *_flat(layers))
+    for m, layer in enumerate(layers):
+        a, b = tt_factors(layer.scaled_cores(), len(in_modes))
+        torch.testing.assert_close(out[m], a)
+        torch.testing.assert_close(out[3 + m], b)
+    # gradients of every core and gate, against autograd through the plain merge
+    weights = [torch.randn(o.shape, dtype=f64) for o in out]
+    sum((o * w).sum() for o, w in zip(out, weights)).backward()
+    got = [t.grad.clone() for t in _flat(layers)]
+    for t in _flat(layers):
+        t.grad = None
+    plain = [tt_factors(layer.scaled_cores(), len(in_modes)) for layer in layers]
+    sum((f * w).sum() for f, w in zip([p[0] for p in plain] + [p[1] for p in plain], weights)).backward()
+    for g, t in zip(got, _flat(layers)):
+        torch.testing.assert_close(g, t.grad)
+
+
+@pytest.mark.parametrize("in_modes,out_modes,ranks", LAYOUTS[:3])
+def test_batched_factors_gradcheck(in_modes, out_modes, ranks):
+    layers = _networks(2, in_modes, out_modes, ranks)
+    d = len(in_modes) + len(out_modes)
+    tensors = [t.detach().clone().requires_grad_() for t in _flat(layers)]
+    assert torch.autograd.gradcheck(lambda *ts: BatchedFactors.apply(2, len(in_modes), d, *ts), tensors)
+
+
+def test_factors_used_by_some_networks_only_give_the_others_no_gradient():
+    layers = _networks(3, (2, 3), (3, 2), (2, 3, 2))
+    out = BatchedFactors.apply(3, 2, 4, *_flat(layers))
+    (out[0].sum() + out[3 + 2].sum()).backward()  # A of the first, B of the last
+    assert all(t.grad is not None for t in [*layers[0].cores[:2], *layers[0].gates[:1]])
+    assert all(t.grad is None for t in _flat(layers[1:2]))   # unused: None, not zeros
+    assert all(t.grad is None for t in layers[0].cores[2:])  # its B was not used either
+    assert layers[2].cores[-1].grad is not None
+
+
+class _Stack(nn.Module):
+    """Four 96x96 linears (one layout) and a 96->48 head; ``shared`` runs one layer twice."""
+
+    def __init__(self, shared=False):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(96, 96) for _ in range(4))
+        self.head = nn.Linear(96, 48)
+        self.shared = shared
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        if self.shared:
+            x = torch.relu(self.layers[0](x))
+        return self.head(x)
+
+
+def _compiled(shared=False, mode="graph", dtype=f64, rows=300):
+    torch.manual_seed(0)
+    model = _Stack(shared).to(dtype)
+    x = torch.randn(rows, 96, dtype=dtype)
+    # rank_pattern pins every rank: the four hidden layers share one layout
+    compiled = tncompile.compile(model, target_ratio=0.6, example_inputs=(x,), mode=mode,
+                                 rank_pattern={"re:.*": 6}, init="random")
+    return compiled, x
+
+
+@pytest.fixture
+def batches(monkeypatch):
+    """The network count of every :class:`BatchedFactors` call."""
+    calls = []
+    real = BatchedFactors.apply
+
+    def counting(n, *rest):
+        calls.append(n)
+        return real(n, *rest)
+    monkeypatch.setattr(BatchedFactors, "apply", counting)
+    return calls
+
+
+def _tt_layers(model):
+    return [m for m in model.modules() if isinstance(m, TTLinear)]
+
+
+def _step(model, x, group: bool, monkeypatch):
+    monkeypatch.setattr(tuning, "GROUP_FACTORS", group)
+    model.zero_grad(set_to_none=True)
+    y = model(x)
+    y.square().mean().backward()
+    return y.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_same(a, b):
+    torch.testing.assert_close(a[0], b[0])
+    assert a[1].keys() == b[1].keys()
+    for name in a[1]:
+        torch.testing.assert_close(a[1][name], b[1][name], msg=name)
+
+
+@pytest.mark.parametrize("mode,fused", [("graph", True), ("graph", False), ("swap", False)])
+def test_compiled_model_batches_one_layout_and_trains_as_without(mode, fused, monkeypatch, batches, call_spy):
+    """Graph mode fuses the relu-separated pairs (the fused kernel takes the factors);
+    unfused and in swap mode each layer runs ``x A B`` from its factors (``thin_pair``)."""
+    if not fused:
+        monkeypatch.setattr(tuning, "FUSE_MIN_ROWS", 1 << 40)
+    pairs = call_spy(executor._ThinPair, 0)
+    model, x = _compiled(mode=mode)
+    layers = _tt_layers(model)
+    assert len(layers) == 5 and peers_of(layers[0]) is not None
+    assert all(peers_of(m) is peers_of(layers[0]) for m in layers)
+    assert all(is_merge_first(m.plan_for(x.shape[0])) for m in layers)
+    plain = _step(model, x, False, monkeypatch)
+    assert batches == []
+    grouped = _step(model, x, True, monkeypatch)
+    assert batches == [4]  # the four hidden layers in one batch; the head merges its own
+    assert len(pairs) == (1 if fused else 5)  # the head (merging its own factors) too
+    _assert_same(grouped, plain)
+
+
+def test_batching_cuts_the_dispatched_ops(monkeypatch):
+    """What batching is for: each layer's dozen merging products and gate products
+    become a few batched ones per layout (forward and backward)."""
+    model, x = _compiled()
+
+    def ops(group):
+        monkeypatch.setattr(tuning, "GROUP_FACTORS", group)
+        model(x).sum().backward()  # warm
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(x).sum().backward()
+        return sum(1 for e in prof.events() if e.name.startswith("aten::")
+                   and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+    plain, grouped = ops(False), ops(True)
+    assert grouped < 0.8 * plain, (grouped, plain)
+
+
+def test_layer_called_twice_and_two_forwards_before_backward(monkeypatch):
+    model, x = _compiled(shared=True)
+    _assert_same(_step(model, x, True, monkeypatch), _step(model, x, False, monkeypatch))
+
+    def accumulated(group):  # gradient accumulation: two forwards, then their backward passes
+        monkeypatch.setattr(tuning, "GROUP_FACTORS", group)
+        model.zero_grad(set_to_none=True)
+        first, second = model(x[:150]), model(x[150:])
+        second.square().mean().backward()
+        first.square().mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+    a, b = accumulated(True), accumulated(False)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], msg=name)
+
+
+def test_factors_are_never_used_after_the_weights_change(monkeypatch):
+    """Factors left unused by one forward (the head only runs some layers) must not be
+    taken after an optimizer step changed the cores, nor under another grad mode."""
+    def train(group):
+        monkeypatch.setattr(tuning, "GROUP_FACTORS", group)
+        model, x = _compiled()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        layers = _tt_layers(model)
+        for step in range(3):
+            if step == 1:  # run one layer alone: the batch leaves the other three's factors waiting
+                with torch.no_grad():
+                    layers[0](x)
+                layers[0](x).sum().backward()
+                opt.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return model(x).detach()
+    torch.testing.assert_close(train(True), train(False))
+
+
+def test_cut_layer_leaves_its_batch_and_the_rest_still_match(monkeypatch, batches):
+    model, x = _compiled()
+    layers = _tt_layers(model)
+    keep = [torch.arange(r - 1 if i == 1 else r) for i, r in enumerate(layers[1].layout.ranks)]
+    cut_ranks(layers[1], keep)
+    replan_module(layers[1])
+    grouped = _step(model, x, True, monkeypatch)
+    assert batches == [3]
+    _assert_same(grouped, _step(model, x, False, monkeypatch))
+
+
+def test_copies_and_files_batch_their_own_layers(tmp_path, monkeypatch):
+    model, x = _compiled()
+    _step(model, x, True, monkeypatch)  # leaves nothing behind that copies would share
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        mine, theirs = _tt_layers(model), _tt_layers(other)
+        peers = peers_of(theirs[0])
+        assert peers is not peers_of(mine[0]) and {id(m) for m in peers.layers} == {id(m) for m in theirs}
+        assert all(peers_of(m) is peers for m in theirs)  # one set of peers, as in the original
+        _assert_same(_step(other, x, True, monkeypatch), _step(model, x, True, monkeypatch))
+        assert all(p.grad is not None for p in other.parameters())
+    tncompile.save(model, tmp_path / "m.tnc")
+    loaded = tncompile.load(tmp_path / "m.tnc")
+    assert peers_of(_tt_layers(loaded)[0]) is not None
+    _assert_same(_step(loaded, x, True, monkeypatch), _step(model, x, False, monkeypatch))
+
+
+def test_not_under_torch_compile_tracing_or_when_off(monkeypatch):
+    model, x = _compiled()
+    layer = _tt_layers(model)[0]
+    monkeypatch.setattr(tuning, "GROUP_FACTORS", False)
+    assert peers_of(layer).factors(layer) is None
+    monkeypatch.setattr(tuning, "GROUP_FACTORS", True)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert peers_of(layer).factors(layer) is None
+
+
+def test_link_replaces_earlier_links_and_skips_lone_layers():
+    layers = _networks(2, (2, 3), (3, 2), (2, 3, 2))
+    holder = nn.Sequential(*layers)
+    first = link_factor_groups(holder)
+    second = link_factor_groups(holder)
+    assert first is not second and all(peers_of(m) is second for m in layers)
+    lone = nn.Sequential(layers[0])
+    assert link_factor_groups(lone) is None and peers_of(layers[0]) is None
+
+
+def test_merge_first_detection():
+    lay = TTLayout.for_shape(64, 64, 3).with_ranks(4)
+    layer = TTLinear(lay)
+    assert is_merge_first(layer.plan_for(4096))  # many rows: the cores are merged first
+    inputs, output, sizes = planner_problem(lay, False)
+    rows = {**sizes, BATCH: 4096}
+    assert is_merge_first(plan_contraction(inputs, output, rows, batch=BATCH, strategies=["merge-cores-first"]))
+    assert not is_merge_first(plan_contraction(inputs, output, rows, batch=BATCH, strategies=["left-to-right"]))
+
+
+def test_speed_model_shares_the_merging_kernels_among_a_layouts_layers():
+    from tncompile.planning import DeviceSpeed, layer_step_seconds  # noqa: PLC0415
+    from tncompile.planning.speed_model import ROW_KERNELS, network_kernels  # noqa: PLC0415
+    lay = TTLayout.for_shape(64, 64, 3).with_ranks(4)
+    inputs, output, sizes = planner_problem(lay, False)
+    rows = {**sizes, BATCH: 4096}
+    merged = plan_contraction(inputs, output, rows, batch=BATCH, strategies=["merge-cores-first"])
+    chain = plan_contraction(inputs, output, rows, batch=BATCH, strategies=["left-to-right"])
+    assert network_kernels(merged, 1) == merged.kernels
+    assert network_kernels(merged, 4) == ROW_KERNELS + (merged.kernels - ROW_KERNELS) / 4
+    assert network_kernels(chain, 4) == chain.kernels  # nothing merged apart from the rows
+    speed = DeviceSpeed("cpu", gemm_macs_per_s=1e11, copy_bytes_per_s=3e10, kernel_seconds=2e-5,
+                        dense_call_seconds=5e-5)
+    alone, dense = layer_step_seconds(lay, 4096, speed)
+    shared, same_dense = layer_step_seconds(lay, 4096, speed, sharing=8)
+    assert shared < alone and same_dense == dense
+
+
+def test_report_counts_the_layers_that_share_a_layout(monkeypatch):
+    model, _ = _compiled()
+    rows = {r.name: r for r in model.report().rows}
+    hidden, head = rows["layers.0"], rows["head"]
+    monkeypatch.setattr(tuning, "GROUP_FACTORS", False)
+    alone = {r.name: r for r in model.report().rows}
+    assert hidden.time_now < alone["layers.0"].time_now  # four layers share its merging kernels
+    assert head.time_now == alone["head"].time_now       # the head has no peer
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_merges_per_layer_and_matches(reentrant, monkeypatch, batches):
+    from torch.utils.checkpoint import checkpoint  # noqa: PLC0415
+    model, x = _compiled()
+    x = x.requires_grad_()
+    plain = _step(model, x, True, monkeypatch)
+    assert batches == [4]
+    model.zero_grad(set_to_none=True)
+    y = checkpoint(model, x, use_reentrant=reentrant)
+    y.square().mean().backward()
+    # non-reentrant: the checkpointed forward and its recomputation record per-layer merges;
+    # reentrant: the first forward runs without autograd (batched), the recomputation per layer
+    assert batches == [4] * (2 if reentrant else 1)
+    torch.testing.assert_close(y.detach(), plain[0])
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, plain[1][name], msg=name)
+
+
+def test_bf16_autocast_batches_in_the_dtypes_each_layer_would(monkeypatch, batches):
+    model, x = _compiled(dtype=torch.float32)
+
+    def step(group):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _step(model, x, group, monkeypatch)
+    grouped = step(True)
+    assert batches == [4]
+    plain = step(False)
+    torch.testing.assert_close(grouped[0], plain[0])
+    for name in plain[1]:
+        assert grouped[1][name].dtype == torch.float32
+        torch.testing.assert_close(grouped[1][name], plain[1][name], msg=name)
