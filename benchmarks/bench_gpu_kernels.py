@@ -14,7 +14,10 @@ kernels is bound by their count, not by its FLOPs -- what this shows at batch 1.
 ``--model small-bert``: issue 28's 2-layer, 128-wide ``BertModel`` at 0.3 with the defaults
 (32x64 ids), against the same model dense. Beside the profile, each step's wall time
 (timed unprofiled): where it far exceeds the kernels' sum, the host's dispatch is the
-step. Writes ``benchmarks/results/gpu_kernels.json`` (``gpu_kernels_small_bert.json``)
+step; and the same step captured as a CUDA graph (``TrainStep(cuda_graph=True)``).
+The compiled model runs twice: with the defaults, and with each layer merging its own
+cores (``tuning.GROUP_FACTORS = False``; :mod:`tncompile.runtime.factor_groups` batches
+the merges of one layout's layers), so the run shows what batching saves. Writes ``benchmarks/results/gpu_kernels.json`` (``gpu_kernels_small_bert.json``)
 with the device's copy bandwidth and GEMM throughput.
 """
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 import tncompile
+from tncompile import tuning
 from tncompile.train import TrainStep
 from tncompile.zoo import six_encoder
 
@@ -87,6 +91,24 @@ def profile_step(step, x, y, steps: int) -> dict:
                     for n, (c, t) in top]}
 
 
+#: dense; compiled with the defaults; compiled with each layer merging its own cores
+#: (``tuning.GROUP_FACTORS = False``: what batching the merges saves, in the same run)
+VARIANTS = ("dense", "compiled", "compiled, per-layer merges")
+
+
+def timed_ms(step, x, y, steps: int) -> float:
+    """Wall milliseconds per step of ``step(x, y)`` after 4 untimed steps (a captured
+    TrainStep warms up and captures in them), up to a device synchronize."""
+    for _ in range(4):
+        step(x, y)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step(x, y)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
 def _six_encoder(batch: int, device):
     """The paper's six-encoder at 1/44.9, cross-entropy over 3 classes."""
     x = torch.randint(1, 30522, (batch, SEQ), device=device)
@@ -131,27 +153,25 @@ def main() -> None:
     for batch in args.batches or ([32] if args.model == "small-bert" else [1, 32]):
         torch.manual_seed(0)
         x, y, build = MODELS[args.model](batch, device)
-        for name in ("dense", "compiled"):
+        for name in VARIANTS:
+            tuning.GROUP_FACTORS = name != "compiled, per-layer merges"
             torch.manual_seed(0)
-            model, loss_fn = build(name == "compiled")
+            model, loss_fn = build(name != "dense")
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             step = TrainStep(model, opt, loss_fn, cuda_graph=False)
-            for _ in range(4):
-                step(x, y)
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(args.steps):
-                step(x, y)
-            torch.cuda.synchronize()
-            wall_ms = (time.perf_counter() - start) / args.steps * 1e3
+            wall_ms = timed_ms(step, x, y, args.steps)
             result = profile_step(step, x, y, args.steps)
-            rows.append({"batch": batch, "model": name, "wall_ms_per_step": round(wall_ms, 3), **result})
+            captured = TrainStep(model, opt, loss_fn, cuda_graph=True)
+            captured_ms = timed_ms(captured, x, y, args.steps)  # the first steps warm up and capture
+            rows.append({"batch": batch, "model": name, "wall_ms_per_step": round(wall_ms, 3),
+                         "captured_ms_per_step": round(captured_ms, 3), **result})
             kinds = ", ".join(f"{k} {v['kernels']:.0f}/{v['ms']:.2f} ms" for k, v in result["by_kind"].items())
-            print(f"batch {batch:4d} {name:9s} {result['kernels_per_step']:7.0f} kernels  "
-                  f"{result['gpu_ms_per_step']:7.2f} ms of kernels, {wall_ms:7.2f} ms wall per step  ({kinds})",
-                  flush=True)
-            del model, opt, step
+            print(f"batch {batch:4d} {name:26s} {result['kernels_per_step']:7.0f} kernels  "
+                  f"{result['gpu_ms_per_step']:7.2f} ms of kernels, {wall_ms:7.2f} ms eager, "
+                  f"{captured_ms:7.2f} ms captured per step  ({kinds})", flush=True)
+            del model, opt, step, captured
             torch.cuda.empty_cache()
+        tuning.GROUP_FACTORS = True
     suffix = "" if args.model == "six-encoder" else "_" + args.model.replace("-", "_")
     path = write_json(f"gpu_kernels{suffix}.json", {"benchmark": "gpu_kernels", "model": args.model,
                                                     "gpu": torch.cuda.get_device_name(), "rows": rows,
