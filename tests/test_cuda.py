@@ -324,7 +324,7 @@ def test_batched_factor_merging_on_cuda_cuts_kernels_and_captures_like_per_layer
 
     def build():
         torch.manual_seed(0)
-        model = tncompile.compile(SixEncoder(n_layers=2).to(CUDA), target_ratio=0.1, init="random",
+        model = tncompile.compile(SixEncoder(n_layers=2).to(CUDA), target_ratio=1 / 44.9, init="random",
                                   example_inputs=(torch.randint(1, 30522, (2, 128), device=CUDA),))
         return model.to(CUDA)
     x = torch.randint(1, 30522, (4, 128), device=CUDA)
@@ -346,7 +346,7 @@ def test_batched_factor_merging_on_cuda_cuts_kernels_and_captures_like_per_layer
         step = TrainStep(model, opt, F.cross_entropy, cuda_graph=True)
         losses = [float(step(x, y)) for _ in range(6)]
         return losses, step.stats()["captures"]
-    assert kernels(True) < 0.8 * kernels(False)
+    assert kernels(True) < 0.85 * kernels(False)  # 0.73 of the ops on the meta device
     (grouped, caps), (plain, _) = captured(True), captured(False)
     assert caps >= 1
     assert grouped == pytest.approx(plain, rel=1e-4)
