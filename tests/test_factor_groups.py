@@ -336,3 +336,15 @@ def test_bf16_autocast_batches_in_the_dtypes_each_layer_would(monkeypatch, batch
     for name in plain[1]:
         assert grouped[1][name].dtype == torch.float32
         torch.testing.assert_close(grouped[1][name], plain[1][name], msg=name)
+
+
+@pytest.mark.parametrize("ratio", [0.15, 0.2, 0.25, 0.3])
+def test_layers_of_one_shape_get_one_rank(ratio):
+    """The allocator grows ranks class by class, so same-shaped layers keep one layout
+    (one batch at run time) while the ratio stays within 10% below the target."""
+    torch.manual_seed(0)
+    model = _Stack()
+    compiled = tncompile.compile(model, target_ratio=ratio, example_inputs=(torch.randn(300, 96),), init="random")
+    hidden = {m.layout for m in _tt_layers(compiled) if m.in_features == m.out_features == 96}
+    assert len(hidden) == 1
+    assert 0.9 * ratio <= compiled.ratio <= ratio

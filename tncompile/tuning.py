@@ -105,6 +105,13 @@ FUSE_MIN_ROWS = 256
 #: Fuse only while merging the cores costs at most this many times the planned multiply-adds.
 FUSE_FLOP_SLACK = 1.25
 
+#: Budget left after growing ranks class by class (layers of the same modes together) is
+#: spent on layers without a same-shaped peer, and then on single layers of a class (two
+#: ranks for one shape) only while more than this share of it is left: within it, layers of
+#: one shape keep one rank and merge their cores in one batch at run time. 0.1 is the
+#: most ``target_ratio``'s contract allows ("within 10% below").
+UNIFORM_RANK_SLACK = 0.1
+
 # ---------------------------------------------------------------- runtime: merged factors
 #: TT linears of one model that share a layout merge their cores into factors in one
 #: batched pass per forward (:mod:`tncompile.runtime.factor_groups`): a few kernels per

@@ -129,17 +129,22 @@ class AssignRanks(Pass):
         order = sorted((n for n in owners if n not in fixed),
                        key=lambda n: (sensitivity.get(n, {}).get("estimated_error", 0.0),
                                       owners[n].layout.dense_params), reverse=True)
-        grew = True
-        while grew:
-            grew = False
-            for n in order:
-                if ranks[n] >= caps[n]:
-                    continue
-                delta = size[n](ranks[n] + 1) - size[n](ranks[n])
-                if used + delta <= budget:
-                    ranks[n] += 1
-                    used += delta
-                    grew = True
+        used = _grow_classes(order, owners, ranks, caps, size, used, budget)
+        # then layer by layer: layers without a same-shaped peer first, then -- splitting a
+        # shape's layers over two ranks -- only while more than UNIFORM_RANK_SLACK is left
+        alone = [n for n in order if sum(_shape(owners[m].layout) == _shape(owners[n].layout) for m in order) == 1]
+        for names, floor in ((alone, 0.0), (order, (1 - tuning.UNIFORM_RANK_SLACK) * budget)):
+            grew = used < floor or not floor
+            while grew:
+                grew = False
+                for n in names:
+                    if ranks[n] >= caps[n] or (floor and used >= floor):
+                        continue
+                    delta = size[n](ranks[n] + 1) - size[n](ranks[n])
+                    if used + delta <= budget:
+                        ranks[n] += 1
+                        used += delta
+                        grew = True
         for n, mod in owners.items():
             mod.layout = mod.layout.with_ranks(ranks[n])
             if n in rows and n not in program.notes:
@@ -273,6 +278,36 @@ class AssignRanks(Pass):
             else:
                 hi = mid - 1
         return lo
+
+
+def _shape(lay) -> tuple:
+    """A layout's kind and modes (its ranks aside)."""
+    if isinstance(lay, TTLayout):
+        return TTLayout, lay.in_modes, lay.out_modes
+    return type(lay), lay.row_modes, lay.col_modes
+
+
+def _grow_classes(order: list[str], owners: dict[str, PendingLayer], ranks: dict[str, int], caps: dict[str, int],
+                  size, used: int, budget: float) -> int:
+    """Leftover budget, one rank step at a time for whole classes of layers -- the same
+    modes, rank and cap -- in ``order`` of their first member: layers of one layout keep
+    one layout, so they merge their cores in one batch at run time
+    (:mod:`tncompile.runtime.factor_groups`). Updates ``ranks``; returns the budget used."""
+    grew = True
+    while grew:
+        grew = False
+        classes: dict[tuple, list[str]] = {}
+        for n in order:
+            if ranks[n] < caps[n]:
+                classes.setdefault((_shape(owners[n].layout), ranks[n], caps[n]), []).append(n)
+        for members in classes.values():
+            delta = sum(size[n](ranks[n] + 1) - size[n](ranks[n]) for n in members)
+            if used + delta <= budget:
+                for n in members:
+                    ranks[n] += 1
+                used += delta
+                grew = True
+    return used
 
 
 def _layout_sharing(owners: dict[str, PendingLayer]) -> dict[str, int]:
