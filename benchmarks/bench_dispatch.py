@@ -1,0 +1,115 @@
+"""Ops a training step dispatches on PyTorch's own kernels: what a GPU's host launches.
+
+    python benchmarks/bench_dispatch.py [--model six-encoder|small-bert|both] [--batch 2]
+
+On a GPU a small model's step is bound by the kernels it launches, not by its arithmetic
+(``bench_gpu_kernels.py`` shows it on one). This counts the ops without a GPU: the step's
+forward and backward run with tncompile's native CPU kernels off (``TNCOMPILE_NATIVE=0``,
+set here), so every TT layer runs the PyTorch ops it runs on CUDA, under
+``torch.profiler``. Two counts per model: *dispatched* (top-level ATen ops, each a
+Python-to-C++ dispatch on the host) and *kernel-like* (leaf ATen ops that are not views,
+shape queries or allocations: roughly the kernels a GPU would launch; CPU-only helpers
+may differ). Variants: the dense model, the compiled one (defaults), and the compiled one
+with each layer merging its own cores (``tuning.GROUP_FACTORS = False``; see
+:mod:`tncompile.runtime.factor_groups`). The optimizer is left out (its kernels depend
+on the device's implementation). Counts are deterministic: no timing, any host. Writes
+``benchmarks/results/dispatch.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from collections import Counter
+
+os.environ["TNCOMPILE_NATIVE"] = "0"  # before tncompile loads: the PyTorch ops a GPU runs
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.profiler import ProfilerActivity, profile  # noqa: E402
+
+import tncompile  # noqa: E402
+from tncompile import tuning  # noqa: E402
+from tncompile.zoo import six_encoder  # noqa: E402
+
+from common import machine, write_json  # noqa: E402
+
+#: ATen ops that launch no kernel of their own: views, shape and type queries, allocations,
+#: host reads, and composite ops whose children are counted instead
+NOT_KERNELS = frozenset(f"aten::{name}" for name in (
+    "reshape", "view", "_unsafe_view", "_reshape_alias", "t", "transpose", "permute", "expand", "select",
+    "slice", "narrow", "squeeze", "unsqueeze", "unbind", "split", "split_with_sizes", "chunk", "alias",
+    "as_strided", "detach", "lift_fresh", "flatten", "unflatten", "empty", "empty_like", "empty_strided",
+    "new_empty", "resize_", "item", "_local_scalar_dense", "to", "contiguous", "resolve_conj", "resolve_neg",
+    "result_type", "promote_types", "is_nonzero", "size", "stride", "matmul", "linear", "dropout",
+    "layer_norm"))
+
+VARIANTS = ("dense", "compiled", "compiled, per-layer merges")
+
+
+def _six_encoder(batch: int):
+    torch.manual_seed(0)
+    model = six_encoder()
+    x = torch.randint(1, 30522, (batch, 128))
+    y = torch.randint(0, 3, (batch,))
+
+    def compiled():
+        return tncompile.compile(model, target_ratio=1 / 44.9, init="random", example_inputs=(x,))
+    return model, compiled, (lambda m: F.cross_entropy(m(x), y))
+
+
+def _small_bert(batch: int):
+    import transformers  # noqa: PLC0415 - this model only
+
+    torch.manual_seed(0)
+    cfg = transformers.BertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=512, max_position_embeddings=64)
+    model = transformers.BertModel(cfg).train()
+    ids = {"input_ids": torch.randint(0, 1000, (batch, 64))}
+
+    def compiled():
+        return tncompile.compile(model, target_ratio=0.3, example_inputs=ids)
+    return model, compiled, (lambda m: m(**ids).last_hidden_state.square().mean())
+
+
+MODELS = {"six-encoder": _six_encoder, "small-bert": _small_bert}
+
+
+def count_ops(model: torch.nn.Module, loss_of) -> dict:
+    """Dispatched and kernel-like ATen ops of one forward and backward (after one warm-up)."""
+    model.zero_grad(set_to_none=True)
+    loss_of(model).backward()
+    model.zero_grad(set_to_none=True)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        loss_of(model).backward()
+    model.zero_grad(set_to_none=True)
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+    leaves = [e for e in events if e.name not in NOT_KERNELS
+              and not any(c.name.startswith("aten::") and c.name not in NOT_KERNELS for c in e.cpu_children)]
+    return {"dispatched": len(top), "kernel_like": len(leaves),
+            "kernel_like_by_op": dict(Counter(e.name for e in leaves).most_common(12))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=[*MODELS, "both"], default="both")
+    ap.add_argument("--batch", type=int, default=2, help="samples per step (counts barely depend on it)")
+    args = ap.parse_args()
+    rows = []
+    for name in (MODELS if args.model == "both" else [args.model]):
+        dense, make_compiled, loss_of = MODELS[name](args.batch)
+        compiled = make_compiled()
+        for variant in VARIANTS:
+            tuning.GROUP_FACTORS = variant != "compiled, per-layer merges"
+            got = count_ops(dense if variant == "dense" else compiled, loss_of)
+            rows.append({"model": name, "variant": variant, **got})
+            print(f"{name:12s} {variant:27s} {got['dispatched']:6d} dispatched  {got['kernel_like']:6d} kernel-like",
+                  flush=True)
+        tuning.GROUP_FACTORS = True
+    path = write_json("dispatch.json", {"benchmark": "dispatch", "batch": args.batch, "native_kernels": False,
+                                        "rows": rows, **machine()})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
