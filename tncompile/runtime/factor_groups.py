@@ -5,8 +5,8 @@ A TT linear contracted merge-cores-first (the planner's choice over many rows) r
 output cores (:func:`~tncompile.formats.decompose.tt_factors`). Merging is weight-only
 work: per layer and training step about a dozen tiny products and gate products, forward
 and backward, that cost next to nothing in arithmetic but one kernel each. On a GPU a
-kernel costs microseconds however small (the paper's six-encoder: ~430 of a step's
-~1,500 kernels), and on any device each is a dispatched op.
+kernel costs microseconds however small (the paper's six-encoder: about 430 of the
+~1,530 kernels of its step on an H200), and on any device each is a dispatched op.
 
 Layers of one model usually share their layout: the six-encoder's 24 attention
 projections have one, its 6 first and 6 second feed-forward linears one each. Here the
@@ -31,7 +31,6 @@ layers only, and off with ``tuning.GROUP_FACTORS = False``.
 """
 from __future__ import annotations
 
-import math
 from typing import Iterable, Sequence
 
 import torch
@@ -41,7 +40,7 @@ from .. import tuning
 from .executor import autocast_state, same_autocast
 from .tracing import exporting
 
-__all__ = ["BatchedFactors", "FactorPeers", "batched_factors", "forget_factors", "link_factor_groups", "peers_of"]
+__all__ = ["BatchedFactors", "FactorPeers", "forget_factors", "link_factor_groups", "peers_of"]
 
 
 def _chain_a(gated: list[Tensor], n_in: int) -> list[Tensor]:
@@ -65,27 +64,6 @@ def _chain_b(gated: list[Tensor], n_in: int) -> list[Tensor]:
         b = torch.bmm(core.reshape(n, -1, core.shape[-1]), b).reshape(n, core.shape[1], -1)
         chain.append(b)
     return chain
-
-
-def batched_factors(cores: Sequence[Tensor], gates: Sequence[Tensor], n_in: int) -> tuple[Tensor, Tensor]:
-    """``tt_factors`` of ``n`` networks at once (differentiable through plain ops).
-
-    Parameters
-    ----------
-    cores : list of Tensor
-        Position ``k``: ``(n, r_{k-1}, s_k, r_k)``, the ``n`` networks' ``k``-th cores stacked.
-    gates : list of Tensor
-        Position ``k``: ``(n, r_k)``, one per internal bond (``len(cores) - 1``).
-    n_in : int
-        Cores carrying input modes (the first ``n_in``).
-
-    Returns
-    -------
-    A : Tensor ``(n, padded_in, r)``
-    B : Tensor ``(n, r, padded_out)``
-    """
-    gated = [c * g[:, None, None, :] for c, g in zip(cores, gates)] + [cores[-1]]
-    return _chain_a(gated, n_in)[-1], _chain_b(gated, n_in)[-1]
 
 
 class BatchedFactors(torch.autograd.Function):
