@@ -348,3 +348,22 @@ def test_layers_of_one_shape_get_one_rank(ratio):
     hidden = {m.layout for m in _tt_layers(compiled) if m.in_features == m.out_features == 96}
     assert len(hidden) == 1
     assert 0.9 * ratio <= compiled.ratio <= ratio
+
+
+def test_peers_refer_to_layers_weakly_and_drop_dead_ones():
+    """Linking adds no reference from the layers back to themselves: a layer the model
+    drops is freed, and the rest still batch."""
+    import gc  # noqa: PLC0415
+    layers = _networks(3, (2, 3), (3, 2), (2, 3, 2))
+    holder = nn.ModuleList(layers)
+    peers = link_factor_groups(holder)
+    x = torch.randn(5, 6, dtype=f64)
+    thin = [m.merged_factors() for m in layers]  # one batch of three
+    del holder[2], layers[2], thin
+    gc.collect()
+    assert len(peers.layers) == 2
+    for layer in layers:
+        a, b = layer.merged_factors()
+        want_a, want_b = tt_factors(layer.scaled_cores(), 2)
+        torch.testing.assert_close(a, want_a)
+        torch.testing.assert_close(x @ a @ b, x @ want_a @ want_b)

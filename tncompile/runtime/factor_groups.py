@@ -31,6 +31,7 @@ layers only, and off with ``tuning.GROUP_FACTORS = False``.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Iterable, Sequence
 
 import torch
@@ -194,26 +195,34 @@ def _freshness(layer: nn.Module, stamp: tuple) -> tuple:
 
 class FactorPeers:
     """The TT linears of one model whose merged factors are computed in batches (see the
-    module doc). Shared by the layers (``layer._factor_peers``); holds the factors made
-    for layers that have not used them yet."""
+    module doc). Shared by the layers (``layer._factor_peers``), which it refers to weakly
+    (no reference cycle: a deleted model is freed at once); holds the factors made for
+    layers that have not used them yet."""
 
     def __init__(self, layers: Iterable[nn.Module]):
-        self.layers = list(layers)
+        self._refs = [weakref.ref(m) for m in layers]
         self._ready: dict[int, tuple] = {}  # id(layer) -> (freshness, A, B)
         self._stamps: tuple | None = None   # the layers' _stamp when _groups was made
-        self._groups: dict[int, list] = {}  # id(layer) -> the layers batched with it (itself included)
+        self._groups: dict[int, list] = {}  # id(layer) -> weak refs to its batch (itself included)
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """The linked layers still alive."""
+        return [m for m in (r() for r in self._refs) if m is not None]
 
     def _group_of(self, layer: nn.Module) -> list[nn.Module]:
-        stamps = tuple(_stamp(m) for m in self.layers)
+        layers = self.layers
+        stamps = tuple(_stamp(m) for m in layers)
         if stamps != self._stamps:
             by_signature: dict[tuple, list] = {}
-            for m in self.layers:
+            for m in layers:
                 sig = _signature(m)
                 if sig is not None:
-                    by_signature.setdefault(sig, []).append(m)
-            self._groups = {id(m): group for group in by_signature.values() if len(group) > 1 for m in group}
+                    by_signature.setdefault(sig, []).append(weakref.ref(m))
+            self._groups = {id(r()): group for group in by_signature.values() if len(group) > 1 for r in group}
             self._stamps = stamps
-        return self._groups.get(id(layer), [])
+        members = [r() for r in self._groups.get(id(layer), [])]
+        return members if all(m is not None for m in members) else []
 
     def factors(self, layer: nn.Module) -> tuple[Tensor, Tensor] | None:
         """``layer``'s ``(A, B)`` (see :meth:`~tncompile.runtime.TTLinear.merged_factors`),
@@ -254,7 +263,7 @@ class FactorPeers:
         import copy  # noqa: PLC0415
 
         twin = memo[id(self)] = FactorPeers.__new__(FactorPeers)  # before the layers, which refer back to it
-        twin.__init__(copy.deepcopy(self.layers, memo))
+        twin.__init__([copy.deepcopy(m, memo) for m in self.layers])
         return twin
 
 
