@@ -132,19 +132,10 @@ class AssignRanks(Pass):
         used = _grow_classes(order, owners, ranks, caps, size, used, budget)
         # then layer by layer: layers without a same-shaped peer first, then -- splitting a
         # shape's layers over two ranks -- only while more than UNIFORM_RANK_SLACK is left
-        alone = [n for n in order if sum(_shape(owners[m].layout) == _shape(owners[n].layout) for m in order) == 1]
-        for names, floor in ((alone, 0.0), (order, (1 - tuning.UNIFORM_RANK_SLACK) * budget)):
-            grew = used < floor or not floor
-            while grew:
-                grew = False
-                for n in names:
-                    if ranks[n] >= caps[n] or (floor and used >= floor):
-                        continue
-                    delta = size[n](ranks[n] + 1) - size[n](ranks[n])
-                    if used + delta <= budget:
-                        ranks[n] += 1
-                        used += delta
-                        grew = True
+        shapes = Counter(_shape(owners[n].layout) for n in order)
+        alone = [n for n in order if shapes[_shape(owners[n].layout)] == 1]
+        used = _grow_layers(alone, ranks, caps, size, used, budget, until=budget)
+        used = _grow_layers(order, ranks, caps, size, used, budget, until=(1 - tuning.UNIFORM_RANK_SLACK) * budget)
         for n, mod in owners.items():
             mod.layout = mod.layout.with_ranks(ranks[n])
             if n in rows and n not in program.notes:
@@ -310,14 +301,33 @@ def _grow_classes(order: list[str], owners: dict[str, PendingLayer], ranks: dict
     return used
 
 
+def _grow_layers(names: list[str], ranks: dict[str, int], caps: dict[str, int], size, used: int, budget: float,
+                 until: float) -> int:
+    """One rank step at a time for single layers of ``names``, in order, while the budget
+    used is below ``until`` (and each step fits the budget). Updates ``ranks``; returns
+    the budget used."""
+    grew = True
+    while grew and used < until:
+        grew = False
+        for n in names:
+            if ranks[n] >= caps[n] or used >= until:
+                continue
+            delta = size[n](ranks[n] + 1) - size[n](ranks[n])
+            if used + delta <= budget:
+                ranks[n] += 1
+                used += delta
+                grew = True
+    return used
+
+
 def _layout_sharing(owners: dict[str, PendingLayer]) -> dict[str, int]:
-    """Per linear: how many linears of the model have its modes. With near-equal ranks
-    (what the allocator gives them) they merge their cores in one batch at run time
+    """Per linear: how many linears of the model have its modes. With equal ranks (what
+    the allocator gives them) they merge their cores in one batch at run time
     (:mod:`tncompile.runtime.factor_groups`), sharing those kernels' fixed cost."""
-    modes = {n: (m.layout.in_modes, m.layout.out_modes) for n, m in owners.items()
-             if m.kind in ("linear", "conv1d") and isinstance(m.layout, TTLayout)}
-    counts = Counter(modes.values())
-    return {n: counts[key] for n, key in modes.items()}
+    linears = {n: _shape(m.layout) for n, m in owners.items()
+               if m.kind in ("linear", "conv1d") and isinstance(m.layout, TTLayout)}
+    counts = Counter(linears.values())
+    return {n: counts[key] for n, key in linears.items()}
 
 
 def _uniform_rank(owners: dict[str, PendingLayer], fixed: dict[str, int], caps: dict[str, int], size,

@@ -23,6 +23,8 @@ forward, a layer called twice) makes its layout's batch computed anew, and facto
 layer's cores or gates changed since (an optimizer step, a cut), or that were made under
 another grad mode or autocast state, are never used. A layer that does not run in a
 forward gets no gradient from it (``None``, as if it had computed its own factors).
+``CompiledModel`` and swap-mode models drop unused factors at each call, so a forward
+(and a CUDA-graph capture of one) only ever uses factors made in it.
 
 Not under ``torch.compile`` or ``torch.export`` (each layer traces its own merge), nor
 inside activation checkpointing or other saved-tensor hooks (a checkpointed block must
@@ -41,7 +43,7 @@ from .. import tuning
 from .executor import autocast_state, same_autocast
 from .tracing import exporting
 
-__all__ = ["BatchedFactors", "FactorPeers", "forget_factors", "link_factor_groups", "peers_of"]
+__all__ = ["BatchedFactors", "FactorPeers", "link_factor_groups", "peers_of"]
 
 
 def _chain_a(gated: list[Tensor], n_in: int) -> list[Tensor]:
@@ -288,15 +290,3 @@ def link_factor_groups(model: nn.Module) -> FactorPeers | None:
         m.__dict__["_factor_peers"] = peers
     return peers
 
-
-def forget_factors(model: nn.Module) -> None:
-    """Drop every factor made for ``model``'s layers and not used yet: the start of a
-    forward pass (``CompiledModel`` does this itself; :class:`~tncompile.train.TrainStep`
-    before each step it runs or captures), so that nothing made outside a CUDA-graph
-    capture, or before weights changed without autograd seeing it, is used."""
-    seen = set()
-    for m in model.modules():
-        peers = m.__dict__.get("_factor_peers")
-        if peers is not None and id(peers) not in seen:
-            seen.add(id(peers))
-            peers.forget()

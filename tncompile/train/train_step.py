@@ -30,7 +30,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .distributed import DDP_WARMUP_STEPS, check_controller_group, is_ddp, unwrap
-from ..runtime.factor_groups import forget_factors
 from .capture_cache import CaptureCache
 from .sharding import is_sharded
 from .step_guard import StepGuard
@@ -222,7 +221,6 @@ class TrainStep:
 
     def _body(self, inputs: Any, targets: Any, set_to_none: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One step; returns the task loss and the minimized total (both detached)."""
-        forget_factors(self.compiled)  # merged factors are made inside this step (and its capture)
         self.optimizer.zero_grad(set_to_none=set_to_none)
         with self._autocast():
             loss = self.loss_fn(call_model(self._forward, inputs), targets)
