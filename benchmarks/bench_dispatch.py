@@ -11,7 +11,11 @@ Python-to-C++ dispatch on the host) and *kernel-like* (leaf ATen ops that are no
 shape queries or allocations: roughly the kernels a GPU would launch; CPU-only helpers
 may differ). Variants: the dense model, the compiled one (defaults), and the compiled one
 with each layer merging its own cores (``tuning.GROUP_FACTORS = False``; see
-:mod:`tncompile.runtime.factor_groups`). The optimizer is left out (its kernels depend
+:mod:`tncompile.runtime.factor_groups`); then the same compiled model after rank cuts
+that leave every TT linear its own ranks (each bond cut to a seeded random 60-100% of its
+rank, as rank-adaptive training leaves them): batched with zero-padded cores (the
+default), batched only where ranks match (``tuning.FACTOR_PAD_LIMIT = 1``), and merged
+per layer. The optimizer is left out (its kernels depend
 on the device's implementation). Counts are deterministic: no timing, any host. Writes
 ``benchmarks/results/dispatch.json``.
 """
@@ -44,6 +48,10 @@ NOT_KERNELS = frozenset(f"aten::{name}" for name in (
     "layer_norm"))
 
 VARIANTS = ("dense", "compiled", "compiled, per-layer merges")
+#: variant -> (GROUP_FACTORS, FACTOR_PAD_LIMIT), run on the compiled model after the cuts
+AFTER_CUTS = {"after cuts": (True, tuning.FACTOR_PAD_LIMIT),
+              "after cuts, equal ranks only": (True, 1.0),
+              "after cuts, per-layer merges": (False, tuning.FACTOR_PAD_LIMIT)}
 
 
 def _six_encoder(batch: int):
@@ -90,6 +98,38 @@ def count_ops(model: torch.nn.Module, loss_of) -> dict:
             "kernel_like_by_op": dict(Counter(e.name for e in leaves).most_common(12))}
 
 
+def cut_every_layer(model: torch.nn.Module, seed: int = 0) -> list[tuple[int, ...]]:
+    """Cut each TT linear's bonds to a seeded random 60-100% of their ranks (each layer
+    its own); returns the ranks left."""
+    from tncompile.passes import replan_module  # noqa: PLC0415
+    from tncompile.passes.truncate_ranks import cut_ranks  # noqa: PLC0415
+    from tncompile.runtime import TTLinear  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(seed)
+    ranks = []
+    for layer in (m for m in model.modules() if isinstance(m, TTLinear)):
+        keep = [torch.arange(max(1, round(r * (0.6 + 0.4 * torch.rand((), generator=g).item()))))
+                for r in layer.layout.ranks]
+        cut_ranks(layer, keep)
+        replan_module(layer)
+        ranks.append(tuple(layer.layout.ranks))
+    return ranks
+
+
+def count_batches(model: torch.nn.Module, loss_of) -> int:
+    """Batched merges (:class:`~tncompile.runtime.factor_groups.BatchedFactors` calls) in
+    one forward."""
+    from tncompile.runtime.factor_groups import BatchedFactors  # noqa: PLC0415
+
+    calls, real = [], BatchedFactors.apply
+    BatchedFactors.apply = lambda *args: calls.append(1) or real(*args)
+    try:
+        loss_of(model)
+    finally:
+        BatchedFactors.apply = real
+    return len(calls)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=[*MODELS, "both"], default="both")
@@ -103,9 +143,20 @@ def main() -> None:
             tuning.GROUP_FACTORS = variant != "compiled, per-layer merges"
             got = count_ops(dense if variant == "dense" else compiled, loss_of)
             rows.append({"model": name, "variant": variant, **got})
-            print(f"{name:12s} {variant:27s} {got['dispatched']:6d} dispatched  {got['kernel_like']:6d} kernel-like",
+            print(f"{name:12s} {variant:30s} {got['dispatched']:6d} dispatched  {got['kernel_like']:6d} kernel-like",
                   flush=True)
         tuning.GROUP_FACTORS = True
+        ranks = cut_every_layer(compiled)
+        limit = tuning.FACTOR_PAD_LIMIT
+        for variant, (group, pad_limit) in AFTER_CUTS.items():
+            tuning.GROUP_FACTORS, tuning.FACTOR_PAD_LIMIT = group, pad_limit
+            got = count_ops(compiled, loss_of)
+            got["batched_merges"] = count_batches(compiled, loss_of) if group else 0
+            rows.append({"model": name, "variant": variant, "distinct_ranks": len(set(ranks)), **got})
+            print(f"{name:12s} {variant:30s} {got['dispatched']:6d} dispatched  {got['kernel_like']:6d} kernel-like"
+                  f"  ({got['batched_merges']} batched merges; {len(set(ranks))} distinct ranks in "
+                  f"{len(ranks)} layers)", flush=True)
+        tuning.GROUP_FACTORS, tuning.FACTOR_PAD_LIMIT = True, limit
     path = write_json("dispatch.json", {"benchmark": "dispatch", "batch": args.batch, "native_kernels": False,
                                         "rows": rows, **machine()})
     print(f"wrote {path}")

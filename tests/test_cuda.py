@@ -314,18 +314,24 @@ def test_lowered_dropout_and_attention_run_pytorchs_kernels_on_cuda():
     assert all(p.grad is not None for p in g.parameters() if p.requires_grad)
 
 
-def test_batched_factor_merging_on_cuda_cuts_kernels_and_captures_like_per_layer(monkeypatch):
-    """One layout's layers merge their cores in one batched pass (runtime.factor_groups):
+@pytest.mark.parametrize("cut", [False, True])
+def test_batched_factor_merging_on_cuda_cuts_kernels_and_captures_like_per_layer(cut, monkeypatch):
+    """Layers of the same modes merge their cores in one batched pass (runtime.factor_groups):
     the six-encoder's eager step launches fewer kernels, and captured steps train as the
-    per-layer merges do."""
+    per-layer merges do -- also after cuts leave every layer its own ranks (padded batches)."""
     from torch.profiler import ProfilerActivity, profile
 
     from tncompile import tuning
+    from tncompile.passes import replan_module
+    from tncompile.passes.truncate_ranks import cut_ranks
 
     def build():
         torch.manual_seed(0)
         model = tncompile.compile(SixEncoder(n_layers=2).to(CUDA), target_ratio=1 / 44.9, init="random",
                                   example_inputs=(torch.randint(1, 30522, (2, 128), device=CUDA),))
+        for i, layer in enumerate(m for m in model.modules() if isinstance(m, TTLinear) and cut):
+            cut_ranks(layer, [torch.arange(r - (i + k) % 5) for k, r in enumerate(layer.layout.ranks)])
+            replan_module(layer)
         return model.to(CUDA)
     x = torch.randint(1, 30522, (4, 128), device=CUDA)
     y = torch.randint(0, 3, (4,), device=CUDA)

@@ -18,7 +18,7 @@ from tncompile.passes.truncate_ranks import cut_ranks
 from tncompile.planning import plan_contraction
 from tncompile.runtime import TTLinear, executor
 from tncompile.runtime.executor import is_merge_first
-from tncompile.runtime.factor_groups import BatchedFactors, link_factor_groups, peers_of
+from tncompile.runtime.factor_groups import BatchedFactors, FactorBatch, link_factor_groups, peers_of
 
 f64 = torch.float64
 
@@ -52,8 +52,7 @@ LAYOUTS = [((2, 3), (3, 2), (2, 3, 2)),        # two cores a side
 @pytest.mark.parametrize("in_modes,out_modes,ranks", LAYOUTS)
 def test_batched_factors_equal_each_networks_own(in_modes, out_modes, ranks):
     layers = _networks(3, in_modes, out_modes, ranks)
-    d = len(in_modes) + len(out_modes)
-    out = BatchedFactors.apply(3, len(in_modes), d, *_flat(layers))
+    out = BatchedFactors.apply(FactorBatch.of(layers), *_flat(layers))
     for m, layer in enumerate(layers):
         a, b = tt_factors(layer.scaled_cores(), len(in_modes))
         torch.testing.assert_close(out[m], a)
@@ -73,14 +72,80 @@ def test_batched_factors_equal_each_networks_own(in_modes, out_modes, ranks):
 @pytest.mark.parametrize("in_modes,out_modes,ranks", LAYOUTS[:3])
 def test_batched_factors_gradcheck(in_modes, out_modes, ranks):
     layers = _networks(2, in_modes, out_modes, ranks)
-    d = len(in_modes) + len(out_modes)
+    batch = FactorBatch.of(layers)
     tensors = [t.detach().clone().requires_grad_() for t in _flat(layers)]
-    assert torch.autograd.gradcheck(lambda *ts: BatchedFactors.apply(2, len(in_modes), d, *ts), tensors)
+    assert torch.autograd.gradcheck(lambda *ts: BatchedFactors.apply(batch, *ts), tensors)
+
+
+def _mixed(in_modes, out_modes, rank_sets, seed=1):
+    """One network per ranks in ``rank_sets`` (same modes), random cores and gates."""
+    return [_networks(1, in_modes, out_modes, ranks, seed=seed + i)[0] for i, ranks in enumerate(rank_sets)]
+
+
+MIXED = [((2, 3), (3, 2), [(2, 3, 2), (3, 1, 2), (1, 3, 3)]),     # every bond differs somewhere
+         ((4,), (2, 3), [(3, 2), (2, 2), (3, 1)]),                  # A the first core alone
+         ((2, 2), (5,), [(3, 2), (1, 2), (3, 3)]),                  # B the last core alone
+         ((2, 3, 2), (2, 2, 3), [(2, 3, 4, 3, 2), (2, 2, 4, 1, 2)])]
+
+
+@pytest.mark.parametrize("in_modes,out_modes,rank_sets", MIXED)
+def test_padded_batch_of_different_ranks_equals_each_networks_own(in_modes, out_modes, rank_sets):
+    layers = _mixed(in_modes, out_modes, rank_sets)
+    batch = FactorBatch.of(layers)
+    assert batch.waste() > 1.0
+    out = BatchedFactors.apply(batch, *_flat(layers))
+    n = len(layers)
+    plain = [tt_factors(layer.scaled_cores(), len(in_modes)) for layer in layers]
+    for m in range(n):
+        assert out[m].shape == plain[m][0].shape and out[n + m].shape == plain[m][1].shape
+        torch.testing.assert_close(out[m], plain[m][0])
+        torch.testing.assert_close(out[n + m], plain[m][1])
+    weights = [torch.randn(o.shape, dtype=f64) for o in out]
+    sum((o * w).sum() for o, w in zip(out, weights)).backward()
+    got = [t.grad.clone() for t in _flat(layers)]
+    for t in _flat(layers):
+        t.grad = None
+    sum((f * w).sum() for f, w in zip([p[0] for p in plain] + [p[1] for p in plain], weights)).backward()
+    for g, t in zip(got, _flat(layers)):
+        assert g.shape == t.shape
+        torch.testing.assert_close(g, t.grad)
+
+
+@pytest.mark.parametrize("in_modes,out_modes,rank_sets", MIXED[:3])
+def test_padded_batch_gradcheck(in_modes, out_modes, rank_sets):
+    layers = _mixed(in_modes, out_modes, rank_sets)
+    batch = FactorBatch.of(layers)
+    tensors = [t.detach().clone().requires_grad_() for t in _flat(layers)]
+    assert torch.autograd.gradcheck(lambda *ts: BatchedFactors.apply(batch, *ts), tensors)
+
+
+def test_padded_batch_with_unused_factors_gives_no_gradient():
+    layers = _mixed((2, 3), (3, 2), [(2, 3, 2), (3, 1, 2), (1, 3, 3)])
+    out = BatchedFactors.apply(FactorBatch.of(layers), *_flat(layers))
+    (out[1].sum() + out[3 + 2].sum()).backward()  # A of the second, B of the third
+    assert all(t.grad is not None for t in [*layers[1].cores[:2], *layers[1].gates[:1]])
+    assert all(t.grad is None for t in _flat(layers[:1]))
+    assert all(t.grad is None for t in layers[1].cores[2:])
+    assert layers[2].cores[-1].grad is not None and layers[2].cores[0].grad is None
+
+
+def test_families_split_where_padding_would_pass_the_limit(monkeypatch):
+    """Four networks at rank 2 and one at 12 of one family: padded to 12 all five would
+    hold 4.3x their own elements (limit 3), so the big one takes two small ones (2.8x)
+    and the other two batch on their own; at a loose limit all five batch together."""
+    from tncompile.runtime.factor_groups import _batches  # noqa: PLC0415
+    layers = _mixed((4, 4), (4, 4), [(2, 2, 2)] * 4 + [(12, 12, 12)])
+    assert FactorBatch.of(layers).waste() > tuning.FACTOR_PAD_LIMIT
+    assert _batches(layers) == [[layers[0], layers[1], layers[4]], [layers[2], layers[3]]]  # model order kept
+    monkeypatch.setattr(tuning, "FACTOR_PAD_LIMIT", 100.0)
+    assert _batches(layers) == [layers]
+    monkeypatch.setattr(tuning, "FACTOR_PAD_LIMIT", 1.0)
+    assert _batches(layers) == [layers[:4]]
 
 
 def test_factors_used_by_some_networks_only_give_the_others_no_gradient():
     layers = _networks(3, (2, 3), (3, 2), (2, 3, 2))
-    out = BatchedFactors.apply(3, 2, 4, *_flat(layers))
+    out = BatchedFactors.apply(FactorBatch.of(layers), *_flat(layers))
     (out[0].sum() + out[3 + 2].sum()).backward()  # A of the first, B of the last
     assert all(t.grad is not None for t in [*layers[0].cores[:2], *layers[0].gates[:1]])
     assert all(t.grad is None for t in _flat(layers[1:2]))   # unused: None, not zeros
@@ -121,9 +186,9 @@ def batches(monkeypatch):
     calls = []
     real = BatchedFactors.apply
 
-    def counting(n, *rest):
-        calls.append(n)
-        return real(n, *rest)
+    def counting(batch, *rest):
+        calls.append(batch.n)
+        return real(batch, *rest)
     monkeypatch.setattr(BatchedFactors, "apply", counting)
     return calls
 
@@ -220,12 +285,20 @@ def test_factors_are_never_used_after_the_weights_change(monkeypatch):
     torch.testing.assert_close(train(True), train(False))
 
 
-def test_cut_layer_leaves_its_batch_and_the_rest_still_match(monkeypatch, batches):
+def test_cut_layer_stays_in_its_batch_padded_and_all_still_match(monkeypatch, batches):
+    """A cut gives one layer lower ranks: it keeps merging with the others (its cores
+    zero-padded), and a cut far below them (padding past FACTOR_PAD_LIMIT) leaves the
+    batch instead."""
     model, x = _compiled()
     layers = _tt_layers(model)
     keep = [torch.arange(r - 1 if i == 1 else r) for i, r in enumerate(layers[1].layout.ranks)]
     cut_ranks(layers[1], keep)
     replan_module(layers[1])
+    grouped = _step(model, x, True, monkeypatch)
+    assert batches == [4]
+    _assert_same(grouped, _step(model, x, False, monkeypatch))
+    batches.clear()
+    monkeypatch.setattr(tuning, "FACTOR_PAD_LIMIT", 1.0)  # no padding allowed
     grouped = _step(model, x, True, monkeypatch)
     assert batches == [3]
     _assert_same(grouped, _step(model, x, False, monkeypatch))
@@ -303,6 +376,53 @@ def test_report_counts_the_layers_that_share_a_layout(monkeypatch):
     alone = {r.name: r for r in model.report().rows}
     assert hidden.time_now < alone["layers.0"].time_now  # four layers share its merging kernels
     assert head.time_now == alone["head"].time_now       # the head has no peer
+
+
+def test_layers_of_different_ranks_batch_in_a_compiled_model_and_report(monkeypatch, batches):
+    """rank_pattern gives one hidden layer rank 4 and the rest 6: all four still merge in
+    one batch, train as without batching, and the report counts them as sharing."""
+    torch.manual_seed(0)
+    x = torch.randn(300, 96, dtype=f64)
+    model = tncompile.compile(_Stack().to(f64), target_ratio=0.6, example_inputs=(x,), mode="graph", init="random",
+                              rank_pattern={"layers.1": 4, "re:.*": 6})
+    ranks = [m.layout.ranks for m in _tt_layers(model)]
+    assert ranks[1] != ranks[0] == ranks[2] == ranks[3]
+    grouped = _step(model, x, True, monkeypatch)
+    assert batches == [4]
+    _assert_same(grouped, _step(model, x, False, monkeypatch))
+    # layers.0 shares its merging kernels four ways, as when all four have one rank
+    uniform, _ = _compiled()
+    assert model.report().rows[0].name == "layers.0"
+    assert model.report().rows[0].time_now == uniform.report().rows[0].time_now
+
+
+def test_padded_batches_capture_safely_and_keep_no_fake_tensors(monkeypatch, batches):
+    """A padded batch's ops pass the capture dry run (fake CUDA copies), and a batch run
+    under FakeTensorMode keeps no fake index or template for the real calls after it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
+    torch.manual_seed(0)
+    x = torch.randn(300, 96)
+    model = tncompile.compile(_Stack(), target_ratio=0.6, example_inputs=(x,), mode="graph", init="random",
+                              rank_pattern={"layers.1": 4, "re:.*": 6})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    report = tncompile.dry_run(model, opt, lambda y, t: (y - t).square().mean(), x, torch.zeros(300, 48))
+    assert report.ok, str(report)
+    assert batches and set(batches) == {4}  # the dry run batched them (padded) in its fake copies
+
+    layers = _mixed((2, 3), (3, 2), [(2, 3, 2), (3, 1, 2), (1, 3, 3)])
+    batch = FactorBatch.of(layers)
+    mode = FakeTensorMode()
+    fake = [mode.from_tensor(t.detach()).requires_grad_() for t in _flat(layers)]
+    with mode:
+        out = BatchedFactors.apply(batch, *fake)
+        sum(o.sum() for o in out).backward()
+    assert not batch.params._index and batch.params._templates is None
+    out = BatchedFactors.apply(batch, *_flat(layers))
+    sum(o.sum() for o in out).backward()
+    for layer in layers:
+        a, b = tt_factors(layer.scaled_cores(), 2)
+        torch.testing.assert_close(out[layers.index(layer)], a)
+    assert batch.params._index and all(not type(t).__name__.startswith("Fake") for t in batch.params._index.values())
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

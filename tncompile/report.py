@@ -5,7 +5,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from .formats.layout import TTLayout
-from .planning.speed_model import layer_step_seconds, lookup_step_seconds
+from .planning.speed_model import layer_step_seconds, lookup_step_seconds, merge_family
 from .planning.layer_info import fmt_count, layer_info, ranks_str
 
 __all__ = ["Report", "LayerRow", "SpeedSummary", "build_report", "speed_summary"]
@@ -170,15 +170,15 @@ def _ns(seconds: float) -> str:
 
 def _step_times_per_row(program, name: str, layout, sharing: dict) -> tuple[float | None, float | None]:
     """Estimated training-step seconds per row (dense, network) of a planned TT linear,
-    or per id of a TTM embedding; ``sharing``: TT linears per layout (they merge their
-    cores in one batch, :mod:`tncompile.runtime.factor_groups`)."""
+    or per id of a TTM embedding; ``sharing``: TT linears per :func:`merge_family` (they
+    merge their cores in one batch, :mod:`tncompile.runtime.factor_groups`)."""
     est = getattr(program, "speed_estimates", None) or {}
     fmt = getattr(layout, "format", None)
     rows = _planned_rows(est).get(name)
     if rows is None or fmt not in ("TT", "TTM") or layout.ranks is None:
         return None, None
     if fmt == "TT":
-        network, dense = layer_step_seconds(layout, rows, est["speed"], sharing=sharing.get(layout, 1))
+        network, dense = layer_step_seconds(layout, rows, est["speed"], sharing=sharing.get(merge_family(layout), 1))
     else:
         network, dense = lookup_step_seconds(layout, rows, est["speed"])
     return dense / rows, network / rows
@@ -207,7 +207,7 @@ def build_report(program) -> Report:
     counted: set[int] = set()
     first_name: dict[int, str] = {}  # a module called under several names (a shared table's lookups)
     distinct = {id(mod): mod for _, mod in program.modules()}.values()
-    sharing = Counter(mod.layout for mod in distinct
+    sharing = Counter(merge_family(mod.layout) for mod in distinct
                       if isinstance(getattr(mod, "layout", None), TTLayout) and mod.layout.ranks is not None)
     for node, mod in program.modules():
         if node.target in seen:

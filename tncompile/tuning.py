@@ -113,10 +113,15 @@ FUSE_FLOP_SLACK = 1.25
 UNIFORM_RANK_SLACK = 0.1
 
 # ---------------------------------------------------------------- runtime: merged factors
-#: TT linears of one model that share a layout merge their cores into factors in one
+#: TT linears of one model that share their modes merge their cores into factors in one
 #: batched pass per forward (:mod:`tncompile.runtime.factor_groups`): a few kernels per
-#: layout instead of a dozen per layer, forward and backward.
+#: batch instead of a dozen per layer, forward and backward ...
 GROUP_FACTORS = True
+#: ... ranks aside: layers of the same modes and different ranks are batched with their
+#: cores zero-padded to the largest rank at each bond while a batch's stacked cores hold at
+#: most this many times the elements of its members' own (the padding's extra multiply-adds
+#: are a few per cent of the layers' step at most: merging is weight-only work).
+FACTOR_PAD_LIMIT = 3.0
 
 # ---------------------------------------------------------------- runtime: TTM lookup
 #: Look up only the distinct ids when they are under this share of the batch ...

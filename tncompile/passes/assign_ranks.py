@@ -9,7 +9,7 @@ import torch
 from .. import tuning
 from ..formats.layout import TTLayout, TTMLayout
 from ..ir.program import Program
-from ..planning import DeviceSpeed, device_speed, fixed_order_macs, layer_step_seconds
+from ..planning import DeviceSpeed, device_speed, fixed_order_macs, layer_step_seconds, merge_family
 from ..runtime.experts import experts_rows
 from .base import Pass, register_pass
 from .pending import PendingLayer
@@ -321,10 +321,10 @@ def _grow_layers(names: list[str], ranks: dict[str, int], caps: dict[str, int], 
 
 
 def _layout_sharing(owners: dict[str, PendingLayer]) -> dict[str, int]:
-    """Per linear: how many linears of the model have its modes. With equal ranks (what
-    the allocator gives them) they merge their cores in one batch at run time
-    (:mod:`tncompile.runtime.factor_groups`), sharing those kernels' fixed cost."""
-    linears = {n: _shape(m.layout) for n, m in owners.items()
+    """Per linear: how many linears of the model share its :func:`merge_family` -- they
+    merge their cores in one batch at run time (:mod:`tncompile.runtime.factor_groups`),
+    sharing those kernels' fixed cost."""
+    linears = {n: merge_family(m.layout) for n, m in owners.items()
                if m.kind in ("linear", "conv1d") and isinstance(m.layout, TTLayout)}
     counts = Counter(linears.values())
     return {n: counts[key] for n, key in linears.items()}

@@ -9,12 +9,12 @@ from ..formats.indices import BATCH, planner_problem
 from ..runtime.plans import ContractionPlan, LookupPlan, set_planner
 from .contraction import fixed_order_macs, fixed_order_plan, plan_contraction, plan_from_order
 from .speed_model import (REFERENCE, DeviceSpeed, device_speed, layer_step_seconds, lookup_step_seconds,
-                          measure_device_speed)
+                          measure_device_speed, merge_family)
 from .layer_info import fmt_count, layer_info, ranks_str
 from .lookup import per_id_macs, plan_lookup
 
 __all__ = ["SearchPlanner", "plan_contraction", "plan_from_order", "replay_plan", "fixed_order_macs", "fixed_order_plan",
-           "DeviceSpeed", "REFERENCE", "device_speed", "measure_device_speed", "layer_step_seconds", "lookup_step_seconds", "plan_lookup", "per_id_macs", "layer_info",
+           "DeviceSpeed", "REFERENCE", "device_speed", "measure_device_speed", "layer_step_seconds", "lookup_step_seconds", "merge_family", "plan_lookup", "per_id_macs", "layer_info",
            "fmt_count", "ranks_str"]
 
 

@@ -137,6 +137,12 @@ class DeviceSpeed:
 ROW_KERNELS = 6
 
 
+def merge_family(layout: TTLayout) -> tuple:
+    """What TT linears must share to merge their cores in one batch at run time: their
+    modes (ranks may differ, :mod:`tncompile.runtime.factor_groups` pads them)."""
+    return layout.in_modes, layout.out_modes
+
+
 def network_kernels(plan: ContractionPlan, sharing: int = 1) -> float:
     """Kernels a TT linear's training step runs by ``plan``, counting those that merge
     its cores as ``1 / sharing`` each when ``sharing`` layers merge theirs in one batch

@@ -1,4 +1,4 @@
-"""The merged factors of many TT linears, computed together: one batched chain per layout.
+"""The merged factors of many TT linears, computed together: one batched chain per family of modes.
 
 A TT linear contracted merge-cores-first (the planner's choice over many rows) runs
 ``x -> x A -> (x A) B + b``, where ``A`` merges its gated input cores and ``B`` its
@@ -8,18 +8,22 @@ and backward, that cost next to nothing in arithmetic but one kernel each. On a 
 kernel costs microseconds however small (the paper's six-encoder: about 430 of the
 ~1,530 kernels of its step on an H200), and on any device each is a dispatched op.
 
-Layers of one model usually share their layout: the six-encoder's 24 attention
-projections have one, its 6 first and 6 second feed-forward linears one each. Here the
-layers of a model that share a layout merge their factors in one batched pass
+Layers of one model usually share their modes: the six-encoder's 24 attention
+projections have one set, its 6 first and 6 second feed-forward linears one each. Here
+the layers of a model that share their modes merge their factors in one batched pass
 (:class:`BatchedFactors`): each core position's cores and gates stacked, the gates
 applied and the chain multiplied as batched products, forward and backward -- a few
-kernels per layout instead of a few dozen per layer.
+kernels per batch instead of a few dozen per layer. Ranks may differ (a pretrained
+model's allocation by sensitivity, rank-adaptive cuts): cores are then zero-padded to
+the batch's largest rank at each bond, which only adds zero terms to every member's
+products, and a family whose padding would exceed ``tuning.FACTOR_PAD_LIMIT`` times its
+cores' elements is split into batches of closer ranks (:class:`FactorBatch`).
 
 When: :class:`FactorPeers` links a model's TT linears (:func:`link_factor_groups`,
-called by ``compile``, ``load`` and swap mode). The first layer of a layout to ask for
-its factors in a forward pass gets them computed for every layer of that layout; the
-others take theirs. A layer's factors are used once: a layer asking again (the next
-forward, a layer called twice) makes its layout's batch computed anew, and factors whose
+called by ``compile``, ``load`` and swap mode). The first layer of a batch to ask for its
+factors in a forward pass gets them computed for every layer of that batch; the others
+take theirs. A layer's factors are used once: a layer asking again (the next
+forward, a layer called twice) makes its batch computed anew, and factors whose
 layer's cores or gates changed since (an optimizer step, a cut), or that were made under
 another grad mode or autocast state, are never used. A layer that does not run in a
 forward gets no gradient from it (``None``, as if it had computed its own factors).
@@ -33,17 +37,19 @@ layers only, and off with ``tuning.GROUP_FACTORS = False``.
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import tuning
 from .executor import autocast_state, same_autocast
 from .tracing import exporting
 
-__all__ = ["BatchedFactors", "FactorPeers", "link_factor_groups", "peers_of"]
+__all__ = ["BatchedFactors", "FactorBatch", "FactorPeers", "link_factor_groups", "peers_of"]
 
 
 def _chain_a(gated: list[Tensor], n_in: int) -> list[Tensor]:
@@ -69,28 +75,134 @@ def _chain_b(gated: list[Tensor], n_in: int) -> list[Tensor]:
     return chain
 
 
-class BatchedFactors(torch.autograd.Function):
-    """The merged factors of ``n`` networks of one layout, from their own cores and gates.
+class _Packing:
+    """How the tensors of ``n`` networks stack for batched products: per position ``p``
+    (a core, a gate, a factor) one ``(n, *padded_p)`` tensor, ``padded_p`` the largest
+    extent along each dimension, each network's tensor in its leading corner and zeros
+    around it where ranks differ.
 
-    Inputs: ``n``, ``n_in``, ``d`` (cores per network), then per network its ``d`` cores
-    and ``d - 1`` gates. Outputs: the ``n`` ``A`` factors, then the ``n`` ``B`` factors.
-    Backward takes the gradients that exist (a network whose factors were not used gets
-    ``None`` for its cores and gates) and runs the chain's reverse as batched products.
+    Equal shapes stack per position (``torch.stack``) and split as views. Otherwise every
+    position is filled by one scatter into one zeroed buffer and split by one gather --
+    three kernels and two for the whole batch, however many positions -- through a flat
+    index of each network's elements in the buffer (made once per device). A single
+    position whose shapes differ in their first dimension only splits as views.
+
+    ``shapes[m][p]``: network ``m``'s tensor at position ``p``; tensors come network after
+    network, in that order.
+    """
+
+    def __init__(self, shapes: Sequence[Sequence[tuple[int, ...]]]):
+        self.n, self.positions = len(shapes), len(shapes[0])
+        self.shapes = [[tuple(t) for t in member] for member in shapes]
+        self.padded = [tuple(max(extents) for extents in zip(*(member[p] for member in self.shapes)))
+                       for p in range(self.positions)]
+        self.equal = all(member[p] == self.padded[p] for member in self.shapes for p in range(self.positions))
+        self.rows_only = self.positions == 1 and all(m[0][1:] == self.padded[0][1:] for m in self.shapes)
+        self.blocks = [self.n * math.prod(pad) for pad in self.padded]         # position after position
+        self._templates: list[Tensor] | None = None  # shapes for torch's C++ split of a flat buffer into views
+        self._index: dict[torch.device, Tensor] = {}
+
+    def index(self, device: torch.device) -> Tensor:
+        """Flat positions in the position-major buffer of every network's elements, in
+        the order the tensors come in."""
+        if device in self._index:
+            return self._index[device]
+        starts = [sum(self.blocks[:p]) for p in range(self.positions)]
+        grids = [torch.arange(math.prod(pad), device=device).reshape(pad) for pad in self.padded]
+        index = torch.cat([grids[p][tuple(slice(e) for e in member[p])].reshape(-1) + starts[p] + m * grids[p].numel()
+                           for m, member in enumerate(self.shapes) for p in range(self.positions)])
+        if not _is_fake(index):  # made under FakeTensorMode (a dry run): not kept for real calls
+            self._index[device] = index
+        return index
+
+    def stack(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """The tensors, network after network -> per position ``(n, *padded_p)``."""
+        if self.equal:
+            return [torch.stack(tensors[p::self.positions]) for p in range(self.positions)]
+        flat = _flatten_dense_tensors(list(tensors))
+        buffer = flat.new_zeros(sum(self.blocks))
+        buffer.index_copy_(0, self.index(flat.device), flat)
+        return [part.view(self.n, *pad) for part, pad in zip(buffer.split(self.blocks), self.padded)]
+
+    def split(self, stacked: Sequence[Tensor | None]) -> list[Tensor | None]:
+        """Per position ``(n, *padded_p)`` (``None``: nothing there) -> each network's own
+        parts, network after network (``None`` where its position had nothing)."""
+        like = next((g for g in stacked if g is not None), None)
+        if like is None:
+            return [None] * (self.n * self.positions)
+        if self.equal:
+            parts = [None if g is None else g.unbind(0) for g in stacked]
+            return [None if parts[p] is None else parts[p][m] for m in range(self.n) for p in range(self.positions)]
+        if self.rows_only:  # each network's rows are one run of the stack: views
+            rows = self.padded[0][0]
+            runs = [r for member in self.shapes for r in (member[0][0], rows - member[0][0])]
+            return list(like.reshape(self.n * rows, *self.padded[0][1:]).split(runs)[::2])
+        flat = torch.cat([like.new_zeros(block) if g is None else g.reshape(-1)
+                          for g, block in zip(stacked, self.blocks)])
+        templates = self._templates or [torch.empty(t, device="meta") for member in self.shapes for t in member]
+        if not _is_fake(templates[0]):
+            self._templates = templates
+        parts = _unflatten_dense_tensors(flat.index_select(0, self.index(flat.device)), templates)
+        return [None if stacked[i % self.positions] is None else part for i, part in enumerate(parts)]
+
+
+class FactorBatch:
+    """``n`` networks whose factors are merged together: the same modes, cores and gate
+    count; ranks may differ (cores are zero-padded to the largest rank at each bond,
+    which leaves every member's products unchanged).
+
+    Parameters
+    ----------
+    n_in:
+        Input cores per network (``A`` merges cores ``0 .. n_in-1``, ``B`` the rest).
+    core_shapes, gate_shapes:
+        Per network, its ``d`` cores' shapes ``(r_{k-1}, n_k, r_k)`` and its ``d - 1``
+        gates' ``(r_k,)``.
+    """
+
+    def __init__(self, n_in: int, core_shapes: Sequence[Sequence[tuple]], gate_shapes: Sequence[Sequence[tuple]]):
+        self.n, self.n_in, self.d = len(core_shapes), n_in, len(core_shapes[0])
+        self.params = _Packing([[*cores, *gates] for cores, gates in zip(core_shapes, gate_shapes)])
+        rows = math.prod(s[1] for s in core_shapes[0][:n_in])
+        cols = math.prod(s[1] for s in core_shapes[0][n_in:])
+        self.a = _Packing([[(rows, shapes[n_in - 1][2])] for shapes in core_shapes])
+        self.b = _Packing([[(shapes[n_in][0], cols)] for shapes in core_shapes])
+
+    @classmethod
+    def of(cls, layers: Sequence[nn.Module]) -> "FactorBatch":
+        """The batch of ``layers`` (TT linears of one family, see :func:`_family`)."""
+        params = [_params(m) for m in layers]
+        return cls(len(layers[0].layout.in_modes), [[tuple(c.shape) for c in cores] for cores, _ in params],
+                   [[tuple(g.shape) for g in gates] for _, gates in params])
+
+    def waste(self) -> float:
+        """Elements of the stacked cores per element of the members' cores."""
+        cores = self.params.padded[: self.d]
+        stacked = self.n * sum(math.prod(pad) for pad in cores)
+        return stacked / sum(math.prod(member[k]) for member in self.params.shapes for k in range(self.d))
+
+
+class BatchedFactors(torch.autograd.Function):
+    """The merged factors of the networks of a :class:`FactorBatch`, from their own cores
+    and gates.
+
+    Inputs: the batch, then per network its ``d`` cores and ``d - 1`` gates. Outputs: the
+    ``n`` ``A`` factors, then the ``n`` ``B`` factors. Backward takes the gradients that
+    exist (a network whose factors were not used gets ``None`` for its cores and gates)
+    and runs the chain's reverse as batched products.
     """
 
     @staticmethod
-    def forward(ctx, n: int, n_in: int, d: int, *tensors: Tensor):
-        per = 2 * d - 1
-        cores = [torch.stack([tensors[m * per + k] for m in range(n)]) for k in range(d)]
-        gates = [torch.stack([tensors[m * per + d + k] for m in range(n)]) for k in range(d - 1)]
+    def forward(ctx, batch: FactorBatch, *tensors: Tensor):
+        stacked = batch.params.stack(tensors)
+        cores, gates = stacked[:batch.d], stacked[batch.d:]
         gated = [c * g[:, None, None, :] for c, g in zip(cores, gates)] + [cores[-1]]
-        chain_a, chain_b = _chain_a(gated, n_in), _chain_b(gated, n_in)
+        chain_a, chain_b = _chain_a(gated, batch.n_in), _chain_b(gated, batch.n_in)
         ctx.set_materialize_grads(False)
         ctx.autocast = autocast_state(cores[0].device.type)
-        ctx.sizes = (n, n_in, d)
-        ctx.shapes = (chain_a[-1].shape[1:], chain_b[-1].shape[1:])
+        ctx.batch = batch
         ctx.save_for_backward(*cores, *gates, *gated[:-1], *chain_a[:-1], *chain_b[:-1])
-        return (*chain_a[-1].unbind(0), *chain_b[-1].unbind(0))
+        return (*batch.a.split([chain_a[-1]]), *batch.b.split([chain_b[-1]]))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -99,16 +211,16 @@ class BatchedFactors(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grads):
-        n, n_in, d = ctx.sizes
+        batch = ctx.batch
+        n, n_in, d = batch.n, batch.n_in, batch.d
         saved = ctx.saved_tensors
         cores, gates = saved[:d], saved[d:2 * d - 1]
         gated = [*saved[2 * d - 1:3 * d - 2], cores[-1]]
         chain_a = saved[3 * d - 2:3 * d - 2 + n_in - 1]    # a_0 .. a_{n_in-2}
         chain_b = saved[3 * d - 2 + n_in - 1:]             # b before each step, rightmost first
         d_gated: list[Tensor | None] = [None] * d
-        a_shape, b_shape = ctx.shapes
         if any(g is not None for g in grads[:n]):  # A = a_0 . g_1 . .. g_{n_in-1}, left to right
-            da = _stack_or_zeros(grads[:n], a_shape, gated[0])
+            da = _stack_or_zeros(grads[:n], batch.a, gated[0])
             for k in range(n_in - 1, 0, -1):
                 core, prev = gated[k], chain_a[k - 1]                  # prev: (n, M, r_{k-1})
                 dx = da.reshape(n, prev.shape[1], -1)                 # (n, M, s_k r_k)
@@ -116,7 +228,7 @@ class BatchedFactors(torch.autograd.Function):
                 da = torch.bmm(dx, core.reshape(n, core.shape[1], -1).transpose(1, 2))
             d_gated[0] = da.reshape(gated[0].shape)
         if any(g is not None for g in grads[n:]):  # B = g_{n_in} . .. g_{d-1}, built right to left
-            db = _stack_or_zeros(grads[n:], b_shape, gated[0])
+            db = _stack_or_zeros(grads[n:], batch.b, gated[0])
             for k in range(n_in, d - 1):
                 core, right = gated[k], chain_b[d - 2 - k]            # right: (n, r_k, N)
                 dy = db.reshape(n, -1, right.shape[-1])               # (n, r_{k-1} s_k, N)
@@ -130,25 +242,21 @@ class BatchedFactors(torch.autograd.Function):
             if g is not None:
                 d_cores[k] = g * gates[k][:, None, None, :]
                 d_gates[k] = (g * cores[k]).sum((1, 2))
-        out: list[Tensor | None] = [None, None, None]
+        own = batch.params.split([*d_cores, *d_gates])   # network after network, cores then gates
+        out: list[Tensor | None] = [None]
         for m in range(n):  # a factor never used gives its cores and gates no gradient (not zeros)
             sides = (grads[m] is not None, grads[n + m] is not None)   # A: cores and gates < n_in
-            out.extend(g[m] if g is not None and sides[k >= n_in] else None for k, g in enumerate(d_cores))
-            out.extend(g[m] if g is not None and sides[k >= n_in] else None for k, g in enumerate(d_gates))
+            mine = own[m * (2 * d - 1):(m + 1) * (2 * d - 1)]
+            out.extend(g if g is not None and sides[k >= n_in] else None for k, g in enumerate(mine[:d]))
+            out.extend(g if g is not None and sides[k >= n_in] else None for k, g in enumerate(mine[d:]))
         return tuple(out)
 
 
-def _stack_or_zeros(grads: Sequence[Tensor | None], shape, like: Tensor) -> Tensor:
-    """The gradients stacked, zeros for the factors that got none: ``(n, *shape)``."""
-    zeros = None
-    parts = []
-    for g in grads:
-        if g is None:
-            if zeros is None:
-                zeros = like.new_zeros(shape)
-            g = zeros
-        parts.append(g)
-    return torch.stack(parts)
+def _stack_or_zeros(grads: Sequence[Tensor | None], packing: _Packing, like: Tensor) -> Tensor:
+    """The gradients of one factor stacked as ``packing`` stacks it, zeros for the
+    factors that got none."""
+    parts = [like.new_zeros(member[0]) if g is None else g for g, member in zip(grads, packing.shapes)]
+    return packing.stack(parts)[0]
 
 
 def _recorded_elsewhere() -> bool:
@@ -158,6 +266,12 @@ def _recorded_elsewhere() -> bool:
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     hooked = True if top is None else top(False) is not None
     return hooked or torch._C._current_graph_task_id() != -1
+
+
+def _is_fake(t: Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor  # noqa: PLC0415 - only where a cache is filled
+
+    return isinstance(t, FakeTensor)
 
 
 def _is_plain(t: Tensor) -> bool:
@@ -177,13 +291,31 @@ def _stamp(layer: nn.Module) -> tuple:
     return id(layer.layout), id(first), first.dtype, first.device
 
 
-def _signature(layer: nn.Module) -> tuple | None:
-    """What layers must share to be batched together (``None``: this one cannot be)."""
+def _family(layer: nn.Module) -> tuple | None:
+    """What layers must share to be batched together -- their modes, core count, dtypes
+    and device, not their ranks (``None``: this one cannot be batched)."""
     cores, gates = _params(layer)
     if not cores or len(gates) != len(cores) - 1 or not all(_is_plain(t) for t in cores + gates):
         return None
-    return (len(layer.layout.in_modes), tuple(c.shape for c in cores), tuple(g.shape for g in gates),
-            cores[0].dtype, cores[0].device, *(t.dtype for t in gates))
+    return (len(layer.layout.in_modes), tuple(c.shape[1] for c in cores), cores[0].dtype, cores[0].device,
+            *(t.dtype for t in gates))
+
+
+def _batches(family: list[nn.Module]) -> list[list[nn.Module]]:
+    """``family`` (in model order) split into batches whose zero padding stays within
+    ``tuning.FACTOR_PAD_LIMIT`` (:meth:`FactorBatch.waste`): largest networks first, each
+    into the first batch it fits, members kept in model order; batches of one dropped."""
+    order = {id(m): i for i, m in enumerate(family)}
+    size = {id(m): sum(c.numel() for c in _params(m)[0]) for m in family}
+    batches: list[list[nn.Module]] = []
+    for m in sorted(family, key=lambda m: -size[id(m)]):
+        for batch in batches:
+            if FactorBatch.of(batch + [m]).waste() <= tuning.FACTOR_PAD_LIMIT:
+                batch.append(m)
+                break
+        else:
+            batches.append([m])
+    return [sorted(b, key=lambda m: order[id(m)]) for b in batches if len(b) > 1]
 
 
 def _freshness(layer: nn.Module, stamp: tuple) -> tuple:
@@ -204,44 +336,49 @@ class FactorPeers:
     def __init__(self, layers: Iterable[nn.Module]):
         self._refs = [weakref.ref(m) for m in layers]
         self._ready: dict[int, tuple] = {}  # id(layer) -> (freshness, A, B)
-        self._stamps: tuple | None = None   # the layers' _stamp when _groups was made
-        self._groups: dict[int, list] = {}  # id(layer) -> weak refs to its batch (itself included)
+        self._stamps: tuple | None = None   # the pad limit and the layers' _stamp when _groups was made
+        self._groups: dict[int, tuple] = {}  # id(layer) -> (weak refs to its batch, itself included; FactorBatch)
 
     @property
     def layers(self) -> list[nn.Module]:
         """The linked layers still alive."""
         return [m for m in (r() for r in self._refs) if m is not None]
 
-    def _group_of(self, layer: nn.Module) -> list[nn.Module]:
+    def _group_of(self, layer: nn.Module) -> tuple[list[nn.Module], FactorBatch | None]:
         layers = self.layers
-        stamps = tuple(_stamp(m) for m in layers)
+        stamps = (tuning.FACTOR_PAD_LIMIT, *(_stamp(m) for m in layers))
         if stamps != self._stamps:
-            by_signature: dict[tuple, list] = {}
+            families: dict[tuple, list] = {}
             for m in layers:
-                sig = _signature(m)
-                if sig is not None:
-                    by_signature.setdefault(sig, []).append(weakref.ref(m))
-            self._groups = {id(r()): group for group in by_signature.values() if len(group) > 1 for r in group}
+                key = _family(m)
+                if key is not None:
+                    families.setdefault(key, []).append(m)
+            self._groups = {}
+            for family in families.values():
+                for batch in _batches(family):
+                    entry = ([weakref.ref(m) for m in batch], FactorBatch.of(batch))
+                    self._groups.update((id(m), entry) for m in batch)
             self._stamps = stamps
-        members = [r() for r in self._groups.get(id(layer), [])]
-        return members if all(m is not None for m in members) else []
+        refs, batch = self._groups.get(id(layer), ([], None))
+        members = [r() for r in refs]
+        return (members, batch) if all(m is not None for m in members) else ([], None)
 
     def factors(self, layer: nn.Module) -> tuple[Tensor, Tensor] | None:
         """``layer``'s ``(A, B)`` (see :meth:`~tncompile.runtime.TTLinear.merged_factors`),
-        from its layout's batch; ``None`` where batching does not apply (the layer then
-        merges its own)."""
+        from its batch; ``None`` where batching does not apply (the layer then merges its
+        own)."""
         if not tuning.GROUP_FACTORS or torch.compiler.is_compiling() or exporting() or _recorded_elsewhere():
             return None
         key = _freshness(layer, _stamp(layer))
         entry = self._ready.pop(id(layer), None)
         if entry is not None and entry[0] == key:
             return entry[1], entry[2]
-        members = self._group_of(layer)
+        members, batch = self._group_of(layer)
         if not any(m is layer for m in members):
             return None
-        n, d = len(members), len(layer.layout.in_modes) + len(layer.layout.out_modes)
+        n = len(members)
         tensors = [t for m in members for group in _params(m) for t in group]
-        out = BatchedFactors.apply(n, len(layer.layout.in_modes), d, *tensors)
+        out = BatchedFactors.apply(batch, *tensors)
         mine = None
         for i, m in enumerate(members):
             if m is layer:
