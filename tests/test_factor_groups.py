@@ -378,6 +378,20 @@ def test_report_counts_the_layers_that_share_a_layout(monkeypatch):
     assert head.time_now == alone["head"].time_now       # the head has no peer
 
 
+def test_mixed_dtype_networks_batch_at_equal_ranks_only():
+    """Cores and gates of two dtypes cannot share one padded buffer: such a family
+    batches only its equal-rank members, still matching the per-network merges."""
+    from tncompile.runtime.factor_groups import _batches  # noqa: PLC0415
+    layers = _mixed((2, 3), (3, 2), [(2, 3, 2), (2, 3, 2), (3, 1, 2)])
+    for layer in layers:
+        for g in layer.gates:
+            g.data = g.data.float()
+    assert _batches(layers) == [layers[:2]]
+    out = BatchedFactors.apply(FactorBatch.of(layers[:2]), *_flat(layers[:2]))
+    for m, layer in enumerate(layers[:2]):
+        torch.testing.assert_close(out[m], tt_factors(layer.scaled_cores(), 2)[0])
+
+
 def test_layers_of_different_ranks_batch_in_a_compiled_model_and_report(monkeypatch, batches):
     """rank_pattern gives one hidden layer rank 4 and the rest 6: all four still merge in
     one batch, train as without batching, and the report counts them as sharing."""

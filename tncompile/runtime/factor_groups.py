@@ -149,7 +149,7 @@ class _Packing:
 class FactorBatch:
     """``n`` networks whose factors are merged together: the same modes, cores and gate
     count; ranks may differ (cores are zero-padded to the largest rank at each bond,
-    which leaves every member's products unchanged).
+    which only adds zero terms to every member's products).
 
     Parameters
     ----------
@@ -304,13 +304,17 @@ def _family(layer: nn.Module) -> tuple | None:
 def _batches(family: list[nn.Module]) -> list[list[nn.Module]]:
     """``family`` (in model order) split into batches whose zero padding stays within
     ``tuning.FACTOR_PAD_LIMIT`` (:meth:`FactorBatch.waste`): largest networks first, each
-    into the first batch it fits, members kept in model order; batches of one dropped."""
+    into the first batch it fits, members kept in model order; batches of one dropped.
+    Networks whose cores and gates differ in dtype batch at equal ranks only (padding
+    packs every tensor into one buffer of one dtype)."""
     order = {id(m): i for i, m in enumerate(family)}
+    cores, gates = _params(family[0])
+    limit = tuning.FACTOR_PAD_LIMIT if len({t.dtype for t in cores + gates}) == 1 else 1.0
     size = {id(m): sum(c.numel() for c in _params(m)[0]) for m in family}
     batches: list[list[nn.Module]] = []
     for m in sorted(family, key=lambda m: -size[id(m)]):
         for batch in batches:
-            if FactorBatch.of(batch + [m]).waste() <= tuning.FACTOR_PAD_LIMIT:
+            if FactorBatch.of(batch + [m]).waste() <= limit:
                 batch.append(m)
                 break
         else:
