@@ -378,6 +378,41 @@ def test_report_counts_the_layers_that_share_a_layout(monkeypatch):
     assert head.time_now == alone["head"].time_now       # the head has no peer
 
 
+def test_truncation_keeps_batching_and_trains_as_per_layer(monkeypatch):
+    """RankController.truncate cuts each hidden layer to its own ranks (their gates'
+    tails zeroed, a different number per layer): the layers keep merging in one padded
+    batch, and training before and after the cut matches per-layer merges."""
+    seen = []
+    real = BatchedFactors.apply
+
+    def recording(batch, *rest):
+        seen.append(batch)
+        return real(batch, *rest)
+    monkeypatch.setattr(BatchedFactors, "apply", recording)
+
+    def train(group):
+        monkeypatch.setattr(tuning, "GROUP_FACTORS", group)
+        torch.manual_seed(0)
+        x, y = torch.randn(64, 96, dtype=f64), torch.randn(64, 48, dtype=f64)
+        model = tncompile.compile(_Stack().to(f64), target_ratio=0.3, example_inputs=(x,), init="random")
+        opt = torch.optim.AdamW(tncompile.param_groups(model, lr=2e-3, gate_lr=5e-2))
+        ctl = tncompile.RankController(model, opt, target_ratio=0.2, truncate_every=0)
+        step = tncompile.TrainStep(model, opt, lambda out, t: (out - t).square().mean(), controller=ctl)
+        losses = [float(step(x, y)) for _ in range(3)]
+        with torch.no_grad():
+            for k, layer in enumerate(_tt_layers(model)):
+                for g in layer.gates:
+                    g[max(1, g.numel() - 1 - k):] = 0.0   # layer k loses k + 1 ranks per bond
+        ctl.start_late_stage()
+        assert ctl.truncate().truncated
+        losses += [float(step(x, y)) for _ in range(3)]
+        return losses, [m.layout.ranks for m in _tt_layers(model)]
+    (grouped, ranks), (plain, plain_ranks) = train(True), train(False)
+    assert ranks == plain_ranks and len(set(ranks[:4])) == 4
+    assert any(not b.params.equal and b.n == 4 for b in seen), "no padded batch of the four hidden layers"
+    torch.testing.assert_close(torch.tensor(grouped), torch.tensor(plain))
+
+
 def test_mixed_dtype_networks_batch_at_equal_ranks_only():
     """Cores and gates of two dtypes cannot share one padded buffer: such a family
     batches only its equal-rank members, still matching the per-network merges."""
