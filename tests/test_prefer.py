@@ -387,3 +387,47 @@ def test_processes_starting_together_share_one_measurement(tmp_path):
         assert p.exitcode == 0
     assert got[0] == got[1]
     assert list(json.loads((tmp_path / "device_speed.json").read_text()).values()) == [got[0]]
+
+
+#: the fixed costs an H200 showed through an eager host (bench_device_speed --device cuda)
+GPU_LIKE = replace(REFERENCE, device="gpu-like (test)", kernel_seconds=84e-6, dense_call_seconds=229e-6)
+
+
+def _wide_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(), nn.Linear(256, 256),
+                         nn.ReLU(), nn.Linear(256, 8))
+
+
+@pytest.mark.parametrize("mode", ["graph", "swap"])
+def test_compile_warns_when_the_ratio_needs_slower_layers_and_names_the_ratio_that_does_not(monkeypatch, mode):
+    """On a device with GPU-like fixed costs, target_ratio=0.3 needs layers estimated
+    slower than dense: compile warns, naming the ratio with them kept dense; compiling
+    as it says does not warn, nor does prefer="size" or a batch large enough."""
+    import warnings  # noqa: PLC0415
+    monkeypatch.setattr(tuning, "DEVICE_SPEED", GPU_LIKE)
+    x = torch.randn(8, 512)
+    with pytest.warns(tncompile.SlowerThanDenseWarning, match="Keeping the 2 slower layers dense") as caught:
+        compiled = tncompile.compile(_wide_mlp(), target_ratio=0.3, example_inputs=(x,), batch_sizes=[256],
+                                     mode=mode)
+    speed = compiled.report().speed
+    assert speed.speedup < tuning.SLOWER_WARNING_BELOW and len(speed.slower) == 2
+    message = str(caught[0].message)
+    assert f"target_ratio={speed.ratio_without_slower:.3g}" in message and "gpu-like (test)" in message
+    assert caught[0].filename == __file__  # points at the caller's line
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", tncompile.SlowerThanDenseWarning)
+        advised = tncompile.compile(_wide_mlp(), target_ratio=float(f"{speed.ratio_without_slower:.3g}"),
+                                    exclude_modules=list(speed.slower), example_inputs=(x,), batch_sizes=[256],
+                                    mode=mode)
+        assert not advised.report().speed.slower
+        tncompile.compile(_wide_mlp(), target_ratio=0.3, example_inputs=(x,), batch_sizes=[256], prefer="size",
+                          mode=mode)
+        tncompile.compile(_wide_mlp(), target_ratio=0.3, example_inputs=(x,), batch_sizes=[4096], mode=mode)
+
+
+def test_compile_warns_when_every_compressed_layer_is_slower(monkeypatch):
+    monkeypatch.setattr(tuning, "DEVICE_SPEED", GPU_LIKE)
+    with pytest.warns(tncompile.SlowerThanDenseWarning, match="Every compressed layer is estimated slower"):
+        compiled = tncompile.compile(_mlp(), target_ratio=0.3, example_inputs=(torch.randn(32, 256),))
+    assert compiled.report().speed.ratio_without_slower == pytest.approx(1.0)

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from typing import Any, Iterable, Sequence
 
 from torch import nn
 
-from . import frontend
+from . import frontend, tuning
 from .calibration import collect_statistics
 from .compiled import CompiledModel
+from .errors import SlowerThanDenseWarning
 from .ir.program import Program, count_params
 from .layers import is_compressible
 from .options import CompileOptions, check_target_ratio
@@ -149,16 +151,42 @@ def compile(
     if mode == "auto":
         mode = _auto_mode(model, inputs.frontend, gm, layers)
     if mode == "swap":
-        return _compile_swapped(work, gm, inputs, layers, unswappable_layers(work), count_params(model), options,
-                                pipeline, dump_dir, stats)
+        swapped = _compile_swapped(work, gm, inputs, layers, unswappable_layers(work), count_params(model), options,
+                                   pipeline, dump_dir, stats)
+        _warn_if_slower(swapped, options)
+        return swapped
     program = Program(gm, inputs, count_params(model), options)
     program.dump_dir = dump_dir  # passes run later (rank adaptation) dump here too
     program = _run_pipeline(pipeline, program, stats)
     compiled = CompiledModel(program)
     if inplace:
         _swap_into(model, program)
+    _warn_if_slower(compiled, options)
     return compiled
 
+
+def _warn_if_slower(compiled: nn.Module, options: CompileOptions) -> None:
+    """``prefer="speed"`` keeps layers dense only within ``target_ratio``: where what the
+    ratio needs is estimated to train clearly slower than dense, say so, and what ratio
+    keeping the slower layers dense gives."""
+    speed = compiled.report().speed if options.prefer == "speed" else None
+    if speed is None or speed.speedup >= tuning.SLOWER_WARNING_BELOW:
+        return
+    if speed.slower and speed.ratio_without_slower < 0.999:
+        slower = "the slower layer" if len(speed.slower) == 1 else f"the {len(speed.slower)} slower layers"
+        fix = (f"keeping {slower} dense gives ratio {speed.ratio_without_slower:.3g}: "
+               f"compile(..., target_ratio={speed.ratio_without_slower:.3g}, "
+               f"exclude_modules=compiled.report().speed.slower)")
+    else:
+        fix = "every compressed layer is estimated slower here: compression costs speed at this batch and device"
+    batch = max(options.batch_sizes or [tuning.ASSUMED_ROWS])
+    whose = "the compressed layer's" if speed.layers == 1 else f"the {speed.layers} compressed layers'"
+    warnings.warn(SlowerThanDenseWarning(
+        f"tncompile.compile: {whose} training step is estimated {1 / speed.speedup:.1f}x slower than as dense "
+        f"layers on {speed.device} at a batch of {batch} samples (batch_sizes= sets it): the networks' fixed "
+        f"per-kernel costs and memory traffic outweigh the multiply-adds they save, and "
+        f"target_ratio={options.target_ratio:g} needs them compressed. {fix[0].upper()}{fix[1:]}. "
+        f"compiled.report() has the estimates per layer."), stacklevel=3)
 
 MODES = ("auto", "graph", "swap")
 

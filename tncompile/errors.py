@@ -1,7 +1,7 @@
 """Exceptions raised by tncompile."""
 from __future__ import annotations
 
-__all__ = ["TNCompileError", "TraceError", "PassError", "ModelFileError", "UnsafeFileError"]
+__all__ = ["TNCompileError", "TraceError", "PassError", "ModelFileError", "UnsafeFileError", "SlowerThanDenseWarning"]
 
 
 class TNCompileError(RuntimeError):
@@ -30,3 +30,11 @@ class UnsafeFileError(ModelFileError):
     """A file asks for something tncompile does not load without ``trust=True``:
     a name outside the format's tables (a function, method, op, module class,
     record type), text that would become code, or a pickle."""
+
+
+class SlowerThanDenseWarning(UserWarning):
+    """``compile`` estimates the compressed layers' training step slower than their dense
+    layers' on the model's device, with ``prefer="speed"``: ``target_ratio`` needs layers
+    whose fixed per-kernel cost outweighs their saved multiply-adds (small layers, small
+    batches, GPUs). The message gives the ratio with the slower layers kept dense.
+    Silence it with ``warnings.filterwarnings("ignore", category=SlowerThanDenseWarning)``."""

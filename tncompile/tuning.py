@@ -63,6 +63,10 @@ DEVICE_SPEED = None
 #: below timed steps on 2-core x86 (eager; dense's within about 10% where the choice is
 #: close), so at 1.0 near-ties went to TT and measured 4-7% slower (``bench_device_speed``).
 SPEED_MARGIN = 0.85
+#: ``compile`` warns (:class:`~tncompile.errors.SlowerThanDenseWarning`) when the compressed
+#: layers' estimated training step is below this share of their dense layers' speed: the
+#: estimates run 0.6-1.14x the timed steps (``bench_device_speed``), so only a clear loss.
+SLOWER_WARNING_BELOW = 0.8
 #: A layer that rule would cut to less than this share of the rank the budget gives it (or
 #: that is slower at every rank) is *slow*: capping the README MLP's 2048 -> 10 head at 32
 #: rows took it from rank 7 to 1, and the model's loss after ``fit`` from 0.19 to 1.54 ...
