@@ -6,10 +6,10 @@ On a GPU a small model's step is bound by the kernels it launches, not by its ar
 (``bench_gpu_kernels.py`` shows it on one). This counts the ops without a GPU: the step's
 forward and backward run with tncompile's native CPU kernels off (``TNCOMPILE_NATIVE=0``,
 set here), so every TT layer runs the PyTorch ops it runs on CUDA, under
-``torch.profiler``. Two counts per model: *dispatched* (top-level ATen ops, each a
+``torch.profiler``, and every GEMM runs as ``torch.mm`` (what CUDA runs where the CPU
+runs ``cpu_gemm``'s operand-layout copies and zero padding for MKL). Two counts per model: *dispatched* (top-level ATen ops, each a
 Python-to-C++ dispatch on the host) and *kernel-like* (leaf ATen ops that are not views,
-shape queries or allocations: roughly the kernels a GPU would launch; CPU-only helpers
-may differ). Variants: the dense model, the compiled one (defaults), and the compiled one
+shape queries or allocations: roughly the kernels a GPU would launch). Variants: the dense model, the compiled one (defaults), and the compiled one
 with each layer merging its own cores (``tuning.GROUP_FACTORS = False``; see
 :mod:`tncompile.runtime.factor_groups`); then the same compiled model after rank cuts
 that leave every TT linear its own ranks (each bond cut to a seeded random 60-100% of its
@@ -130,11 +130,21 @@ def count_batches(model: torch.nn.Module, loss_of) -> int:
     return len(calls)
 
 
+def gemms_as_on_cuda() -> None:
+    """Run every GEMM of the TT layers as ``torch.mm``, as on CUDA (on CPU they go through
+    ``cpu_gemm``, whose layout copies and padding a GPU never runs)."""
+    from tncompile.runtime import executor  # noqa: PLC0415
+
+    executor._gemm_for = lambda t: torch.mm
+    executor.cpu_gemm = torch.mm
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", choices=[*MODELS, "both"], default="both")
     ap.add_argument("--batch", type=int, default=2, help="samples per step (counts barely depend on it)")
     args = ap.parse_args()
+    gemms_as_on_cuda()
     rows = []
     for name in (MODELS if args.model == "both" else [args.model]):
         dense, make_compiled, loss_of = MODELS[name](args.batch)
@@ -158,6 +168,7 @@ def main() -> None:
                   f"{len(ranks)} layers)", flush=True)
         tuning.GROUP_FACTORS, tuning.FACTOR_PAD_LIMIT = True, limit
     path = write_json("dispatch.json", {"benchmark": "dispatch", "batch": args.batch, "native_kernels": False,
+                                        "gemm": "torch.mm (as on CUDA)",
                                         "rows": rows, **machine()})
     print(f"wrote {path}")
 
