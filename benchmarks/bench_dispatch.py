@@ -4,20 +4,20 @@
 
 On a GPU a small model's step is bound by the kernels it launches, not by its arithmetic
 (``bench_gpu_kernels.py`` shows it on one). This counts the ops without a GPU: the step's
-forward and backward run with tncompile's native CPU kernels off (``TNCOMPILE_NATIVE=0``,
-set here), so every TT layer runs the PyTorch ops it runs on CUDA, under
-``torch.profiler``, and every GEMM runs as ``torch.mm`` (what CUDA runs where the CPU
-runs ``cpu_gemm``'s operand-layout copies and zero padding for MKL). Two counts per model: *dispatched* (top-level ATen ops, each a
+forward and backward run under ``torch.profiler`` with tncompile's native CPU kernels off
+(``TNCOMPILE_NATIVE=0``, set here), every GEMM as ``torch.mm`` and padded factor batches
+packed through index scatters (:func:`ops_as_on_cuda`): the PyTorch ops each TT layer
+runs on CUDA. Two counts per model: *dispatched* (top-level ATen ops, each a
 Python-to-C++ dispatch on the host) and *kernel-like* (leaf ATen ops that are not views,
-shape queries or allocations: roughly the kernels a GPU would launch). Variants: the dense model, the compiled one (defaults), and the compiled one
-with each layer merging its own cores (``tuning.GROUP_FACTORS = False``; see
-:mod:`tncompile.runtime.factor_groups`); then the same compiled model after rank cuts
-that leave every TT linear its own ranks (each bond cut to a seeded random 60-100% of its
-rank, as rank-adaptive training leaves them): batched with zero-padded cores (the
-default), batched only where ranks match (``tuning.FACTOR_PAD_LIMIT = 1``), and merged
-per layer. The optimizer is left out (its kernels depend
-on the device's implementation). Counts are deterministic: no timing, any host. Writes
-``benchmarks/results/dispatch.json``.
+shape queries or allocations: roughly the kernels a GPU would launch). Variants: the
+dense model, the compiled one (defaults), and the compiled one with each layer merging
+its own cores (``tuning.GROUP_FACTORS = False``; see :mod:`tncompile.runtime.factor_groups`);
+then the same compiled model after rank cuts that leave every TT linear its own ranks
+(each bond cut to a seeded random 60-100% of its rank, as rank-adaptive training leaves
+them): batched with zero-padded cores (the default), batched only where ranks match
+(``tuning.FACTOR_PAD_LIMIT = 1``), and merged per layer. The optimizer is left out (its
+kernels depend on the device's implementation). Counts are deterministic: no timing, any
+host. Writes ``benchmarks/results/dispatch.json``.
 """
 from __future__ import annotations
 
@@ -130,13 +130,15 @@ def count_batches(model: torch.nn.Module, loss_of) -> int:
     return len(calls)
 
 
-def gemms_as_on_cuda() -> None:
-    """Run every GEMM of the TT layers as ``torch.mm``, as on CUDA (on CPU they go through
-    ``cpu_gemm``, whose layout copies and padding a GPU never runs)."""
-    from tncompile.runtime import executor  # noqa: PLC0415
+def ops_as_on_cuda() -> None:
+    """Run the TT layers' ops as on CUDA: every GEMM as ``torch.mm`` (on CPU they go
+    through ``cpu_gemm``, whose layout copies and padding a GPU never runs), and padded
+    factor batches through index scatters and gathers (on CPU: a copy per tensor)."""
+    from tncompile.runtime import executor, factor_groups  # noqa: PLC0415
 
     executor._gemm_for = lambda t: torch.mm
     executor.cpu_gemm = torch.mm
+    factor_groups._by_index = lambda device: True
 
 
 def main() -> None:
@@ -144,7 +146,7 @@ def main() -> None:
     ap.add_argument("--model", choices=[*MODELS, "both"], default="both")
     ap.add_argument("--batch", type=int, default=2, help="samples per step (counts barely depend on it)")
     args = ap.parse_args()
-    gemms_as_on_cuda()
+    ops_as_on_cuda()
     rows = []
     for name in (MODELS if args.model == "both" else [args.model]):
         dense, make_compiled, loss_of = MODELS[name](args.batch)
@@ -168,7 +170,7 @@ def main() -> None:
                   f"{len(ranks)} layers)", flush=True)
         tuning.GROUP_FACTORS, tuning.FACTOR_PAD_LIMIT = True, limit
     path = write_json("dispatch.json", {"benchmark": "dispatch", "batch": args.batch, "native_kernels": False,
-                                        "gemm": "torch.mm (as on CUDA)",
+                                        "ops": "as on CUDA: GEMMs as torch.mm, padded batches by index",
                                         "rows": rows, **machine()})
     print(f"wrote {path}")
 

@@ -82,6 +82,15 @@ def _mixed(in_modes, out_modes, rank_sets, seed=1):
     return [_networks(1, in_modes, out_modes, ranks, seed=seed + i)[0] for i, ranks in enumerate(rank_sets)]
 
 
+@pytest.fixture(params=["copies", "index"])
+def packing(request, monkeypatch):
+    """Both ways padded batches pack and unpack: one copy per tensor (the CPU's) and
+    index scatters and gathers (an accelerator's), forced here on the CPU."""
+    from tncompile.runtime import factor_groups  # noqa: PLC0415
+    monkeypatch.setattr(factor_groups, "_by_index", lambda device: request.param == "index")
+    return request.param
+
+
 MIXED = [((2, 3), (3, 2), [(2, 3, 2), (3, 1, 2), (1, 3, 3)]),     # every bond differs somewhere
          ((4,), (2, 3), [(3, 2), (2, 2), (3, 1)]),                  # A the first core alone
          ((2, 2), (5,), [(3, 2), (1, 2), (3, 3)]),                  # B the last core alone
@@ -89,7 +98,7 @@ MIXED = [((2, 3), (3, 2), [(2, 3, 2), (3, 1, 2), (1, 3, 3)]),     # every bond d
 
 
 @pytest.mark.parametrize("in_modes,out_modes,rank_sets", MIXED)
-def test_padded_batch_of_different_ranks_equals_each_networks_own(in_modes, out_modes, rank_sets):
+def test_padded_batch_of_different_ranks_equals_each_networks_own(in_modes, out_modes, rank_sets, packing):
     layers = _mixed(in_modes, out_modes, rank_sets)
     batch = FactorBatch.of(layers)
     assert batch.waste() > 1.0
@@ -112,14 +121,14 @@ def test_padded_batch_of_different_ranks_equals_each_networks_own(in_modes, out_
 
 
 @pytest.mark.parametrize("in_modes,out_modes,rank_sets", MIXED[:3])
-def test_padded_batch_gradcheck(in_modes, out_modes, rank_sets):
+def test_padded_batch_gradcheck(in_modes, out_modes, rank_sets, packing):
     layers = _mixed(in_modes, out_modes, rank_sets)
     batch = FactorBatch.of(layers)
     tensors = [t.detach().clone().requires_grad_() for t in _flat(layers)]
     assert torch.autograd.gradcheck(lambda *ts: BatchedFactors.apply(batch, *ts), tensors)
 
 
-def test_padded_batch_with_unused_factors_gives_no_gradient():
+def test_padded_batch_with_unused_factors_gives_no_gradient(packing):
     layers = _mixed((2, 3), (3, 2), [(2, 3, 2), (3, 1, 2), (1, 3, 3)])
     out = BatchedFactors.apply(FactorBatch.of(layers), *_flat(layers))
     (out[1].sum() + out[3 + 2].sum()).backward()  # A of the second, B of the third
@@ -378,7 +387,7 @@ def test_report_counts_the_layers_that_share_a_layout(monkeypatch):
     assert head.time_now == alone["head"].time_now       # the head has no peer
 
 
-def test_truncation_keeps_batching_and_trains_as_per_layer(monkeypatch):
+def test_truncation_keeps_batching_and_trains_as_per_layer(monkeypatch, packing):
     """RankController.truncate cuts each hidden layer to its own ranks (their gates'
     tails zeroed, a different number per layer): the layers keep merging in one padded
     batch, and training before and after the cut matches per-layer merges."""
@@ -458,6 +467,8 @@ def test_padded_batches_capture_safely_and_keep_no_fake_tensors(monkeypatch, bat
     assert report.ok, str(report)
     assert batches and set(batches) == {4}  # the dry run batched them (padded) in its fake copies
 
+    from tncompile.runtime import factor_groups  # noqa: PLC0415
+    monkeypatch.setattr(factor_groups, "_by_index", lambda device: True)  # the accelerators' way: cached indexes
     layers = _mixed((2, 3), (3, 2), [(2, 3, 2), (3, 1, 2), (1, 3, 3)])
     batch = FactorBatch.of(layers)
     mode = FakeTensorMode()

@@ -75,17 +75,32 @@ def _chain_b(gated: list[Tensor], n_in: int) -> list[Tensor]:
     return chain
 
 
+def _by_index(device: torch.device) -> bool:
+    """Whether padded batches pack and unpack through index scatters and gathers (a few
+    kernels per batch: accelerators) rather than one copy per tensor (the CPU, where
+    kernels are cheap and a gather of the all-MiniLM-L6-v2 layers' cores cost ~8% of a
+    training step)."""
+    return device.type != "cpu"
+
+
+def _corner(shape: Sequence[int]) -> tuple[slice, ...]:
+    """The leading corner of a padded block that a tensor of ``shape`` fills."""
+    return tuple(slice(e) for e in shape)
+
+
 class _Packing:
     """How the tensors of ``n`` networks stack for batched products: per position ``p``
     (a core, a gate, a factor) one ``(n, *padded_p)`` tensor, ``padded_p`` the largest
     extent along each dimension, each network's tensor in its leading corner and zeros
     around it where ranks differ.
 
-    Equal shapes stack per position (``torch.stack``) and split as views. Otherwise every
-    position is filled by one scatter into one zeroed buffer and split by one gather --
-    three kernels and two for the whole batch, however many positions -- through a flat
-    index of each network's elements in the buffer (made once per device). A single
-    position whose shapes differ in their first dimension only splits as views.
+    Equal shapes stack per position (``torch.stack``) and split as views. Otherwise, on
+    an accelerator, every position is filled by one scatter into one zeroed buffer and
+    split by one gather -- three kernels and two for the whole batch, however many
+    positions -- through a flat index of each network's elements in the buffer (made once
+    per device); on the CPU, where a kernel costs next to nothing and index gathers run
+    far below copy speed, each tensor is copied into (out of) its corner (:func:`_by_index`).
+    A single position whose shapes differ in their first dimension only splits as views.
 
     ``shapes[m][p]``: network ``m``'s tensor at position ``p``; tensors come network after
     network, in that order.
@@ -119,6 +134,12 @@ class _Packing:
         """The tensors, network after network -> per position ``(n, *padded_p)``."""
         if self.equal:
             return [torch.stack(tensors[p::self.positions]) for p in range(self.positions)]
+        if not _by_index(tensors[0].device):  # one copy per tensor into its corner of the zeros
+            blocks = [tensors[0].new_zeros((self.n, *pad)) for pad in self.padded]
+            for i, t in enumerate(tensors):
+                m, p = divmod(i, self.positions)
+                blocks[p][m][_corner(t.shape)].copy_(t)
+            return blocks
         flat = _flatten_dense_tensors(list(tensors))
         buffer = flat.new_zeros(sum(self.blocks))
         buffer.index_copy_(0, self.index(flat.device), flat)
@@ -137,6 +158,9 @@ class _Packing:
             rows = self.padded[0][0]
             runs = [r for member in self.shapes for r in (member[0][0], rows - member[0][0])]
             return list(like.reshape(self.n * rows, *self.padded[0][1:]).split(runs)[::2])
+        if not _by_index(like.device):  # one copy per tensor out of its corner
+            return [None if stacked[p] is None else stacked[p][m][_corner(self.shapes[m][p])].contiguous()
+                    for m in range(self.n) for p in range(self.positions)]
         flat = torch.cat([like.new_zeros(block) if g is None else g.reshape(-1)
                           for g, block in zip(stacked, self.blocks)])
         templates = self._templates or [torch.empty(t, device="meta") for member in self.shapes for t in member]
