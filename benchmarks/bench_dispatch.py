@@ -35,7 +35,7 @@ import tncompile  # noqa: E402
 from tncompile import tuning  # noqa: E402
 from tncompile.zoo import six_encoder  # noqa: E402
 
-from common import machine, write_json  # noqa: E402
+from common import cut_every_layer, machine, write_json  # noqa: E402
 
 #: ATen ops that launch no kernel of their own: views, shape and type queries, allocations,
 #: host reads, and composite ops whose children are counted instead
@@ -96,24 +96,6 @@ def count_ops(model: torch.nn.Module, loss_of) -> dict:
               and not any(c.name.startswith("aten::") and c.name not in NOT_KERNELS for c in e.cpu_children)]
     return {"dispatched": len(top), "kernel_like": len(leaves),
             "kernel_like_by_op": dict(Counter(e.name for e in leaves).most_common(12))}
-
-
-def cut_every_layer(model: torch.nn.Module, seed: int = 0) -> list[tuple[int, ...]]:
-    """Cut each TT linear's bonds to a seeded random 60-100% of their ranks (each layer
-    its own); returns the ranks left."""
-    from tncompile.passes import replan_module  # noqa: PLC0415
-    from tncompile.passes.truncate_ranks import cut_ranks  # noqa: PLC0415
-    from tncompile.runtime import TTLinear  # noqa: PLC0415
-
-    g = torch.Generator().manual_seed(seed)
-    ranks = []
-    for layer in (m for m in model.modules() if isinstance(m, TTLinear)):
-        keep = [torch.arange(max(1, round(r * (0.6 + 0.4 * torch.rand((), generator=g).item()))))
-                for r in layer.layout.ranks]
-        cut_ranks(layer, keep)
-        replan_module(layer)
-        ranks.append(tuple(layer.layout.ranks))
-    return ranks
 
 
 def count_batches(model: torch.nn.Module, loss_of) -> int:

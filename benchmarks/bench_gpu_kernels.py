@@ -15,10 +15,12 @@ kernels is bound by their count, not by its FLOPs -- what this shows at batch 1.
 (32x64 ids), against the same model dense. Beside the profile, each step's wall time
 (timed unprofiled): where it far exceeds the kernels' sum, the host's dispatch is the
 step; and the same step captured as a CUDA graph (``TrainStep(cuda_graph=True)``).
-The compiled model runs twice: with the defaults, and with each layer merging its own
-cores (``tuning.GROUP_FACTORS = False``; :mod:`tncompile.runtime.factor_groups` batches
-the merges of one layout's layers), so the run shows what batching saves. Writes ``benchmarks/results/gpu_kernels.json`` (``gpu_kernels_small_bert.json``)
-with the device's copy bandwidth and GEMM throughput.
+The compiled model runs with the defaults and with each layer merging its own cores
+(``tuning.GROUP_FACTORS = False``; :mod:`tncompile.runtime.factor_groups` batches the
+merges of layers of the same modes), each also after cuts that leave every TT linear
+its own ranks (``common.cut_every_layer``: padded batches), so the run shows what
+batching saves. Writes ``benchmarks/results/gpu_kernels.json``
+(``gpu_kernels_small_bert.json``) with the device's copy bandwidth and GEMM throughput.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from tncompile import tuning
 from tncompile.train import TrainStep
 from tncompile.zoo import six_encoder
 
-from common import machine, write_json
+from common import cut_every_layer, machine, write_json
 
 PAPER_RATIO = 1 / 44.9
 SEQ = 128
@@ -93,7 +95,12 @@ def profile_step(step, x, y, steps: int) -> dict:
 
 #: dense; compiled with the defaults; compiled with each layer merging its own cores
 #: (``tuning.GROUP_FACTORS = False``: what batching the merges saves, in the same run)
-VARIANTS = ("dense", "compiled", "compiled, per-layer merges")
+#: variant -> (compiled, merges batched, after cuts)
+VARIANTS = {"dense": (False, True, False),
+            "compiled": (True, True, False),
+            "compiled, per-layer merges": (True, False, False),
+            "after cuts": (True, True, True),
+            "after cuts, per-layer merges": (True, False, True)}
 
 
 def timed_ms(step, x, y, steps: int) -> float:
@@ -153,10 +160,12 @@ def main() -> None:
     for batch in args.batches or ([32] if args.model == "small-bert" else [1, 32]):
         torch.manual_seed(0)
         x, y, build = MODELS[args.model](batch, device)
-        for name in VARIANTS:
-            tuning.GROUP_FACTORS = name != "compiled, per-layer merges"
+        for name, (compiled, batched, cut) in VARIANTS.items():
+            tuning.GROUP_FACTORS = batched
             torch.manual_seed(0)
-            model, loss_fn = build(name != "dense")
+            model, loss_fn = build(compiled)
+            if cut:
+                cut_every_layer(model)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             step = TrainStep(model, opt, loss_fn, cuda_graph=False)
             wall_ms = timed_ms(step, x, y, args.steps)
@@ -166,7 +175,7 @@ def main() -> None:
             rows.append({"batch": batch, "model": name, "wall_ms_per_step": round(wall_ms, 3),
                          "captured_ms_per_step": round(captured_ms, 3), **result})
             kinds = ", ".join(f"{k} {v['kernels']:.0f}/{v['ms']:.2f} ms" for k, v in result["by_kind"].items())
-            print(f"batch {batch:4d} {name:26s} {result['kernels_per_step']:7.0f} kernels  "
+            print(f"batch {batch:4d} {name:30s} {result['kernels_per_step']:7.0f} kernels  "
                   f"{result['gpu_ms_per_step']:7.2f} ms of kernels, {wall_ms:7.2f} ms eager, "
                   f"{captured_ms:7.2f} ms captured per step  ({kinds})", flush=True)
             del model, opt, step, captured

@@ -133,3 +133,21 @@ def write_json(name: str, payload: dict) -> Path:
     path = RESULTS / name
     path.write_text(json.dumps(payload, indent=1))
     return path
+
+
+def cut_every_layer(model: torch.nn.Module, seed: int = 0) -> list[tuple[int, ...]]:
+    """Cut each TT linear's bonds to a seeded random 60-100% of their ranks (each layer
+    its own); returns the ranks left."""
+    from tncompile.passes import replan_module  # noqa: PLC0415
+    from tncompile.passes.truncate_ranks import cut_ranks  # noqa: PLC0415
+    from tncompile.runtime import TTLinear  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(seed)
+    ranks = []
+    for layer in (m for m in model.modules() if isinstance(m, TTLinear)):
+        keep = [torch.arange(max(1, round(r * (0.6 + 0.4 * torch.rand((), generator=g).item()))))
+                for r in layer.layout.ranks]
+        cut_ranks(layer, keep)
+        replan_module(layer)
+        ranks.append(tuple(layer.layout.ranks))
+    return ranks
