@@ -114,21 +114,29 @@ class _Packing:
         self.equal = all(member[p] == self.padded[p] for member in self.shapes for p in range(self.positions))
         self.rows_only = self.positions == 1 and all(m[0][1:] == self.padded[0][1:] for m in self.shapes)
         self.blocks = [self.n * math.prod(pad) for pad in self.padded]         # position after position
-        self._templates: list[Tensor] | None = None  # shapes for torch's C++ split of a flat buffer into views
-        self._index: dict[torch.device, Tensor] = {}
+        # the index per device; shape templates for torch's C++ split of a flat buffer into views
+        self._cache: dict = {}
 
     def index(self, device: torch.device) -> Tensor:
         """Flat positions in the position-major buffer of every network's elements, in
         the order the tensors come in."""
-        if device in self._index:
-            return self._index[device]
-        starts = [sum(self.blocks[:p]) for p in range(self.positions)]
-        grids = [torch.arange(math.prod(pad), device=device).reshape(pad) for pad in self.padded]
-        index = torch.cat([grids[p][tuple(slice(e) for e in member[p])].reshape(-1) + starts[p] + m * grids[p].numel()
-                           for m, member in enumerate(self.shapes) for p in range(self.positions)])
-        if not _is_fake(index):  # made under FakeTensorMode (a dry run): not kept for real calls
-            self._index[device] = index
-        return index
+        def make() -> Tensor:
+            starts = [sum(self.blocks[:p]) for p in range(self.positions)]
+            grids = [torch.arange(math.prod(pad), device=device).reshape(pad) for pad in self.padded]
+            return torch.cat([grids[p][_corner(member[p])].reshape(-1) + starts[p] + m * grids[p].numel()
+                              for m, member in enumerate(self.shapes) for p in range(self.positions)])
+        return self._cached(("index", device), make)
+
+    def _cached(self, key, make):
+        """``make()``, kept for later calls unless made under FakeTensorMode (a dry run),
+        whose tensors real calls cannot use."""
+        if key not in self._cache:
+            value = make()
+            first = value[0] if isinstance(value, list) else value
+            if _is_fake(first):
+                return value
+            self._cache[key] = value
+        return self._cache[key]
 
     def stack(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """The tensors, network after network -> per position ``(n, *padded_p)``."""
@@ -163,9 +171,8 @@ class _Packing:
                     for m in range(self.n) for p in range(self.positions)]
         flat = torch.cat([like.new_zeros(block) if g is None else g.reshape(-1)
                           for g, block in zip(stacked, self.blocks)])
-        templates = self._templates or [torch.empty(t, device="meta") for member in self.shapes for t in member]
-        if not _is_fake(templates[0]):
-            self._templates = templates
+        templates = self._cached("templates", lambda: [torch.empty(t, device="meta")
+                                                        for member in self.shapes for t in member])
         parts = _unflatten_dense_tensors(flat.index_select(0, self.index(flat.device)), templates)
         return [None if stacked[i % self.positions] is None else part for i, part in enumerate(parts)]
 
@@ -270,9 +277,9 @@ class BatchedFactors(torch.autograd.Function):
         out: list[Tensor | None] = [None]
         for m in range(n):  # a factor never used gives its cores and gates no gradient (not zeros)
             sides = (grads[m] is not None, grads[n + m] is not None)   # A: cores and gates < n_in
-            mine = own[m * (2 * d - 1):(m + 1) * (2 * d - 1)]
-            out.extend(g if g is not None and sides[k >= n_in] else None for k, g in enumerate(mine[:d]))
-            out.extend(g if g is not None and sides[k >= n_in] else None for k, g in enumerate(mine[d:]))
+            mine = own[m * (2 * d - 1):(m + 1) * (2 * d - 1)]   # cores 0 .. d-1, then gates 0 .. d-2
+            out.extend(g if g is not None and sides[(p if p < d else p - d) >= n_in] else None
+                       for p, g in enumerate(mine))
         return tuple(out)
 
 
