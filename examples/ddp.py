@@ -75,6 +75,7 @@ def main() -> None:
             print(f"{dist.get_world_size()} processes ({'FSDP2' if args.fsdp2 else 'DDP'}): ratio {compiled.ratio:.4f}, "
                   f"task loss {history.task_loss[0]:.3f} -> {history.task_loss[-1]:.3f}, "
                   f"checkpoint {out / 'ddp.tnc'}")
+        dist.barrier()  # every process done before the group goes: tearing gloo down under a busy peer can abort it
     finally:
         dist.destroy_process_group()
 
