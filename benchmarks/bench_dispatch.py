@@ -9,8 +9,12 @@ forward and backward run under ``torch.profiler`` with tncompile's native CPU ke
 packed through index scatters (:func:`ops_as_on_cuda`): the PyTorch ops each TT layer
 runs on CUDA. Two counts per model: *dispatched* (top-level ATen ops, each a
 Python-to-C++ dispatch on the host) and *kernel-like* (leaf ATen ops that are not views,
-shape queries or allocations: roughly the kernels a GPU would launch). Variants: the
-dense model, the compiled one (defaults), and the compiled one with each layer merging
+shape queries or allocations: roughly the kernels a GPU would launch). Models are
+compiled for ``planning.REFERENCE`` (counts do not depend on the host). Variants: the
+dense model; the compiled one with every batch merging into thin factors
+(``tuning.WHOLE_MATRICES = False``: captured CUDA steps, and CPUs); the same deciding
+whole matrices by an H100's measured speed (:data:`H100`: its batches then merge into
+whole matrices, as eager steps there do); and the compiled one with each layer merging
 its own cores (``tuning.GROUP_FACTORS = False``; see :mod:`tncompile.runtime.factor_groups`);
 then the same compiled model after rank cuts that leave every TT linear its own ranks
 (each bond cut to a seeded random 60-100% of its rank, as rank-adaptive training leaves
@@ -33,6 +37,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import tncompile  # noqa: E402
 from tncompile import tuning  # noqa: E402
+from tncompile.planning import REFERENCE, DeviceSpeed  # noqa: E402
 from tncompile.zoo import six_encoder  # noqa: E402
 
 from common import cut_every_layer, machine, write_json  # noqa: E402
@@ -47,7 +52,15 @@ NOT_KERNELS = frozenset(f"aten::{name}" for name in (
     "result_type", "promote_types", "is_nonzero", "size", "stride", "matmul", "linear", "dropout",
     "layer_norm"))
 
-VARIANTS = ("dense", "compiled", "compiled, per-layer merges")
+#: variant -> (GROUP_FACTORS, WHOLE_MATRICES, the speed whole matrices are decided by)
+VARIANTS = {"dense": (True, False, None),
+            "compiled, thin products": (True, False, None),
+            "compiled, whole matrices (H100's speed)": (True, True, "H100"),
+            "compiled, per-layer merges": (False, False, None)}
+#: the H100's speed as tncompile measured it there (torch 2.11; fixed costs timed eagerly):
+#: what the whole-matrices variant decides with, as its eager steps would on that GPU
+H100 = DeviceSpeed(device="cuda:NVIDIA H100 80GB HBM3 (measured 2026-11-27)", gemm_macs_per_s=2.564e13,
+                   copy_bytes_per_s=2.913e12, kernel_seconds=8.73e-05, dense_call_seconds=2.19e-04)
 #: variant -> (GROUP_FACTORS, FACTOR_PAD_LIMIT), run on the compiled model after the cuts
 AFTER_CUTS = {"after cuts": (True, tuning.FACTOR_PAD_LIMIT),
               "after cuts, equal ranks only": (True, 1.0),
@@ -129,17 +142,21 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="samples per step (counts barely depend on it)")
     args = ap.parse_args()
     ops_as_on_cuda()
+    # ranks planned for the reference CPU and thin products unless a variant says otherwise:
+    # counts that do not depend on the host's measured speed
+    tuning.DEVICE_SPEED, tuning.WHOLE_MATRICES = REFERENCE, False
     rows = []
     for name in (MODELS if args.model == "both" else [args.model]):
         dense, make_compiled, loss_of = MODELS[name](args.batch)
         compiled = make_compiled()
-        for variant in VARIANTS:
-            tuning.GROUP_FACTORS = variant != "compiled, per-layer merges"
+        for variant, (group, whole, decided_by) in VARIANTS.items():
+            tuning.GROUP_FACTORS, tuning.WHOLE_MATRICES = group, whole
+            tuning.DEVICE_SPEED = H100 if decided_by == "H100" else REFERENCE  # decided at each forward
             got = count_ops(dense if variant == "dense" else compiled, loss_of)
             rows.append({"model": name, "variant": variant, **got})
             print(f"{name:12s} {variant:30s} {got['dispatched']:6d} dispatched  {got['kernel_like']:6d} kernel-like",
                   flush=True)
-        tuning.GROUP_FACTORS = True
+        tuning.GROUP_FACTORS, tuning.DEVICE_SPEED = True, REFERENCE
         ranks = cut_every_layer(compiled)
         limit = tuning.FACTOR_PAD_LIMIT
         for variant, (group, pad_limit) in AFTER_CUTS.items():
@@ -151,6 +168,7 @@ def main() -> None:
                   f"  ({got['batched_merges']} batched merges; {len(set(ranks))} distinct ranks in "
                   f"{len(ranks)} layers)", flush=True)
         tuning.GROUP_FACTORS, tuning.FACTOR_PAD_LIMIT = True, limit
+    tuning.DEVICE_SPEED, tuning.WHOLE_MATRICES = None, True
     path = write_json("dispatch.json", {"benchmark": "dispatch", "batch": args.batch, "native_kernels": False,
                                         "ops": "as on CUDA: GEMMs as torch.mm, padded batches by index",
                                         "rows": rows, **machine()})

@@ -15,11 +15,12 @@ kernels is bound by their count, not by its FLOPs -- what this shows at batch 1.
 (32x64 ids), against the same model dense. Beside the profile, each step's wall time
 (timed unprofiled): where it far exceeds the kernels' sum, the host's dispatch is the
 step; and the same step captured as a CUDA graph (``TrainStep(cuda_graph=True)``).
-The compiled model runs with the defaults and with each layer merging its own cores
-(``tuning.GROUP_FACTORS = False``; :mod:`tncompile.runtime.factor_groups` batches the
+The compiled model runs with the defaults, with every batch merging into thin factors
+(``tuning.WHOLE_MATRICES = False``: no whole matrices) and with each layer merging its own
+cores (``tuning.GROUP_FACTORS = False``; :mod:`tncompile.runtime.factor_groups` batches the
 merges of layers of the same modes), each also after cuts that leave every TT linear
 its own ranks (``common.cut_every_layer``: padded batches), so the run shows what
-batching saves. Writes ``benchmarks/results/gpu_kernels.json``
+batching and whole matrices save. Writes ``benchmarks/results/gpu_kernels.json``
 (``gpu_kernels_small_bert.json``) with the device's copy bandwidth and GEMM throughput.
 """
 from __future__ import annotations
@@ -93,14 +94,17 @@ def profile_step(step, x, y, steps: int) -> dict:
                     for n, (c, t) in top]}
 
 
-#: dense; compiled with the defaults; compiled with each layer merging its own cores
-#: (``tuning.GROUP_FACTORS = False``: what batching the merges saves, in the same run)
-#: variant -> (compiled, merges batched, after cuts)
-VARIANTS = {"dense": (False, True, False),
-            "compiled": (True, True, False),
-            "compiled, per-layer merges": (True, False, False),
-            "after cuts": (True, True, True),
-            "after cuts, per-layer merges": (True, False, True)}
+#: dense; compiled with the defaults; compiled with every batch merging into thin factors
+#: (``tuning.WHOLE_MATRICES = False``: what whole matrices save); compiled with each layer
+#: merging its own cores (``tuning.GROUP_FACTORS = False``: what batching the merges saves)
+#: variant -> (compiled, merges batched, whole matrices allowed, after cuts)
+VARIANTS = {"dense": (False, True, True, False),
+            "compiled": (True, True, True, False),
+            "compiled, thin products": (True, True, False, False),
+            "compiled, per-layer merges": (True, False, False, False),
+            "after cuts": (True, True, True, True),
+            "after cuts, thin products": (True, True, False, True),
+            "after cuts, per-layer merges": (True, False, False, True)}
 
 
 def timed_ms(step, x, y, steps: int) -> float:
@@ -160,8 +164,8 @@ def main() -> None:
     for batch in args.batches or ([32] if args.model == "small-bert" else [1, 32]):
         torch.manual_seed(0)
         x, y, build = MODELS[args.model](batch, device)
-        for name, (compiled, batched, cut) in VARIANTS.items():
-            tuning.GROUP_FACTORS = batched
+        for name, (compiled, batched, whole, cut) in VARIANTS.items():
+            tuning.GROUP_FACTORS, tuning.WHOLE_MATRICES = batched, whole  # before compile: ranks see it too
             torch.manual_seed(0)
             model, loss_fn = build(compiled)
             if cut:
@@ -180,7 +184,7 @@ def main() -> None:
                   f"{captured_ms:7.2f} ms captured per step  ({kinds})", flush=True)
             del model, opt, step, captured
             torch.cuda.empty_cache()
-        tuning.GROUP_FACTORS = True
+        tuning.GROUP_FACTORS, tuning.WHOLE_MATRICES = True, True
     suffix = "" if args.model == "six-encoder" else "_" + args.model.replace("-", "_")
     path = write_json(f"gpu_kernels{suffix}.json", {"benchmark": "gpu_kernels", "model": args.model,
                                                     "gpu": torch.cuda.get_device_name(), "rows": rows,

@@ -356,3 +356,54 @@ def test_batched_factor_merging_on_cuda_cuts_kernels_and_captures_like_per_layer
     (grouped, caps), (plain, _) = captured(True), captured(False)
     assert caps >= 1
     assert grouped == pytest.approx(plain, rel=1e-4)
+
+
+def test_whole_matrices_on_cuda_launch_fewer_kernels_and_train_as_thin_products(monkeypatch):
+    """On the GPU's measured speed the six-encoder's batches at batch 4 merge into whole
+    matrices in eager steps (one GEMM each way per layer): fewer kernels than with thin
+    products and the same training; a captured step runs thin products (whole matrices
+    are chosen by eager fixed costs) and trains alike."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tncompile import tuning
+    from tncompile.runtime.factor_groups import BatchedFactors
+
+    monkeypatch.setattr(tuning, "DEVICE_SPEED", None)  # this GPU's measured speed, not the suite's reference CPU
+    monkeypatch.delenv("TNCOMPILE_DEVICE_SPEED", raising=False)
+    x = torch.randint(1, 30522, (4, 128), device=CUDA)
+    y = torch.randint(0, 3, (4,), device=CUDA)
+    made = []
+    real = BatchedFactors.apply
+    monkeypatch.setattr(BatchedFactors, "apply",
+                        lambda batch, whole, *ts: made.append(whole) or real(batch, whole, *ts))
+    torch.manual_seed(0)
+    model = tncompile.compile(SixEncoder(n_layers=2).to(CUDA), target_ratio=1 / 44.9, init="random",
+                              example_inputs=(torch.randint(1, 30522, (2, 128), device=CUDA),)).to(CUDA).eval()
+
+    def kernels(whole):
+        monkeypatch.setattr(tuning, "WHOLE_MATRICES", whole)
+        made.clear()
+        F.cross_entropy(model(x), y).backward()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            F.cross_entropy(model(x), y).backward()
+            torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA), set(made)
+
+    def losses(whole, captured):
+        monkeypatch.setattr(tuning, "WHOLE_MATRICES", whole)
+        twin = copy.deepcopy(model)
+        opt = torch.optim.SGD(twin.parameters(), lr=1e-2)
+        step = TrainStep(twin, opt, F.cross_entropy, cuda_graph=captured)
+        made.clear()
+        got = [float(step(x, y)) for _ in range(6)]
+        return got, list(made)
+    (with_whole, modes), (thin, thin_modes) = kernels(True), kernels(False)
+    assert modes == {True} and thin_modes == {False}
+    assert with_whole < thin
+    eager, eager_made = losses(True, False)
+    assert set(eager_made) == {True}
+    assert eager == pytest.approx(losses(False, False)[0], rel=1e-4)
+    captured, captured_made = losses(True, True)
+    assert False in captured_made  # the capture's forward ran thin products (the warm-up steps whole ones)
+    assert captured == pytest.approx(eager, rel=1e-4)

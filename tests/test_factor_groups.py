@@ -15,7 +15,7 @@ from tncompile.formats.decompose import tt_factors
 from tncompile.formats.indices import BATCH, planner_problem
 from tncompile.passes import replan_module
 from tncompile.passes.truncate_ranks import cut_ranks
-from tncompile.planning import plan_contraction
+from tncompile.planning import REFERENCE, DeviceSpeed, layer_step_seconds, plan_contraction
 from tncompile.runtime import TTLinear, executor
 from tncompile.runtime.executor import is_merge_first
 from tncompile.runtime.factor_groups import BatchedFactors, FactorBatch, link_factor_groups, peers_of
@@ -52,7 +52,7 @@ LAYOUTS = [((2, 3), (3, 2), (2, 3, 2)),        # two cores a side
 @pytest.mark.parametrize("in_modes,out_modes,ranks", LAYOUTS)
 def test_batched_factors_equal_each_networks_own(in_modes, out_modes, ranks):
     layers = _networks(3, in_modes, out_modes, ranks)
-    out = BatchedFactors.apply(FactorBatch.of(layers), *_flat(layers))
+    out = BatchedFactors.apply(FactorBatch.of(layers), False, *_flat(layers))
     for m, layer in enumerate(layers):
         a, b = tt_factors(layer.scaled_cores(), len(in_modes))
         torch.testing.assert_close(out[m], a)
@@ -74,7 +74,7 @@ def test_batched_factors_gradcheck(in_modes, out_modes, ranks):
     layers = _networks(2, in_modes, out_modes, ranks)
     batch = FactorBatch.of(layers)
     tensors = [t.detach().clone().requires_grad_() for t in _flat(layers)]
-    assert torch.autograd.gradcheck(lambda *ts: BatchedFactors.apply(batch, *ts), tensors)
+    assert torch.autograd.gradcheck(lambda *ts: BatchedFactors.apply(batch, False, *ts), tensors)
 
 
 def _mixed(in_modes, out_modes, rank_sets, seed=1):
@@ -102,7 +102,7 @@ def test_padded_batch_of_different_ranks_equals_each_networks_own(in_modes, out_
     layers = _mixed(in_modes, out_modes, rank_sets)
     batch = FactorBatch.of(layers)
     assert batch.waste() > 1.0
-    out = BatchedFactors.apply(batch, *_flat(layers))
+    out = BatchedFactors.apply(batch, False, *_flat(layers))
     n = len(layers)
     plain = [tt_factors(layer.scaled_cores(), len(in_modes)) for layer in layers]
     for m in range(n):
@@ -125,12 +125,12 @@ def test_padded_batch_gradcheck(in_modes, out_modes, rank_sets, packing):
     layers = _mixed(in_modes, out_modes, rank_sets)
     batch = FactorBatch.of(layers)
     tensors = [t.detach().clone().requires_grad_() for t in _flat(layers)]
-    assert torch.autograd.gradcheck(lambda *ts: BatchedFactors.apply(batch, *ts), tensors)
+    assert torch.autograd.gradcheck(lambda *ts: BatchedFactors.apply(batch, False, *ts), tensors)
 
 
 def test_padded_batch_with_unused_factors_gives_no_gradient(packing):
     layers = _mixed((2, 3), (3, 2), [(2, 3, 2), (3, 1, 2), (1, 3, 3)])
-    out = BatchedFactors.apply(FactorBatch.of(layers), *_flat(layers))
+    out = BatchedFactors.apply(FactorBatch.of(layers), False, *_flat(layers))
     (out[1].sum() + out[3 + 2].sum()).backward()  # A of the second, B of the third
     assert all(t.grad is not None for t in [*layers[1].cores[:2], *layers[1].gates[:1]])
     assert all(t.grad is None for t in _flat(layers[:1]))
@@ -154,7 +154,7 @@ def test_families_split_where_padding_would_pass_the_limit(monkeypatch):
 
 def test_factors_used_by_some_networks_only_give_the_others_no_gradient():
     layers = _networks(3, (2, 3), (3, 2), (2, 3, 2))
-    out = BatchedFactors.apply(FactorBatch.of(layers), *_flat(layers))
+    out = BatchedFactors.apply(FactorBatch.of(layers), False, *_flat(layers))
     (out[0].sum() + out[3 + 2].sum()).backward()  # A of the first, B of the last
     assert all(t.grad is not None for t in [*layers[0].cores[:2], *layers[0].gates[:1]])
     assert all(t.grad is None for t in _flat(layers[1:2]))   # unused: None, not zeros
@@ -431,7 +431,7 @@ def test_mixed_dtype_networks_batch_at_equal_ranks_only():
         for g in layer.gates:
             g.data = g.data.float()
     assert _batches(layers) == [layers[:2]]
-    out = BatchedFactors.apply(FactorBatch.of(layers[:2]), *_flat(layers[:2]))
+    out = BatchedFactors.apply(FactorBatch.of(layers[:2]), False, *_flat(layers[:2]))
     for m, layer in enumerate(layers[:2]):
         torch.testing.assert_close(out[m], tt_factors(layer.scaled_cores(), 2)[0])
 
@@ -458,13 +458,7 @@ def test_padded_batches_capture_safely_and_keep_no_fake_tensors(monkeypatch, bat
     """A padded batch's ops pass the capture dry run (fake CUDA copies), and a batch run
     under FakeTensorMode keeps no fake index or template for the real calls after it."""
     from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: PLC0415
-    torch.manual_seed(0)
-    x = torch.randn(300, 96)
-    model = tncompile.compile(_Stack(), target_ratio=0.6, example_inputs=(x,), mode="graph", init="random",
-                              rank_pattern={"layers.1": 4, "re:.*": 6})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    report = tncompile.dry_run(model, opt, lambda y, t: (y - t).square().mean(), x, torch.zeros(300, 48))
-    assert report.ok, str(report)
+    _dry_run_padded_stack()
     assert batches and set(batches) == {4}  # the dry run batched them (padded) in its fake copies
 
     from tncompile.runtime import factor_groups  # noqa: PLC0415
@@ -474,10 +468,10 @@ def test_padded_batches_capture_safely_and_keep_no_fake_tensors(monkeypatch, bat
     mode = FakeTensorMode()
     fake = [mode.from_tensor(t.detach()).requires_grad_() for t in _flat(layers)]
     with mode:
-        out = BatchedFactors.apply(batch, *fake)
+        out = BatchedFactors.apply(batch, False, *fake)
         sum(o.sum() for o in out).backward()
     assert not batch.params._cache
-    out = BatchedFactors.apply(batch, *_flat(layers))
+    out = BatchedFactors.apply(batch, False, *_flat(layers))
     sum(o.sum() for o in out).backward()
     for layer in layers:
         a, b = tt_factors(layer.scaled_cores(), 2)
@@ -548,3 +542,136 @@ def test_peers_refer_to_layers_weakly_and_drop_dead_ones():
         want_a, want_b = tt_factors(layer.scaled_cores(), 2)
         torch.testing.assert_close(a, want_a)
         torch.testing.assert_close(x @ a @ b, x @ want_a @ want_b)
+
+
+# ---------------------------------------------------------------- whole matrices
+
+#: a GPU's figures as the speed model sees them: GEMMs fast, every kernel dear (the
+#: fixed costs an H200 showed through an eager host; bench_device_speed --device cuda)
+GPU_LIKE = DeviceSpeed(device="gpu-like (test)", gemm_macs_per_s=25e12, copy_bytes_per_s=2e12,
+                       kernel_seconds=84e-6, dense_call_seconds=229e-6)
+
+
+@pytest.mark.parametrize("in_modes,out_modes,rank_sets", [(i, o, [r, r]) for i, o, r in LAYOUTS] + MIXED)
+def test_whole_matrices_are_the_products_of_the_batched_factors(in_modes, out_modes, rank_sets, packing):
+    """``whole``: each network's ``A B`` (padded sizes), made in one batched product;
+    its gradients reach every core and gate as autograd's through ``A @ B`` does, and a
+    matrix not used gives its network none."""
+    layers = _mixed(in_modes, out_modes, rank_sets)
+    batch = FactorBatch.of(layers)
+    out = BatchedFactors.apply(batch, True, *_flat(layers))
+    plain = [tt_factors(layer.scaled_cores(), len(in_modes)) for layer in layers]
+    assert len(out) == len(layers)
+    for w, (a, b) in zip(out, plain):
+        torch.testing.assert_close(w, a @ b)
+    weights = [torch.randn(w.shape, dtype=f64) for w in out]
+    sum((w * c).sum() for w, c in zip(out[1:], weights[1:])).backward()  # the first network's unused
+    got = [t.grad for t in _flat(layers)]
+    for t in _flat(layers):
+        t.grad = None
+    sum(((a @ b) * c).sum() for (a, b), c in zip(plain[1:], weights[1:])).backward()
+    for g, t in zip(got, _flat(layers)):
+        if t.grad is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, t.grad)
+    assert all(t.grad is None for t in _flat(layers[:1]))
+
+
+@pytest.mark.parametrize("in_modes,out_modes,rank_sets", [(i, o, [r, r]) for i, o, r in LAYOUTS[:3]] + MIXED[:2])
+def test_whole_matrices_gradcheck(in_modes, out_modes, rank_sets):
+    layers = _mixed(in_modes, out_modes, rank_sets)
+    batch = FactorBatch.of(layers)
+    tensors = [t.detach().clone().requires_grad_() for t in _flat(layers)]
+    assert torch.autograd.gradcheck(lambda *ts: BatchedFactors.apply(batch, True, *ts), tensors)
+
+
+def test_whole_matrix_pays_where_kernels_cost_more_than_the_arithmetic(monkeypatch):
+    """The speed model's choice: small layers on a GPU-like device run through their whole
+    matrix (three GEMMs a step, as dense), not two thin products (six); on the reference
+    CPU the thin products' fewer multiply-adds win; a layer merging alone saves nothing."""
+    from tncompile.planning.speed_model import whole_matrix_saving  # noqa: PLC0415
+    small = TTLayout(in_modes=(4, 4, 8), out_modes=(4, 4, 8), ranks=(4, 16, 29, 29, 8))
+    assert whole_matrix_saving(small, 2048, GPU_LIKE, sharing=9) > 0
+    assert whole_matrix_saving(small, 2048, REFERENCE, sharing=9) < 0
+    assert whole_matrix_saving(small, 2048, GPU_LIKE, sharing=1) == 0
+    wide = TTLayout(in_modes=(8, 12, 8), out_modes=(8, 12, 8), ranks=(8, 20, 20, 20, 8))  # 768 -> 768
+    assert whole_matrix_saving(wide, 128, GPU_LIKE, sharing=24) > 0      # batch 1 of the six-encoder
+    assert whole_matrix_saving(wide, 4096 * 4, GPU_LIKE, sharing=24) < 0  # many rows: the arithmetic counts
+    network, _ = layer_step_seconds(small, 2048, GPU_LIKE, sharing=9)
+    monkeypatch.setattr(tuning, "GROUP_FACTORS", False)
+    alone, _ = layer_step_seconds(small, 2048, GPU_LIKE, sharing=9)
+    assert network < alone  # the estimate counts the path the layers run
+
+
+@pytest.mark.parametrize("mode", ["graph", "swap"])
+def test_layers_run_through_whole_matrices_where_the_device_speed_says_so(mode, monkeypatch):
+    """With a GPU's figures the four hidden layers of one layout multiply by whole matrices
+    made in one batched product -- outputs and gradients as their two thin products give --
+    and run fewer GEMMs; with the CPU's they keep the thin products."""
+    monkeypatch.setattr(tuning, "FUSE_MIN_ROWS", 1 << 40)  # graph mode: no fused feed-forward
+    model, x = _compiled(mode=mode)
+    made: list[bool] = []
+    monkeypatch.setattr(BatchedFactors, "apply", _recording_whole(BatchedFactors.apply, made))
+
+    def step(speed):
+        monkeypatch.setattr(tuning, "DEVICE_SPEED", speed)
+        made.clear()
+        got = _step(model, x, True, monkeypatch)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+        return got, list(made), sum(e.name in ("aten::mm", "aten::addmm") for e in prof.events())
+    thin, thin_made, thin_gemms = step(REFERENCE)
+    whole, whole_made, whole_gemms = step(GPU_LIKE)
+    assert thin_made == [False, False] and whole_made == [True, True]  # a batch per forward
+    _assert_same(whole, thin)
+    assert whole_gemms < thin_gemms
+
+
+def _recording_whole(real, made):
+    """``BatchedFactors.apply`` recording its ``whole`` argument in ``made``."""
+    def apply(batch, whole, *tensors):
+        made.append(whole)
+        return real(batch, whole, *tensors)
+    return apply
+
+
+def test_whole_matrices_pass_the_capture_dry_run(monkeypatch, batches):
+    """Whole matrices in a padded batch under the capture dry run (fake CUDA copies)."""
+    monkeypatch.setattr(tuning, "DEVICE_SPEED", GPU_LIKE)
+    monkeypatch.setattr(tuning, "FUSE_MIN_ROWS", 1 << 40)
+    made: list[bool] = []
+    monkeypatch.setattr(BatchedFactors, "apply", _recording_whole(BatchedFactors.apply, made))
+    _dry_run_padded_stack()
+    assert batches and set(batches) == {4} and set(made) == {True}
+
+
+def _dry_run_padded_stack():
+    """The capture dry run of a compiled :class:`_Stack` whose second layer has lower ranks
+    (its four hidden layers: one padded batch); asserts it passes."""
+    torch.manual_seed(0)
+    x = torch.randn(300, 96)
+    model = tncompile.compile(_Stack(), target_ratio=0.6, example_inputs=(x,), mode="graph", init="random",
+                              rank_pattern={"layers.1": 4, "re:.*": 6})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    report = tncompile.dry_run(model, opt, lambda y, t: (y - t).square().mean(), x, torch.zeros(300, 48))
+    assert report.ok, str(report)
+
+
+def test_no_whole_matrices_while_a_cuda_graph_is_captured(monkeypatch):
+    """The choice's fixed costs are an eager step's: a CUDA graph's capture keeps thin
+    products (here the capture is simulated: CPU-only PyTorch has none)."""
+    monkeypatch.setattr(tuning, "DEVICE_SPEED", GPU_LIKE)
+    model, x = _compiled()
+    layer = _tt_layers(model)[0]
+    plan, cuda = layer.plan_for(x.shape[0]), torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    assert layer._runs_whole(plan, cuda)
+    capturing[0] = True
+    assert not layer._runs_whole(plan, cuda)
+    capturing[0] = False
+    monkeypatch.setattr(tuning, "WHOLE_MATRICES", False)
+    assert not layer._runs_whole(plan, cuda)

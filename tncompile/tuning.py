@@ -126,6 +126,12 @@ GROUP_FACTORS = True
 #: most this many times the elements of its members' own (the padding's extra multiply-adds
 #: are a few per cent of the layers' step at most: merging is weight-only work).
 FACTOR_PAD_LIMIT = 3.0
+#: A batch may merge into whole matrices instead (``W = A B``, one batched product): its
+#: layers then run one GEMM over the rows each way, as a dense layer does, instead of two
+#: thin ones -- where :func:`tncompile.planning.speed_model.whole_matrix_saving` estimates
+#: that faster on the layers' device (kernels dearer than the extra multiply-adds: small
+#: layers on a GPU). ``False``: never.
+WHOLE_MATRICES = True
 
 # ---------------------------------------------------------------- runtime: TTM lookup
 #: Look up only the distinct ids when they are under this share of the batch ...

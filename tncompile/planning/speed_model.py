@@ -49,13 +49,15 @@ from .. import tuning
 from ..formats.indices import BATCH, planner_problem
 from ..formats.layout import TTLayout, TTMLayout
 from ..runtime.executor import is_merge_first
+from ..runtime.factor_groups import FactorBatch, register_whole_rule
 from ..runtime.plans import ContractionPlan, LookupPlan
 from ..runtime.tt_layers import TTLinear
 from .contraction import fixed_order_plan, plan_contraction
 from .lookup import plan_lookup
 
 __all__ = ["DeviceSpeed", "REFERENCE", "device_speed", "measure_device_speed", "layer_step_seconds", "network_kernels",
-           "lookup_step_seconds", "lookup_kernels", "cache_path", "speed_key"]
+           "lookup_step_seconds", "lookup_kernels", "cache_path", "speed_key", "known_device_speed",
+           "whole_matrix_saving"]
 
 
 @dataclass(frozen=True)
@@ -155,11 +157,47 @@ def network_kernels(plan: ContractionPlan, sharing: int = 1) -> float:
 def layer_step_seconds(layout: TTLayout, rows: int, speed: DeviceSpeed, sharing: int = 1) -> tuple[float, float]:
     """Estimated seconds of one training step over ``rows`` rows on ``speed``'s device:
     ``(network, dense layer)``, the network contracted in the cheaper fixed order
-    (:func:`~tncompile.planning.fixed_order_plan`); ``sharing`` as for
+    (:func:`~tncompile.planning.fixed_order_plan`), through its whole matrix where that is
+    faster (:func:`whole_matrix_saving`); ``sharing`` as for
     :meth:`DeviceSpeed.network_step_seconds`."""
     plan = fixed_order_plan(layout, rows)
-    return (speed.network_step_seconds(plan, layout.in_features, layout.out_features, sharing=sharing),
-            speed.dense_step_seconds(rows, layout.in_features, layout.out_features))
+    network = speed.network_step_seconds(plan, layout.in_features, layout.out_features, sharing=sharing)
+    if is_merge_first(plan):
+        network -= max(0.0, whole_matrix_saving(layout, rows, speed, sharing))
+    return network, speed.dense_step_seconds(rows, layout.in_features, layout.out_features)
+
+
+#: kernels that make a batch's whole matrices from its merged factors: one batched
+#: product forward, two backward
+WHOLE_KERNELS = 3
+
+
+def whole_matrix_saving(layout: TTLayout, rows: int, speed: DeviceSpeed, sharing: int, bond: int | None = None,
+                        element_bytes: int = 4) -> float:
+    """Seconds a merge-cores-first TT linear's training step over ``rows`` rows saves on
+    ``speed``'s device by multiplying its input by its whole matrix ``W = A B`` -- made
+    for the ``sharing`` layers of its batch in one batched product
+    (:mod:`tncompile.runtime.factor_groups`) -- instead of ``x A`` then ``(x A) B``;
+    negative where the two thin products are faster.
+
+    The two thin products: :data:`ROW_KERNELS` kernels, ``3 rows r (M + N)``
+    multiply-adds, ``x A`` and its gradient written and read. The whole matrix: a dense
+    linear's step (``dense_call_seconds``, ``3 rows M N``), plus its share of the batch's
+    :data:`WHOLE_KERNELS` products (``3 M r N`` multiply-adds, ``W`` and its gradient
+    written and read). ``M``, ``N``: the padded sizes; ``r``: the bond between ``A`` and
+    ``B`` (``bond``: the batch's, padded; default the layout's). Whole matrices are
+    made in batches only: a layer merging alone (``sharing`` 1) saves nothing by them; nor
+    any with ``tuning.WHOLE_MATRICES`` off."""
+    if sharing <= 1 or not tuning.GROUP_FACTORS or not tuning.WHOLE_MATRICES:
+        return 0.0
+    m, n = math.prod(layout.in_modes), math.prod(layout.out_modes)
+    r = layout.ranks[len(layout.in_modes) - 1] if bond is None else bond
+    pair = (ROW_KERNELS * speed.kernel_seconds + 3 * rows * r * (m + n) / speed.gemm_macs_per_s
+            + element_bytes * 4 * rows * r / speed.copy_bytes_per_s)
+    whole = (speed.dense_call_seconds + 3 * rows * m * n / speed.gemm_macs_per_s
+             + (WHOLE_KERNELS * speed.kernel_seconds + 3 * m * r * n / speed.gemm_macs_per_s
+                + element_bytes * 4 * m * n / speed.copy_bytes_per_s) / sharing)
+    return pair - whole
 
 
 def lookup_kernels(cores: int) -> int:
@@ -229,6 +267,43 @@ def _write_cache(entries: dict[str, DeviceSpeed]) -> None:
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only home: measure again next process
+
+
+def _whole_matrices_faster(layout: TTLayout, rows: int, device: torch.device, batch: FactorBatch) -> bool:
+    """The rule :mod:`tncompile.runtime.factor_groups` asks: :func:`whole_matrix_saving`
+    positive on ``device``'s known speed, for ``batch``'s layer count and padded bond."""
+    speed = known_device_speed(device)
+    return speed is not None and whole_matrix_saving(layout, rows, speed, batch.n, bond=batch.a.padded[0][1]) > 0
+
+
+register_whole_rule(_whole_matrices_faster)
+
+
+def known_device_speed(device: torch.device) -> DeviceSpeed | None:
+    """:func:`device_speed`'s answer for ``device`` where it needs no measurement (the
+    override, this process's figures, the cache file: read once per device and process),
+    else ``None``. Cheap, launches no kernel: what layers consult while they run."""
+    override = tuning.DEVICE_SPEED
+    if override is None and os.environ.get("TNCOMPILE_DEVICE_SPEED"):
+        override = _from_environment(os.environ["TNCOMPILE_DEVICE_SPEED"])
+    if override is not None:
+        return override if isinstance(override, DeviceSpeed) else None
+    if device.type not in ("cpu", "cuda"):
+        return REFERENCE
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return None  # fake CUDA tensors (a dry run on a machine without a GPU)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = speed_key(device)
+    if key not in _measured and key not in _looked_up:
+        _looked_up.add(key)
+        cached = _read_cache().get(key)
+        if cached is not None:
+            _measured[key] = cached
+    return _measured.get(key)
+
+
+_looked_up: set[str] = set()
 
 
 def device_speed(device: torch.device | str = "cpu", remeasure: bool = False) -> DeviceSpeed:

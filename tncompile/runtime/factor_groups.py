@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -49,7 +49,8 @@ from .. import tuning
 from .executor import autocast_state, same_autocast
 from .tracing import exporting
 
-__all__ = ["BatchedFactors", "FactorBatch", "FactorPeers", "link_factor_groups", "peers_of"]
+__all__ = ["BatchedFactors", "FactorBatch", "FactorPeers", "link_factor_groups", "peers_of", "register_whole_rule",
+           "whole_matrices_faster"]
 
 
 def _chain_a(gated: list[Tensor], n_in: int) -> list[Tensor]:
@@ -217,21 +218,27 @@ class BatchedFactors(torch.autograd.Function):
     """The merged factors of the networks of a :class:`FactorBatch`, from their own cores
     and gates.
 
-    Inputs: the batch, then per network its ``d`` cores and ``d - 1`` gates. Outputs: the
-    ``n`` ``A`` factors, then the ``n`` ``B`` factors. Backward takes the gradients that
-    exist (a network whose factors were not used gets ``None`` for its cores and gates)
-    and runs the chain's reverse as batched products.
+    Inputs: the batch, whether to return whole matrices, then per network its ``d`` cores
+    and ``d - 1`` gates. Outputs: the ``n`` ``A`` factors, then the ``n`` ``B`` factors;
+    or, ``whole``, the ``n`` matrices ``W.T = A B`` (``(M, N)``, the padded sizes), made
+    as one batched product of the padded factors (the padding adds zero terms only).
+    Backward takes the gradients that exist (a network whose outputs were not used gets
+    ``None`` for its cores and gates) and runs the chain's reverse as batched products.
     """
 
     @staticmethod
-    def forward(ctx, batch: FactorBatch, *tensors: Tensor):
+    def forward(ctx, batch: FactorBatch, whole: bool, *tensors: Tensor):
         stacked = batch.params.stack(tensors)
         cores, gates = stacked[:batch.d], stacked[batch.d:]
         gated = [c * g[:, None, None, :] for c, g in zip(cores, gates)] + [cores[-1]]
         chain_a, chain_b = _chain_a(gated, batch.n_in), _chain_b(gated, batch.n_in)
         ctx.set_materialize_grads(False)
         ctx.autocast = autocast_state(cores[0].device.type)
-        ctx.batch = batch
+        ctx.batch, ctx.whole = batch, whole
+        if whole:  # (n, M, r) @ (n, r, N); the last factors are kept for the product's backward
+            ctx.save_for_backward(*cores, *gates, *gated[:-1], *chain_a[:-1], *chain_b[:-1],
+                                  chain_a[-1], chain_b[-1])
+            return tuple(torch.bmm(chain_a[-1], chain_b[-1]).unbind(0))
         ctx.save_for_backward(*cores, *gates, *gated[:-1], *chain_a[:-1], *chain_b[:-1])
         return (*batch.a.split([chain_a[-1]]), *batch.b.split([chain_b[-1]]))
 
@@ -248,18 +255,29 @@ class BatchedFactors(torch.autograd.Function):
         cores, gates = saved[:d], saved[d:2 * d - 1]
         gated = [*saved[2 * d - 1:3 * d - 2], cores[-1]]
         chain_a = saved[3 * d - 2:3 * d - 2 + n_in - 1]    # a_0 .. a_{n_in-2}
-        chain_b = saved[3 * d - 2 + n_in - 1:]             # b before each step, rightmost first
+        chain_b = saved[3 * d - 2 + n_in - 1:3 * d - 2 + n_in - 1 + d - n_in - 1]  # b before each step
+        da = db = None
+        if ctx.whole:  # W = A B for every network: dA = dW B^T, dB = A^T dW, batched
+            a_last, b_last = saved[-2:]
+            if any(g is not None for g in grads):
+                dw = torch.stack([a_last.new_zeros(a_last.shape[1], b_last.shape[2]) if g is None else g
+                                  for g in grads])
+                da, db = torch.bmm(dw, b_last.transpose(1, 2)), torch.bmm(a_last.transpose(1, 2), dw)
+            grads = (*grads, *grads)  # a network used both of its factors, or neither
+        else:
+            if any(g is not None for g in grads[:n]):
+                da = _stack_or_zeros(grads[:n], batch.a, gated[0])
+            if any(g is not None for g in grads[n:]):
+                db = _stack_or_zeros(grads[n:], batch.b, gated[0])
         d_gated: list[Tensor | None] = [None] * d
-        if any(g is not None for g in grads[:n]):  # A = a_0 . g_1 . .. g_{n_in-1}, left to right
-            da = _stack_or_zeros(grads[:n], batch.a, gated[0])
+        if da is not None:  # A = a_0 . g_1 . .. g_{n_in-1}, left to right
             for k in range(n_in - 1, 0, -1):
                 core, prev = gated[k], chain_a[k - 1]                  # prev: (n, M, r_{k-1})
                 dx = da.reshape(n, prev.shape[1], -1)                 # (n, M, s_k r_k)
                 d_gated[k] = torch.bmm(prev.transpose(1, 2), dx).reshape(core.shape)
                 da = torch.bmm(dx, core.reshape(n, core.shape[1], -1).transpose(1, 2))
             d_gated[0] = da.reshape(gated[0].shape)
-        if any(g is not None for g in grads[n:]):  # B = g_{n_in} . .. g_{d-1}, built right to left
-            db = _stack_or_zeros(grads[n:], batch.b, gated[0])
+        if db is not None:  # B = g_{n_in} . .. g_{d-1}, built right to left
             for k in range(n_in, d - 1):
                 core, right = gated[k], chain_b[d - 2 - k]            # right: (n, r_k, N)
                 dy = db.reshape(n, -1, right.shape[-1])               # (n, r_{k-1} s_k, N)
@@ -274,7 +292,7 @@ class BatchedFactors(torch.autograd.Function):
                 d_cores[k] = g * gates[k][:, None, None, :]
                 d_gates[k] = (g * cores[k]).sum((1, 2))
         own = batch.params.split([*d_cores, *d_gates])   # network after network, cores then gates
-        out: list[Tensor | None] = [None]
+        out: list[Tensor | None] = [None, None]
         for m in range(n):  # a factor never used gives its cores and gates no gradient (not zeros)
             sides = (grads[m] is not None, grads[n + m] is not None)   # A: cores and gates < n_in
             mine = own[m * (2 * d - 1):(m + 1) * (2 * d - 1)]   # cores 0 .. d-1, then gates 0 .. d-2
@@ -370,9 +388,10 @@ class FactorPeers:
 
     def __init__(self, layers: Iterable[nn.Module]):
         self._refs = [weakref.ref(m) for m in layers]
-        self._ready: dict[int, tuple] = {}  # id(layer) -> (freshness, A, B)
+        self._ready: dict[int, tuple] = {}  # id(layer) -> (freshness, (A, B) or (W.T,))
         self._stamps: tuple | None = None   # the pad limit and the layers' _stamp when _groups was made
         self._groups: dict[int, tuple] = {}  # id(layer) -> (weak refs to its batch, itself included; FactorBatch)
+        self.generation = 0  # counts regroupings (what layers' cached choices depend on)
 
     @property
     def layers(self) -> list[nn.Module]:
@@ -394,33 +413,42 @@ class FactorPeers:
                     entry = ([weakref.ref(m) for m in batch], FactorBatch.of(batch))
                     self._groups.update((id(m), entry) for m in batch)
             self._stamps = stamps
+            self.generation += 1
         refs, batch = self._groups.get(id(layer), ([], None))
         members = [r() for r in refs]
         return (members, batch) if all(m is not None for m in members) else ([], None)
 
-    def factors(self, layer: nn.Module) -> tuple[Tensor, Tensor] | None:
+    def factors(self, layer: nn.Module, whole: bool = False, strict: bool = True) -> tuple[Tensor, ...] | None:
         """``layer``'s ``(A, B)`` (see :meth:`~tncompile.runtime.TTLinear.merged_factors`),
         from its batch; ``None`` where batching does not apply (the layer then merges its
-        own)."""
+        own). ``whole``: its whole matrix ``(W.T,)`` (``(M, N)``, padded sizes) instead,
+        when this call makes the batch. Not ``strict``: whichever of the two its batch
+        was made with (the first layer of a batch to ask decides for all of them)."""
         if not tuning.GROUP_FACTORS or torch.compiler.is_compiling() or exporting() or _recorded_elsewhere():
             return None
         key = _freshness(layer, _stamp(layer))
         entry = self._ready.pop(id(layer), None)
-        if entry is not None and entry[0] == key:
-            return entry[1], entry[2]
+        if entry is not None and entry[0] == key and (not strict or (len(entry[1]) == 1) == whole):
+            return entry[1]
         members, batch = self._group_of(layer)
         if not any(m is layer for m in members):
             return None
         n = len(members)
         tensors = [t for m in members for group in _params(m) for t in group]
-        out = BatchedFactors.apply(batch, *tensors)
+        out = BatchedFactors.apply(batch, whole, *tensors)
         mine = None
         for i, m in enumerate(members):
+            made = (out[i],) if whole else (out[i], out[n + i])
             if m is layer:
-                mine = (out[i], out[n + i])
+                mine = made
             else:
-                self._ready[id(m)] = (_freshness(m, _stamp(m)), out[i], out[n + i])
+                self._ready[id(m)] = (_freshness(m, _stamp(m)), made)
         return mine
+
+    def batch_of(self, layer: nn.Module) -> FactorBatch | None:
+        """The :class:`FactorBatch` ``layer`` merges in (``None``: it merges alone)."""
+        members, batch = self._group_of(layer)
+        return batch if any(m is layer for m in members) else None
 
     def forget(self) -> None:
         """Drop the factors made and not used yet."""
@@ -439,6 +467,23 @@ class FactorPeers:
         twin = memo[id(self)] = FactorPeers.__new__(FactorPeers)  # before the layers, which refer back to it
         twin.__init__([copy.deepcopy(m, memo) for m in self.layers])
         return twin
+
+
+#: ``rule(layout, rows, device, batch) -> bool``: whether a batch merges into whole
+#: matrices; registered by :mod:`tncompile.planning.speed_model`, which knows the devices'
+#: speeds (this layer may not import it). Without one: never.
+_WHOLE_RULE: list[Callable] = []
+
+
+def register_whole_rule(rule: Callable[[object, int, torch.device, FactorBatch], bool]) -> None:
+    """Set the rule :func:`whole_matrices_faster` asks (replacing any earlier one)."""
+    _WHOLE_RULE[:] = [rule]
+
+
+def whole_matrices_faster(layout, rows: int, device: torch.device, batch: FactorBatch) -> bool:
+    """Whether ``batch``'s layers, over ``rows`` rows on ``device``, are estimated faster
+    multiplying by their whole matrices than by two thin factors (the registered rule)."""
+    return bool(_WHOLE_RULE) and bool(_WHOLE_RULE[0](layout, rows, device, batch))
 
 
 def peers_of(layer: nn.Module) -> FactorPeers | None:

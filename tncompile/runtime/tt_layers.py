@@ -26,6 +26,7 @@ from .module_kinds import linear_weight_of
 from .cpu_allocator import _state as _ALLOCATOR_STATE
 from .cpu_allocator import ensure_retained
 from .executor import autocast_state, contract, is_merge_first, same_autocast, thin_pair
+from .factor_groups import whole_matrices_faster
 from .gated_cores import gate_cores
 from .plans import ContractionPlan, LookupPlan, bucket_of, get_planner
 from .traced_contract import register
@@ -292,7 +293,7 @@ class TTLinear(TNModule):
     small products, which is what decoding (one row per sequence) needs.
     """
 
-    transient_state = TNModule.transient_state + ("_inference", "_pair_choice", "_factor_peers")
+    transient_state = TNModule.transient_state + ("_inference", "_pair_choice", "_whole_choice", "_factor_peers")
     merge_in_inference = True
 
     def __init__(self, layout: TTLayout, bias: bool = True, *, device=None, dtype=None):
@@ -409,10 +410,41 @@ class TTLinear(TNModule):
             return tt_chain(ops, len(self.layout.in_modes), h, bias, list(self.cores._parameters.values()),
                             list(self.gates._parameters.values()))
         plan = self.plan_for(rows)
-        if self.__dict__.get("_factor_peers") is not None and self._runs_as_pair(plan):
-            a, b = self.merged_factors()  # merged with the other layers of this layout
+        peers = self.__dict__.get("_factor_peers")
+        if peers is not None and self._runs_as_pair(plan):
+            # merged with the other layers of this layout: two thin products, or one through
+            # the whole matrix where that is estimated faster (whichever the batch was made as)
+            got = peers.factors(self, whole=self._runs_whole(plan, h.device), strict=False)
+            if got is not None and len(got) == 1:
+                h, w = h.reshape(rows, got[0].shape[0]), got[0]
+                return torch.addmm(bias, h, w) if bias is not None else torch.mm(h, w)
+            a, b = got if got is not None else self.merged_factors()
             return thin_pair(h.reshape(rows, a.shape[0]), a, b, bias)
         return contract(plan, [h, *_drop_boundary(self.scaled_cores())], bias)
+
+    def _runs_whole(self, plan: ContractionPlan, device: torch.device) -> bool:
+        """Whether this layer's batch, when this layer makes it, merges into whole matrices
+        (one GEMM over the rows each way instead of two): where
+        :func:`~tncompile.planning.speed_model.whole_matrix_saving` estimates it faster on
+        ``device`` (kernels cost more than the extra multiply-adds: small layers on a GPU),
+        by that device's known speed, never measured here
+        (:func:`~.factor_groups.whole_matrices_faster`). Cached per bucket, ranks,
+        device, batch and the ``tuning`` settings it depends on.
+
+        Never while a CUDA graph is captured: the estimate's fixed costs are an eager
+        step's (the host's dispatch); replayed, a kernel costs a few microseconds, and the
+        whole matrices' extra multiply-adds lost there (H100, the six-encoder at batch 1:
+        8.8 ms captured against 7.9 with thin products, 56 against 64 ms eager)."""
+        if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return False
+        peers = self.__dict__["_factor_peers"]
+        cache = choice_cache(self, "_whole_choice")
+        key = (plan.rows, self.layout.ranks, device, peers.generation, tuning.DEVICE_SPEED, tuning.WHOLE_MATRICES)
+        got = cache.get(key)
+        if got is None:
+            batch = peers.batch_of(self)
+            got = cache[key] = batch is not None and whole_matrices_faster(self.layout, plan.rows, device, batch)
+        return got
 
     def _runs_as_pair(self, plan: ContractionPlan) -> bool:
         """Whether ``plan`` is merge-cores-first (``x A`` then ``(x A) B``), so the layer
