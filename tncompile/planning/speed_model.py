@@ -279,22 +279,39 @@ def _whole_matrices_faster(layout: TTLayout, rows: int, device: torch.device, ba
 register_whole_rule(_whole_matrices_faster)
 
 
+def _override() -> DeviceSpeed | None:
+    """``tuning.DEVICE_SPEED``, else ``$TNCOMPILE_DEVICE_SPEED``, else ``None``."""
+    override = tuning.DEVICE_SPEED
+    if override is None and os.environ.get("TNCOMPILE_DEVICE_SPEED"):
+        override = _from_environment(os.environ["TNCOMPILE_DEVICE_SPEED"])
+    if override is not None and not isinstance(override, DeviceSpeed):
+        raise TypeError(f"tncompile.tuning.DEVICE_SPEED must be a DeviceSpeed or None, got "
+                        f"{type(override).__name__}")
+    return override
+
+
+def _indexed(device: torch.device) -> torch.device:
+    """``cuda`` as ``cuda:<current>`` (one cache entry per GPU)."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+_looked_up: set[str] = set()  # speed keys whose cache entry known_device_speed has read
+
+
 def known_device_speed(device: torch.device) -> DeviceSpeed | None:
     """:func:`device_speed`'s answer for ``device`` where it needs no measurement (the
     override, this process's figures, the cache file: read once per device and process),
     else ``None``. Cheap, launches no kernel: what layers consult while they run."""
-    override = tuning.DEVICE_SPEED
-    if override is None and os.environ.get("TNCOMPILE_DEVICE_SPEED"):
-        override = _from_environment(os.environ["TNCOMPILE_DEVICE_SPEED"])
+    override = _override()
     if override is not None:
-        return override if isinstance(override, DeviceSpeed) else None
+        return override
     if device.type not in ("cpu", "cuda"):
         return REFERENCE
     if device.type == "cuda" and not torch.cuda.is_available():
         return None  # fake CUDA tensors (a dry run on a machine without a GPU)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    key = speed_key(device)
+    key = speed_key(_indexed(device))
     if key not in _measured and key not in _looked_up:
         _looked_up.add(key)
         cached = _read_cache().get(key)
@@ -303,28 +320,19 @@ def known_device_speed(device: torch.device) -> DeviceSpeed | None:
     return _measured.get(key)
 
 
-_looked_up: set[str] = set()
-
-
 def device_speed(device: torch.device | str = "cpu", remeasure: bool = False) -> DeviceSpeed:
     """The speed ``compile(prefer="speed")`` plans with for ``device``:
     ``tuning.DEVICE_SPEED`` when set, else ``$TNCOMPILE_DEVICE_SPEED``, else this
     device's cached measurement,
     else measured now (about a second) and cached. Devices that cannot be
     timed (``meta``) get :data:`REFERENCE`."""
-    override = tuning.DEVICE_SPEED
-    if override is None and os.environ.get("TNCOMPILE_DEVICE_SPEED"):
-        override = _from_environment(os.environ["TNCOMPILE_DEVICE_SPEED"])
-    if override is not None and not remeasure:
-        if not isinstance(override, DeviceSpeed):
-            raise TypeError(f"tncompile.tuning.DEVICE_SPEED must be a DeviceSpeed or None, got "
-                            f"{type(override).__name__}")
+    override = None if remeasure else _override()
+    if override is not None:
         return override
     device = torch.device(device)
     if device.type not in ("cpu", "cuda"):
         return REFERENCE
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = _indexed(device)
     key = speed_key(device)
     if not remeasure and key in _measured:
         return _measured[key]

@@ -418,12 +418,14 @@ class FactorPeers:
         members = [r() for r in refs]
         return (members, batch) if all(m is not None for m in members) else ([], None)
 
-    def factors(self, layer: nn.Module, whole: bool = False, strict: bool = True) -> tuple[Tensor, ...] | None:
+    def factors(self, layer: nn.Module, whole: bool | Callable[[], bool] = False,
+                strict: bool = True) -> tuple[Tensor, ...] | None:
         """``layer``'s ``(A, B)`` (see :meth:`~tncompile.runtime.TTLinear.merged_factors`),
         from its batch; ``None`` where batching does not apply (the layer then merges its
         own). ``whole``: its whole matrix ``(W.T,)`` (``(M, N)``, padded sizes) instead,
-        when this call makes the batch. Not ``strict``: whichever of the two its batch
-        was made with (the first layer of a batch to ask decides for all of them)."""
+        when this call makes the batch (a callable: asked then only). Not ``strict``:
+        whichever of the two its batch was made with (the first layer of a batch to ask
+        decides for all of them); ``strict`` takes a bool."""
         if not tuning.GROUP_FACTORS or torch.compiler.is_compiling() or exporting() or _recorded_elsewhere():
             return None
         key = _freshness(layer, _stamp(layer))
@@ -433,6 +435,7 @@ class FactorPeers:
         members, batch = self._group_of(layer)
         if not any(m is layer for m in members):
             return None
+        whole = bool(whole()) if callable(whole) else whole
         n = len(members)
         tensors = [t for m in members for group in _params(m) for t in group]
         out = BatchedFactors.apply(batch, whole, *tensors)

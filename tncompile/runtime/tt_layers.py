@@ -414,16 +414,17 @@ class TTLinear(TNModule):
         if peers is not None and self._runs_as_pair(plan):
             # merged with the other layers of this layout: two thin products, or one through
             # the whole matrix where that is estimated faster (whichever the batch was made as)
-            got = peers.factors(self, whole=self._runs_whole(plan, h.device), strict=False)
+            device = h.device
+            got = peers.factors(self, whole=lambda: self._runs_whole(plan, device), strict=False)
             if got is not None and len(got) == 1:
                 h, w = h.reshape(rows, got[0].shape[0]), got[0]
                 return torch.addmm(bias, h, w) if bias is not None else torch.mm(h, w)
-            a, b = got if got is not None else self.merged_factors()
+            a, b = got if got is not None else tt_factors(self.scaled_cores(), len(self.layout.in_modes))
             return thin_pair(h.reshape(rows, a.shape[0]), a, b, bias)
         return contract(plan, [h, *_drop_boundary(self.scaled_cores())], bias)
 
     def _runs_whole(self, plan: ContractionPlan, device: torch.device) -> bool:
-        """Whether this layer's batch, when this layer makes it, merges into whole matrices
+        """Whether this layer's batch, when this layer makes it (asked then only), merges into whole matrices
         (one GEMM over the rows each way instead of two): where
         :func:`~tncompile.planning.speed_model.whole_matrix_saving` estimates it faster on
         ``device`` (kernels cost more than the extra multiply-adds: small layers on a GPU),
