@@ -156,6 +156,28 @@ def test_captured_step_leaves_a_nonfinite_step_undone_on_the_device():
     assert any(not torch.equal(p.detach(), params[n]) for n, p in compiled.named_parameters())
 
 
+def test_replayed_steps_reach_the_outputs_without_autograd():
+    """A captured step's replay updates the weights with no version bump and no Python
+    optimizer call: inference forms kept before it are made again (``runtime.derived``).
+    Kept in eval mode throughout, so no ``eval()`` call refreshes them instead."""
+    torch.manual_seed(0)
+    compiled = tncompile.compile(mlp((256, 512, 512, 10)), target_ratio=0.3, prefer="size").to(CUDA).eval()
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2, capturable=True)
+    step = TrainStep(compiled, opt, F.cross_entropy, cuda_graph=True)
+    x, y = torch.randn(4, 256, device=CUDA), torch.randint(0, 10, (4,), device=CUDA)
+    for _ in range(4):  # warm-up, capture
+        step(x, y)
+    with torch.no_grad():
+        before = compiled(x)
+    for _ in range(3):
+        step(x, y)
+    assert step.stats()["replays"] >= 3
+    with torch.no_grad():
+        kept = compiled(x)
+    fresh = compiled(x).detach()
+    assert (kept - before).abs().max() > 1e-3 and (kept - fresh).abs().max() < 1e-5
+
+
 def test_fit_on_cuda_captures_its_steps_cuts_ranks_and_learns():
     torch.manual_seed(0)
     compiled = tncompile.compile(small_encoder(), target_ratio=0.2, init="random").to(CUDA)

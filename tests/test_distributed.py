@@ -431,11 +431,52 @@ def _dropout_ddp(rank: int, out: Path) -> dict:
     return {"identical": identical, "params": _flat(compiled).tolist()}
 
 
+def _fsdp2_kept_forms(rank: int, out: Path) -> dict:
+    """An FSDP2 model (one unit per block, resharded after forward) kept in eval mode throughout:
+    after each update of its shards its outputs without autograd (merged forms kept by the
+    layers, made from the gathered tensors) equal its outputs with autograd (contracted afresh)."""
+    from tncompile.distributed import shard
+    from tncompile.zoo import small_encoder
+    torch.manual_seed(0)
+    compiled = tncompile.compile(small_encoder(max_len=16), target_ratio=0.3)
+    shard(compiled, units="blocks")
+    compiled.eval()
+    batches = _encoder_batches(rank, steps=3)
+    x = batches[0][0]
+
+    def outputs():
+        with torch.no_grad():
+            kept = compiled(x)
+        return kept, compiled(x).detach()
+
+    def check(before):
+        kept, fresh = outputs()
+        return {"changed": float((kept - before).abs().max()) > 1e-3, "current": float((kept - fresh).abs().max())}
+
+    result = {}
+    before = outputs()[0]
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    for xb, yb in batches:
+        F.cross_entropy(compiled(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+    result["adamw"], before = check(before), outputs()[0]
+    saved = {k: v.detach().clone() for k, v in compiled.state_dict().items()}
+    with torch.no_grad():
+        for p in compiled.parameters():
+            p.mul_(1.3)
+    result["in_place"], before = check(before), outputs()[0]
+    compiled.load_state_dict(saved)
+    result["load_state_dict"] = check(before)
+    return result
+
+
 def _own_loop(rank: int, out: Path) -> dict:
     """One process start for four checks (starting processes costs more than they do)."""
     return {"train": _train_ddp(rank, out), "comera": _comera_choices(rank, out), "mismatch": _mismatch(rank, out),
             "paths": _every_runtime_path(rank, out), "fsdp2": _fsdp2_cuts(rank, out),
-            "world_sizes": _world_sizes(rank, out), "dropout": _dropout_ddp(rank, out)}
+            "world_sizes": _world_sizes(rank, out), "dropout": _dropout_ddp(rank, out),
+            "kept_forms": _fsdp2_kept_forms(rank, out)}
 
 
 def _dropout_setup():
@@ -634,6 +675,13 @@ def test_fsdp2_cuts_by_gather_cut_reshard_equal_ddp(own_loop):
         assert all(fsdp["root"]["bitwise"]) and all(fsdp["blocks"]["bitwise"])
         assert fsdp["blocks_resharded"]["max_diff"] < 1e-3
         assert fsdp["root"]["units"] == 1 and fsdp["blocks"]["blocks"] == 2 and fsdp["blocks"]["units"] > 2
+
+
+def test_fsdp2_updates_reach_outputs_without_autograd(own_loop):
+    """Kept inference forms follow FSDP2's re-gathered tensors (tests/test_kept_forms.py: one process)."""
+    for r in own_loop:
+        for update, got in r["kept_forms"].items():
+            assert got["changed"] and got["current"] < 1e-5, (update, got)
 
 
 @pytest.mark.slow

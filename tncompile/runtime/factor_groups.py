@@ -24,11 +24,14 @@ called by ``compile``, ``load`` and swap mode). The first layer of a batch to as
 factors in a forward pass gets them computed for every layer of that batch; the others
 take theirs. A layer's factors are used once: a layer asking again (the next
 forward, a layer called twice) makes its batch computed anew, and factors whose
-layer's cores or gates changed since (an optimizer step, a cut), or that were made under
-another grad mode or autocast state, are never used. A layer that does not run in a
-forward gets no gradient from it (``None``, as if it had computed its own factors).
-``CompiledModel`` and swap-mode models drop unused factors at each call, so a forward
-(and a CUDA-graph capture of one) only ever uses factors made in it.
+layer's cores or gates may have changed since (an in-place update, new storage, a cut,
+anything that moves :func:`~.derived.weights_epoch`: any optimizer step, fused ones
+included), or that were made under another grad mode or autocast state, are never used. A layer that does not run in a forward gets no gradient
+from it (``None``, as if it had computed its own factors). ``CompiledModel`` and
+swap-mode models drop unused factors at each call, so a forward (and a CUDA-graph
+capture of one) only ever uses factors made in it. (Only calls that bypass the model's
+own, into its submodules, keep unused factors to the next such call; a write through
+``p.data`` between two of them is the one change they would not see.)
 
 Not under ``torch.compile`` or ``torch.export`` (each layer traces its own merge), nor
 inside activation checkpointing or other saved-tensor hooks (a checkpointed block must
@@ -46,6 +49,7 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .. import tuning
+from .derived import storage_address, weights_epoch
 from .executor import autocast_state, same_autocast
 from .tracing import exporting
 
@@ -372,12 +376,12 @@ def _batches(family: list[nn.Module]) -> list[list[nn.Module]]:
 
 
 def _freshness(layer: nn.Module, stamp: tuple) -> tuple:
-    """What factors made for ``layer`` stay valid for: its cores and gates unchanged
-    (in-place versions and :func:`_stamp`), and the grad mode and autocast state they
-    were made under."""
-    versions = tuple(p._version for p in layer.cores._parameters.values()) + \
-        tuple(p._version for p in layer.gates._parameters.values())
-    return versions, stamp, torch.is_grad_enabled(), autocast_state(stamp[3].type)
+    """What factors made for ``layer`` stay valid for: its cores and gates unchanged (their
+    in-place versions and storages, :func:`_stamp`, the same
+    :func:`~.derived.weights_epoch`: no optimizer step since, fused ones included), and
+    the grad mode and autocast state they were made under."""
+    marks = tuple((p._version, storage_address(p)) for group in _params(layer) for p in group)
+    return marks, weights_epoch(), stamp, torch.is_grad_enabled(), autocast_state(stamp[3].type)
 
 
 class FactorPeers:
@@ -428,9 +432,9 @@ class FactorPeers:
         decides for all of them); ``strict`` takes a bool."""
         if not tuning.GROUP_FACTORS or torch.compiler.is_compiling() or exporting() or _recorded_elsewhere():
             return None
-        key = _freshness(layer, _stamp(layer))
         entry = self._ready.pop(id(layer), None)
-        if entry is not None and entry[0] == key and (not strict or (len(entry[1]) == 1) == whole):
+        if entry is not None and entry[0] == _freshness(layer, _stamp(layer)) \
+                and (not strict or (len(entry[1]) == 1) == whole):
             return entry[1]
         members, batch = self._group_of(layer)
         if not any(m is layer for m in members):

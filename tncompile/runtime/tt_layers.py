@@ -25,6 +25,7 @@ from ..formats.layout import TTLayout, TTMLayout
 from .module_kinds import linear_weight_of
 from .cpu_allocator import _state as _ALLOCATOR_STATE
 from .cpu_allocator import ensure_retained
+from .derived import advance_weights_epoch, kept
 from .executor import autocast_state, contract, is_merge_first, same_autocast, thin_pair
 from .factor_groups import whole_matrices_faster
 from .gated_cores import gate_cores
@@ -196,11 +197,21 @@ class TNModule(nn.Module):
         self.cores = nn.ParameterList(nn.Parameter(torch.zeros(*lead, *s, **kw)) for s in layout.core_shapes())
         self.gates = nn.ParameterList(nn.Parameter(torch.ones(*lead, r, **kw)) for r in layout.ranks)
 
-    def weights_version(self) -> tuple:
-        """Identifies the current cores and gates (objects, in-place versions, devices,
-        dtypes): what an inference cache of merged tensors is valid for."""
-        params = [*self.cores._parameters.values(), *self.gates._parameters.values()]
-        return tuple((id(p), p._version, p.device, p.dtype) for p in params)
+    def train(self, mode: bool = True) -> "TNModule":
+        """``nn.Module.train``; also starts every kept inference form afresh
+        (:func:`.derived.advance_weights_epoch`): entering evaluation or training is where
+        weights are swapped (an EMA copied in through ``p.data``, which no counter sees)."""
+        advance_weights_epoch()
+        return super().train(mode)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        advance_weights_epoch()  # loaded shards of an FSDP2 model reach its gathered tensors unseen
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def network_tensors(self) -> list[torch.Tensor]:
+        """The cores and gates: what every merged form of the network derives from
+        (:func:`.derived.kept` keeps such a form while they hold the same bits)."""
+        return [*self.cores._parameters.values(), *self.gates._parameters.values()]
 
     def scaled_cores(self) -> list[torch.Tensor]:
         """Cores with each gate multiplied into its left core's right bond."""
@@ -288,7 +299,7 @@ class TTLinear(TNModule):
 
     Inference (no autograd, not under ``torch.compile``) multiplies by the network
     merged into two thin factors ``W.T = A @ B`` (or the whole ``W`` when that is
-    smaller), kept until a core or gate changes, whenever that costs no more
+    smaller), kept until a core or gate may have changed, whenever that costs no more
     multiply-adds than the planned contraction: two GEMMs instead of a chain of
     small products, which is what decoding (one row per sequence) needs.
     """
@@ -387,19 +398,17 @@ class TTLinear(TNModule):
     def inference_factors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``(A (in, r), B (r, out))`` with ``W.T = A @ B`` (padding cropped), or
         ``(W.T, None)`` when the whole matrix has fewer entries than the two factors;
-        cached (not saved) until a core or gate changes (an optimizer step, a cut)."""
-        key = self.weights_version()
-        cached = self.__dict__.get("_inference")
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                a, b = self.merged_factors()
-                a, b = a[: self.in_features], b[:, : self.out_features]
-                if a.shape[1] * (self.in_features + self.out_features) >= self.in_features * self.out_features:
-                    factors = ((a @ b).contiguous(), None)
-                else:
-                    factors = (a.contiguous(), b.contiguous())
-            cached = self.__dict__["_inference"] = (key, factors)
-        return cached[1]
+        kept (not saved) until a core or gate may have changed (:func:`.derived.kept`)."""
+        return kept(self, "_inference", self.network_tensors(), self._make_inference_factors)
+
+    def _make_inference_factors(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # merged alone, not with its batch: a kept form is made rarely, and a batch would leave
+        # its peers factors that outlive this call
+        a, b = tt_factors(self.scaled_cores(), len(self.layout.in_modes))
+        a, b = a[: self.in_features], b[:, : self.out_features]
+        if a.shape[1] * (self.in_features + self.out_features) >= self.in_features * self.out_features:
+            return (a @ b).contiguous(), None
+        return a.contiguous(), b.contiguous()
 
     def _contract_rows(self, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``h (rows, *in_modes)`` through the network: at a few rows one native
@@ -544,16 +553,13 @@ class TTMEmbedding(TNModule):
     def half_tables(self, split: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``L[M_L, N_L, r]`` from cores ``[:split]`` and ``R[M_R, r, N_R]`` from the rest.
         Without autograd (inference, decoding one id per sequence) they are kept, not
-        saved, until a core or gate changes: merging them is most of a small lookup."""
+        saved, until a core or gate may have changed (:func:`.derived.kept`): merging them is
+        most of a small lookup."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():
             return half_tables(self.scaled_cores(), split)
-        key = (split, self.weights_version())
-        cached = self.__dict__.get("_halves")
-        if cached is None or cached[0] != key:
-            with torch.no_grad():  # contiguous once here, not copied by every lookup's kernel
-                halves = tuple(t.contiguous() for t in half_tables(self.scaled_cores(), split))
-            cached = self.__dict__["_halves"] = (key, halves)
-        return cached[1]
+        # contiguous once here, not copied by every lookup's kernel
+        return kept(self, "_halves", self.network_tensors(),
+                    lambda: tuple(t.contiguous() for t in half_tables(self.scaled_cores(), split)), key=(split,))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         lay = self.layout
@@ -646,7 +652,7 @@ class TTMTiedLinear(TNModule):
     transposed = True
     transient_state = TNModule.transient_state + ("_merged", "_halves")
     # inference (no autograd): the table merged once, or over a few rows two half tables (.tied_head),
-    # kept until a core or gate changes
+    # kept until a core or gate may have changed (derived.kept)
     merge_in_inference = True
 
     def __init__(self, embedding: TTMEmbedding, bias: bool = False):
@@ -697,14 +703,11 @@ class TTMTiedLinear(TNModule):
 
     def _half_table_rows(self, rows: torch.Tensor, split: int) -> torch.Tensor:
         """``rows (B, embedding_dim)`` through the half tables split before core ``split``
-        (:mod:`.tied_head`), kept (not saved) until a core or gate changes: ``(B, vocab)``."""
+        (:mod:`.tied_head`), kept (not saved) until a core or gate may have changed
+        (:func:`.derived.kept`): ``(B, vocab)``."""
         lay = self.layout
-        key = (split, self.embedding.weights_version())
-        cached = self.__dict__.get("_halves")
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                cached = self.__dict__["_halves"] = (key, head_halves(self.embedding.scaled_cores(), split))
-        left, right_t = cached[1]
+        left, right_t = kept(self, "_halves", self.embedding.network_tensors(),
+                             lambda: head_halves(self.embedding.scaled_cores(), split), key=(split,))
         if lay.padded_cols != lay.embedding_dim:
             rows = F.pad(rows, (0, lay.padded_cols - lay.embedding_dim))
         y = half_table_head(rows, left, right_t, math.prod(lay.col_modes[:split]))
@@ -739,19 +742,14 @@ class TTMTiedLinear(TNModule):
 
     def merged_weight_t(self) -> torch.Tensor:
         """The table transposed, ``[embedding_dim, out_features]`` and contiguous, merged from
-        the cores and cached (not saved) until a core or gate changes (an optimizer step, a
-        cut). A tied head over vocabulary-sized outputs costs a dense head's multiply-adds
+        the cores and kept (not saved) until a core or gate may have changed
+        (:func:`.derived.kept`). A tied head over vocabulary-sized outputs costs a dense head's multiply-adds
         this way (contracting the network for every row, as decoding feeds it, costs many
         times more); stored this way round, ``x @ table_t`` reads it in order, which at a
         few rows runs ~1.2x (1 row) to ~1.8x (8 rows) faster than ``F.linear`` on the
         ``[vocab, dim]`` table (50257 x 768, CPU)."""
-        key = self.embedding.weights_version()
-        cached = self.__dict__.get("_merged")
-        if cached is None or cached[0] != key:
-            with torch.no_grad():
-                table_t = self.embedding.weight()[: self.out_features].t().contiguous()
-            cached = self.__dict__["_merged"] = (key, table_t)
-        return cached[1]
+        return kept(self, "_merged", self.embedding.network_tensors(),
+                    lambda: self.embedding.weight()[: self.out_features].t().contiguous())
 
     def extra_repr(self) -> str:
         return f"tied to embedding {self.layout.describe()}, bias={self.bias is not None}"

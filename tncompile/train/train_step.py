@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..runtime.derived import advance_weights_epoch
 from .distributed import DDP_WARMUP_STEPS, check_controller_group, is_ddp, unwrap
 from .capture_cache import CaptureCache
 from .sharding import is_sharded
@@ -79,6 +80,7 @@ class _Captured:
             if isinstance(buf, torch.Tensor):
                 buf.copy_(x, non_blocking=True)
         self.graph.replay()
+        advance_weights_epoch()  # the replayed optimizer step bumped no version counter
         return tuple(t.clone() for t in self.losses)
 
 

@@ -1,0 +1,102 @@
+"""What knowing that merged inference forms are current costs: decoding per token, three ways.
+
+    python benchmarks/bench_kept_forms.py [--ratios 0.3 0.1] [--batches 1 8] [--tokens 32]
+
+Without autograd a layer keeps merged forms of its cores (``runtime.derived``). Three
+ways to keep them right after every update, timed on the path that needs them most,
+decoding token by token (``bench_decode.py``'s 4-layer, 768-wide GPT-2 in swap mode, HF
+``generate`` with its KV cache), against the dense model:
+
+* ``events`` (what tncompile does): made again when a tensor's version, storage, shape,
+  dtype or device changed, or the weights epoch moved (any optimizer step, ``train()`` /
+  ``eval()``, ``load_state_dict``, a replayed training step);
+* ``bits``: reused only while the cores and gates hold the bits they held (each call
+  compares them with a copy): also sees writes through ``p.data`` with no event after;
+* ``recompute``: nothing kept, every call merges again.
+
+Variants interleaved round-robin, the median per token reported (the machines are shared
+and noisy: compare the ratios of one run). Writes ``benchmarks/results/kept_forms.json``
+with the host's measured copy bandwidth and GEMM throughput.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+from unittest import mock
+
+import torch
+
+import tncompile
+from tncompile.runtime import tt_layers
+
+from bench_decode import _generate, _gpt2
+from common import machine, write_json
+
+
+def _recomputed(module, slot, tensors, make, key=()):
+    with torch.no_grad():
+        return make()
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.view(ints), b.view(ints))
+
+
+def _by_bits(module, slot, tensors, make, key=()):
+    """The ``bits`` variant of :func:`tncompile.runtime.derived.kept`."""
+    entry = module.__dict__.get(slot + "_bits")
+    layout = (key, *((t.shape, t.dtype, t.device) for t in tensors))
+    if entry is not None and entry[0] == layout and all(_same_bits(t, b) for t, b in zip(tensors, entry[1])):
+        return entry[2]
+    with torch.no_grad():
+        value = make()
+        module.__dict__[slot + "_bits"] = (layout, [t.detach().clone() for t in tensors], value)
+    return value
+
+
+CHECKS = {
+    "events": contextlib.nullcontext,
+    "bits": lambda: mock.patch.object(tt_layers, "kept", _by_bits),
+    "recompute": lambda: mock.patch.object(tt_layers, "kept", _recomputed),
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ratios", type=float, nargs="*", default=[0.3, 0.1])
+    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    dense = _gpt2()
+    example = {"input_ids": torch.randint(1, 50257, (2, 16)), "use_cache": False}
+    models = {ratio: tncompile.compile(dense, target_ratio=ratio, mode="swap", example_inputs=example).eval()
+              for ratio in args.ratios}
+    variants = {"dense": (dense, contextlib.nullcontext)}
+    for ratio, model in models.items():
+        variants.update({f"tt {ratio} {check}": (model, context) for check, context in CHECKS.items()})
+    rows = []
+    for batch in args.batches:
+        prompt = torch.randint(1, 50257, (batch, 8), generator=torch.Generator().manual_seed(batch))
+        for model, context in variants.values():
+            with context():
+                _generate(model, prompt, 4)  # warm-up: plans for the decode buckets, allocator
+        times: dict[str, list[float]] = {k: [] for k in variants}
+        for _ in range(args.rounds):
+            for name, (model, context) in variants.items():
+                with context():
+                    times[name].append(_generate(model, prompt, args.tokens))
+        dense_ms = statistics.median(times["dense"]) * 1e3
+        for name in variants:
+            ms = statistics.median(times[name]) * 1e3
+            rows.append({"batch": batch, "variant": name, "ms_per_token": ms, "speed_vs_dense": dense_ms / ms})
+            print(f"batch {batch:3d}  {name:20s} {ms:8.2f} ms/token  {dense_ms / ms:5.2f}x dense", flush=True)
+    path = write_json("kept_forms.json", {"benchmark": "kept_forms", "model": "GPT-2 4x768, vocab 50257",
+                                          "tokens": args.tokens, "rounds": args.rounds, "rows": rows, **machine()})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
