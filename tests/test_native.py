@@ -294,6 +294,51 @@ def test_build_is_named_by_its_sources(tmp_path, monkeypatch):
     assert native.build_name() != name
 
 
+def test_build_is_named_by_its_environment(monkeypatch):
+    """Two virtual environments sharing the extension cache keep a build each: the name
+    changes with the torch version, the torch installation's path and the Python ABI."""
+    from tncompile.runtime import native
+
+    name = native.build_name()
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    assert native.build_name() != name
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/site-packages/torch/__init__.py")
+    assert native.build_name() != name
+    monkeypatch.undo()
+    monkeypatch.setattr(native.sys.implementation, "cache_tag", "cpython-399")
+    assert native.build_name() != name
+    monkeypatch.undo()
+    assert native.build_name() == name
+
+
+def test_a_build_is_announced_before_it_starts_even_with_a_library_present(tmp_path, monkeypatch, caplog):
+    """A library of the build's name already there does not silence the notice when torch builds
+    anyway: a load running past ``BUILD_NOTICE_SECONDS`` announces itself while it runs."""
+    import logging
+
+    from tncompile.runtime import native
+
+    said = []
+
+    def slow_load(**kwargs):
+        time.sleep(0.5)
+        said.append(caplog.text)  # what was on stderr while the build ran
+
+    monkeypatch.setattr(native, "BUILD_NOTICE_SECONDS", 0.1)
+    monkeypatch.setattr(native, "_built", lambda name: True)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", slow_load)
+    with caplog.at_level(logging.WARNING, logger="tncompile.native"):
+        native._build()
+    assert "building the native CPU kernels" in said[0]
+    caplog.clear()
+    monkeypatch.setattr(native, "_built", lambda name: False)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kwargs: said.append(caplog.text))
+    with caplog.at_level(logging.WARNING, logger="tncompile.native"):
+        native._build()
+    assert "building the native CPU kernels" in said[-1]  # announced before load was called
+
+
 def test_a_lock_left_by_a_killed_build_is_removed_a_live_one_kept(tmp_path, monkeypatch, caplog):
     """torch waits without limit on a build's lock file: one left by a killed build
     (older than any real build) is removed with a notice; a fresh one -- another

@@ -20,10 +20,10 @@ Where PyTorch has no fast op for what a TT/TTM layer needs:
   (``tensor_checks.h``: their argument checks).
 
 The build needs a C++ compiler and ninja (what ``torch.utils.cpp_extension``
-needs); it takes ~15-60 s (2 cores) once per machine, torch version and
-source version (cached under ``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``, named by a hash of the sources:
-:func:`build_name`), announced by one line on stderr. Without
+needs); it takes ~15-60 s (2 cores) once per machine, environment (torch
+installation, Python ABI) and source version (cached under ``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``, named by a hash of all of them:
+:func:`build_name`), announced by one line on stderr before it starts. Without
 them, or with ``TNCOMPILE_NATIVE=0``, :func:`native_ops` returns ``None`` and
 callers use the eager path, which gives the same results; a failed build is
 reported once as a warning.
@@ -35,6 +35,8 @@ import hashlib
 import logging
 import os
 import platform
+import sys
+import sysconfig
 import threading
 import time
 import warnings
@@ -61,14 +63,25 @@ def _flags() -> list[str]:
     return flags
 
 
+def _environment() -> str:
+    """What a build is only valid for besides its sources: the torch installation it links
+    against (version, git revision, where it is installed, its C++ ABI) and the Python ABI."""
+    return "|".join((torch.__version__, str(getattr(torch.version, "git_version", "")),
+                     str(Path(torch.__file__).resolve().parent), str(torch._C._GLIBCXX_USE_CXX11_ABI),
+                     sys.implementation.cache_tag or "", str(sysconfig.get_config_var("SOABI"))))
+
+
 def build_name() -> str:
-    """The extension's name: ``tncompile_native_<hash of sources, headers and flags>``.
-    Two checkouts (or versions) sharing ``TORCH_EXTENSIONS_DIR`` then each keep
-    their own build instead of rebuilding over each other; identical sources share one."""
+    """The extension's name: ``tncompile_native_<hash of sources, headers, flags and
+    environment>``. Two checkouts (or versions) or two virtual environments sharing
+    ``TORCH_EXTENSIONS_DIR`` then each keep their own build instead of rebuilding over
+    each other (torch rebuilds whenever its build arguments, which name the torch
+    installation's headers, differ); identical sources in one environment share one."""
     digest = hashlib.sha1()
     for path in [*_SOURCES, *map(str, _HEADERS)]:
         digest.update(Path(path).name.encode() + Path(path).read_bytes())
     digest.update(" ".join(_flags()).encode())
+    digest.update(_environment().encode())
     return f"tncompile_native_{digest.hexdigest()[:16]}"
 
 
@@ -79,6 +92,7 @@ def _built(name: str) -> bool:
     return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
 
 
+BUILD_NOTICE_SECONDS = 2.0  # loading a finished build takes well under this
 STALE_LOCK_SECONDS = 600.0  # a build takes ~15-60 s: a lock this old was left by a killed build
 
 
@@ -110,11 +124,27 @@ def _build():
 
     name = build_name()
     clear_stale_lock(name)
-    if not _built(name):  # one line, so that a first run does not sit silent for half a minute
-        log.warning("tncompile: building the native CPU kernels (once per machine and version, ~15-60 s)...")
+    announced = threading.Event()
+
+    def announce():  # one line, so that a first run does not sit silent for half a minute
+        if not announced.is_set():
+            announced.set()
+            log.warning("tncompile: building the native CPU kernels (once per machine, environment and version, "
+                        "~15-60 s)...")
+
+    if not _built(name):
+        announce()
+    # a build torch decides on anyway (a changed toolchain, a half-finished build) is announced
+    # once loading has taken longer than loading a finished build ever does
+    late = threading.Timer(BUILD_NOTICE_SECONDS, announce)
+    late.daemon = True
+    late.start()
     start = time.perf_counter()
-    load(name=name, sources=_SOURCES, extra_cflags=_flags(),
-         extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    try:
+        load(name=name, sources=_SOURCES, extra_cflags=_flags(),
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+    finally:
+        late.cancel()
     took = time.perf_counter() - start
     if took > 2.0:
         log.warning("tncompile: compiled the native CPU kernels in %.0f s (cached for later runs)", took)
