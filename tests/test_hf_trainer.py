@@ -77,6 +77,32 @@ def test_trainer_trains_cuts_saves_and_resumes_a_compressed_model(tmp_path):
     assert [h["step"] for h in resumed_callback.events] == [h["step"] for h in callback.events if h["step"] > 12]
 
 
+def test_load_best_model_at_end_loads_the_best_compressed_checkpoint(tmp_path):
+    """The best checkpoint (the first of two, by a metric made to fall) becomes
+    ``trainer.model``, cut ranks and all; plain Trainer would keep the last model."""
+    evaluations = []
+
+    def falling(_):
+        evaluations.append(1)
+        return {"marker": -float(len(evaluations))}  # greater is better: the first evaluation wins
+
+    model = _compressed()
+    callback = RankControlCallback(target_ratio=0.3, early_fraction=0.25, truncate_every=4)
+    trainer = CompressedTrainer(model=model, args=_args(tmp_path / "run", eval_strategy="steps", eval_steps=12,
+                                                        load_best_model_at_end=True, metric_for_best_model="marker",
+                                                        greater_is_better=True),
+                                train_dataset=_data(), eval_dataset=_data(16, seed=1), compute_metrics=falling,
+                                callbacks=[callback])
+    trainer.train()
+    assert trainer.state.best_model_checkpoint.endswith("checkpoint-12") and len(evaluations) == 2
+    best = tncompile.load(tmp_path / "run" / "checkpoint-12", model=transformers.BertForSequenceClassification)
+    assert trainer.model is not model
+    got = dict(trainer.model.named_parameters())
+    assert got.keys() == dict(best.named_parameters()).keys()
+    assert all(torch.equal(p, got[n]) for n, p in best.named_parameters())
+    assert any(not torch.equal(p, got[n]) for n, p in model.named_parameters() if n in got)  # not the last model
+
+
 def test_rank_control_callback_refuses_what_it_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="early_fraction"):
         RankControlCallback(target_ratio=0.3, early_fraction=1.0)

@@ -9,7 +9,8 @@ cannot know:
   step, the early/late stages and cuts follow ``state.max_steps``, cut
   parameters are replaced (and their optimizer state sliced) inside Trainer's
   own optimizer, and each cut is appended to ``trainer.state.log_history``.
-- :class:`CompressedTrainer` resumes from its checkpoints: a compressed model's
+- :class:`CompressedTrainer` resumes from its checkpoints and loads the best one
+  at the end (``load_best_model_at_end``): a compressed model's
   ``save_pretrained`` folder holds its cut ranks, which a dense
   ``load_state_dict`` cannot take, so the checkpoint is rebuilt with
   ``tncompile.load`` and becomes ``trainer.model``.
@@ -169,17 +170,35 @@ def _decoded(saved: dict) -> dict:
 
 
 class CompressedTrainer(transformers.Trainer):
-    """``transformers.Trainer`` that also resumes from a compressed model's
-    checkpoints (``train(resume_from_checkpoint=...)``): the checkpoint folder's
-    model, with the ranks it was cut to, is loaded with ``tncompile.load`` and
-    becomes ``trainer.model``; optimizer, scheduler, RNG and Trainer state
-    resume as usual. Anything else is plain ``Trainer``."""
+    """``transformers.Trainer`` that also loads a compressed model's checkpoints: the
+    checkpoint folder's model, with the ranks it was cut to, is loaded with
+    ``tncompile.load`` and becomes ``trainer.model``
+
+    * to resume (``train(resume_from_checkpoint=...)``): optimizer, scheduler, RNG
+      and Trainer state resume as usual;
+    * at the end of training with ``load_best_model_at_end=True``: the best
+      checkpoint's model (plain ``Trainer`` looks there for a dense
+      ``model.safetensors``, finds none, logs it and keeps the last model).
+
+    Anything else is plain ``Trainer``."""
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
-        folder = Path(os.fspath(resume_from_checkpoint))
-        if not is_model_folder(folder) or not is_swapped(self.model):
+        if not self._loads_compressed(resume_from_checkpoint):
             return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._become(resume_from_checkpoint)
+
+    def _load_best_model(self) -> None:
+        if not self._loads_compressed(self.state.best_model_checkpoint):
+            return super()._load_best_model()
+        self._become(self.state.best_model_checkpoint)
+
+    def _loads_compressed(self, folder: str | None) -> bool:
+        return folder is not None and is_model_folder(Path(os.fspath(folder))) and is_swapped(self.model)
+
+    def _become(self, folder: str) -> None:
+        """``trainer.model`` := the compressed model saved in ``folder``, on the device and in
+        the train/eval mode of the one it replaces."""
         device = next(self.model.parameters()).device
-        loaded = load(folder, model=user_class(self.model))
+        loaded = load(Path(os.fspath(folder)), model=user_class(self.model))
         loaded.train(self.model.training)
         self.model = self.model_wrapped = loaded.to(device)
