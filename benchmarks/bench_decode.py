@@ -14,6 +14,7 @@ GEMM throughput.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -41,34 +42,53 @@ def _generate(model, prompt: torch.Tensor, tokens: int) -> float:
     return (time.perf_counter() - start) / tokens
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def decode_arguments(doc: str) -> argparse.Namespace:
+    """The decode benchmarks' command line (``--ratios``, ``--batches``, ``--tokens``, ``--rounds``)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ratios", type=float, nargs="*", default=[0.3, 0.1])
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
-    dense = _gpt2()
+    return ap.parse_args()
+
+
+def compressed_gpt2s(dense, ratios) -> dict:
+    """``ratio -> dense`` compiled in swap mode at that ratio (eval mode)."""
     example = {"input_ids": torch.randint(1, 50257, (2, 16)), "use_cache": False}
-    variants = {"dense": dense}
-    for ratio in args.ratios:
-        variants[f"tt {ratio}"] = tncompile.compile(dense, target_ratio=ratio, mode="swap",
-                                                    example_inputs=example).eval()
+    return {ratio: tncompile.compile(dense, target_ratio=ratio, mode="swap", example_inputs=example).eval()
+            for ratio in ratios}
+
+
+def time_decoding(variants: dict, args: argparse.Namespace) -> list[dict]:
+    """Per batch, each variant's median ms per generated token, interleaved round-robin.
+    ``variants``: ``name -> (model, context)``, each call made inside ``context()``; one is "dense"."""
     rows = []
     for batch in args.batches:
         prompt = torch.randint(1, 50257, (batch, 8), generator=torch.Generator().manual_seed(batch))
-        for model in variants.values():
-            _generate(model, prompt, 4)  # warm-up: plans for the decode buckets, allocator
+        for model, context in variants.values():
+            with context():
+                _generate(model, prompt, 4)  # warm-up: plans for the decode buckets, allocator
         times: dict[str, list[float]] = {k: [] for k in variants}
         for _ in range(args.rounds):
-            for name, model in variants.items():
-                times[name].append(_generate(model, prompt, args.tokens))
+            for name, (model, context) in variants.items():
+                with context():
+                    times[name].append(_generate(model, prompt, args.tokens))
         dense_ms = statistics.median(times["dense"]) * 1e3
-        for name in variants:
+        for name, (model, _) in variants.items():
             ms = statistics.median(times[name]) * 1e3
             rows.append({"batch": batch, "variant": name, "ms_per_token": ms, "speed_vs_dense": dense_ms / ms,
-                         "ratio": getattr(variants[name], "ratio", 1.0)})
-            print(f"batch {batch:3d}  {name:8s} {ms:8.2f} ms/token  {dense_ms / ms:5.2f}x dense", flush=True)
+                         "ratio": getattr(model, "ratio", 1.0)})
+            print(f"batch {batch:3d}  {name:20s} {ms:8.2f} ms/token  {dense_ms / ms:5.2f}x dense", flush=True)
+    return rows
+
+
+def main() -> None:
+    args = decode_arguments(__doc__)
+    dense = _gpt2()
+    variants = {"dense": (dense, contextlib.nullcontext)}
+    variants.update({f"tt {ratio}": (model, contextlib.nullcontext)
+                     for ratio, model in compressed_gpt2s(dense, args.ratios).items()})
+    rows = time_decoding(variants, args)
     path = write_json("decode.json", {"benchmark": "decode", "model": "GPT-2 4x768, vocab 50257",
                                       "tokens": args.tokens, "rounds": args.rounds, "rows": rows, **machine()})
     print(f"wrote {path}")

@@ -20,17 +20,14 @@ with the host's measured copy bandwidth and GEMM throughput.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import statistics
 from unittest import mock
 
 import torch
 
-import tncompile
 from tncompile.runtime import tt_layers
 
-from bench_decode import _generate, _gpt2
+from bench_decode import _gpt2, compressed_gpt2s, decode_arguments, time_decoding
 from common import machine, write_json
 
 
@@ -64,35 +61,12 @@ CHECKS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ratios", type=float, nargs="*", default=[0.3, 0.1])
-    ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
+    args = decode_arguments(__doc__)
     dense = _gpt2()
-    example = {"input_ids": torch.randint(1, 50257, (2, 16)), "use_cache": False}
-    models = {ratio: tncompile.compile(dense, target_ratio=ratio, mode="swap", example_inputs=example).eval()
-              for ratio in args.ratios}
     variants = {"dense": (dense, contextlib.nullcontext)}
-    for ratio, model in models.items():
+    for ratio, model in compressed_gpt2s(dense, args.ratios).items():
         variants.update({f"tt {ratio} {check}": (model, context) for check, context in CHECKS.items()})
-    rows = []
-    for batch in args.batches:
-        prompt = torch.randint(1, 50257, (batch, 8), generator=torch.Generator().manual_seed(batch))
-        for model, context in variants.values():
-            with context():
-                _generate(model, prompt, 4)  # warm-up: plans for the decode buckets, allocator
-        times: dict[str, list[float]] = {k: [] for k in variants}
-        for _ in range(args.rounds):
-            for name, (model, context) in variants.items():
-                with context():
-                    times[name].append(_generate(model, prompt, args.tokens))
-        dense_ms = statistics.median(times["dense"]) * 1e3
-        for name in variants:
-            ms = statistics.median(times[name]) * 1e3
-            rows.append({"batch": batch, "variant": name, "ms_per_token": ms, "speed_vs_dense": dense_ms / ms})
-            print(f"batch {batch:3d}  {name:20s} {ms:8.2f} ms/token  {dense_ms / ms:5.2f}x dense", flush=True)
+    rows = time_decoding(variants, args)
     path = write_json("kept_forms.json", {"benchmark": "kept_forms", "model": "GPT-2 4x768, vocab 50257",
                                           "tokens": args.tokens, "rounds": args.rounds, "rows": rows, **machine()})
     print(f"wrote {path}")
