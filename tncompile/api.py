@@ -6,21 +6,23 @@ import os
 import warnings
 from typing import Any, Iterable, Sequence
 
+import torch
 from torch import nn
 
 from . import frontend, tuning
 from .calibration import collect_statistics
 from .compiled import CompiledModel
 from .errors import SlowerThanDenseWarning
+from .ir.decisions import CompileDecisions
 from .ir.program import Program, count_params
 from .layers import is_compressible
 from .options import CompileOptions, check_target_ratio
-from .passes import Pass, Pipeline, default_pipeline
+from .passes import CollapseLayers, Pass, Pipeline, default_pipeline
 from .swap import MIXIN_NAMES, Resync, subclass_of, swap_into, swappable_layers, unswappable_layers
 from .swap_lowering import lower_into
 from .swap_experts import expert_weights
 
-__all__ = ["compile"]
+__all__ = ["compile", "rebuild", "recordable_inputs"]
 
 DUMP_ENV = "TNCOMPILE_DUMP"
 
@@ -145,24 +147,66 @@ def compile(
     work = model if inplace else copy.deepcopy(model)
     stats = (collect_statistics(work, calibration, sensitivity=options.allocation != "uniform")
              if calibration is not None else None)
+    compiled = _build(work, count_params(model), options, pipeline, mode, example_inputs, dump_dir, stats)
+    if inplace and isinstance(compiled, CompiledModel):
+        _swap_into(model, compiled.program)
+    _warn_if_slower(compiled, options)
+    return compiled
+
+
+def rebuild(model: nn.Module, decisions: CompileDecisions, options: CompileOptions, pipeline: Pipeline,
+            mode: str, example_inputs: Any) -> CompiledModel | nn.Module:
+    """What ``tncompile.load`` compiles: ``model`` (used in place) traced as ``compile``
+    traced it, ``pipeline`` run with the saved ``decisions`` instead of deciding again
+    (no calibration, no rank search, no decomposition: the caller loads the tensors),
+    then the collapsed layers collapsed. Raises :class:`~tncompile.errors.ModelMismatchError`
+    where ``model`` does not fit the decisions."""
+    return _build(model, count_params(model), options, pipeline, mode, example_inputs, None, None, decisions)
+
+
+def _build(work: nn.Module, original_params: int, options: CompileOptions, pipeline: Pipeline, mode: str,
+           example_inputs: Any, dump_dir, stats, decisions: CompileDecisions | None = None):
+    """Trace ``work``, run ``pipeline`` over it and hand it back in ``mode``."""
     layers = swappable_layers(work)  # before tracing: export's trace may not keep the module paths
     gm, inputs = frontend.trace(work, example_inputs)
     layers.update(expert_weights(gm, work))  # fused MoE parameters the trace found: swapped via their owner
     if mode == "auto":
-        mode = _auto_mode(model, inputs.frontend, gm, layers)
-    if mode == "swap":
-        swapped = _compile_swapped(work, gm, inputs, layers, unswappable_layers(work), count_params(model), options,
-                                   pipeline, dump_dir, stats)
-        _warn_if_slower(swapped, options)
-        return swapped
-    program = Program(gm, inputs, count_params(model), options)
+        mode = _auto_mode(work, inputs.frontend, gm, layers)
+    program = Program(gm, inputs, original_params, options)
     program.dump_dir = dump_dir  # passes run later (rank adaptation) dump here too
+    program.pipeline = pipeline.names
+    program.example_inputs = recordable_inputs(example_inputs)
+    program.decisions = decisions
+    if mode == "swap":
+        program.swap_layers = layers
+        program.swap_skipped = unswappable_layers(work)
     program = _run_pipeline(pipeline, program, stats)
-    compiled = CompiledModel(program)
-    if inplace:
-        _swap_into(model, program)
-    _warn_if_slower(compiled, options)
-    return compiled
+    if mode == "swap":
+        work.__class__ = subclass_of(type(work))
+        work.__dict__["_tncompile_program"] = program
+        swap_into(work, program)
+        lower_into(work, program)
+        program.listeners.append(Resync(work))
+        return work
+    return CompiledModel(program)
+
+
+def recordable_inputs(example_inputs: Any) -> tuple[tuple, dict] | None:
+    """``(args, kwargs)`` of ``example_inputs`` as a file can hold them -- detached CPU copies
+    of tensors, and plain values (``None``, bools, numbers, short strings) -- or ``None``
+    where anything else is among them (``load`` then needs ``example_inputs=``)."""
+    example = frontend.split_example_inputs(example_inputs)
+    if example is None:
+        return None
+    args, kwargs = example
+    leaves = [*args, *kwargs.values()]
+    if not all(isinstance(v, torch.Tensor) or v is None or isinstance(v, (bool, int, float))
+               or (isinstance(v, str) and len(v) <= 64) for v in leaves):
+        return None
+
+    def copy_of(v):
+        return v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+    return tuple(copy_of(a) for a in args), {k: copy_of(v) for k, v in kwargs.items()}
 
 
 def _warn_if_slower(compiled: nn.Module, options: CompileOptions) -> None:
@@ -205,12 +249,19 @@ def _check_mode(mode: Any, model: nn.Module) -> str:
 
 def _run_pipeline(pipeline: Pipeline, program: Program, stats) -> Program:
     """Run the compile pipeline with the calibration statistics in reach of its
-    passes, then drop them (covariances are large and used only here)."""
+    passes, then drop them (covariances are large and used only here). Rebuilding a
+    saved model (``program.decisions``): then collapse what rank adaptation collapsed."""
     program.calibration = stats
     try:
         program = pipeline.run(program)
+        collapsed = program.decisions.collapsed if program.decisions is not None else []
+        owners = [p for p in collapsed if program.decisions.layers[p].tied_to is None]  # heads follow
+        if owners:
+            program = Pipeline([CollapseLayers({p: "collapsed by rank adaptation before saving" for p in owners})]
+                               ).run(program, progress=False)
     finally:
         program.calibration = None
+        program.decisions = None
     program.compiled_ratio = program.ratio
     return program
 
@@ -248,25 +299,6 @@ def _check_calibration(calibration: Any, options: CompileOptions) -> None:
     if options.init != "svd":
         raise ValueError(f"calibration fits the networks to the model's own layers, starting from TT-SVD; it "
                          f"needs init='svd', got init={options.init!r} (init='random' is for training from scratch)")
-
-
-def _compile_swapped(work: nn.Module, gm, inputs, layers: dict[str, str], skipped: dict[str, str],
-                     original_params: int, options: CompileOptions, pipeline: Pipeline, dump_dir,
-                     stats=None) -> nn.Module:
-    """Swap mode (:mod:`tncompile.swap`): run the pipeline over ``work``'s own ``layers``
-    only (``gm`` is its trace; ``skipped``: why the others stay dense), put the results
-    into ``work`` and give it the compiled-model API."""
-    program = Program(gm, inputs, original_params, options)
-    program.dump_dir = dump_dir
-    program.swap_layers = layers
-    program.swap_skipped = skipped
-    program = _run_pipeline(pipeline, program, stats)
-    work.__class__ = subclass_of(type(work))
-    work.__dict__["_tncompile_program"] = program
-    swap_into(work, program)
-    lower_into(work, program)
-    program.listeners.append(Resync(work))
-    return work
 
 
 def _check_model(model: Any) -> None:

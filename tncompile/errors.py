@@ -1,7 +1,7 @@
 """Exceptions raised by tncompile."""
 from __future__ import annotations
 
-__all__ = ["TNCompileError", "TraceError", "PassError", "ModelFileError", "UnsafeFileError", "SlowerThanDenseWarning"]
+__all__ = ["TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "UnsafeFileError", "SlowerThanDenseWarning"]
 
 
 class TNCompileError(RuntimeError):
@@ -24,6 +24,13 @@ class ModelFileError(ValueError):
     """A model file that tncompile cannot load: damaged, truncated, malformed, or
     (:class:`UnsafeFileError`) asking for something outside the file format's tables.
     The message names the file and the part of it that is wrong."""
+
+
+class ModelMismatchError(ModelFileError):
+    """The dense model given to ``tncompile.load`` is not the one the file was saved from:
+    another class or configuration, a layer missing or of another kind or shape where the
+    file's layer table has a compressed one, or state the file does not hold. The message
+    names the first difference."""
 
 
 class UnsafeFileError(ModelFileError):

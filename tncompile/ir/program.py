@@ -177,6 +177,17 @@ class Program:
         ``{"speed": DeviceSpeed, "rows": {layer: rows}}``: what ``assign_ranks`` timed
         each TT linear's training step with (the report's estimated times); empty
         before it runs and in a loaded model.
+    pipeline : list of str
+        The names of the passes ``compile`` ran (what ``tncompile.load`` runs again).
+    example_inputs : tuple or None
+        ``(args, kwargs)`` the graph was traced with (detached copies), when every one is a
+        tensor or a plain value (a file records them, so ``load`` traces the same way).
+    collapsed_layouts, collapsed_ties : dict
+        ``path -> layout`` of every layer rank adaptation collapsed (and ``head -> embedding``
+        for a collapsed tied head): what rebuilds it from a file.
+    decisions : CompileDecisions or None
+        While ``tncompile.load`` rebuilds a saved model: its recorded layers, replayed by
+        ``tensorize``, ``assign_ranks`` and ``decompose`` (:mod:`.decisions`).
     """
 
     def __init__(self, graph_module: fx.GraphModule, inputs: InputSpec, original_params: int,
@@ -195,6 +206,11 @@ class Program:
         self.calibration = None
         self.calibration_summary: dict[str, dict[str, float]] = {}
         self.speed_estimates: dict = {}
+        self.pipeline: list[str] = []
+        self.example_inputs: tuple | None = None
+        self.decisions = None
+        self.collapsed_layouts: dict[str, Any] = {}
+        self.collapsed_ties: dict[str, str] = {}
 
     def __getstate__(self) -> dict:
         # fx pickles the graph module as its source and traces it again on load: keep

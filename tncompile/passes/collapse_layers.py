@@ -45,9 +45,14 @@ class CollapseLayers(Pass):
         replace: dict[int, CollapsedLayer] = {}
         for name, reason in self.layers.items():
             replace.update(_collapsed(modules[name], modules.values(), reason))
+        paths = {id(m): node.target for node, m in program.modules()}
         for node, m in list(program.modules()):
             new = replace.get(id(m))
             if new is not None:
+                # what rebuilds it before it collapses again (tncompile.load): its modes, its tie
+                program.collapsed_layouts[node.target] = m.layout
+                if isinstance(m, TTMTiedLinear):
+                    program.collapsed_ties[node.target] = paths[id(m.embedding)]
                 gm.set_submodule(node.target, new)
                 program.notes[node.target] = new.reason
                 self.matches["layer-collapsed"] += 1

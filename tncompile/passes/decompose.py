@@ -42,23 +42,26 @@ class Decompose(Pass):
         opts = program.options
         gm = program.graph_module
         pending = _pending(program)
-        gen = torch.Generator().manual_seed(opts.seed) if opts.seed is not None else None
+        replay = program.decisions is not None  # tncompile.load: the cores are loaded next, not fit here
+        init = "random" if replay else opts.init
+        seed = 0 if replay else opts.seed
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
         built: dict[str, torch.nn.Module] = {}
         owners = [(n, m) for n, m in pending.items() if m.tied_to is None]
-        stats = getattr(program, "calibration", None)
+        stats = None if replay else getattr(program, "calibration", None)
         for name, mod in tqdm(owners, desc="decompose" if stats is None else "decompose + calibrated fit",
                               disable=None, leave=False):
             if mod.kind == "embedding_bag":
                 new = TTMEmbeddingBag.from_embedding_bag(mod.dense, rank=None, layout=mod.layout,
-                                                         init=opts.init, generator=gen)
+                                                         init=init, generator=gen)
             elif mod.kind == "embedding":
-                new = TTMEmbedding.from_embedding(mod.dense, rank=None, layout=mod.layout, init=opts.init,
+                new = TTMEmbedding.from_embedding(mod.dense, rank=None, layout=mod.layout, init=init,
                                                   generator=gen)
             elif mod.kind == "experts":
-                new = TTExperts.from_experts(mod.dense, rank=None, layout=mod.layout, init=opts.init,
+                new = TTExperts.from_experts(mod.dense, rank=None, layout=mod.layout, init=init,
                                              generator=gen)
             else:
-                new = TTLinear.from_linear(mod.dense, rank=None, layout=mod.layout, init=opts.init,
+                new = TTLinear.from_linear(mod.dense, rank=None, layout=mod.layout, init=init,
                                            generator=gen)
                 _share_bias(new, mod.dense)
             if stats is not None:

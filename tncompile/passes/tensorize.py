@@ -8,7 +8,8 @@ from torch import nn
 from .. import tuning
 from ..formats.layout import TTLayout, TTMLayout
 from ..ir.program import Program
-from ..layers import is_compressible, is_embedding, is_embedding_bag, is_experts, is_linear
+from ..errors import ModelMismatchError
+from ..layers import is_compressible, is_embedding, is_embedding_bag, is_experts, is_linear, kind_of
 from ..runtime.module_kinds import linear_weight_of
 from .base import Pass, register_pass
 from .pending import PendingLayer
@@ -72,6 +73,8 @@ class Tensorize(Pass):
                     name, "not a layer of the model's own module tree (swap mode keeps it dense; "
                     "mode='graph' compresses it)")
                 del modules[name]
+        if program.decisions is not None:
+            return self._replay(program, modules)
         selected, excluded = select_modules(modules, opts.target_modules, opts.exclude_modules)
         for name in modules:
             if name in excluded:
@@ -118,6 +121,21 @@ class Tensorize(Pass):
             gm.set_submodule(head, PendingLayer(modules[head], layouts[emb], tied_to=emb))
         return program
 
+    def _replay(self, program: Program, modules: dict[str, nn.Module]) -> Program:
+        """``tncompile.load``: the saved layer table's layers and layouts, each checked against
+        the user's model (a missing layer, another kind, shape or tie is a
+        :class:`~tncompile.errors.ModelMismatchError`); every other layer stays dense."""
+        decided = program.decisions.layers
+        for name, decision in decided.items():
+            check_decision(name, decision, modules, decided)
+        gm = program.graph_module
+        for name, decision in decided.items():
+            gm.set_submodule(name, PendingLayer(modules[name], decision.layout, tied_to=decision.tied_to))
+        for name in modules:
+            if name not in decided:
+                program.notes[name] = "dense in the saved model"
+        return program
+
     def _layout(self, mod: nn.Module, opts) -> tuple[TTLayout | TTMLayout | None, str | None]:
         if is_embedding(mod) or is_embedding_bag(mod):
             if mod.max_norm is not None:
@@ -156,3 +174,40 @@ def _lookup_options(emb: nn.Embedding) -> tuple:
     """What besides the table decides a lookup's result and gradient: embeddings
     sharing a table are one network only when these agree."""
     return (emb.padding_idx, emb.max_norm, emb.scale_grad_by_freq, emb.sparse)
+
+
+_DENSE_KINDS = {"linear": ("linear", "conv1d"), "tied": ("linear", "conv1d"), "alias": ("embedding",)}
+_FIX = "build the model the file was saved from (same class and configuration) and pass it as model="
+
+
+def check_decision(name: str, decision, modules: dict[str, nn.Module], decided: dict) -> None:
+    """Whether the user's layer at ``name`` is what ``decision`` was made for: its kind,
+    its weight's shape (the layout's dense shape; per expert), and for a tied head or an
+    alias, its weight being the embedding's. :class:`ModelMismatchError` naming the layer."""
+    mod = modules.get(name)
+    if mod is None:
+        raise ModelMismatchError(f"the model given has no compressible layer at {name!r}, where the file has a "
+                                 f"{decision.kind} network: {_FIX}")
+    kind = kind_of(mod)
+    if kind not in _DENSE_KINDS.get(decision.kind, (decision.kind,)):
+        raise ModelMismatchError(f"the model given has a {kind} at {name!r}, the file a {decision.kind}: {_FIX}")
+    layout = decision.layout
+    if isinstance(layout, TTMLayout):
+        want = (layout.num_embeddings, layout.embedding_dim)
+        got = tuple(mod.weight.shape)
+    elif is_experts(mod):
+        want = (layout.experts, layout.in_features, layout.out_features)
+        got = (mod.num_experts, mod.in_features, mod.out_features)
+    else:
+        want = (layout.out_features, layout.in_features)
+        got = tuple(linear_weight_of(mod).shape)
+    if decision.kind == "tied":  # a head [vocab, dim]: the embedding's table
+        want = (layout.num_embeddings, layout.embedding_dim)
+    if got != want:
+        raise ModelMismatchError(f"the model given has a {kind} of shape {got} at {name!r}, the file's network "
+                                 f"stands for {want}: {_FIX}")
+    if decision.tied_to is not None:
+        owner = modules.get(decision.tied_to)
+        if owner is None or owner.weight is not mod.weight or decided.get(decision.tied_to) is None:
+            raise ModelMismatchError(f"the file ties {name!r} to the embedding {decision.tied_to!r}; in the model "
+                                     f"given they do not share one weight: {_FIX}")
