@@ -88,13 +88,13 @@ def trains_like():
 
 @pytest.fixture
 def reloads_with(tmp_path):
-    """``reloads_with(compiled, ids, function, count)``: a saved and loaded model still
-    calls ``function`` ``count`` times in its graph and gives the same outputs."""
-    def check(compiled, ids, function, count):
+    """``reloads_with(compiled, ids, function, count, model)``: saved, then loaded onto the dense
+    ``model``, it still calls ``function`` ``count`` times in its graph and gives the same outputs."""
+    def check(compiled, ids, function, count, model):
         import tncompile
         path = tmp_path / "rewritten.tnc"
         tncompile.save(compiled, path)
-        loaded = tncompile.load(path)
+        loaded = tncompile.load(path, model=model).train(compiled.training)
         assert sum(n.target is function for n in loaded.program.graph.nodes) == count
         assert torch.equal(loaded(ids), compiled(ids))
     return check

@@ -44,11 +44,11 @@ def main(mode, ckpt, out):
                                 checkpoint_every=SAVE_AT, progress=False)
         ran = len(history)
     else:
-        compiled = tncompile.load(ckpt)
+        compiled = tncompile.load(ckpt, model=small_encoder())
         opt = make_optimizer(compiled)
         ctl = make_controller(compiled, opt)
         extra = tncompile.resume(compiled, opt, ctl)
-        done = len(extra["history"])
+        done = len(extra["history"]["step"])
         history = tncompile.fit(compiled, batches(), torch.nn.functional.cross_entropy, opt, ctl,
                                 early_steps=EARLY, late_steps=LATE, history=extra["history"],
                                 progress=False)

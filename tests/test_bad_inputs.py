@@ -309,7 +309,7 @@ CASES: list[tuple[str, Callable[[Env], Any], type, str]] = [
      ValueError, "the controller was built for a different model"),
     # ---------------------------------------------------------------- files
     ("save-plain-model", lambda e: tncompile.save(e.model, e.tmp / "x.tnc"), TypeError,
-     "tncompile.save expects a CompiledModel"),
+     "tncompile.save expects a model tncompile.compile returned"),
     ("save-missing-directory", lambda e: tncompile.save(e.compiled, e.tmp / "nodir" / "x.tnc"), FileNotFoundError,
      "the directory .*nodir' of .* does not exist"),
     ("save-to-directory", lambda e: tncompile.save(e.compiled, e.tmp), IsADirectoryError,
@@ -330,11 +330,15 @@ CASES: list[tuple[str, Callable[[Env], Any], type, str]] = [
      ValueError, "not a readable tncompile file \\(truncated"),
     ("load-flipped-bytes", lambda e: tncompile.load(_file("flipped.tnc", _flip_bytes)(e)), ValueError,
      "is damaged: its contents do not match the checksum"),
-    ("load-pickle", lambda e: tncompile.load(_file("sd.pt", lambda e: _pickled(e))(e)), tncompile.serialization.UnsafeFileError,
-     "is a pickle.*trust=True"),
+    ("load-pickle", lambda e: tncompile.load(_file("sd.pt", lambda e: _pickled(e))(e)), tncompile.ModelFileError,
+     "is not a tncompile file: it is a pickle"),
+    ("load-without-model", lambda e: tncompile.load(e.saved()), tncompile.ModelFileError,
+     r"pass the dense model it was saved from \(a Sequential\).*model=lambda"),
+    ("load-onto-another-model", lambda e: tncompile.load(e.saved(), model=mlp((64, 64, 10))), tncompile.ModelMismatchError,
+     "'0'.*file's network stands for"),
     ("load-bad-map-location", lambda e: tncompile.load(e.saved(), map_location="gpu"), ValueError,
      "map_location='gpu' is not a device"),
-    ("resume-plain-model", lambda e: tncompile.resume(e.model), TypeError, "tncompile.resume expects the CompiledModel"),
+    ("resume-plain-model", lambda e: tncompile.resume(e.model), TypeError, "tncompile.resume expects the model"),
     ("resume-no-training-state", lambda e: tncompile.resume(_saved_bare(e)), ValueError,
      "carries no training state"),
 ]
@@ -349,7 +353,7 @@ def _half(data: bytes) -> bytes:
 def _saved_bare(e: Env):
     path = e.tmp / "bare.tnc"
     tncompile.save(e.compiled, path, rng=False)
-    return tncompile.load(path)
+    return tncompile.load(path, model=mlp((64, 128, 10)))
 
 
 def _pickled(e: Env) -> bytes:

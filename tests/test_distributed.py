@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import tncompile
 from tncompile.distributed import DistributedModel, RankMismatchError
-from tncompile.zoo import mlp
+from tncompile.zoo import mlp, small_encoder
 
 WORLD = 2
 STEPS = 24
@@ -129,7 +129,7 @@ def _fit_with_checkpoint(rank: int, out: Path) -> dict:
     history = tncompile.fit(compiled, _batches(rank), F.cross_entropy, opt, ctl, early_steps=8, late_steps=16,
                             ddp={}, checkpoint_path=out / "ckpt.tnc", checkpoint_every=12, progress=False)
     same = _same_on_all(_flat(compiled))
-    loaded = tncompile.load(out / "ckpt.tnc")
+    loaded = tncompile.load(out / "ckpt.tnc", model=mlp((64, 256, 256, 10)))
     opt2 = torch.optim.AdamW(tncompile.param_groups(loaded, lr=3e-3, gate_lr=3e-2))
     ctl2 = tncompile.RankController(loaded, opt2, target_ratio=0.12, early_steps=8, late_steps=16,
                                     truncate_every=4, recovery=0.25)
@@ -349,7 +349,7 @@ def _fsdp2_cuts(rank: int, out: Path) -> dict:
     save_on_rank0(compiled, out / "fsdp.tnc", optimizer=opt, controller=ctl)
     kept = shards == [id(p) for p in compiled.parameters()] and all(
         id(p) in set(shards) for g in opt.param_groups for p in g["params"])
-    loaded = tncompile.load(out / "fsdp.tnc")
+    loaded = tncompile.load(out / "fsdp.tnc", model=small_encoder(max_len=16))
     same_weights = torch.equal(torch.cat([_full(p) for p in compiled.parameters()]), _flat(loaded))
     # resuming it sharded: load, optimizer, resume, then shard with the optimizer (its state moves onto the shards)
     opt2 = torch.optim.AdamW(tncompile.param_groups(loaded, lr=3e-3, gate_lr=3e-2))
@@ -399,7 +399,7 @@ def _world_sizes(rank: int, out: Path) -> dict:
     if rank == 0:
         tncompile.save(compiled, out / "one.tnc", optimizer=opt, controller=ctl, extra={"rng_per_rank": [saved]})
     dist.barrier()
-    loaded = tncompile.load(out / "one.tnc")
+    loaded = tncompile.load(out / "one.tnc", model=mlp((64, 256, 256, 10)))
     opt2 = torch.optim.AdamW(tncompile.param_groups(loaded, lr=3e-3, gate_lr=3e-2))
     torch.manual_seed(5)
     with warnings.catch_warnings(record=True) as caught:
@@ -479,11 +479,14 @@ def _own_loop(rank: int, out: Path) -> dict:
             "kept_forms": _fsdp2_kept_forms(rank, out)}
 
 
+def _dropout_model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                               torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+
+
 def _dropout_setup():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-    compiled = tncompile.compile(model, target_ratio=0.3)
+    compiled = tncompile.compile(_dropout_model(), target_ratio=0.3)
     opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=3e-3, gate_lr=3e-2))
     ctl = tncompile.RankController(compiled, opt, target_ratio=0.12, early_steps=8, late_steps=16,
                                    truncate_every=4, recovery=0.25)
@@ -507,7 +510,7 @@ def _resume_is_exact(rank: int, out: Path) -> dict:
     uninterrupted = _flat(compiled)
     dist.barrier()
     torch.manual_seed(12345)  # whatever the process drew since: resume must restore each rank's stream
-    loaded = tncompile.load(out / "half.tnc")
+    loaded = tncompile.load(out / "half.tnc", model=_dropout_model)
     opt = torch.optim.AdamW(tncompile.param_groups(loaded, lr=3e-3, gate_lr=3e-2))
     ctl = tncompile.RankController(loaded, opt, target_ratio=0.12, early_steps=8, late_steps=16, truncate_every=4,
                                    recovery=0.25)
@@ -726,7 +729,7 @@ def test_fit_with_ddp_checkpoints_from_rank0_and_restores_each_rank_stream(check
         assert r["own_rng_restored"] and r["streams_differ"]
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".tnc") == ["ckpt.tnc"]
     # the 2-process checkpoint resumes in one process too (it then keeps rank 0's stream)
-    loaded = tncompile.load(tmp_path / "ckpt.tnc")
+    loaded = tncompile.load(tmp_path / "ckpt.tnc", model=mlp((64, 256, 256, 10)))
     opt = torch.optim.AdamW(tncompile.param_groups(loaded, lr=3e-3, gate_lr=3e-2))
     ctl = tncompile.RankController(loaded, opt, target_ratio=0.12, early_steps=8, late_steps=16, truncate_every=4,
                                    recovery=0.25)
@@ -854,7 +857,9 @@ def test_the_example_trains_under_torchrun(tmp_path, mode):
                          timeout=300, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"2 processes ({mode.upper()})" in run.stdout
-    loaded = tncompile.load(tmp_path / "ddp.tnc")
+    example_model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 1024),
+                                        torch.nn.GELU(), torch.nn.Linear(1024, 10))  # examples/ddp.py's
+    loaded = tncompile.load(tmp_path / "ddp.tnc", model=example_model)
     assert loaded.ratio <= 0.021 and "FSDP" not in type(loaded).__name__
 
 

@@ -58,7 +58,7 @@ def test_attention_dropout_follows_the_mode_whatever_mode_it_was_traced_in(trace
 def test_attention_dropout_rate_survives_save_and_load(tmp_path):
     compiled = tncompile.compile(attention_only_bert().train(), 0.5, example_inputs={"input_ids": IDS}, mode="graph")
     tncompile.save(compiled, tmp_path / "m")
-    loaded = tncompile.load(tmp_path / "m")
+    loaded = tncompile.load(tmp_path / "m", model=attention_only_bert())
     assert rate_modules(loaded) == rate_modules(compiled)
     loaded.eval()
     compiled.eval()

@@ -168,7 +168,7 @@ def test_dlrm_at_full_rank_equals_the_original(tmp_path):
     compiled = compile_full_rank(model, None)
     torch.testing.assert_close(compiled(*inputs), model(*inputs), rtol=1e-9, atol=1e-9)
     tncompile.save(compiled, tmp_path / "dlrm.tnc")
-    again = tncompile.load(tmp_path / "dlrm.tnc")
+    again = tncompile.load(tmp_path / "dlrm.tnc", model=DLRM().double())
     assert torch.equal(again(*inputs), compiled(*inputs))
 
 

@@ -154,12 +154,12 @@ def test_bad_init_and_rank_pattern(model):
 
 
 def test_save_rejects_non_compiled(tmp_path):
-    with pytest.raises(TypeError, match="expects a CompiledModel"):
+    with pytest.raises(TypeError, match="expects a model tncompile.compile returned"):
         tncompile.save(small_encoder(), tmp_path / "x")
     (tmp_path / "junk").write_bytes(b"")
     torch.save({"a": 1}, tmp_path / "junk")
-    with pytest.raises(ValueError, match="not a tncompile file"):
-        tncompile.load(tmp_path / "junk")
+    with pytest.raises(tncompile.ModelFileError, match="not a tncompile file"):
+        tncompile.load(tmp_path / "junk", model=small_encoder())
 
 
 @pytest.mark.parametrize("kw", [{}, {"linear_cores": 20}, {"exclude_modules": "all"}])

@@ -113,7 +113,8 @@ def test_six_encoder_fuses_every_layer_matches_the_original_and_reloads(tmp_path
     compiled.train()
     assert fused[0].dropout_p() == 0.1
     tncompile.save(compiled, tmp_path / "fused.tnc")
-    loaded = tncompile.load(tmp_path / "fused.tnc").eval()
+    loaded = tncompile.load(tmp_path / "fused.tnc", model=SixEncoder(vocab_size=100, d_model=32, n_heads=4, d_ff=64, n_layers=2,
+                                                                    max_len=16, num_classes=2)).eval()
     compiled.eval()
     assert sorted(n for n, _ in loaded.named_modules()) == sorted(n for n, _ in compiled.named_modules())
     with torch.no_grad():

@@ -36,7 +36,7 @@ def test_a_size_fixed_by_the_trace_is_refused_with_the_reason(tmp_path):
     path = tmp_path / "m.tnc"
     tncompile.save(compiled, path)
     with pytest.raises(ValueError, match="fixed it to 2"):  # the constraint is saved with the model
-        tncompile.load(path)(torch.randn(5, 4, 64))
+        tncompile.load(path, model=UsesLen())(torch.randn(5, 4, 64))
 
 
 def test_shape_generic_code_runs_at_any_batch():

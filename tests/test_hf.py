@@ -71,7 +71,7 @@ def test_gpt2_tied_weights_stay_tied_through_compile_save_load(gpt2, tmp_path):
     c.eval()
     path = tmp_path / "gpt2.tnc"
     tncompile.save(c, path)
-    loaded = tncompile.load(path)
+    loaded = tncompile.load(path, model=transformers.GPT2LMHeadModel(gpt2.config))
     assert loaded.model.lm_head.embedding is loaded.model.transformer.wte
     assert torch.equal(loaded(input_ids=ids).logits, c(input_ids=ids).logits)
     dense = c.to_dense()

@@ -471,7 +471,7 @@ def test_distilling_while_the_controller_cuts_ranks_checkpoints_and_resumes(pret
                             checkpoint_path=tmp_path / "ck.tnc", checkpoint_every=12)
     assert any(e["kind"] == "truncation" for e in history.events)
     assert student.ratio < 0.3
-    loaded = tncompile.load(tmp_path / "ck.tnc")
+    loaded = tncompile.load(tmp_path / "ck.tnc", model=TinyText())
     opt2 = torch.optim.AdamW(tncompile.param_groups(loaded, lr=3e-3, gate_lr=3e-2))
     ctl2 = tncompile.RankController(loaded, opt2, target_ratio=0.15, early_steps=6, late_steps=18,
                                     truncate_every=3)
@@ -488,7 +488,7 @@ def test_fixed_rank_checkpoints_resume_where_they_stopped(pretrained, tmp_path):
     opt = torch.optim.Adam([p for p in student.parameters() if p.requires_grad], lr=1e-3)
     tncompile.fit(student, unlabeled(3), None, opt, steps=4, teacher=model, progress=False,
                   checkpoint_path=tmp_path / "ck.tnc", checkpoint_every=4)
-    loaded = tncompile.load(tmp_path / "ck.tnc")
+    loaded = tncompile.load(tmp_path / "ck.tnc", model=TinyText())
     tncompile.freeze_gates(loaded)
     opt2 = torch.optim.Adam([p for p in loaded.parameters() if p.requires_grad], lr=1e-3)
     extra = tncompile.resume(loaded, opt2)

@@ -288,7 +288,7 @@ def test_collapsed_layer_survives_save_and_load(tmp_path):
         mod.gates[0].zero_()
     ctl.truncate()
     tncompile.save(compiled, tmp_path / "c.tnc")
-    loaded = tncompile.load(tmp_path / "c.tnc")
+    loaded = tncompile.load(tmp_path / "c.tnc", model=mlp((64, 128, 64)).to(f64))
     x = torch.randn(3, 64, dtype=f64)
     assert isinstance(loaded.model.get_submodule(name), CollapsedLayer)
     assert torch.equal(loaded(x), compiled(x)) and loaded.ratio == compiled.ratio

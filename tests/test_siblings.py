@@ -92,7 +92,7 @@ def test_pass_groups_query_key_value_and_keeps_parameter_names(ops, spy, trains_
     assert "tt_siblings(" in compiled.program.dump()
     trains_like(compiled, plain, ids)
     assert len(spy) == 4                               # two layers, two forwards: one pass over x each
-    reloads_with(compiled, ids, tt_siblings, 2)
+    reloads_with(compiled, ids, tt_siblings, 2, small_encoder(d_model=64, d_ff=256, max_len=64).eval())
 
 
 def test_graph_functions_survive_pickling(ops):

@@ -293,9 +293,9 @@ def test_a_saved_swapped_model_loads_onto_a_fresh_model_and_resumes(tmp_path):
     tncompile.fit(c, data, lambda out, y: F.cross_entropy(out.logits, y), opt, ctl, early_steps=4, late_steps=8,
                   progress=False, checkpoint_path=tmp_path / "ckpt.tnc", checkpoint_every=12)
     path = tmp_path / "ckpt.tnc"
-    with pytest.raises(ValueError, match="pass the dense model to load it onto"):
+    with pytest.raises(tncompile.ModelFileError, match="pass the dense model it was saved from"):
         tncompile.load(path)
-    with pytest.raises(ValueError, match="saved from a .*BertForSequenceClassification"):
+    with pytest.raises(tncompile.ModelMismatchError, match="saved from a BertForSequenceClassification"):
         tncompile.load(path, model=mlp((64, 128, 10)))
     fresh = _bert()
     loaded = tncompile.load(path, model=fresh)
@@ -333,7 +333,7 @@ def test_save_pretrained_reloads_exactly_and_plain_hf_loading_fails_loudly(tmp_p
     assert not (folder / "model.safetensors").exists() and (folder / "config.json").exists()
     with pytest.raises(OSError):
         transformers.BertForSequenceClassification.from_pretrained(folder)
-    with pytest.raises(TypeError, match="pass its model class"):
+    with pytest.raises(tncompile.ModelFileError, match="pass its model class"):
         tncompile.load(folder)
     loaded = tncompile.load(folder, model=transformers.BertForSequenceClassification)
     assert isinstance(loaded, transformers.BertForSequenceClassification) and loaded.ratio == pytest.approx(c.ratio)

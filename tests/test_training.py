@@ -113,7 +113,7 @@ def test_checkpoint_carries_truncated_shapes_and_save_is_atomic(tmp_path, monkey
     ctl.truncate()
     path = tmp_path / "m.tnc"
     tncompile.save(compiled, path, optimizer=opt, controller=ctl)
-    loaded = tncompile.load(path)
+    loaded = tncompile.load(path, model=small_encoder())
     assert loaded.ratio == pytest.approx(compiled.ratio)
     x = _data(1)[0][0]
     compiled.eval(), loaded.eval()
@@ -135,11 +135,11 @@ def test_resume_errors_are_clear(tmp_path):
     compiled, opt, ctl = _setup()
     path = tmp_path / "plain.tnc"
     tncompile.save(compiled, path, rng=False)
-    loaded = tncompile.load(path)
+    loaded = tncompile.load(path, model=small_encoder())
     with pytest.raises(ValueError, match="no training state"):
         tncompile.resume(loaded, torch.optim.AdamW(tncompile.param_groups(loaded, lr=1e-3)))
     tncompile.save(compiled, path, optimizer=opt, controller=ctl)
-    loaded = tncompile.load(path)
+    loaded = tncompile.load(path, model=small_encoder())
     with pytest.raises(ValueError, match="optimizer is AdamW"):
         tncompile.resume(loaded, torch.optim.SGD(tncompile.param_groups(loaded, lr=1e-3)))
     with pytest.raises(ValueError, match="parameter groups differ"):

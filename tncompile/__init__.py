@@ -8,7 +8,8 @@ See ARCHITECTURE.md.
 from . import calibration, distributed, formats, ir, passes, planning, runtime, train, tuning
 from .api import compile
 from .compiled import CompiledModel
-from .errors import ModelFileError, PassError, SlowerThanDenseWarning, TNCompileError, TraceError, UnsafeFileError
+from .errors import (ModelFileError, ModelMismatchError, PassError, SlowerThanDenseWarning, TNCompileError,
+                     TraceError)
 from .passes import FunctionPass, Pass, Pipeline, default_pipeline, register_pass
 from .report import Report
 from .serialization import load, resume, save
@@ -24,5 +25,5 @@ __version__ = "0.1.0"
 
 __all__ = ["compile", "save", "load", "resume", "fit", "History", "Distill", "freeze_gates", "compress_pretrained", "Pass", "FunctionPass", "Pipeline", "register_pass",
            "default_pipeline", "RankController", "RankEvent", "param_groups", "TrainStep", "dry_run", "CompiledModel", "Report",
-           "TNCompileError", "TraceError", "PassError", "ModelFileError", "UnsafeFileError", "SlowerThanDenseWarning", "calibration", "distributed", "formats", "ir", "passes", "planning", "runtime", "train",
+           "TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "SlowerThanDenseWarning", "calibration", "distributed", "formats", "ir", "passes", "planning", "runtime", "train",
            "tuning", "__version__"]

@@ -1,7 +1,7 @@
 """Exceptions raised by tncompile."""
 from __future__ import annotations
 
-__all__ = ["TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "UnsafeFileError", "SlowerThanDenseWarning"]
+__all__ = ["TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "SlowerThanDenseWarning"]
 
 
 class TNCompileError(RuntimeError):
@@ -21,9 +21,11 @@ class PassError(TNCompileError):
 
 
 class ModelFileError(ValueError):
-    """A model file that tncompile cannot load: damaged, truncated, malformed, or
-    (:class:`UnsafeFileError`) asking for something outside the file format's tables.
-    The message names the file and the part of it that is wrong."""
+    """A model file that tncompile does not load: not a tncompile file, another format
+    version, damaged, truncated, a manifest field out of type, set or bounds, tensors
+    that disagree with its layer table, or (:class:`ModelMismatchError`) a file that does
+    not fit the model given. The message names the file and the part of it that is wrong.
+    The only error ``tncompile.load`` raises for anything about the file."""
 
 
 class ModelMismatchError(ModelFileError):
@@ -31,12 +33,6 @@ class ModelMismatchError(ModelFileError):
     another class or configuration, a layer missing or of another kind or shape where the
     file's layer table has a compressed one, or state the file does not hold. The message
     names the first difference."""
-
-
-class UnsafeFileError(ModelFileError):
-    """A file asks for something tncompile does not load without ``trust=True``:
-    a name outside the format's tables (a function, method, op, module class,
-    record type), text that would become code, or a pickle."""
 
 
 class SlowerThanDenseWarning(UserWarning):

@@ -22,7 +22,11 @@ from .truncate_ranks import Cut, TruncateRanks, cut_ranks
 from .collapse_layers import CollapseLayers
 from .rules import Match, Pat, Rule, apply_rules
 
-__all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes",
+#: tncompile's own passes (registered above, before any user code can register one): what
+#: a model file may name in its pipeline without the user passing it again
+BUILTIN_PASSES = frozenset(registered_passes())
+
+__all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes", "BUILTIN_PASSES",
            "default_pipeline", "Canonicalize", "FollowDevice", "Tensorize", "AssignRanks", "Decompose", "PlanContractions",
            "FuseFeedForward", "LowerDropout", "FuseAttention", "Replan", "TruncateRanks", "CollapseLayers", "PendingLayer",
            "replan_module", "Cut", "cut_ranks",

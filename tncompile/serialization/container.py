@@ -33,10 +33,14 @@ from typing import Callable
 import torch
 
 from ..errors import ModelFileError
-from .tables import SAFETENSORS_DTYPES
 
-__all__ = ["read_container", "write_atomically", "encode_container", "temporary_prefix", "STALE_SECONDS",
-           "MAX_HEADER_BYTES"]
+__all__ = ["read_container", "write_atomically", "encode_container", "temporary_prefix", "digest", "STALE_SECONDS",
+           "MAX_HEADER_BYTES", "SAFETENSORS_DTYPES"]
+
+#: the dtypes a file may hold, by their safetensors codes
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
 
 MAX_HEADER_BYTES = 256 * 2**20   # the JSON header (the manifest is in it): far above any real model's
 MAX_DIMS = 16
@@ -131,6 +135,19 @@ def _tensor_at(data: bytearray, offset: int, numel: int, dtype: torch.dtype, sha
         raw = torch.frombuffer(data, dtype=torch.uint8, count=numel * itemsize, offset=offset).clone()
         return raw.view(dtype).reshape(shape)
     return torch.frombuffer(data, dtype=dtype, count=numel, offset=offset).reshape(shape)
+
+
+def digest(tensors: dict[str, torch.Tensor], manifest: str | None = None) -> str:
+    """SHA-256 over the manifest (when given), then every tensor's name, dtype, shape and
+    bytes, in name order: what proves a file undamaged (not benign: anyone can reseal)."""
+    h = hashlib.sha256()
+    if manifest is not None:
+        h.update(manifest.encode() + b"\0")
+    for key in sorted(tensors):
+        t = tensors[key].detach().to("cpu").contiguous()
+        h.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # the bytes, not copied
+    return h.hexdigest()
 
 
 # ----------------------------------------------------------------- writing

@@ -13,7 +13,7 @@ __all__ = ["exact_keys", "module_path", "choice", "boolean", "integer", "number"
 
 MAX_NAME = 512
 #: a module or tensor path: dotted Python identifiers or indices, as ``named_modules`` writes them
-PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*$")
+PATH = re.compile(r"^[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*$")
 
 
 def exact_keys(data: Any, keys: set[str], at: str) -> dict:

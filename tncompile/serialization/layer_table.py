@@ -78,18 +78,22 @@ def _collapsed_decision(path: str, m: CollapsedLayer, program: Program, owner: s
     return LayerDecision(m.kind, layout.with_ranks(1), collapsed=True)
 
 
-def table_rows(decisions: CompileDecisions, model: nn.Module, prefix: str) -> list[dict[str, Any]]:
+def table_rows(decisions: CompileDecisions, program: Program, model: nn.Module) -> list[dict[str, Any]]:
     """JSON rows of ``decisions``: the names of each layer's cores and gates are their
-    ``state_dict`` names in ``model``, whose program paths carry ``prefix``."""
-    modules = dict(model.named_modules(remove_duplicate=False))
+    ``state_dict`` names in ``model`` (found by identity: a swapped subclass keeps its
+    network one level down)."""
+    state_name: dict[int, str] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        state_name.setdefault(id(t), name)
+    modules = {node.target: m for node, m in program.modules()}
     rows = []
     for path, d in decisions.layers.items():
         row: dict[str, Any] = {"path": path, "kind": d.kind, "layout": _layout_row(d.layout),
                                "collapsed": d.collapsed, "tied_to": d.tied_to, "cores": [], "gates": []}
-        layer = modules.get(prefix + path)
+        layer = modules.get(path)
         if isinstance(layer, TNModule) and d.tied_to is None:
-            row["cores"] = [f"{prefix}{path}.cores.{k}" for k in range(len(layer.cores))]
-            row["gates"] = [f"{prefix}{path}.gates.{k}" for k in range(len(layer.gates))]
+            row["cores"] = [state_name[id(p)] for p in layer.cores._parameters.values()]
+            row["gates"] = [state_name[id(p)] for p in layer.gates._parameters.values()]
         rows.append(row)
     return rows
 

@@ -14,17 +14,22 @@ model's ``save_pretrained(folder)`` therefore writes:
   weights. A folder that already holds such a file is refused (HF would load it).
 
 ``tncompile.load(folder, model=BertModel)`` (a class: built from the folder's
-``config.json``; or a fresh instance) rebuilds the compressed model.
+``config.json``, data fields only; or a fresh instance) rebuilds the compressed model.
 """
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
-__all__ = ["FOLDER_FILE", "HF_WEIGHT_FILES", "save_folder", "model_for_folder", "is_model_folder"]
+from ..errors import ModelFileError, ModelMismatchError
+from ..ir.program import count_params
+
+__all__ = ["FOLDER_FILE", "HF_WEIGHT_FILES", "save_folder", "load_folder", "model_from_config", "is_model_folder"]
 
 FOLDER_FILE = "tncompile-model.tnc"
 # what transformers' from_pretrained reads weights from (a folder holding any of them would load it)
@@ -72,24 +77,83 @@ def save_folder(model: nn.Module, directory: str | os.PathLike, save: Callable[.
     save(model, folder / FOLDER_FILE)
 
 
-def model_for_folder(folder: Path, model: Any) -> nn.Module:
-    """The dense model to load ``folder``'s file onto: ``model`` itself, or a class
-    built from the folder's ``config.json`` (``cls(cls.config_class.from_pretrained(folder))``)."""
-    if isinstance(model, nn.Module):
-        return model
+def load_folder(folder: Path, model: Any, *, passes=None, example_inputs=None, map_location=None) -> nn.Module:
+    """:func:`tncompile.load` of a folder: its file rebuilt onto ``model`` -- a fresh instance,
+    a callable building one, or a class built from the folder's ``config.json``
+    (:func:`model_from_config`)."""
+    from .model_file import dense_model, read_model_file, rebuild_saved  # noqa: PLC0415 - model_file imports this
+
+    saved = read_model_file(folder / FOLDER_FILE)
+    if model is None:
+        raise ModelFileError(f"tncompile.load: {str(folder)!r} was written by save_pretrained of a compressed "
+                             f"{saved.model_class}; pass its model class (model={saved.model_class}: built from the "
+                             "folder's config.json) or a fresh instance to load it onto")
     if isinstance(model, type) and issubclass(model, nn.Module):
-        config_class = getattr(model, "config_class", None)
-        if config_class is None or not hasattr(config_class, "from_pretrained"):
-            raise TypeError(f"tncompile.load({str(folder)!r}, model={model.__name__}): {model.__name__} has no "
-                            "config_class to build it from the folder's config.json; pass a fresh instance "
-                            "instead (model=YourModel(...))")
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(f"tncompile.load: {str(folder)!r} has no config.json to build "
-                                    f"{model.__name__} from; pass a fresh instance (model=...)")
-        config = config_class.from_pretrained(folder)
-        if hasattr(config, "tncompile"):
-            del config.tncompile
-        return model(config)
-    raise TypeError(f"tncompile.load({str(folder)!r}): a folder written by save_pretrained of a compressed model "
-                    "loads onto its model class or a fresh instance: model=BertModel or model=BertModel(config); "
-                    f"got {type(model).__name__}")
+        dense = model_from_config(folder, model, saved)
+    else:
+        dense = dense_model(model, folder)
+    loaded = rebuild_saved(saved, dense, passes, example_inputs)
+    if map_location is not None:
+        loaded.to(map_location)
+    return loaded
+
+
+#: config entries that name code, not data: never honoured from a file
+CODE_KEYS = ("auto_map", "custom_pipelines", "trust_remote_code", "quantization_config", "tncompile")
+ATTENTION_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
+#: attention implementations a file may ask for: PyTorch's own
+ATTENTION = (None, "eager", "sdpa")
+MAX_CONFIG_BYTES = 1 << 20
+#: a folder's config may build a dense model at most this many times the file's bytes (a
+#: model compressed 200x; CoMERA's are 80-99x) or DENSE_FLOOR_BYTES, whichever is larger
+DENSE_PER_FILE_BYTE = 200
+DENSE_FLOOR_BYTES = 512 << 20
+
+
+def model_from_config(folder: Path, cls: type, saved) -> nn.Module:
+    """``cls(config)`` from the folder's ``config.json``, data fields only: entries that name
+    code (``auto_map``, remote code, a quantizer) are dropped, an attention implementation
+    other than PyTorch's own is refused, and the model is first built on the meta device
+    (nothing allocated): its parameter count must be the saved model's, and its size within
+    :data:`DENSE_PER_FILE_BYTE` times the file's."""
+    where = f"{folder / 'config.json'}"
+    config_class = getattr(cls, "config_class", None)
+    if config_class is None or not hasattr(config_class, "from_dict"):
+        raise TypeError(f"tncompile.load({str(folder)!r}, model={cls.__name__}): {cls.__name__} has no config_class "
+                        "to build it from the folder's config.json; pass a fresh instance instead (model=YourModel(...))")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelFileError(f"tncompile.load: {str(folder)!r} has no config.json to build {cls.__name__} from; pass "
+                             "a fresh instance (model=...)")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ModelFileError(f"{where}: larger than {MAX_CONFIG_BYTES:,} bytes")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{where}: not JSON ({type(e).__name__}: {e})") from e
+    if not isinstance(data, dict):
+        raise ModelFileError(f"{where}: not a JSON object")
+    for key in CODE_KEYS:
+        data.pop(key, None)
+    for key in ATTENTION_KEYS:
+        if key in data and data[key] not in ATTENTION:
+            raise ModelFileError(f"{where}: {key}={data[key]!r:.80} is not PyTorch's own attention "
+                                 f"({[a for a in ATTENTION if a]}); a file may not choose other code to run")
+    try:
+        config = config_class.from_dict(data)
+        with torch.device("meta"):
+            shape_only = cls(config)
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError, OverflowError) as e:
+        raise ModelFileError(f"{where}: does not build a {cls.__name__} ({type(e).__name__}: {e})") from e
+    params = count_params(shape_only)
+    nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in shape_only.state_dict().values()}.values())
+    del shape_only
+    if params != saved.original_params:
+        raise ModelMismatchError(f"{where}: builds a {cls.__name__} of {params:,} parameters; the saved model had "
+                                 f"{saved.original_params:,}")
+    limit = max(DENSE_FLOOR_BYTES, DENSE_PER_FILE_BYTE * sum(t.numel() * t.element_size()
+                                                              for t in saved.tensors.values()))
+    if nbytes > limit:
+        raise ModelFileError(f"{where}: builds a dense {cls.__name__} of {nbytes:,} bytes, more than {limit:,} for "
+                             "this file; build it yourself and pass the instance (model=...) if you trust it")
+    return cls(config)

@@ -51,7 +51,7 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
         steps: int | None = None, teacher: nn.Module | None = None, distill: Distill | None = None,
         eval_every: int | None = None, log_every: int = 10, grad_clip: float | None = None,
         checkpoint_path: str | os.PathLike | None = None, checkpoint_every: int | None = None,
-        history: History | None = None, scheduler: Any = None, cuda_graph: bool | str = "auto",
+        history: History | dict | None = None, scheduler: Any = None, cuda_graph: bool | str = "auto",
         progress: bool = True, ddp: dict[str, Any] | None = None) -> History:
     """Train ``compiled``: with a ``controller``, ``early_steps`` early-stage then
     ``late_steps`` late-stage steps of CoMERA's rank-adaptive schedule; without
@@ -168,7 +168,8 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
         if frozen:
             raise ValueError(f"fit: the rank gates of {frozen[:3]} are frozen but a RankController trains them; "
                              "tncompile.freeze_gates(model, False) first, or train without a controller")
-    history = history if history is not None else History()
+    history = (History() if history is None else History.from_dict(history) if isinstance(history, dict)
+               else history)
     if controller is not None:
         if controller.stage == "early":
             controller.early_steps = early_steps
@@ -232,7 +233,7 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
             if checkpoint_path is not None and step % checkpoint_every == 0:
                 save_on_rank0(compiled, checkpoint_path, getattr(controller, "process_group", None),
                               optimizer=optimizer, controller=controller,
-                              extra={"history": history,
+                              extra={"history": history.to_dict(),
                                      "scheduler": scheduler.state_dict() if scheduler is not None else None})
             bar.update(1)
             bar.set_postfix(loss=f"{task_value:.4f}", ratio=f"{ratio:.4g}", ms=f"{step_ms:.0f}",

@@ -64,6 +64,14 @@ class History:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "History":
+        """The history :meth:`to_dict` gave (a checkpoint's ``extra["history"]``)."""
+        names = set(cls.__dataclass_fields__)
+        if not isinstance(data, dict) or set(data) != names or not all(isinstance(v, list) for v in data.values()):
+            raise ValueError(f"not a History's to_dict(): needs exactly the lists {sorted(names)}")
+        return cls(**{k: list(v) for k, v in data.items()})
+
     def save_json(self, path: str | os.PathLike) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f)

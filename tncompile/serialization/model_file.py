@@ -1,0 +1,578 @@
+"""``tncompile.save`` / ``load`` / ``resume``: a compressed model as tensors and a table of data.
+
+Format 3 is a safetensors file. Its tensors are the compressed model's ``state_dict``
+(standard names; a tensor two names share is stored once) and, in a checkpoint, the
+optimizer's state, the random streams and ``extra``. Its metadata holds a JSON manifest
+of data only: the format version, the layer table (:mod:`.layer_table`: each compressed
+layer's path, kind, modes, ranks and tensor names), the compile settings and the names of
+the passes that ran, the state's names, the example inputs the model was traced with, and
+the training state as plain data (:mod:`.plain`). No graph, no object state, no class to
+import, no plan, nothing that becomes code.
+
+Structure comes from the user's own code: :func:`load` takes the dense model (or a
+callable that builds it), traces it as ``compile`` did and runs the recorded pipeline
+with the table's decisions instead of deciding again (:func:`tncompile.api.rebuild`);
+every tensor is then checked against the rebuilt model -- exact names, shapes, dtypes and
+sharing -- and loaded. Everything about the file that is wrong is a
+:class:`~tncompile.errors.ModelFileError` (a file that does not fit the model given: its
+subclass :class:`~tncompile.errors.ModelMismatchError`).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..api import rebuild
+from ..compiled import CompiledModel
+from ..errors import ModelFileError, ModelMismatchError, PassError, TraceError
+from ..options import MAX_ROWS, PREFER, CompileOptions
+from ..passes import BUILTIN_PASSES, Pass, Pipeline, get_pass
+from ..passes.base import normalize_name
+from ..runtime.module_kinds import is_sharded
+from ..swap import is_swapped, user_class
+from . import plain
+from .container import digest, encode_container, read_bytes_once, read_container, write_atomically
+from .fields import boolean, choice, exact_keys, integer, module_path, names, number, text
+from .layer_table import decisions_from_rows, decisions_of, table_rows
+
+__all__ = ["save", "load", "resume", "FORMAT", "VERSION", "MAX_EXAMPLE_ELEMENTS"]
+
+FORMAT = "tncompile"
+VERSION = 3
+MODES = ("graph", "swap")
+MAX_PASSES = 64
+#: most elements of all example inputs together: load runs the model on them while tracing
+MAX_EXAMPLE_ELEMENTS = 1 << 16
+_TRAINING = "tncompile/training"
+_EXAMPLE = "tncompile/example"
+_KEYS = {"format", "version", "mode", "model_class", "pipeline", "options", "original_params", "compiled_ratio",
+         "example_inputs", "layers", "state", "training", "train_mode"}
+
+
+# ----------------------------------------------------------------- save
+def save(compiled: nn.Module, path: str | os.PathLike, *, optimizer: torch.optim.Optimizer | None = None,
+         controller=None, extra: dict[str, Any] | None = None, rng: bool = True) -> None:
+    """Write ``compiled`` (graph or swap mode) to ``path``; with what resuming needs.
+
+    Parameters
+    ----------
+    optimizer : torch.optim.Optimizer, optional
+        Its state, keyed by parameter name (restored by :func:`resume`).
+    controller : RankController, optional
+        Its schedule, targets and loss average.
+    extra : dict, optional
+        Plain data: ``None``, bools, numbers, strings, tensors, and lists, tuples and
+        dicts of them (``tncompile.fit`` stores its history and scheduler state here).
+        Anything else raises ``TypeError`` naming where it is: files hold no code.
+    rng : bool
+        Save the CPU (and initialized CUDA) random generators' states, so a resumed
+        run draws the same dropout masks.
+
+    The write is atomic: a temporary file in the same directory is renamed over
+    ``path`` only once complete, so a crash leaves any previous file intact.
+    """
+    compiled = _saved_model(compiled)
+    path = _file_path(path, "save")
+    _check_destination(path)
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"tncompile.save: optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__} {optimizer!r}")
+    if controller is not None and not (hasattr(controller, "state_dict") and hasattr(controller, "penalty")):
+        raise TypeError(f"tncompile.save: controller must be a RankController, got {type(controller).__name__}")
+    program = compiled.program
+    swap = is_swapped(compiled)
+    tensors: dict[str, torch.Tensor] = {}
+    state, aliases = _model_state(compiled, tensors)
+    manifest = {
+        "format": FORMAT, "version": VERSION, "mode": "swap" if swap else "graph",
+        "model_class": (user_class(compiled) if swap else type(compiled.model)).__name__,
+        "pipeline": list(program.pipeline),
+        "options": _options_row(program.options),
+        "original_params": program.original_params,
+        "compiled_ratio": program.compiled_ratio,
+        "example_inputs": plain.encode(program.example_inputs, tensors, _EXAMPLE)
+        if program.example_inputs is not None else None,
+        "layers": table_rows(decisions_of(program), program, compiled),
+        "state": {"names": state, "aliases": aliases},
+        "training": _training_row(compiled, optimizer, controller, extra, rng, tensors),
+        "train_mode": compiled.training,
+    }
+    text_ = json.dumps(manifest)
+    metadata = {"format": FORMAT, "version": str(VERSION), "manifest": text_, "sha256": digest(tensors, text_)}
+    header, body = encode_container(tensors, metadata)
+    write_atomically(path, header, body)
+
+
+def _saved_model(compiled: Any) -> nn.Module:
+    while not isinstance(compiled, CompiledModel) and not is_swapped(compiled) \
+            and isinstance(getattr(compiled, "module", None), nn.Module):
+        compiled = compiled.module  # a DDP / DistributedModel wrapper: save what it wraps
+    if not isinstance(compiled, CompiledModel) and not is_swapped(compiled):
+        raise TypeError(f"tncompile.save expects a model tncompile.compile returned, got {type(compiled).__name__}")
+    if is_sharded(compiled):  # save_on_rank0 gathers the shards on every process first
+        raise ValueError("tncompile.save: the model is sharded by FSDP2 (its parameters are DTensor shards); "
+                         "call tncompile.distributed.save_on_rank0(compiled, path, optimizer=...) on every "
+                         "process: it gathers the shards and rank 0 writes the file")
+    return compiled
+
+
+def _check_destination(path: Path) -> None:
+    directory = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise IsADirectoryError(f"tncompile.save: {str(path)!r} is a directory; give a file path, "
+                                f"e.g. {str(path / 'model.tnc')!r}")
+    if not directory.is_dir():
+        raise FileNotFoundError(f"tncompile.save: the directory {str(directory)!r} of {str(path)!r} does not "
+                                "exist; create it first (os.makedirs)")
+
+
+def _model_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> tuple[list[str], dict[str, str]]:
+    """The state's names, and ``name -> first name`` of each tensor another name already holds."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    state = []
+    for name, t in model.state_dict(keep_vars=True).items():
+        state.append(name)
+        if id(t) in first:
+            aliases[name] = first[id(t)]
+        else:
+            first[id(t)] = name
+            tensors[name] = t.detach()
+    return state, aliases
+
+
+def _options_row(options: CompileOptions) -> dict[str, Any]:
+    return {"target_ratio": options.target_ratio, "prefer": options.prefer, "init": options.init,
+            "batch_sizes": list(options.batch_sizes) if options.batch_sizes else None,
+            "linear_cores": options.linear_cores, "embedding_cores": options.embedding_cores}
+
+
+def _param_names(compiled: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Per param group, the names of its parameters in the compiled model."""
+    names_ = {id(p): n for n, p in compiled.named_parameters()}
+    out = []
+    for group in optimizer.param_groups:
+        missing = [tuple(p.shape) for p in group["params"] if id(p) not in names_]
+        if missing:
+            raise ValueError(f"the optimizer holds parameters that are not the compiled model's "
+                             f"(shapes {missing[:3]}); build it from the model being saved")
+        out.append([names_[id(p)] for p in group["params"]])
+    return out
+
+
+def _training_row(compiled, optimizer, controller, extra, rng, tensors) -> Any:
+    if optimizer is None and controller is None and extra is None and not rng:
+        return None
+    state: dict[str, Any] = {"extra": extra, "optimizer": None, "controller": None, "rng": None}
+    if optimizer is not None:
+        state["optimizer"] = {"class": type(optimizer).__name__, "names": _param_names(compiled, optimizer),
+                              "state": optimizer.state_dict()}
+    if controller is not None:
+        state["controller"] = controller.state_dict()
+    if rng:
+        state["rng"] = {"cpu": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+    return plain.encode(state, tensors, _TRAINING, "the training state")
+
+
+# ----------------------------------------------------------------- load
+def load(path: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | type | None = None, *,
+         passes: Sequence[Pass] | None = None, example_inputs: Any = None,
+         map_location=None) -> nn.Module:
+    """Rebuild the compressed model saved at ``path`` from your dense model.
+
+    Parameters
+    ----------
+    model : nn.Module, or a callable returning one
+        The dense model the file was saved from: same class and configuration, any
+        weights (a fresh instance). It becomes the loaded model: in swap mode its layers
+        are replaced in place; in graph mode the compiled graph uses its modules. A
+        zero-argument callable (``lambda: MyModel(cfg)``) builds it. For a folder a
+        compressed model's ``save_pretrained`` wrote, an HF class will do: it is built
+        from the folder's ``config.json`` (data fields only).
+    passes : list of Pass, optional
+        Your own passes, when the model was compiled with them: matched by name
+        against the pipeline the file records (tncompile's passes need not be given).
+    example_inputs : optional
+        Inputs to trace with, when the file holds none (the compile's were not plain
+        tensors and values).
+    map_location : device or str, optional
+        Move the model there after loading.
+
+    Raises
+    ------
+    ModelFileError
+        Anything about the file: not a tncompile file, another format version, damaged,
+        a field out of type or bounds, tensors that disagree with its layer table.
+    ModelMismatchError
+        The model given is not the one the file was saved from (a ``ModelFileError``).
+    """
+    from .pretrained_folder import is_model_folder, load_folder  # noqa: PLC0415 - the folder module uses this one
+
+    path = _file_path(path, "load")
+    if is_model_folder(path):  # save_pretrained of a swap-mode model
+        return load_folder(path, model, passes=passes, example_inputs=example_inputs, map_location=map_location)
+    if path.is_dir():
+        raise IsADirectoryError(f"tncompile.load: {str(path)!r} is a directory; give the file tncompile.save wrote "
+                                "(or a folder a compressed model's save_pretrained wrote)")
+    if not path.exists():
+        raise FileNotFoundError(f"tncompile.load: no file {str(path)!r}")
+    if map_location is not None:
+        try:
+            torch.device(map_location)
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"tncompile.load: map_location={map_location!r} is not a device "
+                             "(e.g. 'cpu', 'cuda', 'cuda:1' or a torch.device)") from e
+    saved = read_model_file(path)
+    if model is None:
+        raise ModelFileError(f"tncompile.load({str(path)!r}): a model file holds tensors and a table of its "
+                             f"compressed layers, not the program: pass the dense model it was saved from (a "
+                             f"{saved.model_class}), e.g. tncompile.load(path, model={saved.model_class}(...)) "
+                             "or model=lambda: ... that builds it")
+    loaded = rebuild_saved(saved, dense_model(model, path), passes, example_inputs)
+    if map_location is not None:
+        loaded.to(map_location)
+    return loaded
+
+
+class SavedModel:
+    """A model file's checked contents (:func:`read_model_file`)."""
+
+    def __init__(self, path: Path, manifest: dict, tensors: dict[str, torch.Tensor]):
+        self.path = path
+        where = str(path)
+        self.mode = choice(manifest["mode"], MODES, f"{where}: mode")
+        self.train_mode = boolean(manifest["train_mode"], f"{where}: train_mode")
+        self.model_class = module_path(manifest["model_class"], f"{where}: model_class")
+        self.pipeline = _pipeline_names(manifest["pipeline"], where)
+        self.options = _options(manifest["options"], where)
+        self.original_params = integer(manifest["original_params"], 0, 2**53, f"{where}: original_params")
+        self.compiled_ratio = (None if manifest["compiled_ratio"] is None
+                               else number(manifest["compiled_ratio"], 0.0, 1.0, f"{where}: compiled_ratio"))
+        used: set[str] = set()
+        self.example_inputs = _example(manifest["example_inputs"], tensors, where, used)
+        self.decisions = decisions_from_rows(manifest["layers"], tensors, where)
+        self.state, self.aliases = _state(manifest["state"], tensors, where, used)
+        self.training = (None if manifest["training"] is None
+                         else _training(manifest["training"], tensors, where, used))
+        extra = sorted(set(tensors) - used)
+        if extra:
+            raise ModelFileError(f"{where}: the tensor {extra[0]!r} (of {len(extra)}) is in no part of the manifest")
+        self.tensors = tensors
+
+
+def read_model_file(path: Path) -> SavedModel:
+    """The file's manifest and tensors, every field checked (no model is touched)."""
+    data = read_bytes_once(path)
+    head = bytes(data[:9])
+    if not (len(head) == 9 and head[8:9] == b"{"):
+        if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
+            raise ModelFileError(f"{path} is not a tncompile file: it is a pickle (tncompile's format 1 wrote them, "
+                                 "torch.save does). Loading a pickle runs the code it carries; this tncompile reads "
+                                 "format 3 only: compile your model, load_state_dict weights you trust, tncompile.save")
+        raise ModelFileError(f"{path} is not a tncompile file (save it with tncompile.save)")
+    metadata, tensors = read_container(data, path)
+    if metadata.get("format") != FORMAT:
+        raise ModelFileError(f"{path} is not a tncompile file (save it with tncompile.save)")
+    version = metadata.get("version", "")
+    if version != str(VERSION):
+        newer = version.isdigit() and int(version) > VERSION
+        raise ModelFileError(
+            f"{path} is a tncompile model file of format {version!r:.20}; this tncompile reads format {VERSION} only"
+            + (": upgrade tncompile" if newer else
+               " (format 2 stored the whole program, which loading would have to trust; format 3 holds data only): "
+               "re-save it -- compile your model, load_state_dict the old model's weights, tncompile.save"))
+    text_ = metadata.get("manifest")
+    if metadata.get("sha256") != digest(tensors, text_ if isinstance(text_, str) else None):
+        raise ModelFileError(f"{path} is damaged: its contents do not match the checksum saved with them")
+    try:
+        manifest = json.loads(text_)
+    except (TypeError, ValueError, RecursionError) as e:
+        raise ModelFileError(f"{path} is damaged: its manifest cannot be read ({type(e).__name__}: {e})") from e
+    exact_keys(manifest, _KEYS, f"{path}: the manifest")
+    if manifest["format"] != FORMAT or manifest["version"] != VERSION or isinstance(manifest["version"], bool):
+        raise ModelFileError(f"{path}: the manifest says format {manifest['format']!r:.40} version "
+                             f"{manifest['version']!r:.20}, its header {FORMAT!r} {VERSION}")
+    return SavedModel(path, manifest, tensors)
+
+
+def dense_model(model: Any, path: Path) -> nn.Module:
+    """The dense model to rebuild onto: ``model`` itself, or what calling it returns."""
+    if not isinstance(model, nn.Module) and callable(model):
+        model = model()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"tncompile.load({str(path)!r}, model=...): model must be the dense nn.Module the file was "
+                        f"saved from, or a callable that builds it; got {type(model).__name__}")
+    if isinstance(model, CompiledModel) or is_swapped(model):
+        raise ModelMismatchError(f"tncompile.load({str(path)!r}, model=...): the model is already compressed; pass a "
+                                 "fresh dense model")
+    return model
+
+
+def rebuild_saved(saved: SavedModel, dense: nn.Module, passes: Sequence[Pass] | None, example_inputs: Any) -> nn.Module:
+    """Rebuild ``saved`` on ``dense`` and load its tensors (see the module doc)."""
+    where = str(saved.path)
+    if type(dense).__name__ != saved.model_class:
+        raise ModelMismatchError(f"{where} was saved from a {saved.model_class}, the model given is a "
+                                 f"{type(dense).__name__}: pass the dense model it was saved from")
+    pipeline = _pipeline(saved.pipeline, passes, where)
+    example = example_inputs
+    if example is None and saved.example_inputs is not None:  # compile took a tuple of args or a dict of kwargs
+        args, kwargs = saved.example_inputs
+        example = kwargs if kwargs else args
+    try:
+        with _global_state_kept():
+            compiled = rebuild(dense, saved.decisions, saved.options, pipeline, saved.mode, example)
+    except ModelFileError as e:
+        raise type(e)(f"{where}: {e}") from e
+    except PassError as e:
+        raise ModelFileError(f"{where}: rebuilding with the file's pipeline {saved.pipeline} failed: {e}") from e
+    except (TraceError, ValueError, TypeError, RuntimeError, IndexError) as e:
+        if example_inputs is not None:
+            raise
+        raise ModelFileError(f"{where}: tracing the model given on the file's example inputs failed ({type(e).__name__}: "
+                             f"{e}); pass example_inputs= to load it, or check it is the model the file was saved "
+                             "from") from e
+    program = compiled.program
+    if program.original_params != saved.original_params:
+        raise ModelMismatchError(f"{where}: the model given has {program.original_params:,} parameters, the one "
+                                 f"saved had {saved.original_params:,}: build it with the same configuration")
+    program.compiled_ratio = saved.compiled_ratio
+    _load_state(compiled, saved, where)
+    compiled.train(saved.train_mode)
+    compiled.training_state = saved.training
+    return compiled
+
+
+@contextlib.contextmanager
+def _global_state_kept():
+    """Rebuilding traces the user's model, which may run it (dropout draws, a model that sets
+    a default dtype): the caller's random stream, grad mode and default dtype are put back."""
+    grad, dtype = torch.is_grad_enabled(), torch.get_default_dtype()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        torch.set_grad_enabled(grad)
+        torch.set_default_dtype(dtype)
+
+
+def _load_state(model: nn.Module, saved: SavedModel, where: str) -> None:
+    """Every state name, shape, dtype and sharing exactly as the rebuilt model has them, then
+    ``load_state_dict(strict=True)``."""
+    expected = model.state_dict(keep_vars=True)
+    if list(expected) != saved.state:
+        missing = [n for n in expected if n not in set(saved.state)]
+        unexpected = [n for n in saved.state if n not in expected]
+        raise ModelMismatchError(f"{where}: the rebuilt model's state differs from the file's (missing "
+                                 f"{missing[:3]}, unexpected {unexpected[:3]}{'' if missing or unexpected else ', order'}"
+                                 "): pass the dense model it was saved from")
+    first: dict[int, str] = {}
+    values = {}
+    for name, t in expected.items():
+        shared = first.setdefault(id(t), name)
+        if saved.aliases.get(name, name) != shared:
+            raise ModelMismatchError(f"{where}: {name!r} shares its tensor with {saved.aliases.get(name, name)!r} in "
+                                     f"the file, with {shared!r} in the rebuilt model")
+        value = saved.tensors[saved.aliases.get(name, name)]
+        if value.shape != t.shape or value.dtype != t.dtype:
+            raise ModelMismatchError(f"{where}: {name!r} is {value.dtype} {tuple(value.shape)} in the file, "
+                                     f"{t.dtype} {tuple(t.shape)} in the model given: build it the same way "
+                                     "(configuration, dtype: model.to(dtype))")
+        values[name] = value
+    with torch.no_grad():
+        model.load_state_dict(values, strict=True)
+
+
+def _pipeline_names(data: Any, where: str) -> list[str]:
+    if not isinstance(data, list) or not 1 <= len(data) <= MAX_PASSES:
+        raise ModelFileError(f"{where}: pipeline must be a list of 1 to {MAX_PASSES} pass names")
+    out = []
+    for i, name in enumerate(data):
+        name = text(name, f"{where}: pipeline[{i}]", 64)
+        if not name or not all(c.isalnum() or c in "-_" for c in name):
+            raise ModelFileError(f"{where}: pipeline[{i}] {name!r} is not a pass name")
+        out.append(name)
+    return out
+
+
+def _pipeline(names_: list[str], given: Sequence[Pass] | None, where: str) -> Pipeline:
+    """The recorded pipeline: tncompile's passes by name, the user's from ``given``."""
+    mine = {normalize_name(p.name): p for p in (given or [])}
+    if any(not isinstance(p, Pass) for p in (given or [])):
+        raise TypeError("tncompile.load(passes=...): a list of Pass objects (your own passes)")
+    steps = []
+    for name in names_:
+        key = normalize_name(name)
+        if key in mine:
+            steps.append(mine.pop(key))
+        elif key in BUILTIN_PASSES:
+            steps.append(get_pass(key))
+        else:
+            raise ModelFileError(f"{where} was compiled with the pass {name!r}, which is not tncompile's: pass yours "
+                                 f"again, tncompile.load(path, model=..., passes=[{name} pass object])")
+    if mine:
+        raise ModelMismatchError(f"{where}: passes={sorted(mine)} were given, but the file's pipeline "
+                                 f"{names_} did not run them")
+    return Pipeline(steps)
+
+
+def _options(data: Any, where: str) -> CompileOptions:
+    at = f"{where}: options"
+    exact_keys(data, {"target_ratio", "prefer", "init", "batch_sizes", "linear_cores", "embedding_cores"}, at)
+    batch_sizes = data["batch_sizes"]
+    if batch_sizes is not None:
+        if not isinstance(batch_sizes, list) or len(batch_sizes) > 64:
+            raise ModelFileError(f"{at}: batch_sizes must be a list of at most 64 ints")
+        batch_sizes = [integer(b, 1, MAX_ROWS, f"{at}: batch_sizes[{i}]") for i, b in enumerate(batch_sizes)]
+    return CompileOptions(
+        target_ratio=number(data["target_ratio"], 1e-12, 1.0, f"{at}: target_ratio"),
+        prefer=choice(data["prefer"], PREFER, f"{at}: prefer"), init=choice(data["init"], ("svd", "random"), f"{at}: init"),
+        batch_sizes=batch_sizes, linear_cores=integer(data["linear_cores"], 1, 16, f"{at}: linear_cores"),
+        embedding_cores=integer(data["embedding_cores"], 1, 16, f"{at}: embedding_cores"))
+
+
+def _example(data: Any, tensors: dict, where: str, used: set[str]) -> tuple[tuple, dict] | None:
+    if data is None:
+        return None
+    value = plain.decode(data, tensors, f"{where}: example_inputs", used)
+    ok = isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], tuple) and isinstance(value[1], dict)
+    leaves = [*value[0], *value[1].values()] if ok else []
+    plain_leaf = (lambda v: isinstance(v, torch.Tensor) or v is None or isinstance(v, (bool, int, float))
+                  or (isinstance(v, str) and len(v) <= 64))
+    if not ok or not all(map(plain_leaf, leaves)) or not all(isinstance(k, str) for k in value[1]):
+        raise ModelFileError(f"{where}: example_inputs must be (args, kwargs) of tensors and plain values")
+    elements = sum(t.numel() for t in leaves if isinstance(t, torch.Tensor))
+    if elements > MAX_EXAMPLE_ELEMENTS:
+        raise ModelFileError(f"{where}: example inputs of {elements:,} elements (at most {MAX_EXAMPLE_ELEMENTS:,}: "
+                             "load runs the model on them)")
+    return value
+
+
+def _state(data: Any, tensors: dict, where: str, used: set[str]) -> tuple[list[str], dict[str, str]]:
+    exact_keys(data, {"names", "aliases"}, f"{where}: state")
+    state = names(data["names"], None, f"{where}: state names", limit=10_000_000)
+    if len(set(state)) != len(state):
+        raise ModelFileError(f"{where}: a state name appears twice")
+    aliases = data["aliases"]
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+        raise ModelFileError(f"{where}: state aliases must map names to names")
+    known = set(state)
+    for name in state:
+        canonical = aliases.get(name, name)
+        if canonical not in known or canonical in aliases or canonical not in tensors:
+            raise ModelFileError(f"{where}: the state {name!r} has no tensor in the file")
+        used.add(canonical)
+    if set(aliases) - known:
+        raise ModelFileError(f"{where}: an alias names no state entry")
+    return state, aliases
+
+
+def _training(data: Any, tensors: dict, where: str, used: set[str]) -> dict[str, Any]:
+    state = plain.decode(data, tensors, f"{where}: training", used)
+    if not isinstance(state, dict) or set(state) != {"extra", "optimizer", "controller", "rng"}:
+        raise ModelFileError(f"{where}: the training state must hold extra, optimizer, controller and rng")
+    opt = state["optimizer"]
+    if opt is not None and not (isinstance(opt, dict) and set(opt) == {"class", "names", "state"}
+                                and isinstance(opt["class"], str) and isinstance(opt["state"], dict)
+                                and isinstance(opt["names"], list)):
+        raise ModelFileError(f"{where}: the optimizer state must hold class, names and state")
+    rng = state["rng"]
+    if rng is not None and not (isinstance(rng, dict) and set(rng) == {"cpu", "cuda"}
+                                and isinstance(rng["cpu"], torch.Tensor) and rng["cpu"].dtype == torch.uint8):
+        raise ModelFileError(f"{where}: the random state must hold a cpu state (uint8) and cuda states")
+    if state["extra"] is not None and not isinstance(state["extra"], dict):
+        raise ModelFileError(f"{where}: extra must be a dict")
+    return state
+
+
+def _file_path(path: Any, verb: str) -> Path:
+    if not isinstance(path, (str, os.PathLike)) or not str(path).strip():
+        raise TypeError(f"tncompile.{verb}: path must be a file path (str or os.PathLike), got "
+                        f"{type(path).__name__} {path!r}")
+    return Path(path)
+
+
+# ----------------------------------------------------------------- resume
+def resume(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, controller=None, *,
+           restore_rng: bool = True) -> dict[str, Any]:
+    """Restore the training state a checkpoint carried into a loaded model's new optimizer
+    and controller; returns the checkpoint's ``extra`` dict.
+
+    Build ``optimizer`` from the loaded model exactly as in the first run (same parameter
+    groups, e.g. ``param_groups(compiled, ...)``); the saved state is matched by parameter
+    name and a mismatch is an error.
+
+    Example
+    -------
+    >>> compiled = tncompile.load("ckpt.tnc", model=MyModel())
+    >>> opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=1e-3))
+    >>> ctl = tncompile.RankController(compiled, opt, target_ratio=0.01)
+    >>> extra = tncompile.resume(compiled, opt, ctl)
+    """
+    if not isinstance(compiled, CompiledModel) and not is_swapped(compiled):
+        raise TypeError(f"tncompile.resume expects the model tncompile.load returned, got {type(compiled).__name__}")
+    state = getattr(compiled, "training_state", None)
+    if state is None:
+        raise ValueError("this model carries no training state: load it with tncompile.load from a file "
+                         "written by tncompile.save(..., optimizer=..., controller=...)")
+    if optimizer is not None:
+        saved = state["optimizer"]
+        if saved is None:
+            raise ValueError("the checkpoint has no optimizer state (save with optimizer=...)")
+        if saved["class"] != type(optimizer).__name__:
+            raise ValueError(f"the checkpoint's optimizer is {saved['class']}, got {type(optimizer).__name__}")
+        if _param_names(compiled, optimizer) != saved["names"]:
+            raise ValueError("the optimizer's parameter groups differ from the saved one's; build it "
+                             "the same way (same groups, same order) from the loaded model")
+        try:
+            optimizer.load_state_dict(saved["state"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise ModelFileError(f"the checkpoint's optimizer state does not load into {type(optimizer).__name__} "
+                                 f"({type(e).__name__}: {e})") from e
+    if controller is not None:
+        if state["controller"] is None:
+            raise ValueError("the checkpoint has no controller state (save with controller=...)")
+        try:
+            controller.load_state_dict(state["controller"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFileError(f"the checkpoint's controller state is malformed ({e})") from e
+    if restore_rng and state["rng"] is not None:
+        torch.set_rng_state(state["rng"]["cpu"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        per_rank = (state.get("extra") or {}).get("rng_per_rank")
+        if per_rank and torch.distributed.is_available() and torch.distributed.is_initialized():
+            _restore_rank_stream(per_rank)
+    compiled.training_state = None
+    return dict(state.get("extra") or {})
+
+
+def _restore_rank_stream(per_rank: list[torch.Tensor]) -> None:
+    """A distributed run's checkpoint: each process gets its own saved CPU random stream
+    back. On another world size, processes the saving run did not have get a stream of
+    their own derived from rank 0's and their rank (distinct, reproducible), and every
+    process is told the run is no longer bit-identical."""
+    me, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if me < len(per_rank):
+        torch.set_rng_state(per_rank[me])
+    else:
+        base = torch.Generator()
+        base.set_state(per_rank[0])
+        seed = int(torch.randint(0, 2**62, (1,), generator=base)) + me
+        torch.manual_seed(seed)
+    if world != len(per_rank):
+        warnings.warn(f"tncompile.resume: the checkpoint was written by {len(per_rank)} process(es), this run has "
+                      f"{world}. Weights, optimizer and controller state resume exactly; what follows is not "
+                      "bit-identical to the saved run: each step averages a different number of micro-batches, "
+                      "your sampler splits the data differently, and "
+                      + ("processes beyond the saved ones draw new random streams (derived from rank 0's)."
+                         if world > len(per_rank) else "the streams of the missing processes are dropped."),
+                      RuntimeWarning, stacklevel=3)
