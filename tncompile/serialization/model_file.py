@@ -255,7 +255,7 @@ class SavedModel:
         self.options = _options(manifest["options"], where)
         self.original_params = integer(manifest["original_params"], 0, 2**53, f"{where}: original_params")
         self.compiled_ratio = (None if manifest["compiled_ratio"] is None
-                               else number(manifest["compiled_ratio"], 0.0, 1.0, f"{where}: compiled_ratio"))
+                               else number(manifest["compiled_ratio"], 0.0, 1e9, f"{where}: compiled_ratio"))
         used: set[str] = set()
         self.example_inputs = _example(manifest["example_inputs"], tensors, where, used)
         self.decisions = decisions_from_rows(manifest["layers"], tensors, where)
