@@ -153,6 +153,17 @@ def test_a_crafted_file_is_refused_with_no_side_effect(base, attack, tmp_path):
         assert all(torch.equal(v, weights[k]) for k, v in dense.state_dict().items())
 
 
+def test_example_inputs_the_user_gives_replace_the_files(base, tmp_path):
+    """Inputs too large to run the model on are refused -- unless the caller passes their own."""
+    path, x, want = base
+    bad = _reseal(path, tmp_path / "big.tnc", lambda m, t: ATTACKS["huge-example"](m, t, None))
+    with pytest.raises(ModelFileError, match="pass example_inputs="):
+        tncompile.load(bad, model=_dense())
+    loaded = tncompile.load(bad, model=_dense(), example_inputs=(torch.randn(2, 64),)).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(x), want)
+
+
 def test_a_mismatched_model_is_a_model_file_error_that_names_the_layer(base):
     path, _, _ = base
     with pytest.raises(ModelMismatchError, match="'0'") as caught:

@@ -326,6 +326,10 @@ def rebuild_saved(saved: SavedModel, dense: nn.Module, passes: Sequence[Pass] | 
     example = example_inputs
     if example is None and saved.example_inputs is not None:  # compile took a tuple of args or a dict of kwargs
         args, kwargs = saved.example_inputs
+        elements = sum(t.numel() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
+        if elements > MAX_EXAMPLE_ELEMENTS:
+            raise ModelFileError(f"{where}: example inputs of {elements:,} elements (at most {MAX_EXAMPLE_ELEMENTS:,}: "
+                                 "load runs the model on them); pass example_inputs= to load it")
         example = kwargs if kwargs else args
     try:
         with _global_state_kept():
@@ -449,10 +453,6 @@ def _example(data: Any, tensors: dict, where: str, used: set[str]) -> tuple[tupl
                   or (isinstance(v, str) and len(v) <= 64))
     if not ok or not all(map(plain_leaf, leaves)) or not all(isinstance(k, str) for k in value[1]):
         raise ModelFileError(f"{where}: example_inputs must be (args, kwargs) of tensors and plain values")
-    elements = sum(t.numel() for t in leaves if isinstance(t, torch.Tensor))
-    if elements > MAX_EXAMPLE_ELEMENTS:
-        raise ModelFileError(f"{where}: example inputs of {elements:,} elements (at most {MAX_EXAMPLE_ELEMENTS:,}: "
-                             "load runs the model on them)")
     return value
 
 
