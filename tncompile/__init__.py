@@ -12,8 +12,8 @@ from .errors import (ModelFileError, ModelMismatchError, PassError, SlowerThanDe
                      TraceError)
 from .passes import FunctionPass, Pass, Pipeline, default_pipeline, register_pass
 from .report import Report
-from .serialization import load, resume, save
-from .train import Distill, History, RankController, RankEvent, TrainStep, dry_run, fit, freeze_gates, param_groups
+from .serialization import load, save
+from .train import Distill, History, resume, RankController, RankEvent, TrainStep, dry_run, fit, freeze_gates, param_groups
 from .pretrained import compress_pretrained
 
 # DESIGN.md's public spelling is tncompile.runtime.TrainStep. The class lives in train/ (the

@@ -2,10 +2,10 @@
 ``save_pretrained`` folders (:mod:`.pretrained_folder`)."""
 from ..errors import ModelFileError, ModelMismatchError
 from ..swap import register_folder_writer
-from .model_file import FORMAT, VERSION, load, resume, save
+from .model_file import FORMAT, VERSION, load, save
 from .pretrained_folder import save_folder
 
-__all__ = ["save", "load", "resume", "FORMAT", "VERSION", "ModelFileError", "ModelMismatchError"]
+__all__ = ["save", "load", "FORMAT", "VERSION", "ModelFileError", "ModelMismatchError"]
 
 
 def _save_pretrained(model, directory, **kwargs) -> None:

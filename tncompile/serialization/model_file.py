@@ -1,4 +1,5 @@
-"""``tncompile.save`` / ``load`` / ``resume``: a compressed model as tensors and a table of data.
+"""``tncompile.save`` / ``load``: a compressed model as tensors and a table of data (``resume``,
+which restores a checkpoint's training state, is :mod:`tncompile.train.checkpoint`).
 
 Format 3 is a safetensors file. Its tensors are the compressed model's ``state_dict``
 (standard names; a tensor two names share is stored once) and, in a checkpoint, the
@@ -22,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -42,7 +42,7 @@ from .container import digest, encode_container, read_bytes_once, read_container
 from .fields import boolean, choice, exact_keys, integer, module_path, names, number, text
 from .layer_table import decisions_from_rows, decisions_of, table_rows
 
-__all__ = ["save", "load", "resume", "FORMAT", "VERSION", "MAX_EXAMPLE_ELEMENTS"]
+__all__ = ["save", "load", "param_names", "FORMAT", "VERSION", "MAX_EXAMPLE_ELEMENTS"]
 
 FORMAT = "tncompile"
 VERSION = 3
@@ -154,7 +154,7 @@ def _options_row(options: CompileOptions) -> dict[str, Any]:
             "linear_cores": options.linear_cores, "embedding_cores": options.embedding_cores}
 
 
-def _param_names(compiled: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+def param_names(compiled: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     """Per param group, the names of its parameters in the compiled model."""
     names_ = {id(p): n for n, p in compiled.named_parameters()}
     out = []
@@ -172,7 +172,7 @@ def _training_row(compiled, optimizer, controller, extra, rng, tensors) -> Any:
         return None
     state: dict[str, Any] = {"extra": extra, "optimizer": None, "controller": None, "rng": None}
     if optimizer is not None:
-        state["optimizer"] = {"class": type(optimizer).__name__, "names": _param_names(compiled, optimizer),
+        state["optimizer"] = {"class": type(optimizer).__name__, "names": param_names(compiled, optimizer),
                               "state": optimizer.state_dict()}
     if controller is not None:
         state["controller"] = controller.state_dict()
@@ -498,81 +498,3 @@ def _file_path(path: Any, verb: str) -> Path:
         raise TypeError(f"tncompile.{verb}: path must be a file path (str or os.PathLike), got "
                         f"{type(path).__name__} {path!r}")
     return Path(path)
-
-
-# ----------------------------------------------------------------- resume
-def resume(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, controller=None, *,
-           restore_rng: bool = True) -> dict[str, Any]:
-    """Restore the training state a checkpoint carried into a loaded model's new optimizer
-    and controller; returns the checkpoint's ``extra`` dict.
-
-    Build ``optimizer`` from the loaded model exactly as in the first run (same parameter
-    groups, e.g. ``param_groups(compiled, ...)``); the saved state is matched by parameter
-    name and a mismatch is an error.
-
-    Example
-    -------
-    >>> compiled = tncompile.load("ckpt.tnc", model=MyModel())
-    >>> opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=1e-3))
-    >>> ctl = tncompile.RankController(compiled, opt, target_ratio=0.01)
-    >>> extra = tncompile.resume(compiled, opt, ctl)
-    """
-    if not isinstance(compiled, CompiledModel) and not is_swapped(compiled):
-        raise TypeError(f"tncompile.resume expects the model tncompile.load returned, got {type(compiled).__name__}")
-    state = getattr(compiled, "training_state", None)
-    if state is None:
-        raise ValueError("this model carries no training state: load it with tncompile.load from a file "
-                         "written by tncompile.save(..., optimizer=..., controller=...)")
-    if optimizer is not None:
-        saved = state["optimizer"]
-        if saved is None:
-            raise ValueError("the checkpoint has no optimizer state (save with optimizer=...)")
-        if saved["class"] != type(optimizer).__name__:
-            raise ValueError(f"the checkpoint's optimizer is {saved['class']}, got {type(optimizer).__name__}")
-        if _param_names(compiled, optimizer) != saved["names"]:
-            raise ValueError("the optimizer's parameter groups differ from the saved one's; build it "
-                             "the same way (same groups, same order) from the loaded model")
-        try:
-            optimizer.load_state_dict(saved["state"])
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise ModelFileError(f"the checkpoint's optimizer state does not load into {type(optimizer).__name__} "
-                                 f"({type(e).__name__}: {e})") from e
-    if controller is not None:
-        if state["controller"] is None:
-            raise ValueError("the checkpoint has no controller state (save with controller=...)")
-        try:
-            controller.load_state_dict(state["controller"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ModelFileError(f"the checkpoint's controller state is malformed ({e})") from e
-    if restore_rng and state["rng"] is not None:
-        torch.set_rng_state(state["rng"]["cpu"])
-        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        per_rank = (state.get("extra") or {}).get("rng_per_rank")
-        if per_rank and torch.distributed.is_available() and torch.distributed.is_initialized():
-            _restore_rank_stream(per_rank)
-    compiled.training_state = None
-    return dict(state.get("extra") or {})
-
-
-def _restore_rank_stream(per_rank: list[torch.Tensor]) -> None:
-    """A distributed run's checkpoint: each process gets its own saved CPU random stream
-    back. On another world size, processes the saving run did not have get a stream of
-    their own derived from rank 0's and their rank (distinct, reproducible), and every
-    process is told the run is no longer bit-identical."""
-    me, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    if me < len(per_rank):
-        torch.set_rng_state(per_rank[me])
-    else:
-        base = torch.Generator()
-        base.set_state(per_rank[0])
-        seed = int(torch.randint(0, 2**62, (1,), generator=base)) + me
-        torch.manual_seed(seed)
-    if world != len(per_rank):
-        warnings.warn(f"tncompile.resume: the checkpoint was written by {len(per_rank)} process(es), this run has "
-                      f"{world}. Weights, optimizer and controller state resume exactly; what follows is not "
-                      "bit-identical to the saved run: each step averages a different number of micro-batches, "
-                      "your sampler splits the data differently, and "
-                      + ("processes beyond the saved ones draw new random streams (derived from rank 0's)."
-                         if world > len(per_rank) else "the streams of the missing processes are dropped."),
-                      RuntimeWarning, stacklevel=3)

@@ -1,0 +1,91 @@
+"""``tncompile.resume``: a loaded checkpoint's training state, back into a new optimizer,
+controller and random streams (what ``tncompile.save(..., optimizer=, controller=)`` wrote)."""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..compiled import CompiledModel
+from ..errors import ModelFileError
+from ..serialization.model_file import param_names
+from ..swap import is_swapped
+
+__all__ = ["resume"]
+def resume(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, controller=None, *,
+           restore_rng: bool = True) -> dict[str, Any]:
+    """Restore the training state a checkpoint carried into a loaded model's new optimizer
+    and controller; returns the checkpoint's ``extra`` dict.
+
+    Build ``optimizer`` from the loaded model exactly as in the first run (same parameter
+    groups, e.g. ``param_groups(compiled, ...)``); the saved state is matched by parameter
+    name and a mismatch is an error.
+
+    Example
+    -------
+    >>> compiled = tncompile.load("ckpt.tnc", model=MyModel())
+    >>> opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=1e-3))
+    >>> ctl = tncompile.RankController(compiled, opt, target_ratio=0.01)
+    >>> extra = tncompile.resume(compiled, opt, ctl)
+    """
+    if not isinstance(compiled, CompiledModel) and not is_swapped(compiled):
+        raise TypeError(f"tncompile.resume expects the model tncompile.load returned, got {type(compiled).__name__}")
+    state = getattr(compiled, "training_state", None)
+    if state is None:
+        raise ValueError("this model carries no training state: load it with tncompile.load from a file "
+                         "written by tncompile.save(..., optimizer=..., controller=...)")
+    if optimizer is not None:
+        saved = state["optimizer"]
+        if saved is None:
+            raise ValueError("the checkpoint has no optimizer state (save with optimizer=...)")
+        if saved["class"] != type(optimizer).__name__:
+            raise ValueError(f"the checkpoint's optimizer is {saved['class']}, got {type(optimizer).__name__}")
+        if param_names(compiled, optimizer) != saved["names"]:
+            raise ValueError("the optimizer's parameter groups differ from the saved one's; build it "
+                             "the same way (same groups, same order) from the loaded model")
+        try:
+            optimizer.load_state_dict(saved["state"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise ModelFileError(f"the checkpoint's optimizer state does not load into {type(optimizer).__name__} "
+                                 f"({type(e).__name__}: {e})") from e
+    if controller is not None:
+        if state["controller"] is None:
+            raise ValueError("the checkpoint has no controller state (save with controller=...)")
+        try:
+            controller.load_state_dict(state["controller"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelFileError(f"the checkpoint's controller state is malformed ({e})") from e
+    if restore_rng and state["rng"] is not None:
+        torch.set_rng_state(state["rng"]["cpu"])
+        if state["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        per_rank = (state.get("extra") or {}).get("rng_per_rank")
+        if per_rank and torch.distributed.is_available() and torch.distributed.is_initialized():
+            _restore_rank_stream(per_rank)
+    compiled.training_state = None
+    return dict(state.get("extra") or {})
+
+
+def _restore_rank_stream(per_rank: list[torch.Tensor]) -> None:
+    """A distributed run's checkpoint: each process gets its own saved CPU random stream
+    back. On another world size, processes the saving run did not have get a stream of
+    their own derived from rank 0's and their rank (distinct, reproducible), and every
+    process is told the run is no longer bit-identical."""
+    me, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    if me < len(per_rank):
+        torch.set_rng_state(per_rank[me])
+    else:
+        base = torch.Generator()
+        base.set_state(per_rank[0])
+        seed = int(torch.randint(0, 2**62, (1,), generator=base)) + me
+        torch.manual_seed(seed)
+    if world != len(per_rank):
+        warnings.warn(f"tncompile.resume: the checkpoint was written by {len(per_rank)} process(es), this run has "
+                      f"{world}. Weights, optimizer and controller state resume exactly; what follows is not "
+                      "bit-identical to the saved run: each step averages a different number of micro-batches, "
+                      "your sampler splits the data differently, and "
+                      + ("processes beyond the saved ones draw new random streams (derived from rank 0's)."
+                         if world > len(per_rank) else "the streams of the missing processes are dropped."),
+                      RuntimeWarning, stacklevel=3)
