@@ -1,10 +1,8 @@
 """The bytes of a model file: a safetensors container, read once and written atomically.
 
-Reading (:func:`read_container`): the file is opened once and read whole
-through that one handle, so a reader racing an atomic re-save sees either the
-old file or the new one, never a mix. The safetensors header is parsed here,
-strictly (names, dtypes, shapes and offsets checked against each other and
-the file's length), and tensors are views of the bytes read.
+Reading (:func:`read_container`): safetensors' own parser, through one open
+handle, so a reader racing an atomic re-save sees either the old file or the
+new one, never a mix.
 
 Writing (:func:`write_atomically`): the file is streamed into a temporary in
 the same directory, fsynced, given the mode of the file it replaces (or the
@@ -31,110 +29,50 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from ..errors import ModelFileError
 
 __all__ = ["read_container", "write_atomically", "encode_container", "temporary_prefix", "digest", "STALE_SECONDS",
-           "MAX_HEADER_BYTES", "SAFETENSORS_DTYPES"]
+           "SAFETENSORS_DTYPES"]
 
 #: the dtypes a file may hold, by their safetensors codes
 SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
 
-MAX_HEADER_BYTES = 256 * 2**20   # the JSON header (the manifest is in it): far above any real model's
-MAX_DIMS = 16
 STALE_SECONDS = 60.0             # a temporary nobody holds and nobody wrote to for this long is an orphan
 _CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 _SUFFIX_CHARS = 1 + 4 + 1 + 8 + 4   # "." + "tnc-" ... "-" + 8 hex + ".tmp"
 
 
 # ----------------------------------------------------------------- reading
-def read_bytes_once(path: Path) -> bytearray:
-    """The whole file, read through one open handle."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        data = bytearray(size)
-        got = f.readinto(data)
-    if got != size:
-        raise ModelFileError(f"{path}: the file changed size while it was read ({got:,} of {size:,} bytes)")
-    return data
-
-
-def read_container(data: bytearray, path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """``(metadata, tensors)`` of a safetensors file's bytes, every field checked."""
-    if len(data) < 8:
-        raise ModelFileError(f"{path}: truncated ({len(data)} bytes)")
-    header_len = int.from_bytes(data[:8], "little")
-    if header_len > len(data) - 8:
-        raise ModelFileError(f"{path} is a truncated tncompile file ({len(data):,} bytes, shorter than its own "
-                             "header): an interrupted copy or save; copy or save it again")
-    if header_len > MAX_HEADER_BYTES:
-        raise ModelFileError(f"{path}: a header of {header_len:,} bytes (at most {MAX_HEADER_BYTES:,})")
+def read_container(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """``(metadata, tensors)`` of a safetensors file, parsed and checked by safetensors itself
+    (header, dtypes, shapes, offsets: no overlap, no gap, nothing past the end) through one
+    open handle: a reader racing an atomic re-save sees the old file or the new one."""
     try:
-        header = json.loads(bytes(data[8:8 + header_len]).decode("utf-8"))
-    except (ValueError, RecursionError) as e:
-        raise ModelFileError(f"{path}: the header is not JSON ({type(e).__name__}: {e})") from e
-    if not isinstance(header, dict):
-        raise ModelFileError(f"{path}: the header is not a JSON object")
-    metadata = header.pop("__metadata__", {}) or {}
-    if not (isinstance(metadata, dict) and all(isinstance(k, str) and isinstance(v, str)
-                                               for k, v in metadata.items())):
-        raise ModelFileError(f"{path}: __metadata__ must map strings to strings")
-    start = 8 + header_len
-    body = len(data) - start
-    ends = [e["data_offsets"][1] for e in header.values() if isinstance(e, dict)
-            and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
-            and isinstance(e["data_offsets"][1], int)]
-    if ends and max(ends) > body:
-        raise ModelFileError(f"{path} is not a readable tncompile file (truncated by an interrupted copy or save: "
-                             f"its header describes {max(ends):,} bytes of tensor data, the file holds {body:,}); "
-                             "copy or save it again")
-    spans = []
-    tensors: dict[str, torch.Tensor] = {}
-    for name, entry in header.items():
-        where = f"{path}: tensor {name!r}"
-        if not (isinstance(entry, dict) and set(entry) == {"dtype", "shape", "data_offsets"}):
-            raise ModelFileError(f"{where}: needs exactly dtype, shape and data_offsets")
-        dtype = SAFETENSORS_DTYPES.get(entry["dtype"]) if isinstance(entry["dtype"], str) else None
-        if dtype is None:
-            raise ModelFileError(f"{where}: unknown dtype {entry['dtype']!r}")
-        shape, offsets = entry["shape"], entry["data_offsets"]
-        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and all(
-                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**48 for d in shape)):
-            raise ModelFileError(f"{where}: shape {shape!r} is not a list of sizes")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(
-                isinstance(o, int) and not isinstance(o, bool) for o in offsets) and 0 <= offsets[0] <= offsets[1] <= body):
-            raise ModelFileError(f"{where}: data_offsets {offsets!r} are outside the file's {body:,} data bytes")
-        numel = 1
-        for d in shape:
-            numel *= d
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if offsets[1] - offsets[0] != numel * itemsize:
-            raise ModelFileError(f"{where}: {offsets[1] - offsets[0]:,} bytes for a {tuple(shape)} {dtype} tensor "
-                                 f"({numel * itemsize:,} bytes)")
-        spans.append((offsets[0], offsets[1], name))
-        tensors[name] = _tensor_at(data, start + offsets[0], numel, dtype, shape)
-    spans.sort()
-    end = 0
-    for begin, stop, name in spans:
-        if begin != end:
-            raise ModelFileError(f"{path}: tensor {name!r} " + ("overlaps another" if begin < end else
-                                                               "leaves a gap before it"))
-        end = stop
-    if end != body:
-        raise ModelFileError(f"{path}: {body - end:,} bytes after the last tensor")
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except SafetensorError as e:
+        raise ModelFileError(_unreadable(path, e)) from e
     return metadata, tensors
 
 
-def _tensor_at(data: bytearray, offset: int, numel: int, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    if numel == 0:
-        return torch.empty(shape, dtype=dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if offset % itemsize:  # misaligned (a file from another writer): copy the bytes out
-        raw = torch.frombuffer(data, dtype=torch.uint8, count=numel * itemsize, offset=offset).clone()
-        return raw.view(dtype).reshape(shape)
-    return torch.frombuffer(data, dtype=dtype, count=numel, offset=offset).reshape(shape)
+def _unreadable(path: Path, error: Exception) -> str:
+    """Why ``path`` did not parse, in words: a cut header or cut data (an interrupted copy
+    or save), or something else."""
+    with open(path, "rb") as f:
+        header = int.from_bytes(f.read(8), "little")
+        size = os.fstat(f.fileno()).st_size
+    if size < 8 + header:
+        return (f"{path} is a truncated tncompile file ({size:,} bytes, shorter than its own header): an "
+                "interrupted copy or save; copy or save it again")
+    if "not fully covered" in str(error):
+        return (f"{path} is not a readable tncompile file (truncated by an interrupted copy or save, or "
+                f"its tensor data do not match its header: {error}); copy or save it again")
+    return f"{path} is not a readable tncompile file ({error})"
 
 
 def digest(tensors: dict[str, torch.Tensor], manifest: str | None = None) -> str:

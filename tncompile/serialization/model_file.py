@@ -38,7 +38,7 @@ from ..passes.base import normalize_name
 from ..runtime.module_kinds import is_sharded
 from ..swap import is_swapped, user_class
 from . import plain
-from .container import digest, encode_container, read_bytes_once, read_container, write_atomically
+from .container import digest, encode_container, read_container, write_atomically
 from .fields import boolean, choice, exact_keys, integer, module_path, names, number, text
 from .layer_table import decisions_from_rows, decisions_of, table_rows
 
@@ -270,15 +270,15 @@ class SavedModel:
 
 def read_model_file(path: Path) -> SavedModel:
     """The file's manifest and tensors, every field checked (no model is touched)."""
-    data = read_bytes_once(path)
-    head = bytes(data[:9])
+    with open(path, "rb") as f:
+        head = f.read(9)
     if not (len(head) == 9 and head[8:9] == b"{"):
         if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
             raise ModelFileError(f"{path} is not a tncompile file: it is a pickle (tncompile's format 1 wrote them, "
                                  "torch.save does). Loading a pickle runs the code it carries; this tncompile reads "
                                  "format 3 only: compile your model, load_state_dict weights you trust, tncompile.save")
         raise ModelFileError(f"{path} is not a tncompile file (save it with tncompile.save)")
-    metadata, tensors = read_container(data, path)
+    metadata, tensors = read_container(path)
     if metadata.get("format") != FORMAT:
         raise ModelFileError(f"{path} is not a tncompile file (save it with tncompile.save)")
     version = metadata.get("version", "")
