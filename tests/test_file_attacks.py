@@ -125,6 +125,8 @@ ATTACKS = {
                                      m.update(example_inputs={"$tuple": [{"$tuple": [{"$tensor": "tncompile/example.0"}]}, {}]})),
     "many-batch-sizes": lambda m, t, s: m["options"].update(batch_sizes=list(range(1, 10**5))),
     "deep-nesting": lambda m, t, s: m["training"].update(extra={"k": json.loads("[" * 200 + "]" * 200)}),
+    "random-state-wrong-size": lambda m, t, s: t.update({m["training"]["rng"]["cpu"]["$tensor"]: torch.zeros(7, dtype=torch.uint8)}),
+    "random-stream-not-a-state": lambda m, t, s: m["training"]["extra"].update(rng_per_rank=[1.5]),
     # a different model, silently: names, kinds, ties and layouts must be the rebuilt model's exactly
     "state-entry-shadows-method": lambda m, t, s: (m["state"]["names"].append("train"), t.update(train=torch.zeros(1))),
     "state-entry-dropped": lambda m, t, s: (m["state"]["names"].remove("model.2.bias"), t.pop("model.2.bias")),

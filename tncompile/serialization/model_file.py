@@ -485,12 +485,21 @@ def _training(data: Any, tensors: dict, where: str, used: set[str]) -> dict[str,
                                 and isinstance(opt["names"], list)):
         raise ModelFileError(f"{where}: the optimizer state must hold class, names and state")
     rng = state["rng"]
-    if rng is not None and not (isinstance(rng, dict) and set(rng) == {"cpu", "cuda"}
-                                and isinstance(rng["cpu"], torch.Tensor) and rng["cpu"].dtype == torch.uint8):
-        raise ModelFileError(f"{where}: the random state must hold a cpu state (uint8) and cuda states")
-    if state["extra"] is not None and not isinstance(state["extra"], dict):
+    if rng is not None and not (isinstance(rng, dict) and set(rng) == {"cpu", "cuda"} and _generator_state(rng["cpu"])
+                                and (rng["cuda"] is None or isinstance(rng["cuda"], list))):
+        raise ModelFileError(f"{where}: the random state must hold a CPU generator's state and a list of CUDA ones")
+    extra = state["extra"]
+    if extra is not None and not isinstance(extra, dict):
         raise ModelFileError(f"{where}: extra must be a dict")
+    streams = (extra or {}).get("rng_per_rank")
+    if streams is not None and not (isinstance(streams, list) and all(map(_generator_state, streams))):
+        raise ModelFileError(f"{where}: extra['rng_per_rank'] must be a list of CPU generator states")
     return state
+
+
+def _generator_state(t: Any) -> bool:
+    """Whether ``t`` can be a CPU generator's state (what ``torch.set_rng_state`` takes)."""
+    return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape == torch.get_rng_state().shape
 
 
 def _file_path(path: Any, verb: str) -> Path:

@@ -60,7 +60,10 @@ def resume(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, 
     if restore_rng and state["rng"] is not None:
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+            try:
+                torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+            except (RuntimeError, TypeError) as e:  # saved on another GPU count or build
+                raise ModelFileError(f"the checkpoint's CUDA random states do not fit this machine ({e})") from e
         per_rank = (state.get("extra") or {}).get("rng_per_rank")
         if per_rank and torch.distributed.is_available() and torch.distributed.is_initialized():
             _restore_rank_stream(per_rank)
