@@ -59,9 +59,10 @@ def compressed_gpt2s(dense, ratios) -> dict:
             for ratio in ratios}
 
 
-def time_decoding(variants: dict, args: argparse.Namespace) -> list[dict]:
-    """Per batch, each variant's median ms per generated token, interleaved round-robin.
-    ``variants``: ``name -> (model, context)``, each call made inside ``context()``; one is "dense"."""
+def time_decoding(variants: dict, args: argparse.Namespace, benchmark: str) -> None:
+    """Per batch, each variant's median ms per generated token, interleaved round-robin, written
+    to ``benchmarks/results/<benchmark>.json`` with the host's speeds. ``variants``:
+    ``name -> (model, context)``, each call made inside ``context()``; one is "dense"."""
     rows = []
     for batch in args.batches:
         prompt = torch.randint(1, 50257, (batch, 8), generator=torch.Generator().manual_seed(batch))
@@ -79,7 +80,9 @@ def time_decoding(variants: dict, args: argparse.Namespace) -> list[dict]:
             rows.append({"batch": batch, "variant": name, "ms_per_token": ms, "speed_vs_dense": dense_ms / ms,
                          "ratio": getattr(model, "ratio", 1.0)})
             print(f"batch {batch:3d}  {name:20s} {ms:8.2f} ms/token  {dense_ms / ms:5.2f}x dense", flush=True)
-    return rows
+    path = write_json(f"{benchmark}.json", {"benchmark": benchmark, "model": "GPT-2 4x768, vocab 50257",
+                                            "tokens": args.tokens, "rounds": args.rounds, "rows": rows, **machine()})
+    print(f"wrote {path}")
 
 
 def main() -> None:
@@ -88,10 +91,7 @@ def main() -> None:
     variants = {"dense": (dense, contextlib.nullcontext)}
     variants.update({f"tt {ratio}": (model, contextlib.nullcontext)
                      for ratio, model in compressed_gpt2s(dense, args.ratios).items()})
-    rows = time_decoding(variants, args)
-    path = write_json("decode.json", {"benchmark": "decode", "model": "GPT-2 4x768, vocab 50257",
-                                      "tokens": args.tokens, "rounds": args.rounds, "rows": rows, **machine()})
-    print(f"wrote {path}")
+    time_decoding(variants, args, "decode")
 
 
 if __name__ == "__main__":

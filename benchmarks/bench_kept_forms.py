@@ -28,7 +28,6 @@ import torch
 from tncompile.runtime import tt_layers
 
 from bench_decode import _gpt2, compressed_gpt2s, decode_arguments, time_decoding
-from common import machine, write_json
 
 
 def _recomputed(module, slot, tensors, make, key=()):
@@ -66,10 +65,7 @@ def main() -> None:
     variants = {"dense": (dense, contextlib.nullcontext)}
     for ratio, model in compressed_gpt2s(dense, args.ratios).items():
         variants.update({f"tt {ratio} {check}": (model, context) for check, context in CHECKS.items()})
-    rows = time_decoding(variants, args)
-    path = write_json("kept_forms.json", {"benchmark": "kept_forms", "model": "GPT-2 4x768, vocab 50257",
-                                          "tokens": args.tokens, "rounds": args.rounds, "rows": rows, **machine()})
-    print(f"wrote {path}")
+    time_decoding(variants, args, "kept_forms")
 
 
 if __name__ == "__main__":

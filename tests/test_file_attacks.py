@@ -6,7 +6,6 @@ mode, default dtype and tensors as they were. A bounded fuzz: every resealed edi
 or loads the same model (same structure, same outputs)."""
 from __future__ import annotations
 
-import copy
 import json
 import random
 import subprocess

@@ -22,7 +22,7 @@ from .swap import MIXIN_NAMES, Resync, subclass_of, swap_into, swappable_layers,
 from .swap_lowering import lower_into
 from .swap_experts import expert_weights
 
-__all__ = ["compile", "rebuild", "recordable_inputs"]
+__all__ = ["compile", "rebuild", "recordable_inputs", "is_plain_input"]
 
 DUMP_ENV = "TNCOMPILE_DUMP"
 
@@ -191,6 +191,12 @@ def _build(work: nn.Module, original_params: int, options: CompileOptions, pipel
     return CompiledModel(program)
 
 
+def is_plain_input(value: Any) -> bool:
+    """An example input a file can hold: a tensor, ``None``, a bool, a number or a short string."""
+    return isinstance(value, (torch.Tensor, bool, int, float, type(None))) or (isinstance(value, str)
+                                                                             and len(value) <= 64)
+
+
 def recordable_inputs(example_inputs: Any) -> tuple[tuple, dict] | None:
     """``(args, kwargs)`` of ``example_inputs`` as a file can hold them -- detached CPU copies
     of tensors, and plain values (``None``, bools, numbers, short strings) -- or ``None``
@@ -199,9 +205,7 @@ def recordable_inputs(example_inputs: Any) -> tuple[tuple, dict] | None:
     if example is None:
         return None
     args, kwargs = example
-    leaves = [*args, *kwargs.values()]
-    if not all(isinstance(v, torch.Tensor) or v is None or isinstance(v, (bool, int, float))
-               or (isinstance(v, str) and len(v) <= 64) for v in leaves):
+    if not all(map(is_plain_input, [*args, *kwargs.values()])):
         return None
 
     def copy_of(v):

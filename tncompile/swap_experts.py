@@ -22,7 +22,7 @@ from torch import nn
 from .ir.modules import module_at
 from .runtime.experts import ExpertLinear, TTExperts
 
-__all__ = ["expert_weights", "is_expert_parameter", "put_experts", "restore_dense_experts"]
+__all__ = ["expert_weights", "put_experts", "restore_dense_experts"]
 
 _OWNERS: dict[tuple[type, frozenset], type] = {}
 
@@ -45,14 +45,6 @@ def expert_weights(gm: nn.Module, model: nn.Module) -> dict[str, str]:
         if param is not None and param.dim() == 3:
             found[name] = "experts"
     return found
-
-
-def is_expert_parameter(model: nn.Module, path: str) -> bool:
-    """Whether ``model`` has a 3-D parameter at ``path`` (where a saved network can go)."""
-    owner_path, leaf = _split(path)
-    owner = module_at(model, owner_path)
-    param = owner._parameters.get(leaf) if owner is not None else None
-    return param is not None and param.dim() == 3
 
 
 def _owner_class(base: type, leaves: frozenset) -> type:

@@ -7,13 +7,13 @@ bucket they meet for the first time without the runtime importing this code.
 """
 from ..formats.indices import BATCH, planner_problem
 from ..runtime.plans import ContractionPlan, LookupPlan, set_planner
-from .contraction import fixed_order_macs, fixed_order_plan, plan_contraction, plan_from_order
+from .contraction import fixed_order_macs, fixed_order_plan, plan_contraction
 from .speed_model import (REFERENCE, DeviceSpeed, device_speed, layer_step_seconds, lookup_step_seconds,
                           measure_device_speed, merge_family)
 from .layer_info import fmt_count, layer_info, ranks_str
 from .lookup import per_id_macs, plan_lookup
 
-__all__ = ["SearchPlanner", "plan_contraction", "plan_from_order", "replay_plan", "fixed_order_macs", "fixed_order_plan",
+__all__ = ["SearchPlanner", "plan_contraction", "fixed_order_macs", "fixed_order_plan",
            "DeviceSpeed", "REFERENCE", "device_speed", "measure_device_speed", "layer_step_seconds", "lookup_step_seconds", "merge_family", "plan_lookup", "per_id_macs", "layer_info",
            "fmt_count", "ranks_str"]
 
@@ -28,15 +28,6 @@ class SearchPlanner:
 
     def plan_lookup(self, layout, rows: int) -> LookupPlan:
         return plan_lookup(layout, int(rows))
-
-
-def replay_plan(layout, transpose: bool, rows: int, pairs, strategy: str) -> ContractionPlan:
-    """The plan contracting ``layout``'s network over ``rows`` rows in the order
-    ``pairs`` (SSA ids): a saved plan rebuilt from its order alone
-    (:func:`.contraction.plan_from_order`). Raises ``ValueError`` for an order
-    that does not contract this network."""
-    inputs, output, sizes = planner_problem(layout, transpose)
-    return plan_from_order(inputs, output, {**sizes, BATCH: int(rows)}, pairs, strategy, batch=BATCH)
 
 
 set_planner(SearchPlanner())

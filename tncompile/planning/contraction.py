@@ -25,7 +25,7 @@ from .. import tuning
 from ..formats.indices import BATCH, planner_problem
 from ..runtime.plans import ContractionPlan, Step
 
-__all__ = ["plan_contraction", "plan_from_order", "ssa_to_linear", "fixed_order_plan", "fixed_order_macs"]
+__all__ = ["plan_contraction", "fixed_order_plan", "fixed_order_macs"]
 
 Indices = tuple[str, ...]
 
@@ -181,39 +181,6 @@ def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str
     best = min(scored, key=lambda k: scored[k][0][-1])
     return _plan_of(inputs, output, sizes, scored[best][0], best, {k: v[0][-1] for k, v in scored.items()},
                     needs_grad, batch, write_weight)
-
-
-def ssa_to_linear(pairs: Sequence[tuple[int, int]], n_inputs: int) -> list[tuple[int, int]]:
-    """A pairwise order in SSA ids (inputs ``0..n-1``, then each result) as a linear
-    (opt_einsum-style) path of positions in the shrinking operand list.
-    Raises ``ValueError`` when an id is not live."""
-    live = list(range(n_inputs))
-    path = []
-    for k, (a, b) in enumerate(pairs):
-        if a == b or a not in live or b not in live:
-            raise ValueError(f"step {k} contracts operands {a} and {b}, which are not two live operands")
-        i, j = live.index(a), live.index(b)
-        path.append((i, j))
-        live = [x for x in live if x not in (a, b)] + [n_inputs + k]
-    if len(live) != 1:
-        raise ValueError(f"the order leaves {len(live)} operands uncontracted")
-    return path
-
-
-def plan_from_order(inputs: Sequence[Indices], output: Indices, sizes: dict[str, int],
-                    pairs: Sequence[tuple[int, int]], strategy: str, batch: str = "b",
-                    write_weight: float | None = None) -> ContractionPlan:
-    """The plan that contracts ``pairs`` (SSA ids, as a saved plan's steps hold them)
-    over this network: steps, axes and costs derived here from the network alone.
-    A model file stores plans; loading rebuilds each from its order this way, so
-    nothing but the order comes from the file."""
-    write_weight = tuning.WRITE_WEIGHT if write_weight is None else write_weight
-    inputs = [tuple(ix) for ix in inputs]
-    output = tuple(output)
-    needs_grad = [True] * len(inputs)
-    path = ssa_to_linear(pairs, len(inputs))
-    built = _build(inputs, output, sizes, path, needs_grad, write_weight)
-    return _plan_of(inputs, output, sizes, built, strategy, {strategy: built[-1]}, needs_grad, batch, write_weight)
 
 
 def _plan_of(inputs, output, sizes, built, strategy: str, candidates: dict[str, float], needs_grad,

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..api import rebuild
+from ..api import is_plain_input, rebuild
 from ..compiled import CompiledModel
 from ..errors import ModelFileError, ModelMismatchError, PassError, TraceError
 from ..options import MAX_ROWS, PREFER, CompileOptions
@@ -217,26 +217,27 @@ def load(path: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | t
     from .pretrained_folder import is_model_folder, load_folder  # noqa: PLC0415 - the folder module uses this one
 
     path = _file_path(path, "load")
-    if is_model_folder(path):  # save_pretrained of a swap-mode model
-        return load_folder(path, model, passes=passes, example_inputs=example_inputs, map_location=map_location)
-    if path.is_dir():
-        raise IsADirectoryError(f"tncompile.load: {str(path)!r} is a directory; give the file tncompile.save wrote "
-                                "(or a folder a compressed model's save_pretrained wrote)")
-    if not path.exists():
-        raise FileNotFoundError(f"tncompile.load: no file {str(path)!r}")
     if map_location is not None:
         try:
             torch.device(map_location)
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"tncompile.load: map_location={map_location!r} is not a device "
                              "(e.g. 'cpu', 'cuda', 'cuda:1' or a torch.device)") from e
-    saved = read_model_file(path)
-    if model is None:
-        raise ModelFileError(f"tncompile.load({str(path)!r}): a model file holds tensors and a table of its "
-                             f"compressed layers, not the program: pass the dense model it was saved from (a "
-                             f"{saved.model_class}), e.g. tncompile.load(path, model={saved.model_class}(...)) "
-                             "or model=lambda: ... that builds it")
-    loaded = rebuild_saved(saved, dense_model(model, path), passes, example_inputs)
+    if is_model_folder(path):  # save_pretrained of a swap-mode model
+        loaded = load_folder(path, model, passes=passes, example_inputs=example_inputs)
+    elif path.is_dir():
+        raise IsADirectoryError(f"tncompile.load: {str(path)!r} is a directory; give the file tncompile.save wrote "
+                                "(or a folder a compressed model's save_pretrained wrote)")
+    elif not path.exists():
+        raise FileNotFoundError(f"tncompile.load: no file {str(path)!r}")
+    else:
+        saved = read_model_file(path)
+        if model is None:
+            raise ModelFileError(f"tncompile.load({str(path)!r}): a model file holds tensors and a table of its "
+                                 f"compressed layers, not the program: pass the dense model it was saved from (a "
+                                 f"{saved.model_class}), e.g. tncompile.load(path, model={saved.model_class}(...)) "
+                                 "or model=lambda: ... that builds it")
+        loaded = rebuild_saved(saved, dense_model(model, path), passes, example_inputs)
     if map_location is not None:
         loaded.to(map_location)
     return loaded
@@ -449,9 +450,7 @@ def _example(data: Any, tensors: dict, where: str, used: set[str]) -> tuple[tupl
     value = plain.decode(data, tensors, f"{where}: example_inputs", used)
     ok = isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], tuple) and isinstance(value[1], dict)
     leaves = [*value[0], *value[1].values()] if ok else []
-    plain_leaf = (lambda v: isinstance(v, torch.Tensor) or v is None or isinstance(v, (bool, int, float))
-                  or (isinstance(v, str) and len(v) <= 64))
-    if not ok or not all(map(plain_leaf, leaves)) or not all(isinstance(k, str) for k in value[1]):
+    if not ok or not all(map(is_plain_input, leaves)) or not all(isinstance(k, str) for k in value[1]):
         raise ModelFileError(f"{where}: example_inputs must be (args, kwargs) of tensors and plain values")
     return value
 

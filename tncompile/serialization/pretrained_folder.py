@@ -77,7 +77,7 @@ def save_folder(model: nn.Module, directory: str | os.PathLike, save: Callable[.
     save(model, folder / FOLDER_FILE)
 
 
-def load_folder(folder: Path, model: Any, *, passes=None, example_inputs=None, map_location=None) -> nn.Module:
+def load_folder(folder: Path, model: Any, *, passes=None, example_inputs=None) -> nn.Module:
     """:func:`tncompile.load` of a folder: its file rebuilt onto ``model`` -- a fresh instance,
     a callable building one, or a class built from the folder's ``config.json``
     (:func:`model_from_config`)."""
@@ -92,10 +92,7 @@ def load_folder(folder: Path, model: Any, *, passes=None, example_inputs=None, m
         dense = model_from_config(folder, model, saved)
     else:
         dense = dense_model(model, folder)
-    loaded = rebuild_saved(saved, dense, passes, example_inputs)
-    if map_location is not None:
-        loaded.to(map_location)
-    return loaded
+    return rebuild_saved(saved, dense, passes, example_inputs)
 
 
 #: config entries that name code, not data: never honoured from a file
