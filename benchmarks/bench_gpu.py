@@ -1,0 +1,409 @@
+"""Every GPU figure in one run: each model x training path x batch, compressed against dense.
+
+    python benchmarks/bench_gpu.py [--budget-s 420] [--out benchmarks/results/gpu.json]
+                                   [--models six-encoder small-bert gpt2] [--batches 1 8 32 128]
+                                   [--paths eager captured ...]
+
+Issue 42's one script. Models: the paper's six-encoder at CoMERA's 1/44.9 (sequence 128,
+3-class cross-entropy), the hidden-128 2-layer ``BertModel`` at 0.3 (64 ids a sample, mean
+square of the last hidden state) and the 256-wide 4-layer GPT-2 at 0.3 (64 ids, its LM
+loss), all compiled with the defaults. Each is built dense and compiled once per batch and
+every path is timed on that pair, dense and compressed interleaved (round-robin, one step of
+each per round, up to a synchronize):
+
+``eager``             the plain loop: forward, loss, backward, ``AdamW.step()``, ``zero_grad``
+``captured``          ``tncompile.TrainStep(cuda_graph=True)`` (what ``fit`` runs on a GPU)
+``bf16``              ``TrainStep(amp="bf16", cuda_graph=False)``: bf16 autocast, fp32 master weights
+``bf16-captured``     the same, captured
+``compile``           the plain loop over ``torch.compile(model)``
+``compile-ro``        the plain loop over ``torch.compile(model, mode="reduce-overhead")``
+``trainer``           ``transformers.Trainer`` (HF models), time between ``on_step_end`` calls
+``trainer-compile``   the same with ``TrainingArguments(torch_compile=True)``
+
+Beside each time: the host's time until a step call returns (CUDA runs asynchronously:
+where it is near the step's time, the host's dispatch is the step). ``kernels`` rows profile
+one eager step of each model (``torch.profiler``: kernels per step, their summed GPU time).
+``memory`` rows build one model at a time at batch 1 and record the peak allocated over
+warm-up and steps: dense, compressed eager and captured, and dense with GaLore (when
+``galore_torch`` imports; its package ``__init__`` needs bitsandbytes, so the two modules
+GaLoreAdamW needs are loaded on their own).
+
+Jobs run in priority order (the issue's targets first) while ``--budget-s`` lasts; a job
+not started is written as ``skipped``, one that fails keeps its error and the run goes on.
+The JSON is rewritten after every row, so a run cut short keeps what it measured. It
+records the GPU's name, torch/CUDA/Triton versions, clocks (``nvidia-smi``) and the
+device's copy bandwidth and GEMM throughput. CPU runs (``--device cpu``) exercise the
+script; captured paths are CUDA-only.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import tncompile
+from tncompile.train import TrainStep
+from tncompile.runtime import TTLinear
+from tncompile.zoo import six_encoder
+
+from common import RESULTS, interleaved_ms, machine
+
+PAPER_RATIO = 1 / 44.9
+PATHS = ("eager", "captured", "bf16", "bf16-captured", "compile", "compile-ro", "trainer", "trainer-compile")
+CUDA_ONLY = {"captured", "bf16-captured", "compile-ro"}
+
+
+# ---------------------------------------------------------------- models
+class Workload:
+    """One model at one batch: inputs, targets, loss and a builder (dense or compiled)."""
+
+    def __init__(self, name: str, batch: int, device: torch.device):
+        self.name, self.batch, self.device = name, batch, device
+        g = torch.Generator().manual_seed(0)
+        if name == "six-encoder":
+            self.hf = False
+            self.x = torch.randint(1, 30522, (batch, 128), generator=g).to(device)
+            self.y = torch.randint(0, 3, (batch,), generator=g).to(device)
+            self.loss_fn = F.cross_entropy
+        else:
+            self.hf = True
+            ids = torch.randint(0, 1000, (batch, 64), generator=g).to(device)
+            self.x = {"input_ids": ids} if name == "small-bert" else {"input_ids": ids, "labels": ids}
+            self.y = None
+            self.loss_fn = _hidden_square if name == "small-bert" else _lm_loss
+
+    def build(self, compiled: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        if self.name == "six-encoder":
+            model = six_encoder().to(self.device)
+            if compiled:
+                model = tncompile.compile(model, target_ratio=PAPER_RATIO, init="random",
+                                          batch_sizes=[self.batch * 128])
+            return model.to(self.device).train()
+        from bench_small_models import FAMILIES  # noqa: PLC0415 - transformers, HF models only
+        model = FAMILIES["bert" if self.name == "small-bert" else "gpt2"](64)[1].train().to(self.device)
+        if compiled:
+            model = tncompile.compile(model, target_ratio=0.3, example_inputs=self.x).train()
+        return model
+
+    def forward_loss(self, model) -> torch.Tensor:
+        out = model(**self.x) if self.hf else model(self.x)
+        return self.loss_fn(out, self.y)
+
+
+def _hidden_square(out, _targets):
+    return out.last_hidden_state.square().mean()
+
+
+def _lm_loss(out, _targets):
+    return out.loss
+
+
+# ---------------------------------------------------------------- paths
+def _plain_loop(work: Workload, model, compile_mode: str | None) -> Callable[[], None]:
+    """forward, loss, backward, AdamW step, zero_grad -- optionally over torch.compile(model)."""
+    run = model if compile_mode is None else torch.compile(model, mode=compile_mode)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+
+    def step() -> None:
+        work.forward_loss(run).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _train_step(work: Workload, model, captured: bool, amp: str | None) -> Callable[[], None]:
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    step = TrainStep(model, opt, work.loss_fn, cuda_graph=captured, amp=amp)
+    return lambda: step(work.x, work.y)
+
+
+def step_functions(work: Workload, path: str, model) -> Callable[[], None]:
+    if path == "eager":
+        return _plain_loop(work, model, None)
+    if path == "compile":
+        return _plain_loop(work, model, "default")
+    if path == "compile-ro":
+        return _plain_loop(work, model, "reduce-overhead")
+    return _train_step(work, model, captured=path.endswith("captured"), amp="bf16" if "bf16" in path else None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def host_ms(fn: Callable[[], None], device: torch.device, calls: int = 5) -> float:
+    """Median time until a step call returns (the host's share; CUDA runs on behind it)."""
+    times = []
+    for _ in range(calls):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    _sync(device)
+    return 1000 * statistics.median(times)
+
+
+def trainer_ms(work: Workload, model, compile_model: bool, steps: int) -> tuple[float, str]:
+    """Median ms between ``on_step_end`` calls of ``transformers.Trainer`` (after 3 steps),
+    and the class of the module Trainer ran (``OptimizedModule`` when it compiled)."""
+    import transformers  # noqa: PLC0415
+    transformers.logging.set_verbosity_error()
+
+    class Clock(transformers.TrainerCallback):
+        def __init__(self):
+            self.stamps = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            _sync(work.device)
+            self.stamps.append(time.perf_counter())
+
+    ids = work.x["input_ids"].cpu()
+    rows = [{"input_ids": ids[i], "labels": ids[i]} for i in range(ids.shape[0])] * (steps + 4)
+    clock = Clock()
+    saved_env = {k: v for k, v in os.environ.items() if k.startswith("ACCELERATE_DYNAMO")}
+    with tempfile.TemporaryDirectory() as tmp:
+        args = transformers.TrainingArguments(
+            output_dir=tmp, per_device_train_batch_size=work.batch, max_steps=steps + 4, learning_rate=1e-5,
+            report_to=[], save_strategy="no", logging_strategy="no", disable_tqdm=True,
+            dataloader_num_workers=0, torch_compile=compile_model, use_cpu=work.device.type == "cpu")
+        loss = (lambda out, labels, num_items_in_batch=None: _hidden_square(out, None)) \
+            if work.name == "small-bert" else None
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, callbacks=[clock],
+                                       compute_loss_func=loss)
+        trainer.train()
+    for key in [k for k in os.environ if k.startswith("ACCELERATE_DYNAMO")]:  # torch_compile=True sets them
+        del os.environ[key]
+    os.environ.update(saved_env)
+    gaps = [b - a for a, b in zip(clock.stamps[3:], clock.stamps[4:])]
+    return 1000 * statistics.median(gaps), type(trainer.model_wrapped).__name__
+
+
+# ---------------------------------------------------------------- jobs
+def out_of_time() -> bool:
+    return time.monotonic() > DEADLINE
+
+
+def time_paths(work: Workload, paths: list[str], reps: int, emit) -> None:
+    """Build dense and compiled once, then time each path on the pair (interleaved)."""
+    models = {"dense": work.build(False), "compressed": work.build(True)}
+    layers = sum(isinstance(m, TTLinear) for m in models["compressed"].modules())
+    for path in paths:
+        row = {"model": work.name, "batch": work.batch, "path": path, "tt_layers": layers}
+        if out_of_time():
+            emit({**row, "skipped": "budget"})
+            continue
+        try:
+            if path.startswith("trainer"):
+                ms = {}
+                for k, m in models.items():
+                    ms[k], row[f"{k}_trainer_runs"] = trainer_ms(work, m, path == "trainer-compile", reps)
+            else:
+                fns = {k: step_functions(work, path, m) for k, m in models.items()}
+                ms = interleaved_ms(fns, reps=reps, warmup=3, device=work.device)
+                row.update({f"{k}_host_ms": round(host_ms(fn, work.device), 3) for k, fn in fns.items()})
+            row.update(dense_ms=round(ms["dense"], 3), compressed_ms=round(ms["compressed"], 3),
+                       speed_vs_dense=round(ms["dense"] / ms["compressed"], 3))
+            if "compressed_host_ms" in row and layers:
+                row["extra_host_ms_per_tt_layer"] = round(
+                    (row["compressed_host_ms"] - row["dense_host_ms"]) / layers, 4)
+        except Exception as e:  # noqa: BLE001 - one failing path must not end the run
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        emit(row)
+        torch._dynamo.reset()
+        gc.collect()
+        if work.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def profile_kernels(work: Workload, emit) -> None:
+    """Kernels per eager step and their summed GPU time (torch.profiler), each model alone."""
+    from bench_gpu_kernels import profile_step  # noqa: PLC0415
+    for kind in ("dense", "compressed"):
+        row = {"model": work.name, "batch": work.batch, "path": "kernels", "variant": kind}
+        try:
+            model = work.build(kind == "compressed")
+            step = _plain_loop(work, model, None)
+            for _ in range(3):
+                step()
+            result = profile_step(lambda _x, _y: step(), None, None, steps=3)
+            row.update(kernels_per_step=result["kernels_per_step"],
+                       gpu_ms_per_step=round(result["gpu_ms_per_step"], 3), by_kind=result["by_kind"])
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        emit(row)
+
+
+def _galore_adamw():
+    """``galore_torch.GaLoreAdamW`` without the package ``__init__`` (which imports bitsandbytes)."""
+    spec = importlib.util.find_spec("galore_torch")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("galore_torch is not installed")
+    package = types.ModuleType("galore_torch")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["galore_torch"] = package
+    from galore_torch.adamw import AdamW as GaLoreAdamW  # noqa: PLC0415
+    return GaLoreAdamW
+
+
+def peak_memory(work: Workload, emit) -> None:
+    """Peak allocated MB over 3 warm-up and 5 timed steps, one model on the device at a time."""
+    variants = {"dense eager": (False, "eager"), "compressed eager": (True, "eager"),
+                "compressed captured": (True, "captured"), "dense GaLore": (False, "galore")}
+    for name, (compiled, how) in variants.items():
+        row = {"model": work.name, "batch": work.batch, "path": "memory", "variant": name}
+        try:
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            model = work.build(compiled)
+            if how == "galore":
+                big = [p for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n]
+                rest = [p for p in model.parameters() if all(p is not b for b in big)]
+                opt = _galore_adamw()([{"params": rest}, {"params": big, "rank": 128, "update_proj_gap": 200,
+                                                           "scale": 0.25, "proj_type": "std"}], lr=1e-4)
+                step = TrainStep(model, opt, work.loss_fn, cuda_graph=False)
+                fn = lambda: step(work.x, work.y)  # noqa: E731
+            else:
+                fn = step_functions(work, how, model)
+            for _ in range(3):
+                fn()
+            times = []
+            for _ in range(5):
+                _sync(work.device)
+                start = time.perf_counter()
+                fn()
+                _sync(work.device)
+                times.append(time.perf_counter() - start)
+            row.update(step_ms=round(1000 * statistics.median(times), 3),
+                       peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1))
+            del model, fn
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        emit(row)
+
+
+def jobs(models: list[str], batches: list[int], paths: list[str], cuda: bool):
+    """(label, callable(emit)) in priority order: the issue's targets first, torch.compile
+    (tens of seconds of compiling per model) after every path that compiles nothing."""
+    fast = [p for p in ("eager", "captured", "bf16", "bf16-captured") if p in paths]
+    compiling = [p for p in ("compile", "compile-ro", "trainer-compile") if p in paths]
+    small = [m for m in ("small-bert", "gpt2") if m in models]
+    six = "six-encoder" in models
+    order = [b for b in (1, 32, 128, 8) if b in batches] + [b for b in batches if b not in (1, 8, 32, 128)]
+    first = 32 if 32 in batches else order[0]
+    out = []
+
+    def timed(model: str, batch: int, chosen: list[str]) -> None:
+        if chosen:
+            out.append((f"{model} b{batch} {chosen}", lambda emit: time_paths(Workload(model, batch, DEV), chosen,
+                                                                              REPS, emit)))
+    for b in order[:3] if six else []:
+        timed("six-encoder", b, fast)
+    if six and cuda and 1 in batches:
+        out.append(("six-encoder kernels b1", lambda emit: profile_kernels(Workload("six-encoder", 1, DEV), emit)))
+        out.append(("six-encoder memory b1", lambda emit: peak_memory(Workload("six-encoder", 1, DEV), emit)))
+    for m in small:
+        timed(m, first, fast + (["trainer"] if "trainer" in paths else []))
+    for m in small if cuda else []:
+        out.append((f"{m} kernels b{first}", lambda emit, m=m: profile_kernels(Workload(m, first, DEV), emit)))
+    for b in order[3:] if six else []:
+        timed("six-encoder", b, fast)
+    for m in small:
+        timed(m, first, compiling)
+    for b in [b for b in (1, 32) if b in batches] if six else []:
+        timed("six-encoder", b, [p for p in compiling if p != "trainer-compile"])
+    for m in small:
+        for b in [b for b in order if b != first]:
+            timed(m, b, fast)
+    return out
+
+
+def gpu_facts() -> dict:
+    facts = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton  # noqa: PLC0415
+        facts["triton"] = triton.__version__
+    except ImportError:
+        facts["triton"] = None
+    if torch.cuda.is_available():
+        facts["gpu"] = torch.cuda.get_device_name()
+        query = "name,driver_version,clocks.sm,clocks.mem,clocks.max.sm,clocks.max.mem,power.limit"
+        try:
+            text = subprocess.run(["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader"],
+                                  capture_output=True, text=True, timeout=20).stdout.strip()
+            facts["nvidia_smi"] = dict(zip(query.split(","), (v.strip() for v in text.split(","))))
+        except (OSError, subprocess.SubprocessError) as e:
+            facts["nvidia_smi"] = f"unavailable: {e}"
+    return facts
+
+
+DEV = torch.device("cpu")
+REPS = 10
+DEADLINE = float("inf")
+
+
+def main() -> None:
+    global DEV, REPS, DEADLINE
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget-s", type=float, default=420.0, help="start no job after this many seconds")
+    ap.add_argument("--out", type=Path, default=RESULTS / "gpu.json")
+    ap.add_argument("--models", nargs="+", default=["six-encoder", "small-bert", "gpt2"],
+                    choices=["six-encoder", "small-bert", "gpt2"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
+    ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    DEV, REPS = torch.device(args.device), args.reps
+    cuda = DEV.type == "cuda"
+    paths = [p for p in args.paths if cuda or p not in CUDA_ONLY]
+    start = time.monotonic()
+    DEADLINE = start + args.budget_s
+    report = {"benchmark": "gpu", "device": str(DEV), **gpu_facts(), **machine(DEV),
+              "budget_s": args.budget_s, "rows": [], "skipped": []}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def write() -> None:
+        report["elapsed_s"] = round(time.monotonic() - start, 1)
+        args.out.write_text(json.dumps(report, indent=1))
+
+    def emit(row: dict) -> None:
+        row["at_s"] = round(time.monotonic() - start, 1)
+        report["rows"].append(row)
+        shown = {k: v for k, v in row.items() if k != "by_kind"}
+        print(json.dumps(shown), flush=True)
+        write()
+
+    for label, job in jobs(args.models, args.batches, paths, cuda):
+        if out_of_time():
+            report["skipped"].append(label)
+            continue
+        print(f"== {label} ({time.monotonic() - start:.0f} s)", flush=True)
+        try:
+            job(emit)
+        except Exception as e:  # noqa: BLE001 - a job that cannot build still leaves a row
+            emit({"job": label, "error": f"{type(e).__name__}: {str(e)[:400]}"})
+        if cuda:
+            torch.cuda.empty_cache()
+    report["clocks_after"] = gpu_facts().get("nvidia_smi")
+    write()
+    print(f"wrote {args.out} in {time.monotonic() - start:.0f} s; skipped: {report['skipped']}")
+
+
+if __name__ == "__main__":
+    main()
