@@ -3,6 +3,7 @@
     python benchmarks/bench_gpu.py [--budget-s 420] [--out benchmarks/results/gpu.json]
                                    [--models six-encoder small-bert gpt2] [--batches 1 8 32 128]
                                    [--paths eager captured ...]
+    python benchmarks/bench_gpu.py --table benchmarks/results/gpu.json   # a run as markdown tables
 
 Issue 42's one script. Models: the paper's six-encoder at CoMERA's 1/44.9 (sequence 128,
 3-class cross-entropy), the hidden-128 2-layer ``BertModel`` at 0.3 (64 ids a sample, mean
@@ -23,8 +24,9 @@ each per round, up to a synchronize):
 Beside each time: the host's time until a step call returns (CUDA runs asynchronously:
 where it is near the step's time, the host's dispatch is the step). ``kernels`` rows profile
 one eager step of each model (``torch.profiler``: kernels per step, their summed GPU time).
-``memory`` rows build one model at a time at batch 1 and record the peak allocated over
-warm-up and steps: dense, compressed eager and captured, and dense with GaLore (when
+``memory`` rows build one model at a time at batch 1 and record the peak allocated while
+building it, what stays allocated, and the peak over warm-up and training steps: dense,
+compressed eager and captured, and dense with GaLore (when
 ``galore_torch`` imports; its package ``__init__`` needs bitsandbytes, so the two modules
 GaLoreAdamW needs are loaded on their own).
 
@@ -261,7 +263,9 @@ def _galore_adamw():
 
 
 def peak_memory(work: Workload, emit) -> None:
-    """Peak allocated MB over 3 warm-up and 5 timed steps, one model on the device at a time."""
+    """One model on the device at a time: ``build_peak_mb`` is the peak while building
+    (and compiling) it, ``resident_mb`` what stays allocated after, and ``peak_mb`` the peak
+    over 3 warm-up and 5 timed training steps (optimizer state and a capture included)."""
     variants = {"dense eager": (False, "eager"), "compressed eager": (True, "eager"),
                 "compressed captured": (True, "captured"), "dense GaLore": (False, "galore")}
     for name, (compiled, how) in variants.items():
@@ -271,6 +275,10 @@ def peak_memory(work: Workload, emit) -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             model = work.build(compiled)
+            gc.collect()
+            row.update(build_peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1),
+                       resident_mb=round(torch.cuda.memory_allocated() / 2**20, 1))
+            torch.cuda.reset_peak_memory_stats()
             if how == "galore":
                 big = [p for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n]
                 rest = [p for p in model.parameters() if all(p is not b for b in big)]
@@ -333,6 +341,37 @@ def jobs(models: list[str], batches: list[int], paths: list[str], cuda: bool):
     return out
 
 
+def markdown_tables(report: dict) -> str:
+    """The run as tables: speed against dense per model x batch x path (compressed / dense ms
+    beneath), then kernels per eager step and batch-1 memory."""
+    timed = [r for r in report["rows"] if r.get("path") in PATHS]
+    paths = [p for p in PATHS if any(r["path"] == p for r in timed)]
+    lines = ["| model | batch | " + " | ".join(paths) + " |", "|---|---|" + "---|" * len(paths)]
+    keys = sorted({(r["model"], r["batch"]) for r in timed}, key=lambda k: (k[0] != "six-encoder", k))
+    for model, batch in keys:
+        cells = []
+        for path in paths:
+            row = next((r for r in timed if (r["model"], r["batch"], r["path"]) == (model, batch, path)), None)
+            if row is None or "speed_vs_dense" not in row:
+                cells.append("" if row is None else ("error" if "error" in row else row.get("skipped", "")))
+            else:
+                cells.append(f"**{row['speed_vs_dense']:.2f}x** {row['compressed_ms']:.1f}/{row['dense_ms']:.1f}")
+        lines.append(f"| {model} | {batch} | " + " | ".join(cells) + " |")
+    kernels = [r for r in report["rows"] if r.get("path") == "kernels" and "kernels_per_step" in r]
+    if kernels:
+        lines += ["", "| model | batch | variant | kernels per eager step | GPU ms of kernels |", "|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['batch']} | {r['variant']} | {r['kernels_per_step']:.0f} | "
+                  f"{r['gpu_ms_per_step']:.2f} |" for r in kernels]
+    memory = [r for r in report["rows"] if r.get("path") == "memory" and "peak_mb" in r]
+    if memory:
+        lines += ["", "| model | batch | variant | step ms | peak MB | resident MB | build peak MB |",
+                  "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['batch']} | {r['variant']} | {r['step_ms']:.1f} | {r['peak_mb']:.0f} | "
+                  f"{r.get('resident_mb', float('nan')):.0f} | {r.get('build_peak_mb', float('nan')):.0f} |"
+                  for r in memory]
+    return "\n".join(lines)
+
+
 def gpu_facts() -> dict:
     facts = {"torch": torch.__version__, "cuda": torch.version.cuda}
     try:
@@ -368,7 +407,11 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--table", type=Path, default=None, help="print a run's JSON as markdown tables and stop")
     args = ap.parse_args()
+    if args.table is not None:
+        print(markdown_tables(json.loads(args.table.read_text())))
+        return
     DEV, REPS = torch.device(args.device), args.reps
     cuda = DEV.type == "cuda"
     paths = [p for p in args.paths if cuda or p not in CUDA_ONLY]

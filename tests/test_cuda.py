@@ -175,7 +175,9 @@ def test_replayed_steps_reach_the_outputs_without_autograd():
     with torch.no_grad():
         kept = compiled(x)
     fresh = compiled(x).detach()
-    assert (kept - before).abs().max() > 1e-3 and (kept - fresh).abs().max() < 1e-5
+    assert (kept - before).abs().max() > 1e-3
+    # outputs reach ~700 after these steps: fp32 GEMMs in another order differ ~1e-7 relative
+    torch.testing.assert_close(kept, fresh, rtol=1e-5, atol=1e-5)
 
 
 def test_fit_on_cuda_captures_its_steps_cuts_ranks_and_learns():
@@ -421,10 +423,12 @@ def test_whole_matrices_on_cuda_launch_fewer_kernels_and_train_as_thin_products(
         got = [float(step(x, y)) for _ in range(6)]
         return got, list(made)
     (with_whole, modes), (thin, thin_modes) = kernels(True), kernels(False)
-    assert modes == {True} and thin_modes == {False}
+    # each batch of layers chooses by its own estimated cost (on an H100 at 512 rows the
+    # widest layers stay thin): some batches merge whole matrices, none when they are off
+    assert True in modes and thin_modes == {False}
     assert with_whole < thin
     eager, eager_made = losses(True, False)
-    assert set(eager_made) == {True}
+    assert set(eager_made) == modes
     assert eager == pytest.approx(losses(False, False)[0], rel=1e-4)
     captured, captured_made = losses(True, True)
     assert False in captured_made  # the capture's forward ran thin products (the warm-up steps whole ones)
