@@ -32,6 +32,8 @@ GaLoreAdamW needs are loaded on their own).
 
 Jobs run in priority order (the issue's targets first) while ``--budget-s`` lasts; a job
 not started is written as ``skipped``, one that fails keeps its error and the run goes on.
+``--jobs`` picks jobs by label and ``--merge`` adds their rows to an earlier run's JSON
+(``merged_from`` records that run's device and speed: compare rows of one device only).
 The JSON is rewritten after every row, so a run cut short keeps what it measured. It
 records the GPU's name, torch/CUDA/Triton versions, clocks (``nvidia-smi``) and the
 device's copy bandwidth and GEMM throughput. CPU runs (``--device cpu``) exercise the
@@ -408,6 +410,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--table", type=Path, default=None, help="print a run's JSON as markdown tables and stop")
+    ap.add_argument("--jobs", nargs="+", default=None,
+                    help="run only the jobs whose labels start with one of these (e.g. 'gpt2 b8' 'six-encoder memory')")
+    ap.add_argument("--merge", type=Path, default=None,
+                    help="start from this run's JSON: its rows stay unless a job here measures the same row again")
     args = ap.parse_args()
     if args.table is not None:
         print(markdown_tables(json.loads(args.table.read_text())))
@@ -427,12 +433,21 @@ def main() -> None:
 
     def emit(row: dict) -> None:
         row["at_s"] = round(time.monotonic() - start, 1)
-        report["rows"].append(row)
+        key = [row.get(k) for k in ("model", "batch", "path", "variant")]
+        report["rows"] = [r for r in report["rows"] if [r.get(k) for k in ("model", "batch", "path", "variant")]
+                          != key] + [row]
         shown = {k: v for k, v in row.items() if k != "by_kind"}
         print(json.dumps(shown), flush=True)
         write()
 
+    if args.merge is not None:
+        earlier = json.loads(args.merge.read_text())
+        report["merged_from"] = {k: earlier.get(k) for k in ("gpu", "torch", "elapsed_s", "copy_gb_per_s",
+                                                           "gemm_gflop_per_s")}
+        report["rows"] = earlier["rows"]
     for label, job in jobs(args.models, args.batches, paths, cuda):
+        if args.jobs is not None and not any(label.startswith(j) for j in args.jobs):
+            continue
         if out_of_time():
             report["skipped"].append(label)
             continue
