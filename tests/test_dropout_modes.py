@@ -1,4 +1,4 @@
-"""Dropout a trace baked in follows ``train()`` / ``eval()`` (tncompile.dropout_modes).
+"""Dropout a trace baked in follows ``train()`` / ``eval()`` (tncompile.frontend.dropout_modes).
 
 A trace runs the model's Python once: ``F.dropout(x, p, training=self.training)``
 and HF attention's ``dropout_p=p if self.training else 0.0`` would become constants,

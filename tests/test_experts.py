@@ -164,7 +164,7 @@ def test_moe_models_reach_a_tenth_with_experts_in_the_report(family):
 
 def test_moe_trace_outlines_experts_without_changing_the_model():
     """The traced graph (experts as ExpertLinear calls) computes what the model does."""
-    from tncompile.frontend import trace
+    from tncompile.frontend.tracing import trace
     torch.manual_seed(0)
     model = _moe("mixtral").eval()
     ids = torch.randint(0, 1000, (2, 16))

@@ -1,7 +1,7 @@
 """Attention with dropout on the native kernel wherever a model calls PyTorch's:
 ``lower_dropout``'s ``attention-function`` rule (graph mode: ``F.scaled_dot_product_attention``
-calls), swap mode's dropout (``tncompile.swap_lowering``) and HF's ``"tncompile_sdpa"``
-attention (``tncompile.swap_attention``): the same numbers as PyTorch's in
+calls), swap mode's dropout (``tncompile.swap.lowering``) and HF's ``"tncompile_sdpa"``
+attention (``tncompile.swap.hf_attention``): the same numbers as PyTorch's in
 eval, the native kernel with the mask PyTorch would apply in training, everything
 undone by ``to_dense()``, kept by save / load and pickling."""
 import pickle
@@ -18,7 +18,7 @@ from tncompile.runtime.dropout import FastDropout
 from tncompile.runtime.native import watch
 
 transformers = pytest.importorskip("transformers")
-swap_attention = pytest.importorskip("tncompile.swap_attention")
+swap_attention = pytest.importorskip("tncompile.swap.hf_attention")
 from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
 
 

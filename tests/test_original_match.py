@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from full_rank import compile_full_rank
-from tncompile import swap
-from tncompile.swap_subclass import network_of
+from tncompile.runtime.module_kinds import replaces_forward
+from tncompile.swap.subclass import network_of
 from tncompile.runtime import TTMEmbedding
 
 transformers = pytest.importorskip("transformers")
@@ -46,7 +46,7 @@ def test_full_rank_compiled_model_equals_the_original(family, mode):
     assert ((got - want).norm() / want.norm()) < 1e-5
     if mode == "swap":  # subclasses with a forward of their own (BART's positions, Gemma's scaled table)
         assert isinstance(compiled, type(model)) and compiled.tensorized_modules()
-        own = [path for path, layer in model.named_modules() if swap.replaces_forward(layer)]
+        own = [path for path, layer in model.named_modules() if replaces_forward(layer)]
         swapped = [p for p in own if p in compiled.tensorized_modules()]
         assert bool(swapped) == (family in ("bart", "bart-scaled", "gemma3")), (own, swapped)
         for p in swapped:  # the user's own class runs the network: same name, isinstance holds

@@ -205,7 +205,7 @@ def _gemma3():
 def test_layer_subclasses_with_their_own_forward_run_the_network(tmp_path):
     """Gemma's scaled embedding (an nn.Embedding subclass, its table tied to the head): its own
     forward runs, super().forward reaching the network; weight reads as shape/dtype/device only."""
-    from tncompile.swap_subclass import NetworkWeight, network_of
+    from tncompile.swap.subclass import NetworkWeight, network_of
     model = _gemma3()
     ids = torch.randint(1, 500, (2, 8))
     c = tncompile.compile(model, target_ratio=0.4, example_inputs={"input_ids": ids})
@@ -365,7 +365,7 @@ def test_gpt2_activation_runs_pytorchs_tanh_gelu_and_to_dense_gives_it_back(tmp_
     """GPT-2's gelu_new (the tanh formula written out, ~8 kernels each way) runs as one
     nn.GELU(approximate="tanh") in swap mode: the same outputs and gradients; to_dense()
     and the user's model keep HF's module; save / load swaps it again."""
-    from tncompile.swap_lowering import TanhGELU
+    from tncompile.swap.lowering import TanhGELU
     model = _gpt2().train()
     ids = torch.randint(1, 500, (2, 8))
     c = tncompile.compile(model, target_ratio=0.4, example_inputs={"input_ids": ids, "use_cache": False})

@@ -7,14 +7,14 @@ See ARCHITECTURE.md.
 """
 from . import calibration, distributed, formats, ir, passes, planning, runtime, train, tuning
 from .api import compile
-from .compiled import CompiledModel
+from .result.compiled import CompiledModel
 from .errors import (ModelFileError, ModelMismatchError, PassError, SlowerThanDenseWarning, TNCompileError,
                      TraceError)
 from .passes import FunctionPass, Pass, Pipeline, default_pipeline, register_pass
-from .report import Report
+from .result.report import Report
 from .serialization import load, save
 from .train import Distill, History, resume, RankController, RankEvent, TrainStep, dry_run, fit, freeze_gates, param_groups
-from .pretrained import compress_pretrained
+from .integrations.pretrained import compress_pretrained
 
 # DESIGN.md's public spelling is tncompile.runtime.TrainStep. The class lives in train/ (the
 # runtime never imports training code), so the package's entry point publishes it there.

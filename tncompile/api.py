@@ -9,18 +9,19 @@ from typing import Any, Iterable, Sequence
 import torch
 from torch import nn
 
-from . import frontend, tuning
+from . import tuning
 from .calibration import collect_statistics
-from .compiled import CompiledModel
+from .result.compiled import CompiledModel
 from .errors import SlowerThanDenseWarning
 from .ir.decisions import CompileDecisions
 from .ir.program import Program, count_params
-from .layers import is_compressible
+from .frontend.layers import is_compressible
+from .frontend.tracing import split_example_inputs, trace
 from .options import CompileOptions, check_target_ratio
 from .passes import CollapseLayers, Pass, Pipeline, default_pipeline
-from .swap import MIXIN_NAMES, Resync, subclass_of, swap_into, swappable_layers, unswappable_layers
-from .swap_lowering import lower_into
-from .swap_experts import expert_weights
+from .swap.swapped import MIXIN_NAMES, Resync, subclass_of, swap_into, swappable_layers, unswappable_layers
+from .swap.lowering import lower_into
+from .swap.experts import expert_weights
 
 __all__ = ["compile", "rebuild", "recordable_inputs", "is_plain_input"]
 
@@ -168,7 +169,7 @@ def _build(work: nn.Module, original_params: int, options: CompileOptions, pipel
            example_inputs: Any, dump_dir, stats, decisions: CompileDecisions | None = None):
     """Trace ``work``, run ``pipeline`` over it and hand it back in ``mode``."""
     layers = swappable_layers(work)  # before tracing: export's trace may not keep the module paths
-    gm, inputs = frontend.trace(work, example_inputs)
+    gm, inputs = trace(work, example_inputs)
     layers.update(expert_weights(gm, work))  # fused MoE parameters the trace found: swapped via their owner
     if mode == "auto":
         mode = _auto_mode(work, inputs.frontend, gm, layers)
@@ -201,7 +202,7 @@ def recordable_inputs(example_inputs: Any) -> tuple[tuple, dict] | None:
     """``(args, kwargs)`` of ``example_inputs`` as a file can hold them -- detached CPU copies
     of tensors, and plain values (``None``, bools, numbers, short strings) -- or ``None``
     where anything else is among them (``load`` then needs ``example_inputs=``)."""
-    example = frontend.split_example_inputs(example_inputs)
+    example = split_example_inputs(example_inputs)
     if example is None:
         return None
     args, kwargs = example

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..layers import is_embedding, is_embedding_bag, is_linear
+from ..frontend.layers import is_embedding, is_embedding_bag, is_linear
 
 __all__ = ["CalibrationStats", "InputMoment", "collect_statistics"]
 

@@ -1,5 +1,7 @@
-"""Integrations with other libraries, imported on demand (each needs its library):
+"""Integrations with other libraries and whole workflows, imported on demand:
 
+- :mod:`tncompile.integrations.pretrained`: ``compress_pretrained`` -- calibrate, compile
+  and distill a pretrained model (published as ``tncompile.compress_pretrained``);
 - :mod:`tncompile.integrations.hf`: ``transformers.Trainer`` -- rank control as a
-  callback, resuming from a compressed model's checkpoints.
+  callback, resuming from a compressed model's checkpoints (needs transformers).
 """

@@ -20,7 +20,7 @@ Two small rules over the canonical forms (``canonicalize`` runs first):
   :func:`tncompile.runtime.attention_kernel.scaled_dot_product_attention` instead:
   the same function, on the native kernel in training on CPU.
 
-Swap mode makes the same choice in the user's module tree (:mod:`tncompile.swap_lowering`).
+Swap mode makes the same choice in the user's module tree (:mod:`tncompile.swap.lowering`).
 
 Where the native kernels do not apply (CUDA, bf16, autocast) PyTorch's
 dropout and attention run; under ``torch.compile`` the kernels run as the

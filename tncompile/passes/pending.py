@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from ..formats.layout import TTLayout, TTMLayout
-from ..layers import kind_of
+from ..frontend.layers import kind_of
 
 __all__ = ["PendingLayer"]
 

@@ -9,7 +9,7 @@ from .. import tuning
 from ..formats.layout import TTLayout, TTMLayout
 from ..ir.program import Program
 from ..errors import ModelMismatchError
-from ..layers import is_compressible, is_embedding, is_embedding_bag, is_experts, is_linear, kind_of
+from ..frontend.layers import is_compressible, is_embedding, is_embedding_bag, is_experts, is_linear, kind_of
 from ..runtime.module_kinds import linear_weight_of
 from .base import Pass, register_pass
 from .pending import PendingLayer

@@ -1,7 +1,7 @@
 """Model files: safetensors tensors and a manifest of data (:mod:`.model_file`);
 ``save_pretrained`` folders (:mod:`.pretrained_folder`)."""
 from ..errors import ModelFileError, ModelMismatchError
-from ..swap import register_folder_writer
+from ..swap.swapped import register_folder_writer
 from .model_file import FORMAT, VERSION, load, save
 from .pretrained_folder import save_folder
 

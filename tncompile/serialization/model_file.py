@@ -30,13 +30,13 @@ import torch
 from torch import nn
 
 from ..api import is_plain_input, rebuild
-from ..compiled import CompiledModel
+from ..result.compiled import CompiledModel
 from ..errors import ModelFileError, ModelMismatchError, PassError, TraceError
 from ..options import MAX_ROWS, PREFER, CompileOptions
 from ..passes import BUILTIN_PASSES, Pass, Pipeline, get_pass
 from ..passes.base import normalize_name
 from ..runtime.module_kinds import is_sharded
-from ..swap import is_swapped, user_class
+from ..swap.swapped import is_swapped, user_class
 from . import plain
 from .container import digest, encode_container, read_container, write_atomically
 from .fields import boolean, choice, exact_keys, integer, module_path, names, number, text

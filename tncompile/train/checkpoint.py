@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compiled import CompiledModel
+from ..result.compiled import CompiledModel
 from ..errors import ModelFileError
 from ..serialization.model_file import param_names
-from ..swap import is_swapped
+from ..swap.swapped import is_swapped
 
 __all__ = ["resume"]
 def resume(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, controller=None, *,

@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..compiled import CompiledModel
-from ..swap import is_swapped
+from ..result.compiled import CompiledModel
+from ..swap.swapped import is_swapped
 from ..ir.modules import module_at
 from ..runtime.module_kinds import is_shard, is_sharded
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .ir.modules import module_at
-from .runtime.experts import ExpertLinear, TTExperts
+from ..ir.modules import module_at
+from ..runtime.experts import ExpertLinear, TTExperts
 
 __all__ = ["expert_weights", "put_experts", "restore_dense_experts"]
 

@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterator
 
 from torch import nn
 
-from .runtime.attention import NestedPadding, SelfAttention
-from .runtime.module_kinds import linear_on, runs_as
+from ..runtime.attention import NestedPadding, SelfAttention
+from ..runtime.module_kinds import linear_on, runs_as
 
 __all__ = ["attention_parts", "traced_call"]
 

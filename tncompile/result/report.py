@@ -4,9 +4,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .formats.layout import TTLayout
-from .planning.speed_model import layer_step_seconds, lookup_step_seconds, merge_family
-from .planning.layer_info import fmt_count, layer_info, ranks_str
+from ..formats.layout import TTLayout
+from ..planning.speed_model import layer_step_seconds, lookup_step_seconds, merge_family
+from ..planning.layer_info import fmt_count, layer_info, ranks_str
 
 __all__ = ["Report", "LayerRow", "SpeedSummary", "build_report", "speed_summary"]
 

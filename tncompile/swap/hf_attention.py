@@ -16,7 +16,7 @@ as from ``sdpa``; under ``torch.compile`` the kernel runs as a traceable op.
 Its masks are the ``"sdpa"`` ones (``sdpa_mask``).
 
 Swap mode switches a model's configs from ``"sdpa"`` to :data:`NAME` when the
-``lower_dropout`` pass is in the pipeline (:mod:`tncompile.swap_lowering`).
+``lower_dropout`` pass is in the pipeline (:mod:`tncompile.swap.lowering`).
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .runtime.attention_kernel import native_sdpa
+from ..runtime.attention_kernel import native_sdpa
 
 __all__ = ["NAME", "register", "attention_forward", "native_call"]
 

@@ -25,14 +25,14 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
 from .dropout_modes import follow_training_mode
-from .errors import TraceError
-from .ir.modules import rehome_reads
-from .ir.program import InputSpec
+from ..errors import TraceError
+from ..ir.modules import rehome_reads
+from ..ir.program import InputSpec
 from .layers import is_compressible
 from .nn_trace import attention_parts, traced_call
-from .runtime.attention import NestedPadding, SelfAttention
-from .runtime.experts import ExpertLinear
-from .runtime.module_kinds import embedding_on, linear_on, replaces_forward
+from ..runtime.attention import NestedPadding, SelfAttention
+from ..runtime.experts import ExpertLinear
+from ..runtime.module_kinds import embedding_on, linear_on, replaces_forward
 
 __all__ = ["trace", "split_example_inputs"]
 

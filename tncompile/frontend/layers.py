@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .runtime.experts import ExpertLinear
-from .runtime.module_kinds import is_hf_conv1d
+from ..runtime.experts import ExpertLinear
+from ..runtime.module_kinds import is_hf_conv1d
 
 __all__ = ["is_linear", "is_embedding", "is_embedding_bag", "is_experts", "is_compressible", "kind_of"]
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from .runtime.attention import AttentionDropoutRate
+from ..runtime.attention import AttentionDropoutRate
 
 __all__ = ["follow_training_mode", "ATTENTION_RATE_NAMES"]
 

@@ -6,11 +6,11 @@ import inspect
 
 from torch import fx, nn
 
-from .ir.program import Program, module_at
+from ..ir.program import Program, module_at
 from .report import Report, build_report
-from .runtime.factor_groups import link_factor_groups
-from .runtime.graph_functions import keep_functions_when_pickled
-from .runtime.tt_layers import TNModule, TTMTiedLinear
+from ..runtime.factor_groups import link_factor_groups
+from ..runtime.graph_functions import keep_functions_when_pickled
+from ..runtime.tt_layers import TNModule, TTMTiedLinear
 
 __all__ = ["CompiledModel"]
 

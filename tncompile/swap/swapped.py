@@ -8,21 +8,21 @@ model keeps its class and its own ``forward``: a HuggingFace model keeps
 ``config``, ``generate`` with its KV cache, masks, every keyword argument;
 dropout follows ``train()`` / ``eval()`` as written (on tncompile's kernels when
 ``lower_dropout`` is in the pipeline; graph-mode lowerings made in the tree:
-:mod:`tncompile.swap_lowering`). ``save_pretrained`` writes a
+:mod:`tncompile.swap.lowering`). ``save_pretrained`` writes a
 folder that ``tncompile.load(folder, model=TheClass)`` rebuilds exactly and that
 plain ``from_pretrained`` refuses (:mod:`tncompile.serialization.pretrained_folder`).
 
 The returned object's class is a subclass of the user's class, made once per
 class, with the same name, module and qualified name, that adds
-:class:`SwapMixin`: the same API as :class:`~tncompile.compiled.CompiledModel`
+:class:`SwapMixin`: the same API as :class:`~tncompile.result.compiled.CompiledModel`
 (``program``, ``ratio``, ``report()``, ``tensorized_modules()``,
 ``to_dense()``), so ``RankController``, ``fit`` and ``TrainStep`` take it as
 they take a compiled model. It pickles and deep-copies as that subclass, and
 ``isinstance(swapped, type(model))`` holds.
 
 Fused mixture-of-experts parameters are swapped through the module that owns
-them (:mod:`tncompile.swap_experts`); layer subclasses with a forward of their own
-keep it, the network running under it (:mod:`tncompile.swap_subclass`).
+them (:mod:`tncompile.swap.experts`); layer subclasses with a forward of their own
+keep it, the network running under it (:mod:`tncompile.swap.subclass`).
 
 The program and the model share the layer objects. Every pipeline run on the
 program afterwards (a rank cut during training, collapsing a layer) is
@@ -37,15 +37,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from .ir.program import Program, module_at
-from .layers import is_compressible, kind_of
-from .report import Report, build_report
-from .runtime.factor_groups import link_factor_groups
-from .runtime.module_kinds import replaces_forward
-from .runtime.tt_layers import TNModule, TTMTiedLinear
-from .swap_lowering import register_for, restore_lowerings
-from .swap_experts import put_experts, restore_dense_experts
-from .swap_subclass import is_stand_in, network_of, put_stand_in, restore_subclass
+from ..ir.program import Program, module_at
+from ..frontend.layers import is_compressible, kind_of
+from ..result.report import Report, build_report
+from ..runtime.factor_groups import link_factor_groups
+from ..runtime.module_kinds import replaces_forward
+from ..runtime.tt_layers import TNModule, TTMTiedLinear
+from .lowering import register_for, restore_lowerings
+from .experts import put_experts, restore_dense_experts
+from .subclass import is_stand_in, network_of, put_stand_in, restore_subclass
 
 __all__ = ["SwapMixin", "swap_into", "swappable_layers", "unswappable_layers", "replaces_forward", "is_swapped",
            "user_class", "Resync", "MIXIN_NAMES", "register_folder_writer"]
@@ -67,7 +67,7 @@ def register_folder_writer(writer) -> None:
 
 def _swappable(module: nn.Module) -> bool:
     """An ``nn.EmbeddingBag`` subclass with its own forward has no stand-in
-    (:mod:`tncompile.swap_subclass` covers ``nn.Embedding`` and ``nn.Linear`` ones)."""
+    (:mod:`tncompile.swap.subclass` covers ``nn.Embedding`` and ``nn.Linear`` ones)."""
     return not (isinstance(module, nn.EmbeddingBag) and replaces_forward(module))
 
 
@@ -220,7 +220,7 @@ class Resync:
 
 def swap_into(model: nn.Module, program: Program) -> None:
     """Set every swapped path of ``model`` to the program's module at that path (a fused
-    experts parameter: :func:`~tncompile.swap_experts.put_experts`)."""
+    experts parameter: :func:`~tncompile.swap.experts.put_experts`)."""
     for path, kind in program.swap_layers.items():
         mod = module_at(program.graph_module, path)
         current = module_at(model, path)

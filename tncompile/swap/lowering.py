@@ -9,7 +9,7 @@ pipeline that compiled it:
   :class:`~tncompile.runtime.dropout.FastDropout` (same ``p``, ``inplace`` and
   mode; no state, so ``state_dict`` is unchanged), and a ``transformers`` model
   whose attention is ``"sdpa"`` gets ``"tncompile_sdpa"``
-  (:mod:`tncompile.swap_attention`): ``sdpa`` except that a training call with
+  (:mod:`tncompile.swap.hf_attention`): ``sdpa`` except that a training call with
   dropout on CPU runs the native attention kernel (not where the model's code
   compares ``_attn_implementation`` with ``"sdpa"`` by name: falcon, gemma4);
 * ``canonicalize`` (:func:`canonicalize_into`): a parameter-free module whose
@@ -31,9 +31,9 @@ import sys
 
 from torch import fx, nn
 
-from .ir.program import Program
-from .passes.canonicalize import tanh_gelu_formula
-from .runtime.dropout import FastDropout
+from ..ir.program import Program
+from ..passes.canonicalize import tanh_gelu_formula
+from ..runtime.dropout import FastDropout
 
 __all__ = ["lower_into", "lower_dropout_into", "canonicalize_into", "restore_lowerings", "register_for",
            "TanhGELU", "writes_tanh_gelu"]
@@ -99,7 +99,7 @@ def lower_dropout_into(model: nn.Module) -> dict[str, int]:
             swapped += 1
     configs = [] if _compares_sdpa_by_name(model) else _configs(model, SDPA)
     if configs:
-        from .swap_attention import NAME, register  # noqa: PLC0415 - only HF models get here
+        from .hf_attention import NAME, register  # noqa: PLC0415 - only HF models get here
         register()
         for config in configs:
             _set_implementation(config, NAME)
@@ -116,8 +116,8 @@ def restore_lowerings(model: nn.Module) -> None:
             model.set_submodule(path, _with_hooks_of(module, dense))
         elif path and type(module) is TanhGELU:
             model.set_submodule(path, module.original)
-    if "tncompile.swap_attention" in sys.modules:
-        from .swap_attention import NAME  # noqa: PLC0415
+    if "tncompile.swap.hf_attention" in sys.modules:
+        from .hf_attention import NAME  # noqa: PLC0415
         for config in _configs(model, NAME):
             _set_implementation(config, SDPA)
 
@@ -138,7 +138,7 @@ def register_for(cls: type) -> None:
     """Register ``"tncompile_sdpa"`` when ``cls`` is a ``transformers`` model class (unpickling
     a swap-mode model in a fresh process: its config may name it)."""
     if any(base.__module__.startswith("transformers.") for base in cls.__mro__):
-        from .swap_attention import register  # noqa: PLC0415
+        from .hf_attention import register  # noqa: PLC0415
         register()
 
 

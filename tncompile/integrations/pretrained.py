@@ -8,11 +8,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .api import compile as compile_model
-from .train.distill import Distill, block_names
-from .train.fit import fit
-from .train.gates import freeze_gates
-from .train.history import History
+from ..api import compile as compile_model
+from ..train.distill import Distill, block_names
+from ..train.fit import fit
+from ..train.gates import freeze_gates
+from ..train.history import History
 
 __all__ = ["compress_pretrained"]
 
