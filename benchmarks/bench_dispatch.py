@@ -129,10 +129,11 @@ def ops_as_on_cuda() -> None:
     """Run the TT layers' ops as on CUDA: every GEMM as ``torch.mm`` (on CPU they go
     through ``cpu_gemm``, whose layout copies and padding a GPU never runs), and padded
     factor batches through index scatters and gathers (on CPU: a copy per tensor)."""
-    from tncompile.runtime import executor, factor_groups  # noqa: PLC0415
+    from tncompile.runtime import executor, factor_groups, gemms, traced_contract  # noqa: PLC0415
 
-    executor._gemm_for = lambda t: torch.mm
-    executor.cpu_gemm = torch.mm
+    for module in (executor, gemms, traced_contract):  # each holds its own name of gemm_for
+        module.gemm_for = lambda t: torch.mm
+    gemms.cpu_gemm = torch.mm
     factor_groups._by_index = lambda device: True
 
 

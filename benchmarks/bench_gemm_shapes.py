@@ -30,7 +30,7 @@ import torch
 from common import interleaved_ms, machine, write_json
 from tncompile.runtime.cpu_allocator import retain_freed_memory
 from tncompile.runtime.cpu_gemm import cpu_gemm, padded_columns, padded_rows
-from tncompile.runtime.executor import _gemm_bias
+from tncompile.runtime.gemms import gemm_bias
 from tncompile.runtime.native import native_kernels, native_ops, native_status
 
 
@@ -78,7 +78,7 @@ def _thin(rows: list[int], widths: list[int], ranks: list[int], reps: int) -> li
 
                 def mkl_expand():
                     with native_kernels(False):
-                        _gemm_bias(t, w, bias)
+                        gemm_bias(t, w, bias)
 
                 def mkl_project():
                     with native_kernels(False):

@@ -101,7 +101,8 @@ def test_design_names_resolve():
     """DESIGN.md's public names, wherever their code lives."""
     import tncompile
     from tncompile.train import TrainStep
-    assert tncompile.runtime.TrainStep is TrainStep is tncompile.TrainStep
+    assert tncompile.train.TrainStep is TrainStep is tncompile.TrainStep
+    assert not hasattr(tncompile.runtime, "TrainStep")  # published by the package, never patched into runtime
     for name in ("compile", "save", "load", "Pass", "register_pass", "default_pipeline", "RankController"):
         assert hasattr(tncompile, name)
     assert tncompile.ir.Program and tncompile.ir.TensorNetwork and tncompile.ir.ContractionPlan
@@ -134,3 +135,40 @@ def test_the_top_level_holds_at_most_ten_modules():
     module, options, errors and tuning."""
     found = {p.stem for p in PACKAGE.glob("*.py")}
     assert found == TOP_LEVEL and len(found) <= 10, sorted(found ^ TOP_LEVEL)
+
+
+def import_graph() -> "nx.DiGraph":
+    """Module -> module edges for every import of a tncompile module, at the top of a file or
+    inside a function (a late import that closes a circle is still a circle)."""
+    import networkx as nx
+    graph = nx.DiGraph()
+    for path in sources():
+        module = module_name(path)
+        graph.add_node(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for target in imported(module, path, node):
+                parts = target.split(".")
+                while parts and not (PACKAGE.parent.joinpath(*parts).with_suffix(".py").exists()
+                                     or is_package(".".join(parts))):
+                    parts.pop()  # "from .x import name": the module x, not the name
+                if parts and ".".join(parts) != module:
+                    graph.add_edge(module, ".".join(parts))
+    return graph
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or through others (a package's
+    ``__init__`` counts as the module it is)."""
+    import networkx as nx
+    circles = [sorted(c) for c in nx.strongly_connected_components(import_graph()) if len(c) > 1]
+    assert not circles, f"import circles: {circles}"
+
+
+def test_the_circle_check_finds_a_late_import(tmp_path):
+    """The checker itself: a function-level import back into a module that imports it is a circle."""
+    import networkx as nx
+    graph = import_graph()
+    graph.add_edge("tncompile.runtime.plans", "tncompile.runtime.tt_layers")  # what a late import would add
+    assert any(len(c) > 1 for c in nx.strongly_connected_components(graph))

@@ -18,7 +18,8 @@ from tncompile.passes.truncate_ranks import cut_ranks
 from tncompile.planning import REFERENCE, DeviceSpeed, layer_step_seconds, plan_contraction
 from tncompile.runtime import TTLinear, executor
 from tncompile.runtime.executor import is_merge_first
-from tncompile.runtime.factor_groups import BatchedFactors, FactorBatch, link_factor_groups, peers_of
+from tncompile.runtime.factor_groups import BatchedFactors, FactorBatch, peers_of
+from tncompile.runtime.factor_links import link_factor_groups
 
 f64 = torch.float64
 

@@ -180,7 +180,7 @@ def test_thin_kernels_reject_bad_input(ops):
 def test_tt_linear_on_thin_kernels_matches_dense_and_gradchecks(ops, thin_everywhere, monkeypatch, strategy):
     from tncompile.formats import TTLayout
     from tncompile.planning import plan_contraction
-    from tncompile.runtime import TTLinear, cpu_gemm, executor
+    from tncompile.runtime import TTLinear, cpu_gemm, gemms
     calls = []
 
     class Spy:
@@ -188,7 +188,7 @@ def test_tt_linear_on_thin_kernels_matches_dense_and_gradchecks(ops, thin_everyw
             calls.append(name)
             return getattr(ops, name)
 
-    for module in (cpu_gemm, executor):
+    for module in (cpu_gemm, gemms):
         monkeypatch.setattr(module, "kernels_for", lambda t: Spy())
     lay = TTLayout.for_shape(288, 96, 3).with_ranks(5)  # wide enough (> THIN_RANK) on both sides
     layer = TTLinear(lay, dtype=f64)
@@ -279,7 +279,7 @@ def test_build_is_named_by_its_sources(tmp_path, monkeypatch):
     of the sources, headers and flags) instead of rebuilding over each other."""
     import shutil
 
-    from tncompile.runtime import native
+    from tncompile.runtime.native import loader as native
 
     name = native.build_name()
     assert name.startswith("tncompile_native_") and name == native.build_name()
@@ -297,7 +297,7 @@ def test_build_is_named_by_its_sources(tmp_path, monkeypatch):
 def test_build_is_named_by_its_environment(monkeypatch):
     """Two virtual environments sharing the extension cache keep a build each: the name
     changes with the torch version, the torch installation's path and the Python ABI."""
-    from tncompile.runtime import native
+    from tncompile.runtime.native import loader as native
 
     name = native.build_name()
     monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
@@ -317,7 +317,7 @@ def test_a_build_is_announced_before_it_starts_even_with_a_library_present(tmp_p
     anyway: a load running past ``BUILD_NOTICE_SECONDS`` announces itself while it runs."""
     import logging
 
-    from tncompile.runtime import native
+    from tncompile.runtime.native import loader as native
 
     said = []
 
@@ -345,7 +345,7 @@ def test_a_lock_left_by_a_killed_build_is_removed_a_live_one_kept(tmp_path, monk
     process building now -- is left for torch to wait on."""
     import logging
 
-    from tncompile.runtime import native
+    from tncompile.runtime.native import loader as native
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     name = "tncompile_native_locktest"

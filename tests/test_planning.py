@@ -172,7 +172,7 @@ def test_ttm_lookup_split_is_planned_and_cached():
 @pytest.mark.parametrize("rows,strategy", [(64, "merge-cores-first"), (3, "left-to-right"),
                                            (5, "cotengra-flops")])
 def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy, monkeypatch):
-    from tncompile.runtime import executor
+    from tncompile.runtime import gemms
     from tncompile.runtime.executor import fuses_bias
     # every output counts as big: the bias rides in the GEMM as an extra rank, forward and backward
     monkeypatch.setattr(tuning, "BIG_OUTPUT", 0)
@@ -190,7 +190,7 @@ def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy, mon
         # all of the last step's gradients, the bias's included, come from one call
         # (checked by the gradcheck above); the generated backward does call it
         from tncompile.runtime.plan_program import program_for
-        program = program_for(plan, executor._GENERATED_CODE_NAMESPACE)
+        program = program_for(plan, gemms.GENERATED_CODE_NAMESPACE)
         assert "_expand_grads(" in program.backward_source((True,) * 5, True)
         assert "True, True, True)" in program.backward_source((True,) * 5, True)
         assert "True, True, False)" in program.backward_source((True,) * 5, False)

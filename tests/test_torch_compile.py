@@ -85,7 +85,7 @@ def test_layers_tell_torch_export_from_torch_compile():
 @pytest.mark.parametrize("rows", [1024, 40])
 def test_traced_steps_take_the_eager_gradient_gemms(rows):
     """Under torch.compile the planned steps' gradients are cpu_gemm products too
-    (executor._CpuGemm: native thin kernels, transposed layouts), traced whole, and
+    (gemms._CpuGemm: native thin kernels, transposed layouts), traced whole, and
     equal eager's in float64 (at 1024 rows the thin kernels run)."""
     from tncompile.formats import TTLayout
     from tncompile.runtime import TTLinear

@@ -16,11 +16,6 @@ from .serialization import load, save
 from .train import Distill, History, resume, RankController, RankEvent, TrainStep, dry_run, fit, freeze_gates, param_groups
 from .integrations.pretrained import compress_pretrained
 
-# DESIGN.md's public spelling is tncompile.runtime.TrainStep. The class lives in train/ (the
-# runtime never imports training code), so the package's entry point publishes it there.
-runtime.TrainStep = TrainStep
-runtime.dry_run = dry_run  # the capture-safety issue's spelling, beside TrainStep
-
 __version__ = "0.1.0"
 
 __all__ = ["compile", "save", "load", "resume", "fit", "History", "Distill", "freeze_gates", "compress_pretrained", "Pass", "FunctionPass", "Pipeline", "register_pass",

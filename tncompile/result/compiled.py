@@ -8,7 +8,7 @@ from torch import fx, nn
 
 from ..ir.program import Program, module_at
 from .report import Report, build_report
-from ..runtime.factor_groups import link_factor_groups
+from ..runtime.factor_links import link_factor_groups
 from ..runtime.graph_functions import keep_functions_when_pickled
 from ..runtime.tt_layers import TNModule, TTMTiedLinear
 

@@ -19,7 +19,7 @@ the batch's largest rank at each bond, which only adds zero terms to every membe
 products, and a family whose padding would exceed ``tuning.FACTOR_PAD_LIMIT`` times its
 cores' elements is split into batches of closer ranks (:class:`FactorBatch`).
 
-When: :class:`FactorPeers` links a model's TT linears (:func:`link_factor_groups`,
+When: :class:`FactorPeers` links a model's TT linears (:func:`~.factor_links.link_factor_groups`,
 called by ``compile``, ``load`` and swap mode). The first layer of a batch to ask for its
 factors in a forward pass gets them computed for every layer of that batch; the others
 take theirs. A layer's factors are used once: a layer asking again (the next
@@ -53,7 +53,7 @@ from .derived import storage_address, weights_epoch
 from .executor import autocast_state, same_autocast
 from .tracing import exporting
 
-__all__ = ["BatchedFactors", "FactorBatch", "FactorPeers", "link_factor_groups", "peers_of", "register_whole_rule",
+__all__ = ["BatchedFactors", "FactorBatch", "FactorPeers", "peers_of", "register_whole_rule",
            "whole_matrices_faster"]
 
 
@@ -496,21 +496,3 @@ def whole_matrices_faster(layout, rows: int, device: torch.device, batch: Factor
 def peers_of(layer: nn.Module) -> FactorPeers | None:
     """The :class:`FactorPeers` ``layer`` belongs to, if any."""
     return layer.__dict__.get("_factor_peers")
-
-
-def link_factor_groups(model: nn.Module) -> FactorPeers | None:
-    """Link ``model``'s TT linears so that layers of one layout merge their factors in
-    one batched pass per forward (see the module doc); replaces earlier links. Returns
-    the shared :class:`FactorPeers` (``None`` when the model has fewer than two)."""
-    from .tt_layers import TTLinear  # noqa: PLC0415 - tt_layers imports this module
-
-    layers = [m for m in model.modules() if isinstance(m, TTLinear) and not m.stacked]
-    for m in layers:
-        m.__dict__.pop("_factor_peers", None)
-    if len(layers) < 2:
-        return None
-    peers = FactorPeers(layers)
-    for m in layers:
-        m.__dict__["_factor_peers"] = peers
-    return peers
-

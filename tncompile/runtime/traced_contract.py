@@ -18,7 +18,7 @@ from math import prod
 import torch
 from torch import Tensor
 
-from .executor import _GENERATED_CODE_NAMESPACE, _finish, _gemm_for
+from .gemms import GENERATED_CODE_NAMESPACE, finish, gemm_for
 from .native.traced import empty_grad, separate_outputs
 from .plan_program import program_for
 from .plans import ContractionPlan
@@ -55,8 +55,8 @@ def traced_contract(operands: list[Tensor], bias: Tensor | None, plan: int) -> l
     """``[output, *step intermediates]`` of the registered plan ``plan`` on ``operands``."""
     p = _PLANS[plan]
     fused = bias if p.bias_fusable else None
-    ops = program_for(p, _GENERATED_CODE_NAMESPACE).forward(tuple(operands), fused, _gemm_for(operands[0]))
-    out = _finish(p, ops[-1])
+    ops = program_for(p, GENERATED_CODE_NAMESPACE).forward(tuple(operands), fused, gemm_for(operands[0]))
+    out = finish(p, ops[-1])
     if bias is not None and fused is None:
         out = out + bias.reshape(out.shape[1:])
     n = len(operands)
@@ -75,8 +75,8 @@ def traced_contract_backward(grad: Tensor, saved: list[Tensor], plan: int, want:
                              want_bias: bool) -> list[Tensor]:
     """Gradients of the operands (empty where not wanted), then the bias's (empty if not wanted)."""
     p = _PLANS[plan]
-    run = program_for(p, _GENERATED_CODE_NAMESPACE).backward(tuple(want), want_bias)
-    grads, g_bias = run(tuple(saved), grad.contiguous(), _gemm_for(grad))
+    run = program_for(p, GENERATED_CODE_NAMESPACE).backward(tuple(want), want_bias)
+    grads, g_bias = run(tuple(saved), grad.contiguous(), gemm_for(grad))
     outs = [g.contiguous() if w and g is not None else empty_grad(grad) for g, w in zip(grads, want)]
     outs.append(g_bias.contiguous() if want_bias and g_bias is not None else empty_grad(grad))
     return separate_outputs(outs, (grad, *saved))

@@ -1,8 +1,9 @@
 """Model files: safetensors tensors and a manifest of data (:mod:`.model_file`);
-``save_pretrained`` folders (:mod:`.pretrained_folder`)."""
+``save_pretrained`` folders (:mod:`.pretrained_folder`); ``load`` of either (:mod:`.loading`)."""
 from ..errors import ModelFileError, ModelMismatchError
 from ..swap.swapped import register_folder_writer
-from .model_file import FORMAT, VERSION, load, save
+from .loading import load
+from .model_file import FORMAT, VERSION, save
 from .pretrained_folder import save_folder
 
 __all__ = ["save", "load", "FORMAT", "VERSION", "ModelFileError", "ModelMismatchError"]

@@ -24,7 +24,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -42,7 +42,7 @@ from .container import digest, encode_container, read_container, write_atomicall
 from .fields import boolean, choice, exact_keys, integer, module_path, names, number, text
 from .layer_table import decisions_from_rows, decisions_of, table_rows
 
-__all__ = ["save", "load", "param_names", "FORMAT", "VERSION", "MAX_EXAMPLE_ELEMENTS"]
+__all__ = ["save", "param_names", "FORMAT", "VERSION", "MAX_EXAMPLE_ELEMENTS"]
 
 FORMAT = "tncompile"
 VERSION = 3
@@ -182,67 +182,7 @@ def _training_row(compiled, optimizer, controller, extra, rng, tensors) -> Any:
     return plain.encode(state, tensors, _TRAINING, "the training state")
 
 
-# ----------------------------------------------------------------- load
-def load(path: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | type | None = None, *,
-         passes: Sequence[Pass] | None = None, example_inputs: Any = None,
-         map_location=None) -> nn.Module:
-    """Rebuild the compressed model saved at ``path`` from your dense model.
-
-    Parameters
-    ----------
-    model : nn.Module, or a callable returning one
-        The dense model the file was saved from: same class and configuration, any
-        weights (a fresh instance). It becomes the loaded model: in swap mode its layers
-        are replaced in place; in graph mode the compiled graph uses its modules. A
-        zero-argument callable (``lambda: MyModel(cfg)``) builds it. For a folder a
-        compressed model's ``save_pretrained`` wrote, an HF class will do: it is built
-        from the folder's ``config.json`` (data fields only).
-    passes : list of Pass, optional
-        Your own passes, when the model was compiled with them: matched by name
-        against the pipeline the file records (tncompile's passes need not be given).
-    example_inputs : optional
-        Inputs to trace with, when the file holds none (the compile's were not plain
-        tensors and values).
-    map_location : device or str, optional
-        Move the model there after loading.
-
-    Raises
-    ------
-    ModelFileError
-        Anything about the file: not a tncompile file, another format version, damaged,
-        a field out of type or bounds, tensors that disagree with its layer table.
-    ModelMismatchError
-        The model given is not the one the file was saved from (a ``ModelFileError``).
-    """
-    from .pretrained_folder import is_model_folder, load_folder  # noqa: PLC0415 - the folder module uses this one
-
-    path = _file_path(path, "load")
-    if map_location is not None:
-        try:
-            torch.device(map_location)
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"tncompile.load: map_location={map_location!r} is not a device "
-                             "(e.g. 'cpu', 'cuda', 'cuda:1' or a torch.device)") from e
-    if is_model_folder(path):  # save_pretrained of a swap-mode model
-        loaded = load_folder(path, model, passes=passes, example_inputs=example_inputs)
-    elif path.is_dir():
-        raise IsADirectoryError(f"tncompile.load: {str(path)!r} is a directory; give the file tncompile.save wrote "
-                                "(or a folder a compressed model's save_pretrained wrote)")
-    elif not path.exists():
-        raise FileNotFoundError(f"tncompile.load: no file {str(path)!r}")
-    else:
-        saved = read_model_file(path)
-        if model is None:
-            raise ModelFileError(f"tncompile.load({str(path)!r}): a model file holds tensors and a table of its "
-                                 f"compressed layers, not the program: pass the dense model it was saved from (a "
-                                 f"{saved.model_class}), e.g. tncompile.load(path, model={saved.model_class}(...)) "
-                                 "or model=lambda: ... that builds it")
-        loaded = rebuild_saved(saved, dense_model(model, path), passes, example_inputs)
-    if map_location is not None:
-        loaded.to(map_location)
-    return loaded
-
-
+# ----------------------------------------------------------------- reading a file
 class SavedModel:
     """A model file's checked contents (:func:`read_model_file`)."""
 

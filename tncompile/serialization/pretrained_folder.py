@@ -28,6 +28,7 @@ from torch import nn
 
 from ..errors import ModelFileError, ModelMismatchError
 from ..ir.program import count_params
+from .model_file import dense_model, read_model_file, rebuild_saved
 
 __all__ = ["FOLDER_FILE", "HF_WEIGHT_FILES", "save_folder", "load_folder", "model_from_config", "is_model_folder"]
 
@@ -81,8 +82,6 @@ def load_folder(folder: Path, model: Any, *, passes=None, example_inputs=None) -
     """:func:`tncompile.load` of a folder: its file rebuilt onto ``model`` -- a fresh instance,
     a callable building one, or a class built from the folder's ``config.json``
     (:func:`model_from_config`)."""
-    from .model_file import dense_model, read_model_file, rebuild_saved  # noqa: PLC0415 - model_file imports this
-
     saved = read_model_file(folder / FOLDER_FILE)
     if model is None:
         raise ModelFileError(f"tncompile.load: {str(folder)!r} was written by save_pretrained of a compressed "

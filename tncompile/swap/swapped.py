@@ -40,7 +40,7 @@ from torch import nn
 from ..ir.program import Program, module_at
 from ..frontend.layers import is_compressible, kind_of
 from ..result.report import Report, build_report
-from ..runtime.factor_groups import link_factor_groups
+from ..runtime.factor_links import link_factor_groups
 from ..runtime.module_kinds import replaces_forward
 from ..runtime.tt_layers import TNModule, TTMTiedLinear
 from .lowering import register_for, restore_lowerings

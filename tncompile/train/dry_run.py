@@ -43,7 +43,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from ..runtime import native
+from ..runtime.native import loader as native
 from .distributed import DDP_WARMUP_STEPS, is_ddp, unwrap
 from .train_step import TrainStep, make_capturable
 

@@ -1,6 +1,6 @@
 """``TrainStep``: a whole training step as one callable -- CUDA graphs on GPU, eager on CPU.
 
-    step = tncompile.runtime.TrainStep(compiled, optimizer, loss_fn, controller=ctl)
+    step = tncompile.TrainStep(compiled, optimizer, loss_fn, controller=ctl)
     for x, y in loader:
         loss = step(x, y)          # forward, penalty, backward, clip, optimizer, controller
 

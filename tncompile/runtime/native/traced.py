@@ -25,15 +25,36 @@ product inside (:mod:`tncompile.runtime.traced_lookup`).
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import native_ops
+from .loader import native_ops
 
-__all__ = ["thin_expand", "thin_project", "ffn", "dropout", "attention", "seed", "separate_outputs", "empty_grad"]
+__all__ = ["traceable_kernels", "thin_expand", "thin_project", "ffn", "dropout", "attention", "seed", "separate_outputs", "empty_grad"]
 
+_THIS = sys.modules[__name__]  # what traceable_kernels hands out: this module
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu}
+
+
+def traceable_kernels(t: torch.Tensor):
+    """While ``torch.compile`` traces, the native kernels as traceable custom
+    ops (:mod:`.traced`: fake kernels and autograd registered) when they apply
+    to ``t`` -- a CPU fp32/fp64 tensor, no autocast, the kernels built -- else
+    ``None``. Outside tracing always ``None``: eager code calls :func:`kernels_for`."""
+    if (not torch.compiler.is_compiling() or t.device.type != "cpu"
+            or t.dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled("cpu")
+            or not _available()):
+        return None
+    return _THIS
+
+
+@torch.compiler.assume_constant_result
+def _available() -> bool:
+    """Whether the kernels are (or can be) built: run eagerly while tracing, its answer a constant."""
+    return native_ops() is not None
 
 
 def _native(*tensors: Tensor):
