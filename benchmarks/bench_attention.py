@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from common import interleaved_ms, machine, write_json
-from tncompile.runtime.attention import FusedAttention
-from tncompile.runtime.dropout import FastDropout
+from tncompile.runtime.fused.attention import FusedAttention
+from tncompile.runtime.fused.dropout import FastDropout
 
 
 def main() -> None:

@@ -7,7 +7,7 @@
 timed interleaved (:func:`common.interleaved_ms`) in two fresh processes:
 
 * ``default``: nothing set up, as a user runs it. The TT layer's first CPU forward
-  makes glibc keep freed memory (``tncompile.runtime.cpu_allocator``); from then on
+  makes glibc keep freed memory (``tncompile.runtime.kernels.cpu_allocator``); from then on
   both layers in the process run with it.
 * ``opted_out``: ``TNCOMPILE_RETAIN_FREED_MEMORY=0``: large activations are
   page-faulted back in every step, as before the runtime did this by itself.
@@ -33,7 +33,7 @@ import json, sys, time, torch
 sys.path.insert(0, sys.argv[2])
 from common import interleaved_ms
 from tncompile.runtime import TTLinear
-from tncompile.runtime.cpu_allocator import retained
+from tncompile.runtime.kernels.cpu_allocator import retained
 torch.manual_seed(0)
 dense = torch.nn.Linear(768, 3072)
 tt = TTLinear.from_linear(dense, rank=30)

@@ -15,7 +15,7 @@ dense model; the compiled one with every batch merging into thin factors
 (``tuning.WHOLE_MATRICES = False``: captured CUDA steps, and CPUs); the same deciding
 whole matrices by an H100's measured speed (:data:`H100`: its batches then merge into
 whole matrices, as eager steps there do); and the compiled one with each layer merging
-its own cores (``tuning.GROUP_FACTORS = False``; see :mod:`tncompile.runtime.factor_groups`);
+its own cores (``tuning.GROUP_FACTORS = False``; see :mod:`tncompile.runtime.layers.factor_groups`);
 then the same compiled model after rank cuts that leave every TT linear its own ranks
 (each bond cut to a seeded random 60-100% of its rank, as rank-adaptive training leaves
 them): batched with zero-padded cores (the default), batched only where ranks match
@@ -112,9 +112,9 @@ def count_ops(model: torch.nn.Module, loss_of) -> dict:
 
 
 def count_batches(model: torch.nn.Module, loss_of) -> int:
-    """Batched merges (:class:`~tncompile.runtime.factor_groups.BatchedFactors` calls) in
+    """Batched merges (:class:`~tncompile.runtime.layers.factor_groups.BatchedFactors` calls) in
     one forward."""
-    from tncompile.runtime.factor_groups import BatchedFactors  # noqa: PLC0415
+    from tncompile.runtime.layers.factor_groups import BatchedFactors  # noqa: PLC0415
 
     calls, real = [], BatchedFactors.apply
     BatchedFactors.apply = lambda *args: calls.append(1) or real(*args)
@@ -129,7 +129,8 @@ def ops_as_on_cuda() -> None:
     """Run the TT layers' ops as on CUDA: every GEMM as ``torch.mm`` (on CPU they go
     through ``cpu_gemm``, whose layout copies and padding a GPU never runs), and padded
     factor batches through index scatters and gathers (on CPU: a copy per tensor)."""
-    from tncompile.runtime import executor, factor_groups, gemms, traced_contract  # noqa: PLC0415
+    from tncompile.runtime.kernels import executor, gemms, traced_contract  # noqa: PLC0415
+    from tncompile.runtime.layers import factor_groups
 
     for module in (executor, gemms, traced_contract):  # each holds its own name of gemm_for
         module.gemm_for = lambda t: torch.mm

@@ -4,7 +4,7 @@
 
 A TT layer's big GEMMs have one thin side of rank size (8-64). MKL runs some
 of those sizes much slower than a slightly larger one, so the executor pads
-them with zeros and crops the result (``tncompile.runtime.cpu_gemm``):
+them with zeros and crops the result (``tncompile.runtime.kernels.cpu_gemm``):
 
 * columns: ``G @ B.T`` with ``G (4096, K)``, ``B (n, K)`` (an input gradient
   ``g @ B.T``), for n = 8..64, as is and padded to a multiple of 8 (16 below 16);
@@ -28,9 +28,9 @@ import argparse
 import torch
 
 from common import interleaved_ms, machine, write_json
-from tncompile.runtime.cpu_allocator import retain_freed_memory
-from tncompile.runtime.cpu_gemm import cpu_gemm, padded_columns, padded_rows
-from tncompile.runtime.gemms import gemm_bias
+from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
+from tncompile.runtime.kernels.cpu_gemm import cpu_gemm, padded_columns, padded_rows
+from tncompile.runtime.kernels.gemms import gemm_bias
 from tncompile.runtime.native import native_kernels, native_ops, native_status
 
 

@@ -17,7 +17,7 @@ kernels is bound by their count, not by its FLOPs -- what this shows at batch 1.
 step; and the same step captured as a CUDA graph (``TrainStep(cuda_graph=True)``).
 The compiled model runs with the defaults, with every batch merging into thin factors
 (``tuning.WHOLE_MATRICES = False``: no whole matrices) and with each layer merging its own
-cores (``tuning.GROUP_FACTORS = False``; :mod:`tncompile.runtime.factor_groups` batches the
+cores (``tuning.GROUP_FACTORS = False``; :mod:`tncompile.runtime.layers.factor_groups` batches the
 merges of layers of the same modes), each also after cuts that leave every TT linear
 its own ranks (``common.cut_every_layer``: padded batches), so the run shows what
 batching and whole matrices save. Writes ``benchmarks/results/gpu_kernels.json``

@@ -25,7 +25,7 @@ from unittest import mock
 
 import torch
 
-from tncompile.runtime import tt_layers
+from tncompile.runtime.layers import tt_layers
 
 from bench_decode import _gpt2, compressed_gpt2s, decode_arguments, time_decoding
 
@@ -41,7 +41,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _by_bits(module, slot, tensors, make, key=()):
-    """The ``bits`` variant of :func:`tncompile.runtime.derived.kept`."""
+    """The ``bits`` variant of :func:`tncompile.runtime.layers.derived.kept`."""
     entry = module.__dict__.get(slot + "_bits")
     layout = (key, *((t.shape, t.dtype, t.device) for t in tensors))
     if entry is not None and entry[0] == layout and all(_same_bits(t, b) for t, b in zip(tensors, entry[1])):

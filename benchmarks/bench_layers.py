@@ -31,12 +31,12 @@ from common import clear_grads, host_speed, interleaved_ms, machine, write_json
 from tncompile.formats import TTLayout
 from tncompile.ir import TensorNetwork
 from tncompile.planning import plan_contraction
-from tncompile.runtime.plans import bucket_of
+from tncompile.runtime.kernels.plans import bucket_of
 from tncompile.runtime import TTLinear, TTMEmbedding
-from tncompile.runtime.cpu_allocator import retain_freed_memory
-from tncompile.runtime.executor import contract
+from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
+from tncompile.runtime.kernels.executor import contract
 from tncompile.runtime.native import native_kernels, native_ops, native_status
-from tncompile.runtime.tt_layers import _drop_boundary
+from tncompile.runtime.layers.tt_layers import _drop_boundary
 
 SHAPES = [(768, 768), (768, 3072), (3072, 768)]
 TOKENS = [1, 32, 512, 4096]

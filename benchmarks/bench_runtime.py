@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import tncompile
 from tncompile.train import TrainStep
-from tncompile.runtime.cpu_allocator import retain_freed_memory
+from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
 from tncompile.zoo import six_encoder
 
 from common import machine, write_json

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 import tncompile
 from tncompile.runtime import TTLinear
-from tncompile.runtime.cpu_allocator import retain_freed_memory
+from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
 from tncompile.train import TrainStep
 from tncompile.zoo import six_encoder
 

@@ -36,7 +36,7 @@ import collections, json, statistics, sys, time
 import torch
 from torch import nn
 from tncompile.runtime import TTLinear, TTMEmbedding
-from tncompile.runtime.cpu_allocator import retain_freed_memory
+from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
 retain_freed_memory()
 torch.manual_seed(0)
 out = {}

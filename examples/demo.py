@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 import tncompile
-from tncompile.runtime.cpu_allocator import release_freed_memory, retain_freed_memory
+from tncompile.runtime.kernels.cpu_allocator import release_freed_memory, retain_freed_memory
 from tncompile.zoo import six_encoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

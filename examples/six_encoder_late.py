@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import tncompile
-from tncompile.runtime.cpu_allocator import retain_freed_memory
+from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
 from tncompile.zoo import six_encoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

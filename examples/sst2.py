@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 import tncompile
-from tncompile.runtime.cpu_allocator import retain_freed_memory
+from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
 from tncompile.zoo import SixEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

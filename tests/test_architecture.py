@@ -137,7 +137,7 @@ def test_the_top_level_holds_at_most_ten_modules():
     assert found == TOP_LEVEL and len(found) <= 10, sorted(found ^ TOP_LEVEL)
 
 
-def import_graph() -> "nx.DiGraph":
+def import_graph():
     """Module -> module edges for every import of a tncompile module, at the top of a file or
     inside a function (a late import that closes a circle is still a circle)."""
     import networkx as nx
@@ -170,5 +170,22 @@ def test_the_circle_check_finds_a_late_import(tmp_path):
     """The checker itself: a function-level import back into a module that imports it is a circle."""
     import networkx as nx
     graph = import_graph()
-    graph.add_edge("tncompile.runtime.plans", "tncompile.runtime.tt_layers")  # what a late import would add
+    graph.add_edge("tncompile.runtime.kernels.plans", "tncompile.runtime.layers.tt_layers")  # what a late import would add
     assert any(len(c) > 1 for c in nx.strongly_connected_components(graph))
+
+
+#: inside the runtime, folders import downward only: fused blocks use layers, layers use kernels
+RUNTIME_ORDER = {"native": 0, "kernels": 1, "layers": 2, "fused": 3}
+
+
+@pytest.mark.parametrize("path", [p for p in sources() if module_name(p).split(".")[2:3] in
+                                  ([k] for k in RUNTIME_ORDER)], ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_runtime_folders_import_downward(path):
+    module = module_name(path)
+    own = RUNTIME_ORDER[module.split(".")[2]]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for target in imported(module, path, node):
+                parts = target.split(".")
+                if parts[:2] == ["tncompile", "runtime"] and len(parts) > 2 and parts[2] in RUNTIME_ORDER:
+                    assert RUNTIME_ORDER[parts[2]] <= own, f"{module} imports {target} (runtime/README.md)"

@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from test_dropout import philox4x32_10
-from tncompile.runtime import attention_kernel
-from tncompile.runtime.attention import FusedAttention
-from tncompile.runtime.attention_kernel import native_attention
-from tncompile.runtime.dropout import FastDropout, _seed
+from tncompile.runtime.fused import attention_kernel
+from tncompile.runtime.fused.attention import FusedAttention
+from tncompile.runtime.fused.attention_kernel import native_attention
+from tncompile.runtime.fused.dropout import FastDropout, _seed
 
 f64 = torch.float64
 
@@ -147,7 +147,7 @@ class _WithMultiheadAttention(nn.Module):
 
 def test_lowered_multihead_attention_runs_the_kernel_in_training_only(ops, spy):
     import tncompile
-    from tncompile.runtime.attention import SelfAttention
+    from tncompile.runtime.fused.attention import SelfAttention
     torch.manual_seed(0)
     x, pad = torch.randn(4, 16, 32), torch.zeros(4, 16, dtype=torch.bool)
     pad[:, 12:] = True

@@ -8,7 +8,7 @@ from torch import fx, nn
 import tncompile
 from tncompile.ir import InputSpec, Program
 from tncompile.passes import Canonicalize, Pat, Pipeline, Rule, apply_rules
-from tncompile.runtime.dropout import FastDropout, dropout
+from tncompile.runtime.fused.dropout import FastDropout, dropout
 from tncompile.zoo import mlp, small_encoder
 
 aten = torch.ops.aten
@@ -148,7 +148,7 @@ def test_export_graph_dropout_is_lowered():
     compiled = tncompile.compile(BertModel(cfg), mode="graph", target_ratio=0.5, example_inputs={"input_ids": ids})
     targets = [n.target for n in compiled.model.graph.nodes if n.op == "call_function"]
     assert aten.dropout.default not in targets
-    from tncompile.runtime.dropout import FastDropout
+    from tncompile.runtime.fused.dropout import FastDropout
     record = {r.name: r for r in compiled.program.history}
     assert record["lower_dropout"].matches["dropout-module"] >= 4   # embeddings, attention, 2 outputs
     # eager attention (aten matmul / div / add / softmax, then that dropout, then matmul) fuses,

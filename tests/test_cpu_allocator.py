@@ -7,7 +7,8 @@ import pytest
 
 SCRIPT = r"""
 import torch, tncompile
-from tncompile.runtime import cpu_allocator, TTLinear, TTMEmbedding
+from tncompile.runtime import TTLinear, TTMEmbedding
+from tncompile.runtime.kernels import cpu_allocator
 before = cpu_allocator.retained()
 torch.nn.Linear(8, 8)(torch.randn(2, 8))      # a dense layer alone changes nothing
 dense_only = cpu_allocator.retained()
@@ -42,12 +43,12 @@ def test_environment_variable_opts_out(value):
 
 def test_importable_after_import_tncompile():
     import tncompile
-    assert callable(tncompile.runtime.cpu_allocator.retain_freed_memory)
+    assert callable(tncompile.runtime.kernels.cpu_allocator.retain_freed_memory)
 
 
 PEAK_SCRIPT = r"""
 import torch
-from tncompile.runtime.cpu_allocator import release_freed_memory, retain_freed_memory
+from tncompile.runtime.kernels.cpu_allocator import release_freed_memory, retain_freed_memory
 
 def rss_kb(field):
     with open("/proc/self/status") as f:

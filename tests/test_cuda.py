@@ -17,7 +17,7 @@ from torch import nn
 import tncompile
 from tncompile.formats import TTLayout, TTMLayout
 from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
-from tncompile.runtime.attention import FusedAttention
+from tncompile.runtime.fused.attention import FusedAttention
 from tncompile.train import TrainStep
 from tncompile.zoo import SixEncoder, mlp, small_encoder
 
@@ -276,8 +276,8 @@ def test_lowered_dropout_and_attention_run_pytorchs_kernels_on_cuda():
     gradient, and to_dense() gives back PyTorch's modules."""
     transformers = pytest.importorskip("transformers")
     from tncompile.passes import default_pipeline
-    from tncompile.runtime.attention_kernel import scaled_dot_product_attention
-    from tncompile.runtime.dropout import FastDropout
+    from tncompile.runtime.fused.attention_kernel import scaled_dot_product_attention
+    from tncompile.runtime.fused.dropout import FastDropout
     cfg = transformers.BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=128, max_position_embeddings=32, num_labels=3,
                                   attention_probs_dropout_prob=0.2, attn_implementation="sdpa")
@@ -390,7 +390,7 @@ def test_whole_matrices_on_cuda_launch_fewer_kernels_and_train_as_thin_products(
     from torch.profiler import ProfilerActivity, profile
 
     from tncompile import tuning
-    from tncompile.runtime.factor_groups import BatchedFactors
+    from tncompile.runtime.layers.factor_groups import BatchedFactors
 
     monkeypatch.setattr(tuning, "DEVICE_SPEED", None)  # this GPU's measured speed, not the suite's reference CPU
     monkeypatch.delenv("TNCOMPILE_DEVICE_SPEED", raising=False)

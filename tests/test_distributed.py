@@ -295,7 +295,7 @@ def _mixtral_swap_sharded(rank: int) -> dict:
     import transformers as T
 
     from tncompile.distributed import shard
-    from tncompile.runtime.experts import TTExperts
+    from tncompile.runtime.layers.experts import TTExperts
     torch.manual_seed(0)
     config = T.MixtralConfig(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

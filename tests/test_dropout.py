@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import tncompile
-from tncompile.runtime import dropout as dropout_mod
-from tncompile.runtime.dropout import FastDropout, dropout
+from tncompile.runtime.fused import dropout as dropout_mod
+from tncompile.runtime.fused.dropout import FastDropout, dropout
 from tncompile.runtime.native import native_kernels
 from tncompile.zoo import small_encoder
 

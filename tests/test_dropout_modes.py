@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tncompile
-from tncompile.runtime.attention import AttentionDropoutRate
+from tncompile.runtime.fused.attention import AttentionDropoutRate
 
 transformers = pytest.importorskip("transformers")
 

@@ -152,7 +152,8 @@ def test_finds_host_syncs_and_dynamic_shapes_in_layer_code(monkeypatch):
 
 def test_a_cpu_kernel_on_the_device_path_is_reported(monkeypatch):
     """The dry run asserts the device path: a native CPU kernel there is a hazard."""
-    from tncompile.runtime import native, tt_chain
+    from tncompile.runtime import native
+    from tncompile.runtime.kernels import tt_chain
     if native.native_ops() is None:
         pytest.skip("native kernels not built here")
     ids, y = torch.randint(1, 1000, (1, 1)), torch.randint(0, 3, (1,))

@@ -7,8 +7,8 @@ from torch import nn
 import tncompile
 from tncompile.formats.layout import TTLayout
 from tncompile.passes import cut_ranks, replan_module
-from tncompile.runtime.experts import ExpertLinear, TTExperts
-from tncompile.runtime.grouped import grouped_mm
+from tncompile.runtime.layers.experts import ExpertLinear, TTExperts
+from tncompile.runtime.layers.grouped import grouped_mm
 from tncompile.ir.modules import module_at
 
 

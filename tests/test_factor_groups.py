@@ -1,4 +1,4 @@
-"""Merged factors of many TT linears in one batched pass (tncompile.runtime.factor_groups)."""
+"""Merged factors of many TT linears in one batched pass (tncompile.runtime.layers.factor_groups)."""
 
 import copy
 import pickle
@@ -16,10 +16,11 @@ from tncompile.formats.indices import BATCH, planner_problem
 from tncompile.passes import replan_module
 from tncompile.passes.truncate_ranks import cut_ranks
 from tncompile.planning import REFERENCE, DeviceSpeed, layer_step_seconds, plan_contraction
-from tncompile.runtime import TTLinear, executor
-from tncompile.runtime.executor import is_merge_first
-from tncompile.runtime.factor_groups import BatchedFactors, FactorBatch, peers_of
-from tncompile.runtime.factor_links import link_factor_groups
+from tncompile.runtime import TTLinear
+from tncompile.runtime.kernels import executor
+from tncompile.runtime.kernels.executor import is_merge_first
+from tncompile.runtime.layers.factor_groups import BatchedFactors, FactorBatch, peers_of
+from tncompile.runtime.layers.factor_links import link_factor_groups
 
 f64 = torch.float64
 
@@ -87,7 +88,7 @@ def _mixed(in_modes, out_modes, rank_sets, seed=1):
 def packing(request, monkeypatch):
     """Both ways padded batches pack and unpack: one copy per tensor (the CPU's) and
     index scatters and gathers (an accelerator's), forced here on the CPU."""
-    from tncompile.runtime import factor_groups  # noqa: PLC0415
+    from tncompile.runtime.layers import factor_groups  # noqa: PLC0415
     monkeypatch.setattr(factor_groups, "_by_index", lambda device: request.param == "index")
     return request.param
 
@@ -143,7 +144,7 @@ def test_families_split_where_padding_would_pass_the_limit(monkeypatch):
     """Four networks at rank 2 and one at 12 of one family: padded to 12 all five would
     hold 4.3x their own elements (limit 3), so the big one takes two small ones (2.8x)
     and the other two batch on their own; at a loose limit all five batch together."""
-    from tncompile.runtime.factor_groups import _batches  # noqa: PLC0415
+    from tncompile.runtime.layers.factor_groups import _batches  # noqa: PLC0415
     layers = _mixed((4, 4), (4, 4), [(2, 2, 2)] * 4 + [(12, 12, 12)])
     assert FactorBatch.of(layers).waste() > tuning.FACTOR_PAD_LIMIT
     assert _batches(layers) == [[layers[0], layers[1], layers[4]], [layers[2], layers[3]]]  # model order kept
@@ -431,7 +432,7 @@ def test_truncation_keeps_batching_and_trains_as_per_layer(whole, monkeypatch, p
 def test_mixed_dtype_networks_batch_at_equal_ranks_only():
     """Cores and gates of two dtypes cannot share one padded buffer: such a family
     batches only its equal-rank members, still matching the per-network merges."""
-    from tncompile.runtime.factor_groups import _batches  # noqa: PLC0415
+    from tncompile.runtime.layers.factor_groups import _batches  # noqa: PLC0415
     layers = _mixed((2, 3), (3, 2), [(2, 3, 2), (2, 3, 2), (3, 1, 2)])
     for layer in layers:
         for g in layer.gates:
@@ -467,7 +468,7 @@ def test_padded_batches_capture_safely_and_keep_no_fake_tensors(monkeypatch, bat
     _dry_run_padded_stack()
     assert batches and set(batches) == {4}  # the dry run batched them (padded) in its fake copies
 
-    from tncompile.runtime import factor_groups  # noqa: PLC0415
+    from tncompile.runtime.layers import factor_groups  # noqa: PLC0415
     monkeypatch.setattr(factor_groups, "_by_index", lambda device: True)  # the accelerators' way: cached indexes
     layers = _mixed((2, 3), (3, 2), [(2, 3, 2), (3, 1, 2), (1, 3, 3)])
     batch = FactorBatch.of(layers)

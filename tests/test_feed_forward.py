@@ -8,8 +8,9 @@ from torch import nn
 import tncompile
 from tncompile.formats import TTLayout
 from tncompile import tuning
-from tncompile.runtime import TTLinear, feed_forward
-from tncompile.runtime.feed_forward import ACTIVATIONS, tt_feed_forward, uses_fused_kernel
+from tncompile.runtime import TTLinear
+from tncompile.runtime.fused import feed_forward
+from tncompile.runtime.fused.feed_forward import ACTIVATIONS, tt_feed_forward, uses_fused_kernel
 from tncompile.runtime.native import native_kernels
 from tncompile.zoo import small_encoder
 

@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import tncompile
-from tncompile.runtime.attention import FusedAttention
-from tncompile.runtime.dropout import FastDropout
+from tncompile.runtime.fused.attention import FusedAttention
+from tncompile.runtime.fused.dropout import FastDropout
 from tncompile.zoo import SixEncoder
 
 f64 = torch.float64

@@ -18,8 +18,8 @@ from torch import nn
 
 import tncompile
 from tncompile.runtime import TTMEmbedding, TTMTiedLinear, TTLinear
-from tncompile.runtime.derived import kept, weights_epoch
-from tncompile.runtime.experts import TTExperts
+from tncompile.runtime.layers.derived import kept, weights_epoch
+from tncompile.runtime.layers.experts import TTExperts
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,8 +13,8 @@ from torch import nn
 
 import tncompile
 from tncompile.passes import default_pipeline
-from tncompile.runtime.attention_kernel import native_attention, scaled_dot_product_attention
-from tncompile.runtime.dropout import FastDropout
+from tncompile.runtime.fused.attention_kernel import native_attention, scaled_dot_product_attention
+from tncompile.runtime.fused.dropout import FastDropout
 from tncompile.runtime.native import watch
 
 transformers = pytest.importorskip("transformers")

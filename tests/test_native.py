@@ -11,8 +11,8 @@ from torch import nn
 
 from tncompile import tuning
 from tncompile.runtime import TTMEmbedding, TTMTiedLinear
-from tncompile.runtime import traced_lookup
-from tncompile.runtime.tt_layers import _GatheredProduct
+from tncompile.runtime.kernels import traced_lookup
+from tncompile.runtime.layers.tt_layers import _GatheredProduct
 
 f64 = torch.float64
 
@@ -154,7 +154,7 @@ def test_thin_kernels_match_matmul(ops, M, K, N, dtype):
 def test_weight_gradient_on_the_native_kernel_equals_mm(ops, rows, k, n, dtype):
     """``cpu_gemm(t.T, x)``, a core block's gradient over many rows, runs the native
     kernel up to tuning.WEIGHT_GRAD_ROWS output rows and equals ``t.T @ x``."""
-    from tncompile.runtime.cpu_gemm import cpu_gemm
+    from tncompile.runtime.kernels.cpu_gemm import cpu_gemm
     from tncompile.runtime.native import watch
     g = torch.Generator().manual_seed(rows + k)
     t, x = torch.randn(rows, k, generator=g, dtype=dtype), torch.randn(rows, n, generator=g, dtype=dtype)
@@ -180,7 +180,8 @@ def test_thin_kernels_reject_bad_input(ops):
 def test_tt_linear_on_thin_kernels_matches_dense_and_gradchecks(ops, thin_everywhere, monkeypatch, strategy):
     from tncompile.formats import TTLayout
     from tncompile.planning import plan_contraction
-    from tncompile.runtime import TTLinear, cpu_gemm, gemms
+    from tncompile.runtime import TTLinear
+    from tncompile.runtime.kernels import cpu_gemm, gemms
     calls = []
 
     class Spy:
@@ -216,7 +217,8 @@ def test_tt_linear_on_thin_kernels_matches_dense_and_gradchecks(ops, thin_everyw
 def test_tt_linear_chain_at_few_rows_matches_planned_and_dense(ops, monkeypatch, in_f, out_f, cores, rank, lead,
                                                                bias):
     from tncompile.formats import TTLayout
-    from tncompile.runtime import TTLinear, tt_chain
+    from tncompile.runtime import TTLinear
+    from tncompile.runtime.kernels import tt_chain
     lay = TTLayout.for_shape(in_f, out_f, cores).with_ranks(rank)
     layer = TTLinear(lay, bias=bias, dtype=f64)
     with torch.no_grad():
@@ -258,7 +260,8 @@ def test_tt_linear_chain_at_few_rows_matches_planned_and_dense(ops, monkeypatch,
 
 def test_chain_only_for_few_rows_and_rejects_bad_cores(ops, monkeypatch):
     from tncompile.formats import TTLayout
-    from tncompile.runtime import TTLinear, tt_chain
+    from tncompile.runtime import TTLinear
+    from tncompile.runtime.kernels import tt_chain
     layer = TTLinear(TTLayout.for_shape(24, 24, 2).with_ranks(3))
     calls = []
     monkeypatch.setattr(tt_chain, "kernels_for", lambda t: calls.append(t.shape) or ops)

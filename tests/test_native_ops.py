@@ -74,8 +74,8 @@ def test_planned_contraction_as_one_op(rows, bias):
     from torch import nn
 
     from tncompile.runtime import TTLinear
-    from tncompile.runtime.traced_contract import register, traced_contract
-    from tncompile.runtime.tt_layers import _drop_boundary
+    from tncompile.runtime.kernels.traced_contract import register, traced_contract
+    from tncompile.runtime.layers.tt_layers import _drop_boundary
     layer = TTLinear.from_linear(nn.Linear(48, 60, bias=bias).double(), rank=4)
     lay = layer.layout
     x = torch.randn(rows, 48, dtype=f64)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from full_rank import compile_full_rank
-from tncompile.runtime.module_kinds import replaces_forward
+from tncompile.runtime.layers.module_kinds import replaces_forward
 from tncompile.swap.subclass import network_of
 from tncompile.runtime import TTMEmbedding
 

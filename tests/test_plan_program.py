@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from tncompile.planning import plan_contraction
-from tncompile.runtime import executor
-from tncompile.runtime.executor import contract
+from tncompile.runtime.kernels import executor
+from tncompile.runtime.kernels.executor import contract
 
 f64 = torch.float64
 NETWORK = ([("b", "i0", "i1"), ("i0", "r1"), ("r1", "i1", "r2"), ("r2", "j0", "r3"), ("r3", "j1")],

@@ -7,10 +7,10 @@ from torch import nn
 import tncompile
 from tncompile.formats import TTLayout, TTMLayout
 from tncompile.planning import plan_contraction
-from tncompile.runtime.plans import bucket_of
+from tncompile.runtime.kernels.plans import bucket_of
 from tncompile import tuning
 from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
-from tncompile.runtime.executor import contract
+from tncompile.runtime.kernels.executor import contract
 from tncompile.zoo import small_encoder
 
 f64 = torch.float64
@@ -172,8 +172,8 @@ def test_ttm_lookup_split_is_planned_and_cached():
 @pytest.mark.parametrize("rows,strategy", [(64, "merge-cores-first"), (3, "left-to-right"),
                                            (5, "cotengra-flops")])
 def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy, monkeypatch):
-    from tncompile.runtime import gemms
-    from tncompile.runtime.executor import fuses_bias
+    from tncompile.runtime.kernels import gemms
+    from tncompile.runtime.kernels.executor import fuses_bias
     # every output counts as big: the bias rides in the GEMM as an extra rank, forward and backward
     monkeypatch.setattr(tuning, "BIG_OUTPUT", 0)
     inputs = [("b", "i0", "i1"), ("i0", "r1"), ("r1", "i1", "r2"), ("r2", "j0", "r3"), ("r3", "j1")]
@@ -189,7 +189,7 @@ def test_bias_inside_the_last_gemm_matches_and_has_gradients(rows, strategy, mon
         assert fuses_bias(plan)
         # all of the last step's gradients, the bias's included, come from one call
         # (checked by the gradcheck above); the generated backward does call it
-        from tncompile.runtime.plan_program import program_for
+        from tncompile.runtime.kernels.plan_program import program_for
         program = program_for(plan, gemms.GENERATED_CODE_NAMESPACE)
         assert "_expand_grads(" in program.backward_source((True,) * 5, True)
         assert "True, True, True)" in program.backward_source((True,) * 5, True)
@@ -204,8 +204,8 @@ def test_pairwise_cpu_layout_paths_match_tensordot(case, monkeypatch):
     column count padded to a multiple of 8, 9 output rows run as 12, a thin product
     while autograd records: not the native kernels, which have no gradient formula)
     gives tensordot's result, with gradients, in float64."""
-    from tncompile.runtime import cpu_gemm
-    from tncompile.runtime.executor import pairwise
+    from tncompile.runtime.kernels import cpu_gemm
+    from tncompile.runtime.kernels.executor import pairwise
     f64 = torch.float64
     bias = None
     if case == "bias-as-rank":        # (rows, r) . (r, n) + bias, r small: [h, 1] @ [B; b]

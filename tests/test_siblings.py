@@ -6,8 +6,9 @@ from torch import nn
 import tncompile
 from tncompile import tuning
 from tncompile.formats import TTLayout
-from tncompile.runtime import TTLinear, siblings
-from tncompile.runtime.siblings import sibling_kernels, tt_siblings
+from tncompile.runtime import TTLinear
+from tncompile.runtime.fused import siblings
+from tncompile.runtime.fused.siblings import sibling_kernels, tt_siblings
 from tncompile.zoo import small_encoder
 
 f64 = torch.float64
@@ -99,7 +100,7 @@ def test_graph_functions_survive_pickling(ops):
     """fx pickles a graph module as its source and traces it again on load: the
     rewrites' functions (``tt_siblings``, ``tt_feed_forward``) stay one call each."""
     import pickle
-    from tncompile.runtime.feed_forward import tt_feed_forward
+    from tncompile.runtime.fused.feed_forward import tt_feed_forward
     model = small_encoder(d_model=64, d_ff=256, max_len=64).eval()
     ids = torch.randint(1, 1000, (2, 16))
     compiled = tncompile.compile(model, target_ratio=0.2, example_inputs=(ids,))

@@ -11,7 +11,7 @@ from torch import nn
 
 import tncompile
 from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
-from tncompile.runtime.experts import TTExperts
+from tncompile.runtime.layers.experts import TTExperts
 from tncompile.zoo import mlp
 
 transformers = pytest.importorskip("transformers")

@@ -69,7 +69,7 @@ def test_layers_tell_torch_export_from_torch_compile():
     """The exported forms are for torch.export only: torch 2.11's Dynamo folds
     ``torch.compiler.is_exporting()`` to True in every trace, so the layers read the flag
     torch.export sets (``runtime.tracing.exporting``), which is False under torch.compile."""
-    from tncompile.runtime.tracing import exporting
+    from tncompile.runtime.kernels.tracing import exporting
 
     class Probe(torch.nn.Module):
         def forward(self, x):

@@ -10,9 +10,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tncompile.runtime import TTMEmbedding
-from tncompile.runtime.gated_cores import gate_cores
+from tncompile.runtime.kernels.gated_cores import gate_cores
 from tncompile.runtime.native import native_kernels
-from tncompile.runtime.traced_lookup import ttm_lookup
+from tncompile.runtime.kernels.traced_lookup import ttm_lookup
 
 f64 = torch.float64
 

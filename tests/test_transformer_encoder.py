@@ -9,7 +9,7 @@ from torch import nn
 
 import tncompile
 from tncompile.runtime import TTLinear
-from tncompile.runtime.attention import SelfAttention
+from tncompile.runtime.fused.attention import SelfAttention
 
 from full_rank import compile_full_rank
 

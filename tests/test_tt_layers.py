@@ -294,7 +294,7 @@ def test_tied_head_reads_half_tables_over_few_rows_and_the_merged_table_over_man
     past ~10 rows the merged table wins. The forward takes whichever form is chosen and both
     give the table's product."""
     from tncompile import tuning
-    from tncompile.runtime.tied_head import best_split, half_product_macs
+    from tncompile.runtime.layers.tied_head import best_split, half_product_macs
     gpt2 = TTMLayout(ranks=(112, 124, 64), num_embeddings=50257, embedding_dim=768,
                      row_modes=(14, 15, 15, 16), col_modes=(8, 6, 4, 4))
     assert half_product_macs(gpt2, 2, 1) == 210 * 124 * 16 * (48 + 240)

@@ -9,7 +9,7 @@ from typing import Sequence
 from torch import nn
 
 from .api import compile as compile_model
-from .runtime.executor import generated_code_dump
+from .runtime.kernels.executor import generated_code_dump
 
 __all__ = ["main"]
 

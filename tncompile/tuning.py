@@ -118,7 +118,7 @@ UNIFORM_RANK_SLACK = 0.1
 
 # ---------------------------------------------------------------- runtime: merged factors
 #: TT linears of one model that share their modes merge their cores into factors in one
-#: batched pass per forward (:mod:`tncompile.runtime.factor_groups`): a few kernels per
+#: batched pass per forward (:mod:`tncompile.runtime.layers.factor_groups`): a few kernels per
 #: batch instead of a dozen per layer, forward and backward ...
 GROUP_FACTORS = True
 #: ... ranks aside: layers of the same modes and different ranks are batched with their

@@ -27,7 +27,7 @@ import torch
 
 from ..formats.decompose import tt_factors, tt_from_linear_weight, ttm_from_embedding_weight, ttm_to_dense
 from ..formats.layout import TTLayout, TTMLayout
-from ..runtime.traced_lookup import half_tables, split_ids
+from ..runtime.kernels.traced_lookup import half_tables, split_ids
 
 __all__ = ["FitResult", "fit_linear_cores", "fit_table_cores", "moment_root", "weighted_table",
            "row_weights", "RIDGE", "UNIFORM_SHARE", "LINEAR_ITERATIONS", "TABLE_ITERATIONS"]

@@ -13,7 +13,7 @@ rewrites the rest:
   ``<owner>.dropout_fn`` (the module whose code called it), which follows the
   mode (``training=self.training`` is what such a call means in a module);
 * an attention call with a constant ``dropout_p`` reads its rate from an
-  :class:`~tncompile.runtime.attention.AttentionDropoutRate` module at
+  :class:`~tncompile.runtime.fused.attention.AttentionDropoutRate` module at
   ``<owner>.attention_dropout`` (``p`` in training mode, 0 in eval mode). A trace
   in eval mode shows ``dropout_p=0``; the rate then comes from the owner's
   attributes, by the names in :data:`ATTENTION_RATE_NAMES` (HF's BERT, GPT-2,
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ..runtime.attention import AttentionDropoutRate
+from ..runtime.fused.attention import AttentionDropoutRate
 
 __all__ = ["follow_training_mode", "ATTENTION_RATE_NAMES"]
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..runtime.experts import ExpertLinear
-from ..runtime.module_kinds import is_hf_conv1d
+from ..runtime.layers.experts import ExpertLinear
+from ..runtime.layers.module_kinds import is_hf_conv1d
 
 __all__ = ["is_linear", "is_embedding", "is_embedding_bag", "is_experts", "is_compressible", "kind_of"]
 
@@ -22,7 +22,7 @@ def is_embedding_bag(module: nn.Module) -> bool:
 
 
 def is_experts(module: nn.Module) -> bool:
-    """A mixture-of-experts weight outlined by the frontend (:class:`~tncompile.runtime.experts.ExpertLinear`)."""
+    """A mixture-of-experts weight outlined by the frontend (:class:`~tncompile.runtime.layers.experts.ExpertLinear`)."""
     return isinstance(module, ExpertLinear)
 
 

@@ -12,7 +12,7 @@ fx-traceable spelling of their training-mode math instead:
   slow path computes;
 * a self-attention call (``query is key is value``) is ``in_proj`` (an
   ``nn.Linear`` on the module's own ``in_proj_weight`` / ``in_proj_bias``),
-  :class:`~tncompile.runtime.attention.SelfAttention` and ``out_proj``.
+  :class:`~tncompile.runtime.fused.attention.SelfAttention` and ``out_proj``.
 
 ``in_proj`` and ``attend`` are attached to each ``nn.MultiheadAttention`` (and
 ``nested_padding`` to an encoder whose inference fast path returns zeros at
@@ -28,8 +28,8 @@ from typing import Any, Callable, Iterator
 
 from torch import nn
 
-from ..runtime.attention import NestedPadding, SelfAttention
-from ..runtime.module_kinds import linear_on, runs_as
+from ..runtime.fused.attention import NestedPadding, SelfAttention
+from ..runtime.layers.module_kinds import linear_on, runs_as
 
 __all__ = ["attention_parts", "traced_call"]
 

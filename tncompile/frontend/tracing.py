@@ -10,7 +10,7 @@ of each ``nn.Dropout`` are folded back into one ``call_module`` node on the
 model's own module, found through ``node.meta["nn_module_stack"]``. Both paths
 therefore hand the passes the same kind of graph. Mixture-of-experts weights
 (fused 3-D parameters multiplied by a grouped GEMM) are outlined into an
-:class:`~tncompile.runtime.experts.ExpertLinear` named after the parameter.
+:class:`~tncompile.runtime.layers.experts.ExpertLinear` named after the parameter.
 """
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ from ..ir.modules import rehome_reads
 from ..ir.program import InputSpec
 from .layers import is_compressible
 from .nn_trace import attention_parts, traced_call
-from ..runtime.attention import NestedPadding, SelfAttention
-from ..runtime.experts import ExpertLinear
-from ..runtime.module_kinds import embedding_on, linear_on, replaces_forward
+from ..runtime.fused.attention import NestedPadding, SelfAttention
+from ..runtime.layers.experts import ExpertLinear
+from ..runtime.layers.module_kinds import embedding_on, linear_on, replaces_forward
 
 __all__ = ["trace", "split_example_inputs"]
 
@@ -414,7 +414,7 @@ def _expert_weight(arg) -> tuple[fx.Node, bool] | None:
 
 def _outline_experts(gm: fx.GraphModule) -> None:
     """Fold each grouped GEMM over a fused expert parameter into a ``call_module``
-    of an :class:`~tncompile.runtime.experts.ExpertLinear` at the parameter's path."""
+    of an :class:`~tncompile.runtime.layers.experts.ExpertLinear` at the parameter's path."""
     changed = False
     for node in list(gm.graph.nodes):
         if _op_name(node) not in GROUPED_MM_OPS:

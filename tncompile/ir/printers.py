@@ -8,7 +8,7 @@ import torch
 from torch import fx
 
 from ..planning.layer_info import fmt_count, layer_info, ranks_str
-from ..runtime.plans import ContractionPlan
+from ..runtime.kernels.plans import ContractionPlan
 from .modules import module_at
 
 __all__ = ["to_text", "to_json", "to_dot"]

@@ -10,7 +10,7 @@ from torch import fx, nn
 
 from . import printers
 from .modules import count_params, module_at
-from ..runtime.graph_functions import keep_functions_when_pickled
+from ..runtime.fused.graph_functions import keep_functions_when_pickled
 
 __all__ = ["Program", "InputSpec", "PassRecord", "count_params", "module_at"]
 

@@ -10,7 +10,7 @@ from .. import tuning
 from ..formats.layout import TTLayout, TTMLayout
 from ..ir.program import Program
 from ..planning import DeviceSpeed, device_speed, fixed_order_macs, layer_step_seconds, merge_family
-from ..runtime.experts import experts_rows
+from ..runtime.layers.experts import experts_rows
 from .base import Pass, register_pass
 from .pending import PendingLayer
 from .plan_contractions import example_rows
@@ -285,7 +285,7 @@ def _grow_classes(order: list[str], owners: dict[str, PendingLayer], ranks: dict
     """Leftover budget, one rank step at a time for whole classes of layers -- the same
     modes, rank and cap -- in ``order`` of their first member: layers of one layout keep
     one layout, so they merge their cores in one batch at run time
-    (:mod:`tncompile.runtime.factor_groups`). Updates ``ranks``; returns the budget used."""
+    (:mod:`tncompile.runtime.layers.factor_groups`). Updates ``ranks``; returns the budget used."""
     grew = True
     while grew:
         grew = False
@@ -324,7 +324,7 @@ def _grow_layers(names: list[str], ranks: dict[str, int], caps: dict[str, int], 
 
 def _layout_sharing(owners: dict[str, PendingLayer]) -> dict[str, int]:
     """Per linear: how many linears of the model share its :func:`merge_family` -- they
-    merge their cores in one batch at run time (:mod:`tncompile.runtime.factor_groups`),
+    merge their cores in one batch at run time (:mod:`tncompile.runtime.layers.factor_groups`),
     sharing those kernels' fixed cost."""
     linears = {n: merge_family(m.layout) for n, m in owners.items()
                if m.kind in ("linear", "conv1d") and isinstance(m.layout, TTLayout)}

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from ..errors import PassError, TNCompileError
 from ..ir.program import PassRecord, Program
-from ..runtime.executor import generated_code_dump
+from ..runtime.kernels.executor import generated_code_dump
 
 __all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes",
            "normalize_name"]

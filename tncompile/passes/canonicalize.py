@@ -40,7 +40,7 @@ from torch import fx, nn
 
 from ..ir.modules import rehome_reads
 from ..ir.program import Program
-from ..runtime.module_kinds import embedding_on, linear_on, runs_as
+from ..runtime.layers.module_kinds import embedding_on, linear_on, runs_as
 from .base import Pass, register_pass
 from .rules import Match, Pat, Rule, apply_rules
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from torch import nn
 
 from ..ir.program import Program
-from ..runtime.collapsed import CollapsedLayer
-from ..runtime.embedding_bag import TTMEmbeddingBag
-from ..runtime.experts import TTExperts
-from ..runtime.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
+from ..runtime.layers.collapsed import CollapsedLayer
+from ..runtime.layers.embedding_bag import TTMEmbeddingBag
+from ..runtime.layers.experts import TTExperts
+from ..runtime.layers.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
 from .base import Pass, register_pass
 from .truncate_ranks import require_layers
 

@@ -6,10 +6,10 @@ from tqdm.auto import tqdm
 
 from ..calibration.layer_fit import fit_linear_cores, fit_table_cores
 from ..ir.program import Program
-from ..runtime.module_kinds import linear_weight_of
-from ..runtime.experts import TTExperts
-from ..runtime.embedding_bag import TTMEmbeddingBag
-from ..runtime.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
+from ..runtime.layers.module_kinds import linear_weight_of
+from ..runtime.layers.experts import TTExperts
+from ..runtime.layers.embedding_bag import TTMEmbeddingBag
+from ..runtime.layers.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
 from .base import Pass, register_pass
 from .pending import PendingLayer
 

@@ -12,7 +12,7 @@ The rewrite, matched upward from the second matmul::
         ==>  %y = call_module[<owner>.fused_attention](%q, %k, %v, %mask)
 
 when every intermediate has no other user (attention weights that are also returned
-stay as written). :class:`~tncompile.runtime.attention.FusedAttention` keeps the
+stay as written). :class:`~tncompile.runtime.fused.attention.FusedAttention` keeps the
 dropout module itself, so ``train()`` / ``eval()`` and its ``p`` govern the fused
 call; it runs the steps as written where PyTorch has no fused kernel for the call
 (dropout on CPU, inputs the kernel does not take). It is placed beside the dropout it
@@ -22,7 +22,7 @@ root when there is none.
 
 Calls that already are fused attention -- ``F.scaled_dot_product_attention`` (HF models'
 "sdpa" implementation), ``lower_dropout``'s drop-in for it and the fx frontend's
-:class:`~tncompile.runtime.attention.SelfAttention` (``nn.MultiheadAttention``,
+:class:`~tncompile.runtime.fused.attention.SelfAttention` (``nn.MultiheadAttention``,
 ``nn.TransformerEncoder``) -- are counted under ``already-fused`` and left alone, so the
 dump's match counts say how every attention in the model runs.
 """
@@ -37,9 +37,9 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..ir.program import Program
-from ..runtime.attention import FusedAttention, SelfAttention
-from ..runtime.attention_kernel import scaled_dot_product_attention
-from ..runtime.dropout import FastDropout, dropout as native_dropout
+from ..runtime.fused.attention import FusedAttention, SelfAttention
+from ..runtime.fused.attention_kernel import scaled_dot_product_attention
+from ..runtime.fused.dropout import FastDropout, dropout as native_dropout
 from .base import Pass, register_pass
 from .canonicalize import require_canonical
 from .rules import Match, Pat, Rule, apply_rules

@@ -11,15 +11,15 @@ activation is GELU (exact or tanh) or ReLU in its canonical form (the
 ``canonicalize`` pass maps every spelling to it), and neither ``%h`` nor
 ``%a`` has another user. The layers stay where they were in the module tree (same
 parameter names, state dict, rank control); the graph now passes them to
-:func:`~tncompile.runtime.feed_forward.tt_feed_forward`, which decides per
+:func:`~tncompile.runtime.fused.feed_forward.tt_feed_forward`, which decides per
 call whether the fused kernel applies and otherwise runs the three steps as
 before.
 """
 from __future__ import annotations
 
 from ..ir.program import Program
-from ..runtime.feed_forward import tt_feed_forward
-from ..runtime.tt_layers import TTLinear
+from ..runtime.fused.feed_forward import tt_feed_forward
+from ..runtime.layers.tt_layers import TTLinear
 from .base import Pass, register_pass
 from .canonicalize import activation_of, require_canonical
 from .rules import Match, Pat, Rule, apply_rules

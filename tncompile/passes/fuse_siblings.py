@@ -9,7 +9,7 @@ The rewrite, for every node ``%x`` that two or more different
 
 inserted where the first of them was. The layers stay where they were in the module
 tree (same parameter names, state dict, rank control); the graph now passes them to
-:func:`~tncompile.runtime.siblings.tt_siblings`, which decides per call whether one pass
+:func:`~tncompile.runtime.fused.siblings.tt_siblings`, which decides per call whether one pass
 over ``%x`` applies (CPU, enough rows, the merged factors no costlier than the planned
 contractions) and otherwise runs each layer as before. Counted under ``siblings`` (one
 per shared input) in the dump.
@@ -21,9 +21,9 @@ import operator
 from torch import fx
 
 from ..ir.program import Program
-from ..runtime.module_kinds import runs_as
-from ..runtime.siblings import tt_siblings
-from ..runtime.tt_layers import TTLinear
+from ..runtime.layers.module_kinds import runs_as
+from ..runtime.fused.siblings import tt_siblings
+from ..runtime.layers.tt_layers import TTLinear
 from .base import Pass, register_pass
 from .canonicalize import require_canonical
 

@@ -3,21 +3,21 @@
 Two small rules over the canonical forms (``canonicalize`` runs first):
 
 * ``dropout-module``: a ``call_module`` node whose module is an ``nn.Dropout``
-  running its own forward gets a :class:`~tncompile.runtime.dropout.FastDropout`
+  running its own forward gets a :class:`~tncompile.runtime.fused.dropout.FastDropout`
   in its place (same ``p``, ``inplace``, training flag; no parameters, so the
   state dict is unchanged);
 * ``dropout-function``: a canonical ``F.dropout(x, p=, training=, inplace=False)``
   call (every functional spelling, ``aten.dropout.default`` from
-  ``torch.export`` included) calls :func:`tncompile.runtime.dropout.dropout`;
+  ``torch.export`` included) calls :func:`tncompile.runtime.fused.dropout.dropout`;
 * ``attention-dropout``: the fx frontend's
-  :class:`~tncompile.runtime.attention.SelfAttention` (``nn.MultiheadAttention``,
+  :class:`~tncompile.runtime.fused.attention.SelfAttention` (``nn.MultiheadAttention``,
   ``nn.TransformerEncoder``) with dropout gets ``native_dropout=True``: in training on
   CPU it runs tncompile's native attention kernel with this generator;
 * ``attention-function``: an ``F.scaled_dot_product_attention`` call (or
   ``aten.scaled_dot_product_attention``) with dropout -- its ``dropout_p`` read from
-  an :class:`~tncompile.runtime.attention.AttentionDropoutRate` (the frontend's
+  an :class:`~tncompile.runtime.fused.attention.AttentionDropoutRate` (the frontend's
   train/eval-following rate) or a nonzero number -- calls
-  :func:`tncompile.runtime.attention_kernel.scaled_dot_product_attention` instead:
+  :func:`tncompile.runtime.fused.attention_kernel.scaled_dot_product_attention` instead:
   the same function, on the native kernel in training on CPU.
 
 Swap mode makes the same choice in the user's module tree (:mod:`tncompile.swap.lowering`).
@@ -33,9 +33,9 @@ from __future__ import annotations
 from torch import fx, nn
 
 from ..ir.program import Program
-from ..runtime.attention import AttentionDropoutRate, SelfAttention
-from ..runtime.attention_kernel import scaled_dot_product_attention
-from ..runtime.dropout import FastDropout, dropout
+from ..runtime.fused.attention import AttentionDropoutRate, SelfAttention
+from ..runtime.fused.attention_kernel import scaled_dot_product_attention
+from ..runtime.fused.dropout import FastDropout, dropout
 from .base import Pass, register_pass
 from .canonicalize import DROPOUT, require_canonical
 from .fuse_attention import SDPA

@@ -8,9 +8,9 @@ from tqdm.auto import tqdm
 
 from ..ir.program import Program
 from ..formats.layout import TTLayout
-from ..runtime.experts import experts_rows
-from ..runtime.plans import bucket_of
-from ..runtime.tt_layers import TNModule, TTMEmbedding
+from ..runtime.layers.experts import experts_rows
+from ..runtime.kernels.plans import bucket_of
+from ..runtime.layers.tt_layers import TNModule, TTMEmbedding
 from .base import Pass, register_pass
 
 __all__ = ["PlanContractions"]

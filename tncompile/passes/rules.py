@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from torch import fx, nn
 
-from ..runtime.module_kinds import runs_as
+from ..runtime.layers.module_kinds import runs_as
 
 __all__ = ["Pat", "Rule", "Match", "apply_rules"]
 
@@ -45,7 +45,7 @@ class Pat:
         node may call.
     module_type : type, optional
         ``call_module`` only: the module must be this class, running its own
-        forward (:func:`~tncompile.runtime.module_kinds.runs_as`).
+        forward (:func:`~tncompile.runtime.layers.module_kinds.runs_as`).
     args : list, optional
         Patterns for the leading positional arguments, in order: a
         :class:`Pat` (the argument must be a node it matches) or a plain

@@ -9,7 +9,7 @@ from tqdm.auto import tqdm
 from ..calibration.allocation import allocate_by_sensitivity, candidate_ranks, error_curve
 from ..calibration.layer_fit import moment_root, weighted_table
 from ..ir.program import Program
-from ..runtime.module_kinds import linear_weight_of
+from ..runtime.layers.module_kinds import linear_weight_of
 from .pending import PendingLayer
 
 __all__ = ["by_sensitivity", "uses_sensitivity"]

@@ -10,7 +10,7 @@ from ..formats.layout import TTLayout, TTMLayout
 from ..ir.program import Program
 from ..errors import ModelMismatchError
 from ..frontend.layers import is_compressible, is_embedding, is_embedding_bag, is_experts, is_linear, kind_of
-from ..runtime.module_kinds import linear_weight_of
+from ..runtime.layers.module_kinds import linear_weight_of
 from .base import Pass, register_pass
 from .pending import PendingLayer
 from .selection import select_modules
@@ -21,7 +21,7 @@ __all__ = ["Tensorize"]
 @register_pass
 class Tensorize(Pass):
     """Replace every selected ``nn.Linear`` / HF ``Conv1D`` / ``nn.Embedding`` /
-    mixture-of-experts weight (:class:`~tncompile.runtime.experts.ExpertLinear`)
+    mixture-of-experts weight (:class:`~tncompile.runtime.layers.experts.ExpertLinear`)
     with a :class:`PendingLayer` carrying a balanced TT (linears; one network
     per expert) or TTM (embeddings) layout. Ranks are left for ``assign_ranks``.
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..ir.program import Program
-from ..runtime.tt_layers import TNModule
+from ..runtime.layers.tt_layers import TNModule
 from .base import Pass, register_pass
 
 __all__ = ["Cut", "cut_ranks", "TruncateRanks", "require_layers"]
@@ -70,7 +70,7 @@ def _take(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
 def cut_ranks(module: TNModule, keep: Sequence[torch.Tensor]) -> list[Cut]:
     """Keep only ranks ``keep[k]`` (sorted index tensors) of every internal bond ``k``.
 
-    For a layer of stacked networks (:class:`~tncompile.runtime.experts.TTExperts`,
+    For a layer of stacked networks (:class:`~tncompile.runtime.layers.experts.TTExperts`,
     cores ``(experts, r, n, r)``) ``keep[k]`` may be ``(experts, k)``: each
     expert's own kept positions, in the order they are to be stored (a
     permutation of one expert's bond leaves its matrix unchanged).

@@ -2,11 +2,11 @@
 per-layer costs. Its thresholds live in :mod:`tncompile.tuning`.
 
 Importing this package registers :class:`SearchPlanner` with the runtime
-(:func:`tncompile.runtime.plans.set_planner`), so TT/TTM layers can plan a
+(:func:`tncompile.runtime.kernels.plans.set_planner`), so TT/TTM layers can plan a
 bucket they meet for the first time without the runtime importing this code.
 """
 from ..formats.indices import BATCH, planner_problem
-from ..runtime.plans import ContractionPlan, LookupPlan, set_planner
+from ..runtime.kernels.plans import ContractionPlan, LookupPlan, set_planner
 from .contraction import fixed_order_macs, fixed_order_plan, plan_contraction
 from .speed_model import (REFERENCE, DeviceSpeed, device_speed, layer_step_seconds, lookup_step_seconds,
                           measure_device_speed, merge_family)

@@ -3,7 +3,7 @@
 Candidates are cotengra's exact search for flops and for ``flops + write``
 (``combo``) -- or its hyper-optimizer for networks too large for exact search
 -- the left-to-right order, and CoMERA's merge-the-cores-first order. Each is
-turned into SSA :class:`~tncompile.runtime.plans.Step`\\ s and costed:
+turned into SSA :class:`~tncompile.runtime.kernels.plans.Step`\\ s and costed:
 
 Cost model: ``flops + WRITE_WEIGHT * elements_written + OP_OVERHEAD *
 kernels`` (forward plus reverse-mode backward), where the writes include the
@@ -23,7 +23,7 @@ import cotengra as ctg
 
 from .. import tuning
 from ..formats.indices import BATCH, planner_problem
-from ..runtime.plans import ContractionPlan, Step
+from ..runtime.kernels.plans import ContractionPlan, Step
 
 __all__ = ["plan_contraction", "fixed_order_plan", "fixed_order_macs"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from math import prod
 
 from .. import tuning
-from ..runtime.plans import LookupPlan
+from ..runtime.kernels.plans import LookupPlan
 
 __all__ = ["plan_lookup", "per_id_macs"]
 

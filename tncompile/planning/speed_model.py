@@ -48,10 +48,10 @@ import torch
 from .. import tuning
 from ..formats.indices import BATCH, planner_problem
 from ..formats.layout import TTLayout, TTMLayout
-from ..runtime.executor import is_merge_first
-from ..runtime.factor_groups import FactorBatch, register_whole_rule
-from ..runtime.plans import ContractionPlan, LookupPlan
-from ..runtime.tt_layers import TTLinear
+from ..runtime.kernels.executor import is_merge_first
+from ..runtime.layers.factor_groups import FactorBatch, register_whole_rule
+from ..runtime.kernels.plans import ContractionPlan, LookupPlan
+from ..runtime.layers.tt_layers import TTLinear
 from .contraction import fixed_order_plan, plan_contraction
 from .lookup import plan_lookup
 
@@ -88,7 +88,7 @@ class DeviceSpeed:
         writes output and input gradient.
 
         ``sharing``: how many layers of the model merge their cores in one batch with
-        this one (:mod:`tncompile.runtime.factor_groups`, merge-cores-first plans):
+        this one (:mod:`tncompile.runtime.layers.factor_groups`, merge-cores-first plans):
         the kernels that merge the cores are then shared, the row-wide ones not."""
         rows = plan.rows
         traffic = 2 * plan.write + 3 * rows * (in_features + out_features)
@@ -141,14 +141,14 @@ ROW_KERNELS = 6
 
 def merge_family(layout: TTLayout) -> tuple:
     """What TT linears must share to merge their cores in one batch at run time: their
-    modes (ranks may differ, :mod:`tncompile.runtime.factor_groups` pads them)."""
+    modes (ranks may differ, :mod:`tncompile.runtime.layers.factor_groups` pads them)."""
     return layout.in_modes, layout.out_modes
 
 
 def network_kernels(plan: ContractionPlan, sharing: int = 1) -> float:
     """Kernels a TT linear's training step runs by ``plan``, counting those that merge
     its cores as ``1 / sharing`` each when ``sharing`` layers merge theirs in one batch
-    (merge-cores-first plans, :mod:`tncompile.runtime.factor_groups`)."""
+    (merge-cores-first plans, :mod:`tncompile.runtime.layers.factor_groups`)."""
     if sharing <= 1 or not tuning.GROUP_FACTORS or not is_merge_first(plan) or plan.kernels <= ROW_KERNELS:
         return plan.kernels
     return ROW_KERNELS + (plan.kernels - ROW_KERNELS) / sharing
@@ -177,7 +177,7 @@ def whole_matrix_saving(layout: TTLayout, rows: int, speed: DeviceSpeed, sharing
     """Seconds a merge-cores-first TT linear's training step over ``rows`` rows saves on
     ``speed``'s device by multiplying its input by its whole matrix ``W = A B`` -- made
     for the ``sharing`` layers of its batch in one batched product
-    (:mod:`tncompile.runtime.factor_groups`) -- instead of ``x A`` then ``(x A) B``;
+    (:mod:`tncompile.runtime.layers.factor_groups`) -- instead of ``x A`` then ``(x A) B``;
     negative where the two thin products are faster.
 
     The two thin products: :data:`ROW_KERNELS` kernels, ``3 rows r (M + N)``
@@ -270,7 +270,7 @@ def _write_cache(entries: dict[str, DeviceSpeed]) -> None:
 
 
 def _whole_matrices_faster(layout: TTLayout, rows: int, device: torch.device, batch: FactorBatch) -> bool:
-    """The rule :mod:`tncompile.runtime.factor_groups` asks: :func:`whole_matrix_saving`
+    """The rule :mod:`tncompile.runtime.layers.factor_groups` asks: :func:`whole_matrix_saving`
     positive on ``device``'s known speed, for ``batch``'s layer count and padded bond."""
     speed = known_device_speed(device)
     return speed is not None and whole_matrix_saving(layout, rows, speed, batch.n, bond=batch.a.padded[0][1]) > 0

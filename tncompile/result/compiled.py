@@ -8,9 +8,9 @@ from torch import fx, nn
 
 from ..ir.program import Program, module_at
 from .report import Report, build_report
-from ..runtime.factor_links import link_factor_groups
-from ..runtime.graph_functions import keep_functions_when_pickled
-from ..runtime.tt_layers import TNModule, TTMTiedLinear
+from ..runtime.layers.factor_links import link_factor_groups
+from ..runtime.fused.graph_functions import keep_functions_when_pickled
+from ..runtime.layers.tt_layers import TNModule, TTMTiedLinear
 
 __all__ = ["CompiledModel"]
 

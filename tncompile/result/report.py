@@ -171,7 +171,7 @@ def _ns(seconds: float) -> str:
 def _step_times_per_row(program, name: str, layout, sharing: dict) -> tuple[float | None, float | None]:
     """Estimated training-step seconds per row (dense, network) of a planned TT linear,
     or per id of a TTM embedding; ``sharing``: TT linears per :func:`merge_family` (they
-    merge their cores in one batch, :mod:`tncompile.runtime.factor_groups`)."""
+    merge their cores in one batch, :mod:`tncompile.runtime.layers.factor_groups`)."""
     est = getattr(program, "speed_estimates", None) or {}
     fmt = getattr(layout, "format", None)
     rows = _planned_rows(est).get(name)

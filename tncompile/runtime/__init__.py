@@ -2,13 +2,13 @@
 
 It knows nothing of the compiler or of training (it imports neither
 ``tncompile.ir`` / ``passes`` / ``planning`` nor ``tncompile.train``): layers
-run the plans they carry and ask the registered planner (:mod:`.plans`) for
+run the plans they carry and ask the registered planner (:mod:`.kernels.plans`) for
 buckets nobody planned yet.
 """
-from .collapsed import CollapsedLayer
-from .plans import ContractionPlan, LookupPlan, Step, bucket_of
-from .embedding_bag import TTMEmbeddingBag
-from .tt_layers import TNModule, TTLinear, TTMEmbedding, TTMTiedLinear, tied_merge_macs
+from .layers.collapsed import CollapsedLayer
+from .kernels.plans import ContractionPlan, LookupPlan, Step, bucket_of
+from .layers.embedding_bag import TTMEmbeddingBag
+from .layers.tt_layers import TNModule, TTLinear, TTMEmbedding, TTMTiedLinear, tied_merge_macs
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMEmbeddingBag", "TTMTiedLinear", "tied_merge_macs", "TNModule", "CollapsedLayer",
            "ContractionPlan", "LookupPlan", "Step", "bucket_of"]

@@ -22,7 +22,7 @@ from ..formats.layout import TTLayout, TTMLayout
 from ..ir.decisions import LAYER_KINDS, CompileDecisions, LayerDecision
 from ..ir.program import Program
 from ..runtime import CollapsedLayer, TNModule, TTMEmbedding, TTMEmbeddingBag, TTMTiedLinear
-from ..runtime.experts import TTExperts
+from ..runtime.layers.experts import TTExperts
 from .fields import boolean, choice, exact_keys, integer, module_path, names
 
 __all__ = ["decisions_of", "table_rows", "decisions_from_rows", "MAX_LAYERS"]

@@ -35,7 +35,7 @@ from ..errors import ModelFileError, ModelMismatchError, PassError, TraceError
 from ..options import MAX_ROWS, PREFER, CompileOptions
 from ..passes import BUILTIN_PASSES, Pass, Pipeline, get_pass
 from ..passes.base import normalize_name
-from ..runtime.module_kinds import is_sharded
+from ..runtime.layers.module_kinds import is_sharded
 from ..swap.swapped import is_swapped, user_class
 from . import plain
 from .container import digest, encode_container, read_container, write_atomically

@@ -7,7 +7,7 @@ experts indexing ``self.gate_up_proj[e]``, or one grouped GEMM over the whole
 tensor, depending on the experts implementation chosen. A layer cannot stand in
 for a parameter, so swap mode changes the *owner*: its class becomes a subclass
 (same name, module and qualified name) whose swapped names are properties that
-return the dense tensor rebuilt from the :class:`~tncompile.runtime.experts.TTExperts`
+return the dense tensor rebuilt from the :class:`~tncompile.runtime.layers.experts.TTExperts`
 network stored under the same name, in the parameter's own orientation and
 differentiably. The owner's ``forward`` runs unchanged, whichever implementation it
 dispatches to; the parameters that remain are the networks' cores and gates.
@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..ir.modules import module_at
-from ..runtime.experts import ExpertLinear, TTExperts
+from ..runtime.layers.experts import ExpertLinear, TTExperts
 
 __all__ = ["expert_weights", "put_experts", "restore_dense_experts"]
 

@@ -6,7 +6,7 @@ pipeline that compiled it:
 
 * ``lower_dropout`` (:func:`lower_dropout_into`): every plain ``nn.Dropout``
   (exactly that class: a subclass keeps its own forward) becomes a
-  :class:`~tncompile.runtime.dropout.FastDropout` (same ``p``, ``inplace`` and
+  :class:`~tncompile.runtime.fused.dropout.FastDropout` (same ``p``, ``inplace`` and
   mode; no state, so ``state_dict`` is unchanged), and a ``transformers`` model
   whose attention is ``"sdpa"`` gets ``"tncompile_sdpa"``
   (:mod:`tncompile.swap.hf_attention`): ``sdpa`` except that a training call with
@@ -33,7 +33,7 @@ from torch import fx, nn
 
 from ..ir.program import Program
 from ..passes.canonicalize import tanh_gelu_formula
-from ..runtime.dropout import FastDropout
+from ..runtime.fused.dropout import FastDropout
 
 __all__ = ["lower_into", "lower_dropout_into", "canonicalize_into", "restore_lowerings", "register_for",
            "TanhGELU", "writes_tanh_gelu"]

@@ -40,9 +40,9 @@ from torch import nn
 from ..ir.program import Program, module_at
 from ..frontend.layers import is_compressible, kind_of
 from ..result.report import Report, build_report
-from ..runtime.factor_links import link_factor_groups
-from ..runtime.module_kinds import replaces_forward
-from ..runtime.tt_layers import TNModule, TTMTiedLinear
+from ..runtime.layers.factor_links import link_factor_groups
+from ..runtime.layers.module_kinds import replaces_forward
+from ..runtime.layers.tt_layers import TNModule, TTMTiedLinear
 from .lowering import register_for, restore_lowerings
 from .experts import put_experts, restore_dense_experts
 from .subclass import is_stand_in, network_of, put_stand_in, restore_subclass

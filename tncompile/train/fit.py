@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..runtime.tt_layers import TNModule
+from ..runtime.layers.tt_layers import TNModule
 from .controller import RankController
 from .distill import Distill, Teacher, distill_loss
 from .distributed import DistributedModel, rank, save_on_rank0, unwrap

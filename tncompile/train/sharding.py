@@ -40,7 +40,7 @@ from torch import nn
 from ..result.compiled import CompiledModel
 from ..swap.swapped import is_swapped
 from ..ir.modules import module_at
-from ..runtime.module_kinds import is_shard, is_sharded
+from ..runtime.layers.module_kinds import is_shard, is_sharded
 
 __all__ = ["shard", "is_sharded", "full_tensor", "whole", "summed_over_shards", "gathered", "full_parameters", "block_units", "ShardPlan"]
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..runtime.module_kinds import is_shard
+from ..runtime.layers.module_kinds import is_shard
 
 __all__ = ["StepGuard"]
 

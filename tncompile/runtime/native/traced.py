@@ -21,7 +21,7 @@ with dropout), and the backward ops of all but the second. The dropout ops take 
 seed as a tensor (:func:`seed`, drawn in the traced graph), so each op is a pure
 function of its inputs: a compiler may reorder or recompute it safely.
 A TTM lookup traces as one op of its own, which calls the native gathered
-product inside (:mod:`tncompile.runtime.traced_lookup`).
+product inside (:mod:`tncompile.runtime.kernels.traced_lookup`).
 """
 from __future__ import annotations
 

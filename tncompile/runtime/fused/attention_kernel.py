@@ -12,7 +12,7 @@ Semantics are ``softmax(scale q k^T + mask)``, dropout on the weights (each
 zeroed independently with probability ``p``, the rest scaled by
 ``1 / (1 - p)``), times ``v``; the masks come from the native counter-based
 generator seeded from PyTorch's default generator, as
-:func:`tncompile.runtime.dropout.dropout`'s do.
+:func:`tncompile.runtime.fused.dropout.dropout`'s do.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .dropout import _seed
-from .native import kernels_for, traceable_kernels
+from ..native import kernels_for, traceable_kernels
 
 __all__ = ["native_attention", "native_sdpa", "scaled_dot_product_attention"]
 

@@ -15,8 +15,8 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from ..formats.decompose import random_cores, ttm_from_embedding_weight
-from ..formats.layout import TTMLayout
+from ...formats.decompose import random_cores, ttm_from_embedding_weight
+from ...formats.layout import TTMLayout
 from .tt_layers import TTMEmbedding, _check_init, _resolve_layout
 
 __all__ = ["TTMEmbeddingBag", "BAG_MODES"]

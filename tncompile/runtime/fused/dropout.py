@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .native import kernels_for, traceable_kernels
-from .native.traced import seed as seed_tensor
+from ..native import kernels_for, traceable_kernels
+from ..native.traced import seed as seed_tensor
 
 __all__ = ["FastDropout", "dropout"]
 

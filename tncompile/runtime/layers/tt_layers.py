@@ -17,25 +17,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import tuning
-from ..formats.decompose import (random_cores, tt_factors, tt_from_linear_weight, tt_to_dense,
+from ... import tuning
+from ...formats.decompose import (random_cores, tt_factors, tt_from_linear_weight, tt_to_dense,
                                  ttm_from_embedding_weight, ttm_to_dense)
-from ..formats.indices import planner_problem
-from ..formats.layout import TTLayout, TTMLayout
+from ...formats.indices import planner_problem
+from ...formats.layout import TTLayout, TTMLayout
 from .module_kinds import linear_weight_of
-from .cpu_allocator import _state as _ALLOCATOR_STATE
-from .cpu_allocator import ensure_retained
+from ..kernels.cpu_allocator import _state as _ALLOCATOR_STATE
+from ..kernels.cpu_allocator import ensure_retained
 from .derived import advance_weights_epoch, kept
-from .executor import autocast_state, contract, is_merge_first, same_autocast, thin_pair
+from ..kernels.executor import autocast_state, contract, is_merge_first, same_autocast, thin_pair
 from .factor_groups import whole_matrices_faster
-from .gated_cores import gate_cores
-from .plans import ContractionPlan, LookupPlan, bucket_of, get_planner
-from .traced_contract import register
-from .tracing import exporting
-from .traced_lookup import (check_ids, distinct_ids, gathered_product, gathered_product_backward, half_tables,
+from ..kernels.gated_cores import gate_cores
+from ..kernels.plans import ContractionPlan, LookupPlan, bucket_of, get_planner
+from ..kernels.traced_contract import register
+from ..kernels.tracing import exporting
+from ..kernels.traced_lookup import (check_ids, distinct_ids, gathered_product, gathered_product_backward, half_tables,
                             split_ids, ttm_lookup)
 from .tied_head import best_split, half_table_head, head_halves
-from .tt_chain import chain_kernels, tt_chain
+from ..kernels.tt_chain import chain_kernels, tt_chain
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of", "tied_merge_macs"]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import tuning
-from .native import kernels_for, traceable_kernels
+from ... import tuning
+from ..native import kernels_for, traceable_kernels
 
 __all__ = ["cpu_gemm", "padded_rows", "padded_columns"]
 

@@ -18,9 +18,9 @@ import math
 
 import torch
 
-from .. import tuning
-from ..formats.layout import TTLayout
-from .native import kernels_for
+from ... import tuning
+from ...formats.layout import TTLayout
+from ..native import kernels_for
 
 __all__ = ["chain_kernels", "chain_macs", "tt_chain"]
 

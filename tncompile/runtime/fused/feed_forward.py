@@ -23,13 +23,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import tuning
-from .cpu_gemm import cpu_gemm
-from .module_kinds import runs_as, runs_hooks
-from .native import kernels_for, traceable_kernels
-from .plans import bucket_of
-from .tracing import exporting
-from .tt_layers import TTLinear, choice_cache, first_cpu_use
+from ... import tuning
+from ..kernels.cpu_gemm import cpu_gemm
+from ..layers.module_kinds import runs_as, runs_hooks
+from ..native import kernels_for, traceable_kernels
+from ..kernels.plans import bucket_of
+from ..kernels.tracing import exporting
+from ..layers.tt_layers import TTLinear, choice_cache, first_cpu_use
 
 __all__ = ["ACTIVATIONS", "tt_feed_forward", "fused_macs", "uses_fused_kernel"]
 

@@ -1,6 +1,6 @@
 """A TTM embedding lookup as one ``torch.library`` custom op, for tracers.
 
-Eagerly, :class:`~tncompile.runtime.tt_layers.TTMEmbedding` checks the ids
+Eagerly, :class:`~tncompile.runtime.layers.tt_layers.TTMEmbedding` checks the ids
 on the host, looks up only the distinct ones and runs the native gathered
 product. Traced by ``torch.compile``, the same lookup reached inductor as a
 device-side id assert, the split of each id into two digits, the half tables'
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .. import tuning
+from ... import tuning
 from .gated_cores import gated, gated_grads
-from .native import kernels_for
+from ..native import kernels_for
 
 __all__ = ["half_tables", "split_ids", "distinct_ids", "check_ids", "gathered_product",
            "gathered_product_backward", "ttm_lookup"]

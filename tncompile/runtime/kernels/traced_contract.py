@@ -1,6 +1,6 @@
 """A planned TT contraction as one ``torch.library`` custom op, for tracers.
 
-Eagerly, :class:`~tncompile.runtime.executor.PlannedContraction` runs a plan's
+Eagerly, :class:`~tncompile.runtime.kernels.executor.PlannedContraction` runs a plan's
 generated code (one GEMM a step) inside an autograd Function. Traced by
 ``torch.compile``, the same steps would reach inductor as ~10 small GEMMs,
 reshapes and permuted copies per layer, each a kernel to generate and compile.
@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .gemms import GENERATED_CODE_NAMESPACE, finish, gemm_for
-from .native.traced import empty_grad, separate_outputs
+from ..native.traced import empty_grad, separate_outputs
 from .plan_program import program_for
 from .plans import ContractionPlan
 

@@ -13,9 +13,9 @@ from typing import Sequence
 
 import torch
 
-from .. import tuning
+from ... import tuning
 from .cpu_gemm import cpu_gemm
-from .native import kernels_for, traceable_kernels
+from ..native import kernels_for, traceable_kernels
 from .plans import ContractionPlan
 
 __all__ = ["pairwise", "gemm_bias", "column_sums", "grad_with_bias", "expand_grads", "finish", "gemm_for",

@@ -56,7 +56,7 @@ class SelfAttention(nn.Module):
     native_dropout : bool
         Set by the ``lower_dropout`` pass: in training with dropout on CPU, run
         tncompile's native attention kernel with its counter-based dropout
-        (:func:`~tncompile.runtime.attention_kernel.native_attention`) instead of
+        (:func:`~tncompile.runtime.fused.attention_kernel.native_attention`) instead of
         PyTorch's unfused math path and generator.
 
     Shapes
@@ -232,7 +232,7 @@ class FusedAttention(nn.Module):
     def native(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
                scale: float = 1.0) -> Tensor | None:
         """tncompile's CPU attention kernel with its dropout
-        (:func:`~tncompile.runtime.attention_kernel.native_attention`), or ``None``
+        (:func:`~tncompile.runtime.fused.attention_kernel.native_attention`), or ``None``
         where it does not apply."""
         return native_attention(q, k, v, mask, self._factor(scale), self.dropout_p())
 

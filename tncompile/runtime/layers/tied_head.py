@@ -29,9 +29,9 @@ import math
 
 from torch import Tensor
 
-from .. import tuning
-from ..formats.layout import TTMLayout
-from .traced_lookup import half_tables
+from ... import tuning
+from ...formats.layout import TTMLayout
+from ..kernels.traced_lookup import half_tables
 
 __all__ = ["best_split", "half_product_macs", "merged_head_cost", "head_halves", "half_table_head"]
 

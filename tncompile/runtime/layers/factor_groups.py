@@ -48,10 +48,10 @@ import torch
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .. import tuning
+from ... import tuning
 from .derived import storage_address, weights_epoch
-from .executor import autocast_state, same_autocast
-from .tracing import exporting
+from ..kernels.executor import autocast_state, same_autocast
+from ..kernels.tracing import exporting
 
 __all__ = ["BatchedFactors", "FactorBatch", "FactorPeers", "peers_of", "register_whole_rule",
            "whole_matrices_faster"]

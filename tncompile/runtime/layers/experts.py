@@ -16,9 +16,9 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from ..formats.decompose import random_cores, tt_from_linear_weight, tt_to_dense
-from ..formats.layout import TTLayout
-from .executor import contract
+from ...formats.decompose import random_cores, tt_from_linear_weight, tt_to_dense
+from ...formats.layout import TTLayout
+from ..kernels.executor import contract
 from .grouped import group_bounds, grouped_mm
 from .tt_layers import INITS, TNModule, _apply_matrix, _drop_boundary, check_input_dtype
 

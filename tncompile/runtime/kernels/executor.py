@@ -1,4 +1,4 @@
-"""Planned executor: run a :class:`~tncompile.runtime.plans.ContractionPlan` pairwise.
+"""Planned executor: run a :class:`~tncompile.runtime.kernels.plans.ContractionPlan` pairwise.
 
 Forward: one ``tensordot`` per step (a permute, when needed, and one GEMM).
 Backward: reverse mode through the same steps -- the gradient of each step's
@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .. import tuning
+from ... import tuning
 from .gemms import (GENERATED_CODE_NAMESPACE, column_sums, expand_grads, finish, gemm_bias, gemm_for,
                     grad_with_bias, pairwise)
 from .plan_program import program_for

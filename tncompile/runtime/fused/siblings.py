@@ -23,12 +23,12 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .. import tuning
-from .module_kinds import runs_as, runs_hooks
-from .native import kernels_for
-from .plans import bucket_of
-from .tracing import exporting
-from .tt_layers import TTLinear, choice_cache, first_cpu_use
+from ... import tuning
+from ..layers.module_kinds import runs_as, runs_hooks
+from ..native import kernels_for
+from ..kernels.plans import bucket_of
+from ..kernels.tracing import exporting
+from ..layers.tt_layers import TTLinear, choice_cache, first_cpu_use
 
 __all__ = ["tt_siblings", "sibling_kernels"]
 
