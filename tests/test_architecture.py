@@ -189,3 +189,22 @@ def test_runtime_folders_import_downward(path):
                 parts = target.split(".")
                 if parts[:2] == ["tncompile", "runtime"] and len(parts) > 2 and parts[2] in RUNTIME_ORDER:
                     assert RUNTIME_ORDER[parts[2]] <= own, f"{module} imports {target} (runtime/README.md)"
+
+
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_function_over_80_lines():
+    """A function's body (its docstring aside: parameters are documented there) fits on a
+    screen; longer ones are split into helpers with names that explain them."""
+    offenders = []
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body
+                doc = (body[0].end_lineno - body[0].lineno + 1 if isinstance(body[0], ast.Expr)
+                       and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str) else 0)
+                lines = node.end_lineno - node.lineno + 1 - doc
+                if lines > MAX_FUNCTION_LINES:
+                    offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not offenders, "functions over 80 lines: " + ", ".join(offenders)

@@ -192,8 +192,8 @@ CASES: list[tuple[str, Callable[[Env], Any], type, str]] = [
     ("rank-pattern-unmatched-key", _compile(rank_pattern={"fc9": 4}), ValueError,
      "rank_pattern entry 'fc9' matches no tensorized layer; tensorized layers are: 0"),
     ("rank-pattern-zero-rank", _compile(rank_pattern={"0": 0}), ValueError,
-     r"rank_pattern\['0'\] must be a positive int rank, got 0"),
-    ("rank-pattern-float-rank", _compile(rank_pattern={"0": 2.5}), ValueError, "must be a positive int rank"),
+     r"rank_pattern\['0'\] \(a rank\) must be an int >= 1, got 0"),
+    ("rank-pattern-float-rank", _compile(rank_pattern={"0": 2.5}), ValueError, r"\(a rank\) must be an int >= 1"),
     ("rank-pattern-int-key", _compile(rank_pattern={0: 4}), TypeError, "rank_pattern keys must be"),
     # ---------------------------------------------------------------- other compile options
     ("init-unknown", _compile(init="xavier"), ValueError, "init must be 'svd' or 'random'"),
@@ -378,3 +378,27 @@ def test_bad_input(env, capfd, action, error, message):
         "the user's model was mutated"
     assert isinstance(env.model[0], nn.Linear) and isinstance(env.model[2], nn.Linear)
     assert "Traceback" not in capfd.readouterr().err, "an error printed a traceback of its own"
+
+
+def test_check_int_and_check_float_name_the_argument_and_refuse_bools():
+    from tncompile.errors import check_float, check_int
+    assert check_int(3, "n", 1) == 3 and check_int(None, "n", 1, none_ok=True) is None
+    with pytest.raises(ValueError, match=r"^n must be an int >= 1, got 0$"):
+        check_int(0, "n", 1)
+    with pytest.raises(TypeError, match=r"^n must be an int in \[1, 4\] or None, got bool True$"):
+        check_int(True, "n", 1, 4, none_ok=True, error=TypeError)  # True is an int to Python, never a count
+    assert check_float(0.5, "p", 0.0, 1.0, high_open=True) == 0.5
+    with pytest.raises(ValueError, match=r"^p must be in \[0, 1\), got 1$"):
+        check_float(1, "p", 0.0, 1.0, high_open=True)
+    for bad in (float("nan"), float("inf"), False, "1"):
+        with pytest.raises(ValueError, match="p must be a finite number > 0"):
+            check_float(bad, "p", 0.0, low_open=True)
+
+
+def test_fit_settings_are_checked_when_made():
+    from tncompile.train import FitSettings
+    assert FitSettings(early_steps=2, late_steps=3).log_every == 10
+    with pytest.raises(ValueError, match="fit: log_every must be an int >= 1, got 0"):
+        FitSettings(log_every=0)
+    with pytest.raises(ValueError, match="checkpoint_path and checkpoint_every together"):
+        FitSettings(checkpoint_every=5)

@@ -1,7 +1,68 @@
-"""Exceptions raised by tncompile."""
+"""Exceptions raised by tncompile, and the argument checks that raise them."""
 from __future__ import annotations
 
-__all__ = ["TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "SlowerThanDenseWarning"]
+import math
+import numbers
+from typing import Any
+
+__all__ = ["TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "SlowerThanDenseWarning",
+           "is_int", "is_real", "check_int", "check_float"]
+
+
+def is_int(value: Any) -> bool:
+    """An integer and not a bool (``True`` is an ``int`` to Python, never a count here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """A real number (int or float, NumPy's too) and not a bool; NaN and infinities included."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _shown(value: Any, right_type: bool) -> str:
+    """``value`` as an error shows it: with its type when the type is what is wrong."""
+    return repr(value) if right_type else f"{type(value).__name__} {value!r:.80}"
+
+
+def _bounds(low, high, low_open: bool, high_open: bool) -> str:
+    low, high = (None if x is None else f"{x:g}" for x in (low, high))  # 0.0 reads as 0
+    if low is not None and high is not None:
+        return f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low}"
+    return f"{'<' if high_open else '<='} {high}" if high is not None else ""
+
+
+def check_int(value: Any, name: str, low: int | None = None, high: int | None = None, *, none_ok: bool = False,
+              error: type[Exception] = ValueError) -> int | None:
+    """``value`` as an int within ``[low, high]`` (either may be open-ended), or ``None`` when
+    ``none_ok``; else ``error("<name> must be an int >= 1, got 0")``."""
+    if value is None and none_ok:
+        return None
+    if not is_int(value) or (low is not None and value < low) or (high is not None and value > high):
+        bounds = _bounds(low, high, False, False)
+        raise error(f"{name} must be an int{' ' + bounds if bounds else ''}{' or None' if none_ok else ''}, "
+                    f"got {_shown(value, is_int(value))}")
+    return int(value)
+
+
+def check_float(value: Any, name: str, low: float | None = None, high: float | None = None, *,
+                low_open: bool = False, high_open: bool = False, none_ok: bool = False,
+                error: type[Exception] = ValueError) -> float | None:
+    """``value`` as a finite float within its bounds (open or closed), or ``None`` when
+    ``none_ok``; else ``error("<name> must be a finite number > 0, got -1")``."""
+    if value is None and none_ok:
+        return None
+    ok = is_real(value) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        bounds = _bounds(low, high, low_open, high_open)
+        what = f"in {bounds[3:]}" if bounds.startswith("in ") else f"a finite number{' ' + bounds if bounds else ''}"
+        raise error(f"{name} must be {what}{' or None' if none_ok else ''}, got {_shown(value, is_real(value))}")
+    return float(value)
 
 
 class TNCompileError(RuntimeError):

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from .passes.selection import check_entry
+from .errors import check_int, is_int, is_real
 
 __all__ = ["CompileOptions", "check_target_ratio", "check_batch_sizes", "PREFER", "MAX_ROWS"]
 
@@ -17,7 +17,7 @@ PREFER = ("speed", "size")
 
 def check_target_ratio(target_ratio: Any, argument: str = "target_ratio") -> float:
     """Validate a size ratio in ``(0, 1]`` and return it as a float."""
-    if isinstance(target_ratio, bool) or not isinstance(target_ratio, numbers.Real):
+    if not is_real(target_ratio):
         raise TypeError(f"{argument} must be a number in (0, 1], got {type(target_ratio).__name__} "
                         f"{target_ratio!r}; e.g. {argument}=0.05 for a model 20x smaller")
     value = float(target_ratio)
@@ -45,7 +45,7 @@ def check_batch_sizes(batch_sizes: Any, argument: str = "batch_sizes") -> list[i
                         f"{batch_sizes!r}; {example}")
     out = []
     for b in batch_sizes:
-        if isinstance(b, bool) or not isinstance(b, numbers.Integral):
+        if not is_int(b):
             raise TypeError(f"{argument} entries must be ints, got {type(b).__name__} {b!r}; {example}")
         if not 1 <= b <= MAX_ROWS:
             raise ValueError(f"{argument} entries must be in [1, {MAX_ROWS}], got {b!r}; {example}")
@@ -94,8 +94,6 @@ class CompileOptions:
                     raise TypeError(f"rank_pattern keys must be module-name suffixes or 're:<regex>' "
                                     f"strings, got {k!r}")
                 check_entry(k, "rank_pattern")
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                    raise ValueError(f"rank_pattern[{k!r}] must be a positive int rank, got {v!r}")
+                check_int(v, f"rank_pattern[{k!r}] (a rank)", 1)
         self.batch_sizes = check_batch_sizes(self.batch_sizes)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
-            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__} {self.seed!r}")
+        check_int(self.seed, "seed", none_ok=True, error=TypeError)

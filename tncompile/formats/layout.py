@@ -21,6 +21,7 @@ from math import prod
 from typing import Sequence
 
 from .factorize import factorize
+from ..errors import check_int
 
 __all__ = ["TTLayout", "TTMLayout", "Layout", "normalize_ranks"]
 
@@ -130,8 +131,7 @@ class TTLayout(_Base):
     def for_shape(cls, in_features: int, out_features: int, num_cores: int = 3,
                   ranks: int | Sequence[int] | None = None, experts: int = 1) -> "TTLayout":
         """Balanced layout with ``num_cores`` cores per side (``experts`` networks of it)."""
-        if not (isinstance(experts, int) and experts >= 1):
-            raise ValueError(f"experts must be an int >= 1, got {experts!r}")
+        check_int(experts, "experts", 1)
         lay = cls(ranks=None, in_features=in_features, out_features=out_features,
                   in_modes=factorize(in_features, num_cores),
                   out_modes=factorize(out_features, num_cores), experts=experts)

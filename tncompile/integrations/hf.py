@@ -36,6 +36,7 @@ from ..serialization.pretrained_folder import is_model_folder
 from ..swap.swapped import is_swapped, user_class
 from ..train.controller import RankController
 from ..train.distributed import unwrap
+from ..errors import check_float
 
 __all__ = ["RankControlCallback", "CompressedTrainer"]
 
@@ -74,9 +75,7 @@ class RankControlCallback(TrainerCallback, ExportableState):
     def __init__(self, target_ratio: float, early_fraction: float = 0.3, recovery: float = 0.3,
                  rank_weight: float = 0.01, threshold: float = 1e-2, truncate_every: int = 100,
                  allow_layer_removal: bool = False, optimizer_state: str = "slice"):
-        if isinstance(early_fraction, bool) or not isinstance(early_fraction, (int, float)) \
-                or not 0.0 <= early_fraction < 1.0:
-            raise ValueError(f"RankControlCallback: early_fraction must be in [0, 1), got {early_fraction!r}")
+        check_float(early_fraction, "RankControlCallback: early_fraction", 0.0, 1.0, high_open=True)
         self.settings = {"target_ratio": target_ratio, "early_fraction": early_fraction, "recovery": recovery,
                          "rank_weight": rank_weight, "threshold": threshold, "truncate_every": truncate_every,
                          "allow_layer_removal": allow_layer_removal, "optimizer_state": optimizer_state}

@@ -13,6 +13,7 @@ from ..train.distill import Distill, block_names
 from ..train.fit import fit
 from ..train.gates import freeze_gates
 from ..train.history import History
+from ..errors import check_int
 
 __all__ = ["compress_pretrained"]
 
@@ -66,8 +67,7 @@ def compress_pretrained(model: nn.Module, target_ratio: float, data: Iterable, *
         raise TypeError(f"data must be a re-iterable collection of input batches (a list or a DataLoader), got "
                         f"{type(data).__name__}: it is read once to calibrate and again to distill")
     for name, value in (("steps", steps), ("calibration_batches", calibration_batches)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"compress_pretrained: {name} must be an int >= 0, got {value!r}")
+        check_int(value, f"compress_pretrained: {name}", 0)
     if calibration_batches == 0:
         raise ValueError("compress_pretrained: calibration_batches must be >= 1 (8 batches of 32 is a good start)")
     if not (isinstance(lr, (int, float)) and lr > 0):

@@ -54,6 +54,7 @@ from ..runtime.kernels.plans import ContractionPlan, LookupPlan
 from ..runtime.layers.tt_layers import TTLinear
 from .contraction import fixed_order_plan, plan_contraction
 from .lookup import plan_lookup
+from ..errors import check_float
 
 __all__ = ["DeviceSpeed", "REFERENCE", "device_speed", "measure_device_speed", "layer_step_seconds", "network_kernels",
            "lookup_step_seconds", "lookup_kernels", "cache_path", "speed_key", "known_device_speed",
@@ -75,8 +76,7 @@ class DeviceSpeed:
             raise TypeError(f"DeviceSpeed.device must be a str, got {type(self.device).__name__}")
         for f in fields(self)[1:]:
             v = getattr(self, f.name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"DeviceSpeed.{f.name} must be a positive finite number, got {v!r}")
+            check_float(v, f"DeviceSpeed.{f.name}", 0.0, low_open=True)
 
     def network_step_seconds(self, plan: ContractionPlan, in_features: int, out_features: int,
                              element_bytes: int = 4, sharing: int = 1) -> float:

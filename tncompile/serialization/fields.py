@@ -6,7 +6,7 @@ import math
 import re
 from typing import Any
 
-from ..errors import ModelFileError
+from ..errors import ModelFileError, is_int, is_real
 
 __all__ = ["exact_keys", "module_path", "choice", "boolean", "integer", "number", "names", "text",
            "MAX_NAME", "PATH"]
@@ -46,15 +46,14 @@ def boolean(value: Any, at: str) -> bool:
 
 def integer(value: Any, low: int, high: int, at: str) -> int:
     """An int in ``[low, high]`` (never a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+    if not is_int(value) or not low <= value <= high:
         raise ModelFileError(f"{at}: {value!r:.80} is not an int in [{low}, {high}]")
     return value
 
 
 def number(value: Any, low: float, high: float, at: str) -> float:
     """A finite number in ``[low, high]``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low <= value <= high:
+    if not is_real(value) or not math.isfinite(value) or not low <= value <= high:
         raise ModelFileError(f"{at}: {value!r:.80} is not a number in [{low}, {high}]")
     return float(value)
 

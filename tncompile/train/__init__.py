@@ -10,10 +10,10 @@ from .controller import RankController, RankEvent, param_groups
 from .distill import Distill
 from .gates import freeze_gates
 from .dry_run import CaptureError, DryRunReport, Hazard, dry_run
-from .fit import fit
+from .fit import FitSettings, fit
 from .history import History
 from .train_step import TrainStep, call_model, make_capturable
 from .truncation import Cut, cut_ranks, remap_optimizer
 
-__all__ = ["resume", "Distill", "freeze_gates", "dry_run", "DryRunReport", "Hazard", "CaptureError", "RankController", "RankEvent", "param_groups", "TrainStep", "fit", "History", "CaptureCache",
+__all__ = ["resume", "Distill", "freeze_gates", "dry_run", "DryRunReport", "Hazard", "CaptureError", "RankController", "RankEvent", "param_groups", "TrainStep", "fit", "FitSettings", "History", "CaptureCache",
            "CacheStats", "Cut", "cut_ranks", "remap_optimizer", "call_model", "make_capturable"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Hashable
+from ..errors import check_int
 
 __all__ = ["CaptureCache", "CacheStats"]
 
@@ -50,10 +51,8 @@ class CaptureCache:
     """
 
     def __init__(self, max_graphs: int = 8, warmup_steps: int = 2):
-        if not (isinstance(max_graphs, int) and max_graphs >= 1):
-            raise ValueError(f"max_graphs must be an int >= 1, got {max_graphs!r}")
-        if not (isinstance(warmup_steps, int) and warmup_steps >= 1):
-            raise ValueError(f"warmup_steps must be an int >= 1, got {warmup_steps!r}")
+        check_int(max_graphs, "max_graphs", 1)
+        check_int(warmup_steps, "warmup_steps", 1)
         self.max_graphs = max_graphs
         self.warmup_steps = warmup_steps
         self._graphs: OrderedDict[Hashable, Any] = OrderedDict()

@@ -55,6 +55,7 @@ from .distributed import (active_group, broadcast_from_rank0, check_same_everywh
                           unwrap)
 from .sharding import gathered, is_shard, summed_over_shards, whole
 from .truncation import Cut, check_optimizer, remap_optimizer
+from ..errors import check_float, check_int
 
 __all__ = ["RankController", "RankEvent", "param_groups"]
 
@@ -92,10 +93,7 @@ def param_groups(compiled: nn.Module, lr: float, *, core_lr: float | None = None
     for name, value in (("lr", lr), ("core_lr", core_lr), ("gate_lr", gate_lr), ("weight_decay", weight_decay)):
         if value is None and name != "lr":
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or value < 0 or (value == 0 and name != "weight_decay"):
-            raise ValueError(f"param_groups: {name} must be a finite number > 0"
-                             f"{' (>= 0 for weight_decay)' if name == 'weight_decay' else ''}, got {value!r}")
+        check_float(value, f"param_groups: {name}", 0.0, low_open=name != "weight_decay")
     owners = _owners(compiled).values()
     cores = {id(p): p for m in owners for p in m.cores._parameters.values()}
     gates = {id(p): p for m in owners for p in m.gates._parameters.values()}
@@ -232,22 +230,16 @@ class RankController:
         _check_positive("threshold", threshold)
         for name, value in (("rank_weight", rank_weight), ("core_weight", core_weight),
                             ("size_weight", size_weight)):
-            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
-                raise ValueError(f"RankController: {name} must be a finite number >= 0, got {value!r}")
-        if not (isinstance(truncate_every, int) and truncate_every >= 0):
-            raise ValueError(f"RankController: truncate_every must be an int >= 0, got {truncate_every!r}")
-        if early_steps is not None and not (isinstance(early_steps, int) and early_steps >= 0):
-            raise ValueError(f"RankController: early_steps must be an int >= 0 or None, got {early_steps!r}")
-        if not 0.0 <= loss_smoothing < 1.0:
-            raise ValueError(f"RankController: loss_smoothing must be in [0, 1), got {loss_smoothing!r}")
+            check_float(value, f"RankController: {name}", 0.0)
+        check_int(truncate_every, "RankController: truncate_every", 0)
+        check_int(early_steps, "RankController: early_steps", 0, none_ok=True)
+        check_float(loss_smoothing, "RankController: loss_smoothing", 0.0, 1.0, high_open=True)
         if target_loss is not None:
             _check_positive("target_loss", target_loss)
         if schedule not in SCHEDULES:
             raise ValueError(f"RankController: schedule must be one of {SCHEDULES}, got {schedule!r}")
-        if late_steps is not None and not (isinstance(late_steps, int) and late_steps >= 0):
-            raise ValueError(f"RankController: late_steps must be an int >= 0 or None, got {late_steps!r}")
-        if not (isinstance(recovery, (int, float)) and 0.0 <= recovery < 1.0):
-            raise ValueError(f"RankController: recovery must be in [0, 1), got {recovery!r}")
+        check_int(late_steps, "RankController: late_steps", 0, none_ok=True)
+        check_float(recovery, "RankController: recovery", 0.0, 1.0, high_open=True)
         if nonfinite not in NONFINITE:
             raise ValueError(f"RankController: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         start = _compiled_ratio(compiled)
@@ -781,5 +773,4 @@ def _compiled_ratio(compiled) -> float:
 
 
 def _check_positive(name: str, value: Any) -> None:
-    if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
-        raise ValueError(f"RankController: {name} must be a finite number > 0, got {value!r}")
+    check_float(value, f"RankController: {name}", 0.0, low_open=True)

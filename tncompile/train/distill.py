@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .train_step import call_model
+from ..errors import check_float
 
 __all__ = ["Distill", "Teacher", "distill_loss", "main_tensor", "logits_of", "block_names"]
 
@@ -92,11 +93,8 @@ class Distill:
     def __post_init__(self) -> None:
         for name in ("logits", "output", "hidden_weight", "pooled", "task"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"Distill.{name} must be a weight >= 0, got {value!r}")
-        if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) \
-                or not self.temperature > 0:
-            raise ValueError(f"Distill.temperature must be > 0, got {self.temperature!r}")
+            check_float(value, f"Distill.{name}", 0.0)
+        check_float(self.temperature, "Distill.temperature", 0.0, low_open=True)
         if self.pooled and self.pool is None:
             raise ValueError("Distill.pooled needs pool=<callable(output, inputs) -> (batch, dim)>, e.g. the "
                              "attention-mask mean of last_hidden_state")

@@ -6,12 +6,14 @@ import os
 import sys
 from time import perf_counter
 from collections import abc
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..errors import check_int, is_int
 from ..runtime.layers.tt_layers import TNModule
 from .controller import RankController
 from .distill import Distill, Teacher, distill_loss
@@ -20,7 +22,7 @@ from .sharding import is_sharded
 from .history import History
 from .train_step import TrainStep
 
-__all__ = ["fit"]
+__all__ = ["fit", "FitSettings"]
 
 
 def _batches(loader: Iterable, skip: int):
@@ -124,27 +126,107 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
         (its terms plus the weighted task loss); without a controller every
         step's ``stage`` is ``"fixed"``.
     """
+    settings = FitSettings(early_steps=early_steps, late_steps=late_steps, steps=steps, eval_every=eval_every,
+                           log_every=log_every, grad_clip=grad_clip, checkpoint_path=checkpoint_path,
+                           checkpoint_every=checkpoint_every, cuda_graph=cuda_graph, progress=progress)
+    _check_run(settings, train_loader, loss_fn, optimizer, controller, teacher, distill)
+    wrapper = _distributed_wrapper(compiled, ddp)
+    compiled = unwrap(compiled)
+    _check_controller(controller, compiled, optimizer)
+    history = (History() if history is None else History.from_dict(history) if isinstance(history, dict)
+               else history)
+    run = _Run(compiled, optimizer, controller, settings, history, scheduler, eval_fn,
+               *_span(settings, controller, compiled, history))
+    step_loss, guide = loss_fn, None
+    if teacher is not None:
+        guide = Teacher(teacher, compiled, distill)
+        step_loss = distill_loss(guide, loss_fn)
+        settings.cuda_graph = False  # the teacher's pass and the hooks run eagerly each step
+    try:
+        train_step = TrainStep(wrapper or compiled, optimizer, step_loss, controller=controller,
+                               cuda_graph=settings.cuda_graph, grad_clip=settings.grad_clip)
+    except BaseException:
+        if guide is not None:
+            guide.close()
+        raise
+    was_training = compiled.training
+    compiled.train()
+    bar = _progress_bar(run)
+    try:
+        _train(run, train_step, train_loader, loss_fn is not None, guide, bar)
+    finally:
+        bar.close()
+        compiled.train(was_training)
+        if guide is not None:
+            guide.close()
+    return history
+
+
+@dataclass
+class FitSettings:
+    """How long and how :func:`fit` trains, checked when made (each field as ``fit``
+    documents it): ``early_steps``/``late_steps`` (with a controller) or ``steps``
+    (without), ``eval_every``, ``log_every``, ``grad_clip``, ``checkpoint_path`` with
+    ``checkpoint_every``, ``cuda_graph``, ``progress``."""
+
+    early_steps: int = 0
+    late_steps: int = 0
+    steps: int | None = None
+    eval_every: int | None = None
+    log_every: int = 10
+    grad_clip: float | None = None
+    checkpoint_path: str | os.PathLike | None = None
+    checkpoint_every: int | None = None
+    cuda_graph: bool | str = "auto"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        check_int(self.early_steps, "fit: early_steps", 0)
+        check_int(self.late_steps, "fit: late_steps", 0)
+        check_int(self.log_every, "fit: log_every", 1)
+        check_int(self.eval_every, "fit: eval_every", 1, none_ok=True)
+        check_int(self.checkpoint_every, "fit: checkpoint_every", 1, none_ok=True)
+        if (self.checkpoint_path is None) != (self.checkpoint_every is None):
+            raise ValueError("fit: give checkpoint_path and checkpoint_every together")
+
+
+@dataclass
+class _Run:
+    """What the loop reads and updates: the model and its trainers, the settings, the
+    history, and where the run is (``total`` steps, from ``start``, at ``ratio``)."""
+
+    compiled: nn.Module
+    optimizer: torch.optim.Optimizer
+    controller: RankController | None
+    settings: FitSettings
+    history: History
+    scheduler: Any
+    eval_fn: Callable | None
+    total: int
+    start: int
+    ratio: float
+    eval_every: int | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        s = self.settings
+        self.eval_every = s.eval_every or (s.early_steps if s.early_steps else None)
+
+
+def _check_run(settings: FitSettings, train_loader, loss_fn, optimizer, controller, teacher, distill) -> None:
+    """The arguments' types, and the settings that depend on whether a controller runs."""
     if controller is not None and not isinstance(controller, RankController):
         raise TypeError(f"fit: controller must be a RankController or None, got {type(controller).__name__}")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"fit: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    for name, value in (("early_steps", early_steps), ("late_steps", late_steps)):
-        if isinstance(value, bool) or not (isinstance(value, int) and value >= 0):
-            raise ValueError(f"fit: {name} must be an int >= 0, got {value!r}")
     if controller is None:
-        if early_steps or late_steps:
+        if settings.early_steps or settings.late_steps:
             raise ValueError("fit: early_steps / late_steps are the rank controller's stages; without a controller "
                              "give steps=N (fixed ranks), or pass a RankController")
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-            raise ValueError(f"fit: without a controller give steps=<int >= 0> (fixed-rank training), got {steps!r}")
-    elif steps is not None:
+        if not is_int(settings.steps) or settings.steps < 0:
+            raise ValueError(f"fit: without a controller give steps=<int >= 0> (fixed-rank training), "
+                             f"got {settings.steps!r}")
+    elif settings.steps is not None:
         raise ValueError("fit: with a controller the run is early_steps + late_steps long; leave out steps=")
-    for name, value, allow_none in (("log_every", log_every, False), ("eval_every", eval_every, True),
-                                    ("checkpoint_every", checkpoint_every, True)):
-        if value is None and allow_none:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"fit: {name} must be an int >= 1{' or None' if allow_none else ''}, got {value!r}")
     if not isinstance(train_loader, abc.Iterable) or isinstance(train_loader, (str, bytes, torch.Tensor)):
         raise TypeError(f"fit: train_loader must be an iterable of (inputs, targets) batches (a DataLoader, "
                         f"a list), got {type(train_loader).__name__}")
@@ -154,96 +236,85 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
         raise TypeError(f"fit: loss_fn must be callable as loss_fn(outputs, targets), got {type(loss_fn).__name__}")
     if distill is not None and teacher is None:
         raise ValueError("fit: distill= says what to learn from a teacher; pass teacher=<the original model>")
-    if (checkpoint_path is None) != (checkpoint_every is None):
-        raise ValueError("fit: give checkpoint_path and checkpoint_every together")
-    wrapper = _distributed_wrapper(compiled, ddp)
-    compiled = unwrap(compiled)
-    if controller is not None:
-        if controller.compiled is not compiled:
-            raise ValueError("fit: the controller was built for a different model")
-        if controller.optimizer is not optimizer:
-            raise ValueError("fit: the controller was built with a different optimizer")
-        frozen = [name for name, m in compiled.named_modules() if isinstance(m, TNModule)
-                  and any(not g.requires_grad for g in m.gates)]
-        if frozen:
-            raise ValueError(f"fit: the rank gates of {frozen[:3]} are frozen but a RankController trains them; "
-                             "tncompile.freeze_gates(model, False) first, or train without a controller")
-    history = (History() if history is None else History.from_dict(history) if isinstance(history, dict)
-               else history)
-    if controller is not None:
-        if controller.stage == "early":
-            controller.early_steps = early_steps
-        controller.late_steps = late_steps  # the budget schedule's time scale
-        total = early_steps + late_steps
-        start = controller.steps_done
-        ratio = controller.ratio
-        if start == 0 and not history.ranks:
-            history.ranks.append((0, {k: list(v) for k, v in controller.active_ranks().items()}))
-    else:
-        total = steps
-        start = history.step[-1] if history.step else 0
-        ratio = float(getattr(compiled, "ratio", 1.0))
-    eval_every = eval_every or (early_steps if early_steps else None)
-    step_loss = loss_fn
-    guide = None
-    if teacher is not None:
-        guide = Teacher(teacher, compiled, distill)
-        step_loss = distill_loss(guide, loss_fn)
-        cuda_graph = False  # the teacher's pass and the hooks run eagerly each step
-    try:
-        train_step = TrainStep(wrapper or compiled, optimizer, step_loss, controller=controller,
-                               cuda_graph=cuda_graph, grad_clip=grad_clip)
-    except BaseException:
-        if guide is not None:
-            guide.close()
-        raise
-    stage = controller.stage if controller is not None else "fixed"
+
+
+def _check_controller(controller: RankController | None, compiled: nn.Module, optimizer) -> None:
+    if controller is None:
+        return
+    if controller.compiled is not compiled:
+        raise ValueError("fit: the controller was built for a different model")
+    if controller.optimizer is not optimizer:
+        raise ValueError("fit: the controller was built with a different optimizer")
+    frozen = [name for name, m in compiled.named_modules() if isinstance(m, TNModule)
+              and any(not g.requires_grad for g in m.gates)]
+    if frozen:
+        raise ValueError(f"fit: the rank gates of {frozen[:3]} are frozen but a RankController trains them; "
+                         "tncompile.freeze_gates(model, False) first, or train without a controller")
+
+
+def _span(settings: FitSettings, controller, compiled: nn.Module, history: History) -> tuple[int, int, float]:
+    """``(total, start, ratio)``: the run's last step, the step it resumes after, the ratio now."""
+    if controller is None:
+        return settings.steps, (history.step[-1] if history.step else 0), float(getattr(compiled, "ratio", 1.0))
+    if controller.stage == "early":
+        controller.early_steps = settings.early_steps
+    controller.late_steps = settings.late_steps  # the budget schedule's time scale
+    start = controller.steps_done
+    if start == 0 and not history.ranks:
+        history.ranks.append((0, {k: list(v) for k, v in controller.active_ranks().items()}))
+    return settings.early_steps + settings.late_steps, start, controller.ratio
+
+
+def _progress_bar(run: _Run):
+    """On stderr; redrawn in a terminal, else (a log file, CI) a line every 30 s; rank 0 only."""
     interactive = sys.stderr.isatty()
-    # not a terminal (a log file, CI): still report, every 30 s instead of redrawing
-    bar = tqdm(total=total, initial=min(start, total), desc="fit",
-               disable=not progress or rank(getattr(controller, "process_group", None)) != 0,
-               dynamic_ncols=True, mininterval=0.1 if interactive else 30.0)
-    was_training = compiled.training
-    compiled.train()
+    return tqdm(total=run.total, initial=min(run.start, run.total), desc="fit",
+                disable=not run.settings.progress or rank(getattr(run.controller, "process_group", None)) != 0,
+                dynamic_ncols=True, mininterval=0.1 if interactive else 30.0)
+
+
+def _train(run: _Run, train_step: TrainStep, train_loader: Iterable, labeled: bool, guide, bar) -> None:
+    """Steps ``start + 1 .. total``: each step, its record, evals, checkpoints, the bar."""
+    stage = run.controller.stage if run.controller is not None else "fixed"
     skipped = train_step.skipped_steps()
-    try:
-        for step, batch in zip(range(start + 1, total + 1), _batches(train_loader, start)):
-            inputs, targets = _unpack(batch) if loss_fn is not None else (batch, None)
-            t0 = perf_counter()
-            if guide is not None:
-                targets = (targets, guide.record(inputs), inputs)
-            task = train_step(inputs, targets)      # forward, penalty, backward, clip, optimizer, controller
-            if scheduler is not None:
-                scheduler.step()
-            event = train_step.last_event
-            task_value, loss_value = float(task), float(train_step.last_total)
-            if train_step.skipped_steps() > skipped:  # fit reads the loss anyway: no extra sync
-                skipped += 1
-                history.skipped.append(step)
-            step_ms = (perf_counter() - t0) * 1e3
-            if controller is not None:
-                stage = controller.stage
-                if event.shapes_changed:
-                    ratio = controller.ratio
-            history.record(step, loss_value, task_value, ratio, step_ms, stage)
-            if event is not None:
-                _record_event(history, step, event, controller, ratio, log_every, total)
-            if eval_fn is not None and ((eval_every and step % eval_every == 0) or step == total):
-                history.evals.append((step, _evaluate(eval_fn, compiled)))
-            if checkpoint_path is not None and step % checkpoint_every == 0:
-                save_on_rank0(compiled, checkpoint_path, getattr(controller, "process_group", None),
-                              optimizer=optimizer, controller=controller,
-                              extra={"history": history.to_dict(),
-                                     "scheduler": scheduler.state_dict() if scheduler is not None else None})
-            bar.update(1)
-            bar.set_postfix(loss=f"{task_value:.4f}", ratio=f"{ratio:.4g}", ms=f"{step_ms:.0f}",
-                            stage=stage, refresh=False)
-    finally:
-        bar.close()
-        compiled.train(was_training)
+    for step, batch in zip(range(run.start + 1, run.total + 1), _batches(train_loader, run.start)):
+        inputs, targets = _unpack(batch) if labeled else (batch, None)
+        t0 = perf_counter()
         if guide is not None:
-            guide.close()
-    return history
+            targets = (targets, guide.record(inputs), inputs)
+        task = train_step(inputs, targets)      # forward, penalty, backward, clip, optimizer, controller
+        if run.scheduler is not None:
+            run.scheduler.step()
+        event = train_step.last_event
+        task_value, loss_value = float(task), float(train_step.last_total)
+        if train_step.skipped_steps() > skipped:  # fit reads the loss anyway: no extra sync
+            skipped += 1
+            run.history.skipped.append(step)
+        step_ms = (perf_counter() - t0) * 1e3
+        if run.controller is not None:
+            stage = run.controller.stage
+            if event.shapes_changed:
+                run.ratio = run.controller.ratio
+        run.history.record(step, loss_value, task_value, run.ratio, step_ms, stage)
+        if event is not None:
+            _record_event(run.history, step, event, run.controller, run.ratio, run.settings.log_every, run.total)
+        _after_step(run, step)
+        bar.update(1)
+        bar.set_postfix(loss=f"{task_value:.4f}", ratio=f"{run.ratio:.4g}", ms=f"{step_ms:.0f}", stage=stage,
+                        refresh=False)
+
+
+def _after_step(run: _Run, step: int) -> None:
+    """The evaluation and the checkpoint due after ``step``, if any."""
+    if run.eval_fn is not None and ((run.eval_every and step % run.eval_every == 0) or step == run.total):
+        run.history.evals.append((step, _evaluate(run.eval_fn, run.compiled)))
+    settings = run.settings
+    if settings.checkpoint_path is not None and step % settings.checkpoint_every == 0:
+        scheduler = run.scheduler
+        save_on_rank0(run.compiled, settings.checkpoint_path, getattr(run.controller, "process_group", None),
+                      optimizer=run.optimizer, controller=run.controller,
+                      extra={"history": run.history.to_dict(),
+                             "scheduler": scheduler.state_dict() if scheduler is not None else None})
 
 
 def _record_event(history: History, step: int, event, controller: RankController, ratio: float,
