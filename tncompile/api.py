@@ -150,7 +150,7 @@ def compile(
              if calibration is not None else None)
     compiled = _build(work, count_params(model), options, pipeline, mode, example_inputs, dump_dir, stats)
     if inplace and isinstance(compiled, CompiledModel):
-        _swap_into(model, compiled.program)
+        _put_layers_into(model, compiled.program)
     _warn_if_slower(compiled, options)
     return compiled
 
@@ -336,8 +336,9 @@ def _check_dump_dir(dump_dir: Any) -> None:
                          "write the IR dumps into")
 
 
-def _swap_into(model: nn.Module, program: Program) -> None:
-    """Put the compiled layers into the user's own module tree."""
+def _put_layers_into(model: nn.Module, program: Program) -> None:
+    """Graph mode's ``inplace=True``: the compiled layers also into the user's own module tree
+    (swap mode's :func:`~tncompile.swap.swapped.swap_into` makes the user's model the result)."""
     for node, mod in program.modules():
         try:
             current = model.get_submodule(node.target)

@@ -37,6 +37,7 @@ from ..swap.swapped import is_swapped, user_class
 from ..train.controller import RankController
 from ..train.distributed import unwrap
 from ..errors import check_float
+from ..result.model_api import is_compressed
 
 __all__ = ["RankControlCallback", "CompressedTrainer"]
 
@@ -91,7 +92,7 @@ class RankControlCallback(TrainerCallback, ExportableState):
             raise NotImplementedError("RankControlCallback: fp16 loss scaling would leave the rank penalty's "
                                       "gradient unscaled; train in bf16 or float32")
         compiled = unwrap(model)  # a DDP wrapper: the compressed model inside
-        if not hasattr(compiled, "tensorized_modules"):
+        if not is_compressed(compiled):
             raise TypeError(f"RankControlCallback: Trainer's model is a {type(compiled).__name__}, not a compressed "
                             "model; pass tncompile.compile(model, ...) to Trainer (HF models come back in swap mode)")
         opt = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps Trainer's optimizer

@@ -7,7 +7,7 @@ import inspect
 from torch import fx, nn
 
 from ..ir.program import Program, module_at
-from .report import Report, build_report
+from .model_api import CompressedModelAPI
 from ..runtime.layers.factor_links import link_factor_groups
 from ..runtime.fused.graph_functions import keep_functions_when_pickled
 from ..runtime.layers.tt_layers import TNModule, TTMTiedLinear
@@ -15,7 +15,7 @@ from ..runtime.layers.tt_layers import TNModule, TTMTiedLinear
 __all__ = ["CompiledModel"]
 
 
-class CompiledModel(nn.Module):
+class CompiledModel(CompressedModelAPI, nn.Module):
     """A compiled model: call it like the original, train it like any module.
 
     Attributes
@@ -53,15 +53,6 @@ class CompiledModel(nn.Module):
             _explain_call(self.model, args, kwargs, e)
             raise
 
-    @property
-    def ratio(self) -> float:
-        """``params(compiled) / params(original)``, tied parameters counted once."""
-        return self._program.ratio
-
-    def report(self) -> Report:
-        """Per layer: format, modes, ranks, params dense -> compiled, ratio, FLOPs per token."""
-        return build_report(self._program)
-
     def get_submodule(self, target: str) -> nn.Module:
         """``nn.Module.get_submodule``, also by the original model's names:
         ``compiled.get_submodule("layers.0.ff1")`` is ``compiled.model.layers[0].ff1``."""
@@ -69,11 +60,6 @@ class CompiledModel(nn.Module):
             return super().get_submodule(target)
         except AttributeError:
             return self.model.get_submodule(target)
-
-    def tensorized_modules(self) -> dict[str, TNModule]:
-        """``name -> TT/TTM layer`` for every tensorized node, named as in the
-        original model (``compiled.tensorized_modules()["layers.0.ff1"]``)."""
-        return {node.target: m for node, m in self._program.modules() if isinstance(m, TNModule)}
 
     def to_dense(self) -> fx.GraphModule:
         """A plain module with every network multiplied back into a dense layer.

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..api import is_plain_input, rebuild
-from ..result.compiled import CompiledModel
+from ..result.model_api import is_compressed
 from ..errors import ModelFileError, ModelMismatchError, PassError, TraceError
 from ..options import MAX_ROWS, PREFER, CompileOptions
 from ..passes import BUILTIN_PASSES, Pass, Pipeline, get_pass
@@ -111,10 +111,10 @@ def save(compiled: nn.Module, path: str | os.PathLike, *, optimizer: torch.optim
 
 
 def _saved_model(compiled: Any) -> nn.Module:
-    while not isinstance(compiled, CompiledModel) and not is_swapped(compiled) \
+    while not is_compressed(compiled) \
             and isinstance(getattr(compiled, "module", None), nn.Module):
         compiled = compiled.module  # a DDP / DistributedModel wrapper: save what it wraps
-    if not isinstance(compiled, CompiledModel) and not is_swapped(compiled):
+    if not is_compressed(compiled):
         raise TypeError(f"tncompile.save expects a model tncompile.compile returned, got {type(compiled).__name__}")
     if is_sharded(compiled):  # save_on_rank0 gathers the shards on every process first
         raise ValueError("tncompile.save: the model is sharded by FSDP2 (its parameters are DTensor shards); "
@@ -251,7 +251,7 @@ def dense_model(model: Any, path: Path) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"tncompile.load({str(path)!r}, model=...): model must be the dense nn.Module the file was "
                         f"saved from, or a callable that builds it; got {type(model).__name__}")
-    if isinstance(model, CompiledModel) or is_swapped(model):
+    if is_compressed(model):
         raise ModelMismatchError(f"tncompile.load({str(path)!r}, model=...): the model is already compressed; pass a "
                                  "fresh dense model")
     return model

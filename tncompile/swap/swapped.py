@@ -39,7 +39,7 @@ from torch import nn
 
 from ..ir.program import Program, module_at
 from ..frontend.layers import is_compressible, kind_of
-from ..result.report import Report, build_report
+from ..result.model_api import CompressedModelAPI
 from ..runtime.layers.factor_links import link_factor_groups
 from ..runtime.layers.module_kinds import replaces_forward
 from ..runtime.layers.tt_layers import TNModule, TTMTiedLinear
@@ -91,10 +91,10 @@ def is_swapped(model: Any) -> bool:
 
 def user_class(model: nn.Module) -> type:
     """The user's own class of ``model`` (under the swap-mode subclass, if any)."""
-    return type(model).__mro__[2] if is_swapped(model) else type(model)  # (subclass, SwapMixin, user's, ...)
+    return type(model).__bases__[1] if is_swapped(model) else type(model)  # subclass_of's (SwapMixin, user's)
 
 
-class SwapMixin:
+class SwapMixin(CompressedModelAPI):
     """What a model compiled in swap mode adds to its own class (see the module docstring)."""
 
     _tncompile_program: Program
@@ -113,19 +113,6 @@ class SwapMixin:
     def program(self) -> Program:
         """The IR the layers were compiled by (shared with this model's layers)."""
         return self.__dict__["_tncompile_program"]
-
-    @property
-    def ratio(self) -> float:
-        """``params(compiled) / params(original)``, tied parameters counted once."""
-        return self.program.ratio
-
-    def report(self) -> Report:
-        """Per layer: format, modes, ranks, params dense -> compiled, ratio, FLOPs per token."""
-        return build_report(self.program)
-
-    def tensorized_modules(self) -> dict[str, TNModule]:
-        """``name -> TT/TTM layer``, named by their paths in this model."""
-        return {node.target: m for node, m in self.program.modules() if isinstance(m, TNModule)}
 
     def to_dense(self) -> nn.Module:
         """The user's own class again (not this subclass), every network multiplied back into

@@ -8,10 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..result.compiled import CompiledModel
+from ..result.model_api import is_compressed
 from ..errors import ModelFileError
 from ..serialization.model_file import param_names
-from ..swap.swapped import is_swapped
 
 __all__ = ["resume"]
 def resume(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, controller=None, *,
@@ -30,7 +29,7 @@ def resume(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, 
     >>> ctl = tncompile.RankController(compiled, opt, target_ratio=0.01)
     >>> extra = tncompile.resume(compiled, opt, ctl)
     """
-    if not isinstance(compiled, CompiledModel) and not is_swapped(compiled):
+    if not is_compressed(compiled):
         raise TypeError(f"tncompile.resume expects the model tncompile.load returned, got {type(compiled).__name__}")
     state = getattr(compiled, "training_state", None)
     if state is None:

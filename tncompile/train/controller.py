@@ -56,6 +56,7 @@ from .distributed import (active_group, broadcast_from_rank0, check_same_everywh
 from .sharding import gathered, is_shard, summed_over_shards, whole
 from .truncation import Cut, check_optimizer, remap_optimizer
 from ..errors import check_float, check_int
+from ..result.model_api import is_compressed
 
 __all__ = ["RankController", "RankEvent", "param_groups"]
 
@@ -88,7 +89,7 @@ def param_groups(compiled: nn.Module, lr: float, *, core_lr: float | None = None
     not given default to ``lr`` / ``weight_decay`` (gates: no decay).
     """
     compiled = unwrap(compiled)
-    if not hasattr(compiled, "tensorized_modules"):
+    if not is_compressed(compiled):
         raise TypeError(f"param_groups expects a CompiledModel, got {type(compiled).__name__}")
     for name, value in (("lr", lr), ("core_lr", core_lr), ("gate_lr", gate_lr), ("weight_decay", weight_decay)):
         if value is None and name != "lr":
@@ -221,7 +222,7 @@ class RankController:
                  schedule: str = "budget", late_steps: int | None = None, recovery: float = 0.3,
                  nonfinite: str = "raise", process_group: Any = None):
         compiled = unwrap(compiled)  # a DDP / DistributedModel wrapper: the compiled model inside
-        if not hasattr(compiled, "tensorized_modules") or not hasattr(compiled, "program"):
+        if not is_compressed(compiled):
             raise TypeError(f"RankController expects a CompiledModel, got {type(compiled).__name__}")
         self.compiled = compiled
         if not _owners(compiled):

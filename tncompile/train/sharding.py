@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..result.compiled import CompiledModel
+from ..result.model_api import is_compressed
 from ..swap.swapped import is_swapped
 from ..ir.modules import module_at
 from ..runtime.layers.module_kinds import is_shard, is_sharded
@@ -266,7 +266,7 @@ def shard(compiled: nn.Module, *, mesh: Any = None, units: str | list[str] = "bl
     it by the same plan; save it with
     :func:`tncompile.distributed.save_on_rank0`.
     """
-    if not isinstance(compiled, CompiledModel) and not is_swapped(compiled):
+    if not is_compressed(compiled):
         raise TypeError(f"shard expects the model tncompile.compile returned, got {type(compiled).__name__}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("shard: torch.distributed is not initialized; call "
