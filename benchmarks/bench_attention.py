@@ -22,18 +22,17 @@ throughput beside the times.
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 import torch.nn.functional as F
 
-from common import interleaved_ms, machine, write_json
+from common import interleaved_ms, machine, parser, write_json
 from tncompile.runtime.fused.attention import FusedAttention
 from tncompile.runtime.fused.dropout import FastDropout
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--length", type=int, default=128)

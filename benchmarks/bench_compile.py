@@ -8,17 +8,14 @@ starting size, with the resulting whole-model ratio.
 """
 from __future__ import annotations
 
-import json
-import platform
 import time
-from pathlib import Path
 
 import torch
 
 import tncompile
 from tncompile.zoo import six_encoder
 
-OUT = Path(__file__).parent / "results"
+from common import machine, parser, write_json
 
 
 def timed_compile(model, **kw):
@@ -28,10 +25,10 @@ def timed_compile(model, **kw):
 
 
 def main() -> None:
+    parser(__doc__).parse_args()
     from transformers import BertConfig, BertForSequenceClassification
 
-    results = {"machine": platform.machine(), "processor": platform.processor(),
-               "torch": torch.__version__, "threads": torch.get_num_threads(), "runs": []}
+    results = {"benchmark": "compile", **machine(), "runs": []}
     bert = BertForSequenceClassification(BertConfig()).eval()  # BERT-base: 12 layers, 768, 30522 vocab
     ids = torch.randint(0, 30522, (2, 128))
     for init in ("svd", "random"):
@@ -47,8 +44,7 @@ def main() -> None:
     print(f"{'model':24s} {'init':7s} {'ratio':>8s} {'x smaller':>10s} {'compile':>9s}")
     for r in results["runs"]:
         print(f"{r['model']:24s} {r['init']:7s} {r['ratio']:8.5f} {1 / r['ratio']:10.1f} {r['compile_s']:8.1f}s")
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "compile.json").write_text(json.dumps(results, indent=1))
+    print(f"wrote {write_json('compile.json', results)}")
 
 
 if __name__ == "__main__":

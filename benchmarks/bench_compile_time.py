@@ -20,7 +20,6 @@ calls. Writes ``benchmarks/results/compile_time.json``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -29,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 
-from common import machine, write_json
+from common import machine, parser, write_json
 
 CHILD = r"""
 import json, os, sys, time, torch, tncompile, transformers as tf
@@ -87,9 +86,9 @@ def _run(variant: str, base: str | None) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=2)
-    args = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--repeats", type=int, default=2)
+    args = ap.parse_args()
     rounds = {"cold": [], "warm": []}
     with tempfile.TemporaryDirectory(prefix="inductor-base-") as base:
         subprocess.run([sys.executable, "-c", WARM_UP], check=True, capture_output=True,

@@ -23,7 +23,7 @@ import transformers
 
 import tncompile
 
-from common import machine, write_json
+from common import machine, parser, write_json
 
 
 def _gpt2() -> transformers.GPT2LMHeadModel:
@@ -44,7 +44,7 @@ def _generate(model, prompt: torch.Tensor, tokens: int) -> float:
 
 def decode_arguments(doc: str) -> argparse.Namespace:
     """The decode benchmarks' command line (``--ratios``, ``--batches``, ``--tokens``, ``--rounds``)."""
-    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(doc)
     ap.add_argument("--ratios", type=float, nargs="*", default=[0.3, 0.1])
     ap.add_argument("--batches", type=int, nargs="*", default=[1, 8])
     ap.add_argument("--tokens", type=int, default=32)

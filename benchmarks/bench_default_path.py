@@ -20,13 +20,12 @@ tensor. Writes ``benchmarks/results/default_path.json``.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 
-from common import machine, write_json
+from common import machine, parser, write_json
 
 CHILD = r"""
 import json, sys, time, torch
@@ -60,9 +59,9 @@ print(json.dumps({**times, "speedup": times["dense"] / times["tt"], "retained": 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--reps", type=int, default=15)
-    args = parser.parse_args()
+    ap = parser(__doc__)
+    ap.add_argument("--reps", type=int, default=15)
+    args = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     out = {}
     for name, extra in (("default", {}), ("opted_out", {"TNCOMPILE_RETAIN_FREED_MEMORY": "0"})):

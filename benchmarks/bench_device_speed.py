@@ -16,7 +16,6 @@ GEMM throughput.
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 from tqdm import tqdm
@@ -26,7 +25,7 @@ from tncompile.formats.layout import TTLayout
 from tncompile.planning import SearchPlanner, device_speed
 from tncompile.runtime import TTLinear
 
-from common import RESULTS, interleaved_ms, machine, write_json
+from common import RESULTS, interleaved_ms, machine, parser, write_json
 
 SHAPES = [(128, 128), (128, 512), (512, 128), (768, 3072)]
 ROWS = [16, 256, 2048]
@@ -34,7 +33,7 @@ RANKS = [1, 4, 16, 30]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=15)
     args = ap.parse_args()

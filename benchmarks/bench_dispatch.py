@@ -25,7 +25,6 @@ host. Writes ``benchmarks/results/dispatch.json``.
 """
 from __future__ import annotations
 
-import argparse
 import os
 from collections import Counter
 
@@ -40,7 +39,7 @@ from tncompile import tuning  # noqa: E402
 from tncompile.planning import REFERENCE, DeviceSpeed  # noqa: E402
 from tncompile.zoo import six_encoder  # noqa: E402
 
-from common import cut_every_layer, machine, write_json  # noqa: E402
+from common import cut_every_layer, machine, parser, write_json  # noqa: E402
 
 #: ATen ops that launch no kernel of their own: views, shape and type queries, allocations,
 #: host reads, and composite ops whose children are counted instead
@@ -139,7 +138,7 @@ def ops_as_on_cuda() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--model", choices=[*MODELS, "both"], default="both")
     ap.add_argument("--batch", type=int, default=2, help="samples per step (counts barely depend on it)")
     args = ap.parse_args()

@@ -40,7 +40,7 @@ import tncompile
 from tncompile.distributed import DistributedModel, shard
 from tncompile.zoo import six_encoder, small_encoder
 
-from common import machine, write_json
+from common import machine, parser, write_json
 
 PAPER_RATIO = 1 / 44.9
 
@@ -106,7 +106,7 @@ def _run(world: int, mode: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--batch", type=int, default=4, help="sequences per process per step")
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=12)

@@ -23,11 +23,10 @@ per size, both times and the executor's choice, so a rule that stopped paying
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
-from common import interleaved_ms, machine, write_json
+from common import interleaved_ms, machine, parser, write_json
 from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
 from tncompile.runtime.kernels.cpu_gemm import cpu_gemm, padded_columns, padded_rows
 from tncompile.runtime.kernels.gemms import gemm_bias
@@ -100,7 +99,7 @@ def _thin(rows: list[int], widths: list[int], ranks: list[int], reps: int) -> li
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="a few sizes, fewer repetitions")
     args = ap.parse_args()
     retain_freed_memory()

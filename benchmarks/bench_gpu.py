@@ -41,7 +41,6 @@ script; captured paths are CUDA-only.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import importlib.util
 import json
@@ -63,7 +62,7 @@ from tncompile.train import TrainStep
 from tncompile.runtime import TTLinear
 from tncompile.zoo import six_encoder
 
-from common import RESULTS, interleaved_ms, machine
+from common import RESULTS, interleaved_ms, machine, parser
 
 PAPER_RATIO = 1 / 44.9
 PATHS = ("eager", "captured", "bf16", "bf16-captured", "compile", "compile-ro", "trainer", "trainer-compile")
@@ -400,7 +399,7 @@ DEADLINE = float("inf")
 
 def main() -> None:
     global DEV, REPS, DEADLINE
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no job after this many seconds")
     ap.add_argument("--out", type=Path, default=RESULTS / "gpu.json")
     ap.add_argument("--models", nargs="+", default=["six-encoder", "small-bert", "gpt2"],

@@ -25,7 +25,6 @@ batching and whole matrices save. Writes ``benchmarks/results/gpu_kernels.json``
 """
 from __future__ import annotations
 
-import argparse
 import time
 from collections import defaultdict
 
@@ -38,7 +37,7 @@ from tncompile import tuning
 from tncompile.train import TrainStep
 from tncompile.zoo import six_encoder
 
-from common import cut_every_layer, machine, write_json
+from common import cut_every_layer, machine, parser, write_json
 
 PAPER_RATIO = 1 / 44.9
 SEQ = 128
@@ -152,7 +151,7 @@ MODELS = {"six-encoder": _six_encoder, "small-bert": _small_bert}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--batches", type=int, nargs="+", default=None, help="default: 1 32 (small-bert: 32)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--model", choices=list(MODELS), default="six-encoder")

@@ -12,14 +12,13 @@ multiply-adds its linears run (what the inference forms chose) against dense.
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 import transformers
 
 import tncompile
 
-from common import interleaved_ms, machine, write_json
+from common import interleaved_ms, machine, parser, write_json
 
 
 def _bert() -> transformers.BertModel:
@@ -47,7 +46,7 @@ def _linear_macs(model, rows: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--ratios", type=float, nargs="*", default=[0.3, 0.05])
     ap.add_argument("--shapes", type=_shape, nargs="*", default=[(1, 128), (32, 128)])
     ap.add_argument("--reps", type=int, default=7)

@@ -21,13 +21,12 @@ Variants for a TT linear ``in -> out`` at rank ``r`` over ``tokens`` rows:
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from common import clear_grads, host_speed, interleaved_ms, machine, write_json
+from common import clear_grads, host_speed, interleaved_ms, machine, parser, write_json
 from tncompile.formats import TTLayout
 from tncompile.ir import TensorNetwork
 from tncompile.planning import plan_contraction
@@ -239,7 +238,7 @@ def plot(rows: list[dict], path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--quick", action="store_true", help="ranks 8 and 30 only, six-encoder at batch 8")
     ap.add_argument("--embedding-only", action="store_true",
                     help="only the TTM embedding against nn.Embedding, to benchmarks/results/embedding.json")

@@ -13,21 +13,20 @@ copy bandwidth and GEMM throughput.
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 
 import tncompile
 from tncompile.zoo import six_encoder
 
-from common import interleaved_ms, machine, write_json
+from common import interleaved_ms, machine, parser, write_json
 
 PAPER_RATIO = 1 / 44.9
 VARIANTS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args()

@@ -36,7 +36,7 @@ import tncompile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from common import RESULTS, machine, write_json  # noqa: E402
+from common import RESULTS, machine, parser, write_json  # noqa: E402
 from minilm import batches, embed, load_minilm, mean_pool, probe_accuracy, sst2  # noqa: E402
 
 
@@ -95,7 +95,7 @@ def _plot(results: dict, path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.5, 0.3, 0.2, 0.1])
     ap.add_argument("--minutes", type=float, default=8.0, help="distillation wall time per ratio")
     ap.add_argument("--lr", type=float, default=2e-4, help="AdamW's (1e-3 diverged on MiniLM at 0.3)")

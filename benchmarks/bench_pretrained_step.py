@@ -16,7 +16,6 @@ throughput.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -24,14 +23,14 @@ import torch
 
 import tncompile
 
-from common import interleaved_ms, machine, write_json
+from common import interleaved_ms, machine, parser, write_json
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from minilm import load_minilm  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.1])
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--length", type=int, default=128)

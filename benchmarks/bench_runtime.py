@@ -11,7 +11,6 @@ for CoMERA's memory / speed comparison. Variants are timed in one run;
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import statistics
 import time
@@ -24,7 +23,7 @@ from tncompile.train import TrainStep
 from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
 from tncompile.zoo import six_encoder
 
-from common import machine, write_json
+from common import machine, parser, write_json
 
 PAPER_RATIO = 1 / 44.9
 SEQ = 128
@@ -85,7 +84,7 @@ def galore_optimizer(model):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--batches", type=int, nargs="*", default=None)
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

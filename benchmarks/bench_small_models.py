@@ -35,7 +35,7 @@ import transformers
 import tncompile
 from tncompile.train import TrainStep
 
-from common import interleaved_ms, machine, write_json
+from common import interleaved_ms, machine, parser, write_json
 
 
 def _bert(length: int):
@@ -61,7 +61,7 @@ FAMILIES = {"bert": _bert, "gpt2": _gpt2, "llama": _llama}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--ratio", type=float, default=0.3)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--length", type=int, default=64)

@@ -14,7 +14,6 @@ GEMM throughput.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -22,11 +21,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 from demo import compare  # noqa: E402
 
-from common import machine, write_json  # noqa: E402
+from common import machine, parser, write_json  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()

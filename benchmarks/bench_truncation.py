@@ -22,7 +22,6 @@ TT linears alone still run eagerly there (launch- and Python-bound on a GPU). Wr
 """
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
@@ -34,13 +33,13 @@ from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
 from tncompile.train import TrainStep
 from tncompile.zoo import six_encoder
 
-from common import interleaved_ms, machine, write_json
+from common import interleaved_ms, machine, parser, write_json
 
 PAPER_RATIO = 1 / 44.9
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=6)

@@ -19,7 +19,6 @@ host's bandwidth and throughput.
 """
 from __future__ import annotations
 
-import argparse
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -27,11 +26,11 @@ from torch.profiler import ProfilerActivity, profile
 from tncompile.formats.layout import TTLayout
 from tncompile.runtime import TTLinear
 
-from common import clear_grads, interleaved_ms, machine, write_json
+from common import clear_grads, interleaved_ms, machine, parser, write_json
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__)
     ap.add_argument("--in", dest="fin", type=int, default=768)
     ap.add_argument("--out", dest="fout", type=int, default=3072)
     ap.add_argument("--rows", type=int, default=4096)

@@ -15,7 +15,6 @@ timings on a shared machine are noisy, call counts are not). Writes
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -24,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import machine, write_json
+from common import machine, parser, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +75,7 @@ def run_tree(tree: Path, ext_dir: Path) -> dict[str, dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = parser(__doc__)
     ap.add_argument("--base", default="HEAD~1", help="the commit to compare against")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()

@@ -1,6 +1,7 @@
 """Shared benchmark helpers: timing, machine info, JSON output."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -13,6 +14,12 @@ from typing import Callable
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """Every benchmark's command line: ``--help`` prints its whole docstring as written
+    (what it measures, its variants, the result file)."""
+    return argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def median_ms(fn: Callable[[], None], reps: int, warmup: int = 1) -> float:
