@@ -41,7 +41,6 @@ cut goes to ``S*`` at once.
 from __future__ import annotations
 
 import heapq
-import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +53,7 @@ from ..runtime.layers.tt_layers import TNModule, TTMTiedLinear
 from .distributed import (active_group, broadcast_from_rank0, check_same_everywhere, mean_over_processes,
                           unwrap)
 from .sharding import gathered, is_shard, summed_over_shards, whole
+from .schedules import SCHEDULES as SCHEDULE_CLASSES
 from .truncation import Cut, check_optimizer, remap_optimizer
 from ..errors import check_float, check_int
 from ..result.model_api import is_compressed
@@ -61,7 +61,7 @@ from ..result.model_api import is_compressed
 __all__ = ["RankController", "RankEvent", "param_groups"]
 
 STAGES = ("early", "late")
-SCHEDULES = ("budget", "comera")
+SCHEDULES = tuple(SCHEDULE_CLASSES)
 NONFINITE = ("raise", "skip")
 
 
@@ -260,6 +260,7 @@ class RankController:
         self.stop_at_target = bool(stop_at_target)
         self.optimizer_state = optimizer_state
         self.schedule, self.late_steps, self.recovery = schedule, late_steps, float(recovery)
+        self._schedule = SCHEDULE_CLASSES[schedule]()
         self.nonfinite = nonfinite
         self.process_group = active_group(process_group)  # None: one process
         self._bad_losses: torch.Tensor | None = None  # non-finite task losses not yet reported (device)
@@ -276,16 +277,14 @@ class RankController:
         self.last_choice: torch.Tensor | None = None  # late stage: True where the task loss was chosen
         self._refresh()
         self._check_optimizer_covers_gates()
-        if schedule == "budget" and not allow_layer_removal:
-            floor = (self._other_params + sum(_layer_size([1] * len(m.layout.ranks), m.layout)
-                                              for m in self._layers.values())) / self._original
-            if self.target_ratio < floor:
-                raise ValueError(f"RankController: target_ratio={target_ratio:g} cannot be reached: with every "
-                                 f"rank at 1 the model is at {floor:.4g} ({self._other_params:,} parameters "
-                                 f"are not in TT/TTM layers). Aim at least that high, compress more layers, "
-                                 f"or pass allow_layer_removal=True.")
+        self._schedule.check_reachable(self)
 
     # ------------------------------------------------------------ bookkeeping
+    def rank_one_ratio(self) -> float:
+        """The model's ratio with every rank cut to 1 (no layer removed)."""
+        return (self._other_params + sum(_layer_size([1] * len(m.layout.ranks), m.layout)
+                                         for m in self._layers.values())) / self._original
+
     def _refresh(self) -> None:
         self._layers = _owners(self.compiled)
         owned = sum(m.layout.num_params() for m in self._layers.values())
@@ -404,9 +403,7 @@ class RankController:
             return task_loss.new_zeros(())
         if self.stage == "early":
             return self.early_penalty()
-        if self.schedule == "budget":  # cuts enforce the size; gates keep their pull until the last cut
-            return self._core_term() if self.recovering else self.early_penalty()
-        return self.late_objective(task_loss, agreed) - task_loss
+        return self._schedule.late_penalty(self, task_loss, agreed)
 
     def _count_nonfinite(self, task_loss: torch.Tensor) -> None:
         """Count a non-finite task loss on its device (no host read here: :meth:`step`
@@ -517,12 +514,7 @@ class RankController:
     def final_cut_step(self) -> int | None:
         """``schedule="budget"``: the step of the last cut (to ``target_ratio``), once
         the late stage has begun; then the recovery steps follow."""
-        if self.schedule != "budget" or self._late_start is None:
-            return None
-        if self.late_steps is None:  # no time scale: the first cut point goes to the target
-            every = self.truncate_every or 1
-            return self._late_start + every - (self._late_start % every)
-        return self._late_start + max(1, math.ceil((1.0 - self.recovery) * self.late_steps))
+        return self._schedule.final_cut_step(self)
 
     def budget(self) -> float | None:
         """``schedule="budget"``: the ratio the late stage allows now (falls linearly
@@ -536,11 +528,7 @@ class RankController:
 
     def _due_budget(self) -> float | None:
         """The budget to cut to at this step, or ``None`` when no budget cut is due."""
-        if self.stage != "late" or self.schedule != "budget" or self.recovering:
-            return None
-        final = self.final_cut_step()
-        due = self.steps_done >= final or (self.truncate_every and self.steps_done % self.truncate_every == 0)
-        return (self.target_ratio if self.steps_done >= final else self.budget()) if due else None
+        return self._schedule.due_budget(self)
 
     @torch.no_grad()
     def truncate(self, budget: float | None = None) -> RankEvent:
