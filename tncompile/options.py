@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .passes.selection import check_entry
+from .passes.infra.selection import check_entry
 from .errors import check_int, is_int, is_real
 
 __all__ = ["CompileOptions", "check_target_ratio", "check_batch_sizes", "PREFER", "MAX_ROWS"]

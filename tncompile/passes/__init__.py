@@ -5,10 +5,10 @@ Every edit of a program -- at compile time and during training
 controller) -- is a pass run through a :class:`Pipeline`, so it is checked,
 linted, recorded and dumped.
 """
-from .base import FunctionPass, Pass, Pipeline, get_pass, register_pass, registered_passes
+from .infra.base import FunctionPass, Pass, Pipeline, get_pass, register_pass, registered_passes
 from .canonicalize import Canonicalize
 from .follow_device import FollowDevice
-from .pending import PendingLayer
+from .infra.pending import PendingLayer
 from .tensorize import Tensorize
 from .assign_ranks import AssignRanks
 from .decompose import Decompose
@@ -20,23 +20,12 @@ from .fuse_siblings import FuseSiblings
 from .replan import Replan, replan_module
 from .truncate_ranks import Cut, TruncateRanks, cut_ranks
 from .collapse_layers import CollapseLayers
-from .rules import Match, Pat, Rule, apply_rules
-
-#: tncompile's own passes (registered above, before any user code can register one): what
-#: a model file may name in its pipeline without the user passing it again
-BUILTIN_PASSES = frozenset(registered_passes())
+from .infra.rule_pass import RulePass
+from .infra.rules import Match, Pat, Rule, apply_rules
+from .default import BUILTIN_PASSES, default_pipeline
 
 __all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes", "BUILTIN_PASSES",
            "default_pipeline", "Canonicalize", "FollowDevice", "Tensorize", "AssignRanks", "Decompose", "PlanContractions",
-           "FuseFeedForward", "LowerDropout", "FuseAttention", "Replan", "TruncateRanks", "CollapseLayers", "PendingLayer",
+           "FuseFeedForward", "LowerDropout", "FuseAttention", "FuseSiblings", "Replan", "TruncateRanks", "CollapseLayers", "PendingLayer",
            "replan_module", "Cut", "cut_ranks",
-           "Pat", "Rule", "Match", "apply_rules"]
-
-
-def default_pipeline() -> Pipeline:
-    """``canonicalize -> follow_device -> tensorize -> assign_ranks -> decompose ->
-    plan_contractions -> fuse_feed_forward -> lower_dropout -> fuse_attention -> fuse_siblings``, a fresh,
-    editable copy."""
-    return Pipeline(["canonicalize", "follow_device", "tensorize", "assign_ranks", "decompose",
-                     "plan_contractions", "fuse_feed_forward", "lower_dropout", "fuse_attention",
-                     "fuse_siblings"])
+           "Pat", "Rule", "Match", "apply_rules", "RulePass"]

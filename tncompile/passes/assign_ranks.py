@@ -11,10 +11,10 @@ from ..formats.layout import TTLayout, TTMLayout
 from ..ir.program import Program
 from ..planning import DeviceSpeed, device_speed, fixed_order_macs, layer_step_seconds, merge_family
 from ..runtime.layers.experts import experts_rows
-from .base import Pass, register_pass
-from .pending import PendingLayer
+from .infra.base import Pass, register_pass
+from .infra.pending import PendingLayer
 from .plan_contractions import example_rows
-from .selection import check_pattern_keys, pattern_lookup
+from .infra.selection import check_pattern_keys, pattern_lookup
 from .sensitivity import by_sensitivity
 
 __all__ = ["AssignRanks"]

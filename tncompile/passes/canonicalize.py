@@ -41,10 +41,11 @@ from torch import fx, nn
 from ..ir.modules import rehome_reads
 from ..ir.program import Program
 from ..runtime.layers.module_kinds import embedding_on, linear_on, runs_as
-from .base import Pass, register_pass
-from .rules import Match, Pat, Rule, apply_rules
+from .infra.base import Pass, register_pass
+from .infra.rule_pass import CANONICALIZE
+from .infra.rules import Match, Pat, Rule, apply_rules
 
-__all__ = ["Canonicalize", "GELU", "RELU", "DROPOUT", "activation_of", "require_canonical", "tanh_gelu_formula"]
+__all__ = ["Canonicalize", "GELU", "RELU", "DROPOUT", "activation_of", "tanh_gelu_formula"]
 
 aten = torch.ops.aten
 
@@ -285,7 +286,7 @@ class Canonicalize(Pass):
     """Rewrite every spelling of GELU, ReLU, dropout and linear to one form
     (see the module doc). Runs first in the default pipeline."""
 
-    name = "canonicalize"
+    name = CANONICALIZE
 
     def run(self, program: Program) -> Program:
         apply_rules(program.graph_module, RULES, self.matches)
@@ -310,10 +311,3 @@ def activation_of(node: fx.Node) -> str | None:
     if node.target is RELU and len(node.args) == 1 and not node.kwargs:
         return "relu"
     return None
-
-
-def require_canonical(program: Program, name: str) -> None:
-    """For a pass's ``requires``: raise unless ``canonicalize`` has run on ``program``."""
-    if not any(r.name == Canonicalize.name for r in program.history):
-        raise ValueError(f"{name} matches canonical ops only: run the canonicalize pass before it "
-                         f"(default_pipeline() does; in a list of passes put 'canonicalize' first)")

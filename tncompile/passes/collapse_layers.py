@@ -15,7 +15,7 @@ from ..runtime.layers.collapsed import CollapsedLayer
 from ..runtime.layers.embedding_bag import TTMEmbeddingBag
 from ..runtime.layers.experts import TTExperts
 from ..runtime.layers.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
-from .base import Pass, register_pass
+from .infra.base import Pass, register_pass
 from .truncate_ranks import require_layers
 
 __all__ = ["CollapseLayers"]

@@ -10,8 +10,8 @@ from ..runtime.layers.module_kinds import linear_weight_of
 from ..runtime.layers.experts import TTExperts
 from ..runtime.layers.embedding_bag import TTMEmbeddingBag
 from ..runtime.layers.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
-from .base import Pass, register_pass
-from .pending import PendingLayer
+from .infra.base import Pass, register_pass
+from .infra.pending import PendingLayer
 
 __all__ = ["Decompose"]
 

@@ -17,7 +17,7 @@ import torch
 from torch import fx
 
 from ..ir.program import Program
-from .base import Pass, register_pass
+from .infra.base import Pass, register_pass
 
 __all__ = ["FollowDevice"]
 

@@ -36,13 +36,12 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from ..ir.program import Program
 from ..runtime.fused.attention import FusedAttention, SelfAttention
 from ..runtime.fused.attention_kernel import scaled_dot_product_attention
 from ..runtime.fused.dropout import FastDropout, dropout as native_dropout
-from .base import Pass, register_pass
-from .canonicalize import require_canonical
-from .rules import Match, Pat, Rule, apply_rules
+from .infra.base import register_pass
+from .infra.rule_pass import RulePass
+from .infra.rules import Match, Pat, Rule
 
 __all__ = ["FuseAttention"]
 
@@ -239,14 +238,9 @@ RULES = [
 
 
 @register_pass
-class FuseAttention(Pass):
+class FuseAttention(RulePass):
     """Rewrite hand-written attention into one fused call (see the module doc)."""
 
     name = "fuse_attention"
 
-    def requires(self, program: Program) -> None:
-        require_canonical(program, self.name)
-
-    def run(self, program: Program) -> Program:
-        apply_rules(program.graph_module, RULES, self.matches)
-        return program
+    rules = RULES

@@ -17,12 +17,12 @@ before.
 """
 from __future__ import annotations
 
-from ..ir.program import Program
 from ..runtime.fused.feed_forward import tt_feed_forward
 from ..runtime.layers.tt_layers import TTLinear
-from .base import Pass, register_pass
-from .canonicalize import activation_of, require_canonical
-from .rules import Match, Pat, Rule, apply_rules
+from .canonicalize import activation_of
+from .infra.base import register_pass
+from .infra.rule_pass import RulePass
+from .infra.rules import Match, Pat, Rule
 
 __all__ = ["FuseFeedForward"]
 
@@ -44,7 +44,7 @@ RULES = [Rule("tt-act-tt", Pat.module(TTLinear, name="second", nargs=1, kwargs=(
 
 
 @register_pass
-class FuseFeedForward(Pass):
+class FuseFeedForward(RulePass):
     """Fuse ``TTLinear -> GELU/ReLU -> TTLinear`` chains (see the module doc).
 
     Matches the canonical activations, so it needs ``canonicalize`` before it;
@@ -53,9 +53,4 @@ class FuseFeedForward(Pass):
 
     name = "fuse_feed_forward"
 
-    def requires(self, program: Program) -> None:
-        require_canonical(program, self.name)
-
-    def run(self, program: Program) -> Program:
-        apply_rules(program.graph_module, RULES, self.matches)
-        return program
+    rules = RULES

@@ -24,8 +24,8 @@ from ..ir.program import Program
 from ..runtime.layers.module_kinds import runs_as
 from ..runtime.fused.siblings import tt_siblings
 from ..runtime.layers.tt_layers import TTLinear
-from .base import Pass, register_pass
-from .canonicalize import require_canonical
+from .infra.base import Pass, register_pass
+from .infra.rule_pass import require_canonical
 
 __all__ = ["FuseSiblings"]
 

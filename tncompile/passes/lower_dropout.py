@@ -32,14 +32,14 @@ from __future__ import annotations
 
 from torch import fx, nn
 
-from ..ir.program import Program
 from ..runtime.fused.attention import AttentionDropoutRate, SelfAttention
 from ..runtime.fused.attention_kernel import scaled_dot_product_attention
 from ..runtime.fused.dropout import FastDropout, dropout
-from .base import Pass, register_pass
-from .canonicalize import DROPOUT, require_canonical
+from .canonicalize import DROPOUT
+from .infra.base import register_pass
+from .infra.rule_pass import RulePass
 from .fuse_attention import SDPA
-from .rules import Match, Pat, Rule, apply_rules
+from .infra.rules import Match, Pat, Rule
 
 __all__ = ["LowerDropout"]
 
@@ -84,14 +84,9 @@ RULES = [
 
 
 @register_pass
-class LowerDropout(Pass):
+class LowerDropout(RulePass):
     """Swap ``nn.Dropout`` / functional dropout for tncompile's (see the module doc)."""
 
     name = "lower_dropout"
 
-    def requires(self, program: Program) -> None:
-        require_canonical(program, self.name)
-
-    def run(self, program: Program) -> Program:
-        apply_rules(program.graph_module, RULES, self.matches)
-        return program
+    rules = RULES

@@ -11,7 +11,7 @@ from ..formats.layout import TTLayout
 from ..runtime.layers.experts import experts_rows
 from ..runtime.kernels.plans import bucket_of
 from ..runtime.layers.tt_layers import TNModule, TTMEmbedding
-from .base import Pass, register_pass
+from .infra.base import Pass, register_pass
 
 __all__ = ["PlanContractions"]
 

@@ -13,7 +13,7 @@ from ..formats.indices import planner_problem
 from ..ir.program import Program
 from ..runtime.kernels.plans import ContractionPlan, LookupPlan
 from ..runtime.layers.tt_layers import TNModule
-from .base import Pass, register_pass
+from .infra.base import Pass, register_pass
 
 __all__ = ["Replan", "plan_fits", "replan_module"]
 

@@ -10,7 +10,7 @@ from ..calibration.allocation import allocate_by_sensitivity, candidate_ranks, e
 from ..calibration.layer_fit import moment_root, weighted_table
 from ..ir.program import Program
 from ..runtime.layers.module_kinds import linear_weight_of
-from .pending import PendingLayer
+from .infra.pending import PendingLayer
 
 __all__ = ["by_sensitivity", "uses_sensitivity"]
 

@@ -11,9 +11,9 @@ from ..ir.program import Program
 from ..errors import ModelMismatchError
 from ..frontend.layers import is_compressible, is_embedding, is_embedding_bag, is_experts, is_linear, kind_of
 from ..runtime.layers.module_kinds import linear_weight_of
-from .base import Pass, register_pass
-from .pending import PendingLayer
-from .selection import select_modules
+from .infra.base import Pass, register_pass
+from .infra.pending import PendingLayer
+from .infra.selection import select_modules
 
 __all__ = ["Tensorize"]
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from ..ir.program import Program
 from ..runtime.layers.tt_layers import TNModule
-from .base import Pass, register_pass
+from .infra.base import Pass, register_pass
 
 __all__ = ["Cut", "cut_ranks", "TruncateRanks", "require_layers"]
 

@@ -34,7 +34,7 @@ from ..result.model_api import is_compressed
 from ..errors import ModelFileError, ModelMismatchError, PassError, TraceError
 from ..options import MAX_ROWS, PREFER, CompileOptions
 from ..passes import BUILTIN_PASSES, Pass, Pipeline, get_pass
-from ..passes.base import normalize_name
+from ..passes.infra.base import normalize_name
 from ..runtime.layers.module_kinds import is_sharded
 from ..swap.swapped import is_swapped, user_class
 from . import plain

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..formats.layout import TTLayout, TTMLayout
-from ..frontend.layers import kind_of
+from ...formats.layout import TTLayout, TTMLayout
+from ...frontend.layers import kind_of
 
 __all__ = ["PendingLayer"]
 

@@ -16,9 +16,9 @@ from typing import Callable, Iterable, Iterator
 
 from tqdm.auto import tqdm
 
-from ..errors import PassError, TNCompileError
-from ..ir.program import PassRecord, Program
-from ..runtime.kernels.executor import generated_code_dump
+from ...errors import PassError, TNCompileError
+from ...ir.program import PassRecord, Program
+from ...runtime.kernels.executor import generated_code_dump
 
 __all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes",
            "normalize_name"]

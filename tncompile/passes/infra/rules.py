@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 from torch import fx, nn
 
-from ..runtime.layers.module_kinds import runs_as
+from ...runtime.layers.module_kinds import runs_as
 
 __all__ = ["Pat", "Rule", "Match", "apply_rules"]
 
