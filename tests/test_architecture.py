@@ -208,3 +208,18 @@ def test_no_function_over_80_lines():
                 if lines > MAX_FUNCTION_LINES:
                     offenders.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({lines} lines)")
     assert not offenders, "functions over 80 lines: " + ", ".join(offenders)
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("__init__.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_package_inits_only_re_export(path):
+    """A folder's ``__init__`` holds its docstring, imports and ``__all__`` (and the
+    package's ``__version__``): code lives in a module a newcomer can find by name."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] in (["__all__"],
+                                                                                             ["__version__"]):
+            continue
+        raise AssertionError(f"{path.relative_to(PACKAGE)}:{node.lineno}: {type(node).__name__} in an __init__")

@@ -28,7 +28,8 @@ from torch import nn
 
 from ..errors import ModelFileError, ModelMismatchError
 from ..ir.program import count_params
-from .model_file import dense_model, read_model_file, rebuild_saved
+from ..swap.swapped import register_folder_writer
+from .model_file import dense_model, read_model_file, rebuild_saved, save
 
 __all__ = ["FOLDER_FILE", "HF_WEIGHT_FILES", "save_folder", "load_folder", "model_from_config", "is_model_folder"]
 
@@ -153,3 +154,13 @@ def model_from_config(folder: Path, cls: type, saved) -> nn.Module:
         raise ModelFileError(f"{where}: builds a dense {cls.__name__} of {nbytes:,} bytes, more than {limit:,} for "
                              "this file; build it yourself and pass the instance (model=...) if you trust it")
     return cls(config)
+
+
+def _save_pretrained(model: nn.Module, directory: str | os.PathLike, **kwargs: Any) -> None:
+    save_folder(model, directory, save, **kwargs)
+
+
+# swap mode sits beside this package and cannot import it: a swapped model's
+# save_pretrained asks the writer registered here (the dependency inverted, as the
+# runtime asks the planner tncompile.planning registers)
+register_folder_writer(_save_pretrained)
