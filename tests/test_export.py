@@ -51,11 +51,10 @@ BERT_DIMS = {"input_ids": {0: BATCH, 1: SEQ}, "attention_mask": {0: BATCH, 1: SE
 def test_mlp_exports_with_a_dynamic_batch(mode):
     compiled = tncompile.compile(_mlp(), target_ratio=0.3, mode=mode).eval()
     assert len(compiled.tensorized_modules()) >= 2
-    if mode == "swap":
-        programs = [torch.export.export(compiled, (torch.randn(4, 64),), dynamic_shapes=({0: BATCH},))]
-    else:  # its traced GraphModule takes the model's own arguments; the wrapper's are *args
-        programs = [torch.export.export(compiled.model, (torch.randn(4, 64),), dynamic_shapes=({0: BATCH},)),
-                    torch.export.export(compiled, (torch.randn(4, 64),), dynamic_shapes={"args": ({0: BATCH},)})]
+    # the ordinary call, in both modes: a graph-mode model shows its traced model's own signature
+    programs = [torch.export.export(compiled, (torch.randn(4, 64),), dynamic_shapes=({0: BATCH},))]
+    if mode == "graph":
+        programs.append(torch.export.export(compiled.model, (torch.randn(4, 64),), dynamic_shapes=({0: BATCH},)))
     for ep in programs:
         assert not any("tncompile" in op for op in _op_names(ep))
         exported = ep.module()
@@ -175,3 +174,39 @@ def test_bert_runs_in_onnxruntime_with_dynamic_batch_and_sequence(tmp_path):
             want = compressed(**inputs)
         torch.testing.assert_close(torch.from_numpy(got[0]), want.last_hidden_state, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(torch.from_numpy(got[1]), want.pooler_output, rtol=1e-4, atol=1e-4)
+
+
+class _Scaled(nn.Module):
+    """An fx-traceable model with a keyword argument and a default."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x, scale: float = 2.0):
+        return self.down(torch.relu(self.up(x))) * scale
+
+
+def test_a_graph_mode_model_has_its_models_signature_for_export_and_copies():
+    """inspect, torch.export's dynamic_shapes by name, deepcopy and pickling all see the
+    traced model's own parameters (issue 44: ``CompiledModel.forward`` was ``(*args, **kwargs)``)."""
+    import copy
+    import inspect
+    import io
+    model = _Scaled()
+    compiled = tncompile.compile(model, target_ratio=0.3, mode="graph").eval()
+    assert list(inspect.signature(compiled.forward).parameters) == ["x", "scale"]
+    assert inspect.signature(compiled.forward).parameters["scale"].default == 2.0
+    ep = torch.export.export(compiled, (torch.randn(4, 64),), dynamic_shapes={"x": {0: BATCH}})
+    x = torch.randn(9, 64)
+    torch.testing.assert_close(ep.module()(x), compiled(x), rtol=1e-5, atol=1e-5)
+    twin = copy.deepcopy(compiled)
+    with torch.no_grad():
+        next(twin.parameters()).add_(1.0)
+    assert not torch.equal(twin(x), compiled(x))  # the copy's forward runs the copy
+    buffer = io.BytesIO()
+    torch.save(compiled, buffer)
+    buffer.seek(0)
+    reloaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(reloaded(x, scale=3.0), compiled(x, scale=3.0))
+    assert list(inspect.signature(reloaded.forward).parameters) == ["x", "scale"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 
 from torch import fx, nn
@@ -33,6 +34,18 @@ class CompiledModel(CompressedModelAPI, nn.Module):
         self.training = program.graph_module.training
         # layers of one layout merge their factors together; each forward starts afresh
         self.__dict__["_factor_peers"] = link_factor_groups(self.model)
+        self._show_signature()
+
+    def _show_signature(self) -> None:
+        """``forward`` as ``inspect``, ``torch.export`` (``dynamic_shapes``) and HF ``Trainer``
+        see it: the traced model's own parameters, names and defaults (an fx trace keeps
+        them; after a ``torch.export`` trace the graph takes the example inputs' flat
+        structure and ``forward`` stays ``(*args, **kwargs)``). Made per instance, again
+        after unpickling or copying."""
+        forward = functools.partial(CompiledModel.forward, self)
+        if self._program.inputs.frontend != "export":
+            forward.__signature__ = inspect.signature(self.model.forward)
+        self.__dict__["forward"] = forward
 
     @property
     def program(self) -> Program:
@@ -40,7 +53,13 @@ class CompiledModel(CompressedModelAPI, nn.Module):
 
     def __getstate__(self) -> dict:
         keep_functions_when_pickled(self.model)  # the graph module is pickled before the program
-        return super().__getstate__()
+        state = dict(super().__getstate__())
+        state.pop("forward", None)  # bound to this instance: made again by __setstate__
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._show_signature()
 
     def forward(self, *args, **kwargs):
         peers = self.__dict__.get("_factor_peers")
