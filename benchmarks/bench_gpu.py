@@ -27,8 +27,7 @@ one eager step of each model (``torch.profiler``: kernels per step, their summed
 ``memory`` rows build one model at a time at batch 1 and record the peak allocated while
 building it, what stays allocated, and the peak over warm-up and training steps: dense,
 compressed eager and captured, and dense with GaLore (when
-``galore_torch`` imports; its package ``__init__`` needs bitsandbytes, so the two modules
-GaLoreAdamW needs are loaded on their own).
+``galore-torch`` is installed: ``common.galore_optimizer``).
 
 Jobs run in priority order (the issue's targets first) while ``--budget-s`` lasts; a job
 not started is written as ``skipped``, one that fails keeps its error and the run goes on.
@@ -42,15 +41,12 @@ script; captured paths are CUDA-only.
 from __future__ import annotations
 
 import gc
-import importlib.util
 import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 from typing import Callable
 
@@ -62,7 +58,7 @@ from tncompile.train import TrainStep
 from tncompile.runtime import TTLinear
 from tncompile.zoo import six_encoder
 
-from common import RESULTS, interleaved_ms, machine, parser
+from common import RESULTS, galore_optimizer, interleaved_ms, machine, parser
 
 PAPER_RATIO = 1 / 44.9
 PATHS = ("eager", "captured", "bf16", "bf16-captured", "compile", "compile-ro", "trainer", "trainer-compile")
@@ -251,18 +247,6 @@ def profile_kernels(work: Workload, emit) -> None:
         emit(row)
 
 
-def _galore_adamw():
-    """``galore_torch.GaLoreAdamW`` without the package ``__init__`` (which imports bitsandbytes)."""
-    spec = importlib.util.find_spec("galore_torch")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("galore_torch is not installed")
-    package = types.ModuleType("galore_torch")
-    package.__path__ = list(spec.submodule_search_locations)
-    sys.modules["galore_torch"] = package
-    from galore_torch.adamw import AdamW as GaLoreAdamW  # noqa: PLC0415
-    return GaLoreAdamW
-
-
 def peak_memory(work: Workload, emit) -> None:
     """One model on the device at a time: ``build_peak_mb`` is the peak while building
     (and compiling) it, ``resident_mb`` what stays allocated after, and ``peak_mb`` the peak
@@ -281,11 +265,7 @@ def peak_memory(work: Workload, emit) -> None:
                        resident_mb=round(torch.cuda.memory_allocated() / 2**20, 1))
             torch.cuda.reset_peak_memory_stats()
             if how == "galore":
-                big = [p for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n]
-                rest = [p for p in model.parameters() if all(p is not b for b in big)]
-                opt = _galore_adamw()([{"params": rest}, {"params": big, "rank": 128, "update_proj_gap": 200,
-                                                           "scale": 0.25, "proj_type": "std"}], lr=1e-4)
-                step = TrainStep(model, opt, work.loss_fn, cuda_graph=False)
+                step = TrainStep(model, galore_optimizer(model), work.loss_fn, cuda_graph=False)
                 fn = lambda: step(work.x, work.y)  # noqa: E731
             else:
                 fn = step_functions(work, how, model)

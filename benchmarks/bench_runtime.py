@@ -23,7 +23,7 @@ from tncompile.train import TrainStep
 from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
 from tncompile.zoo import six_encoder
 
-from common import machine, parser, write_json
+from common import galore_optimizer, machine, parser, write_json
 
 PAPER_RATIO = 1 / 44.9
 SEQ = 128
@@ -71,16 +71,6 @@ def _line(batch: int, name: str, ms: float, memory: dict) -> str:
     if memory:
         text += f"  peak {memory['peak_mb']:8.0f} MB  reserved {memory['reserved_mb']:8.0f} MB"
     return text
-
-
-def galore_optimizer(model):
-    from galore_torch import GaLoreAdamW  # optional: pip install galore-torch
-    big = [p for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n]
-    ids = {id(p) for p in big}
-    rest = [p for p in model.parameters() if id(p) not in ids]
-    return GaLoreAdamW([{"params": rest},
-                        {"params": big, "rank": 128, "update_proj_gap": 200, "scale": 0.25,
-                         "proj_type": "std"}], lr=1e-4)
 
 
 def main() -> None:

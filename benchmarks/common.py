@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
 import random
 import statistics
+import sys
 import time
+import types
 from pathlib import Path
 from typing import Callable
 
@@ -158,3 +161,26 @@ def cut_every_layer(model: torch.nn.Module, seed: int = 0) -> list[tuple[int, ..
         replan_module(layer)
         ranks.append(tuple(layer.layout.ranks))
     return ranks
+
+
+def galore_optimizer(model: torch.nn.Module, lr: float = 1e-4) -> torch.optim.Optimizer:
+    """GaLore's AdamW (``galore-torch``, rank 128, projection every 200 steps, scale 0.25)
+    over ``model``: its 2-D weights but embeddings projected, the rest plain AdamW.
+    ``galore_torch``'s package ``__init__`` imports bitsandbytes for its 8-bit optimizer,
+    which GaLoreAdamW does not use: the package is entered without it. ``ImportError``
+    when galore-torch is not installed."""
+    spec = importlib.util.find_spec("galore_torch")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("galore_torch is not installed (pip install --no-deps galore-torch)")
+    if "galore_torch" not in sys.modules:
+        package = types.ModuleType("galore_torch")
+        package.__path__ = list(spec.submodule_search_locations)
+        sys.modules["galore_torch"] = package
+    from galore_torch.adamw import AdamW as GaLoreAdamW  # noqa: PLC0415 - optional
+    big = [p for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n]
+    ids = {id(p) for p in big}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return GaLoreAdamW([{"params": rest},
+                        {"params": big, "rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}],
+                       lr=lr)
+

@@ -60,7 +60,7 @@ def check_float(value: Any, name: str, low: float | None = None, high: float | N
         ok = value < high if high_open else value <= high
     if not ok:
         bounds = _bounds(low, high, low_open, high_open)
-        what = f"in {bounds[3:]}" if bounds.startswith("in ") else f"a finite number{' ' + bounds if bounds else ''}"
+        what = bounds if bounds.startswith("in ") else f"a finite number{' ' + bounds if bounds else ''}"
         raise error(f"{name} must be {what}{' or None' if none_ok else ''}, got {_shown(value, is_real(value))}")
     return float(value)
 

@@ -137,14 +137,14 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
                else history)
     run = _Run(compiled, optimizer, controller, settings, history, scheduler, eval_fn,
                *_span(settings, controller, compiled, history))
-    step_loss, guide = loss_fn, None
+    step_loss, guide, graphs = loss_fn, None, settings.cuda_graph
     if teacher is not None:
         guide = Teacher(teacher, compiled, distill)
         step_loss = distill_loss(guide, loss_fn)
-        settings.cuda_graph = False  # the teacher's pass and the hooks run eagerly each step
+        graphs = False  # the teacher's pass and the hooks run eagerly each step
     try:
         train_step = TrainStep(wrapper or compiled, optimizer, step_loss, controller=controller,
-                               cuda_graph=settings.cuda_graph, grad_clip=settings.grad_clip)
+                               cuda_graph=graphs, grad_clip=settings.grad_clip)
     except BaseException:
         if guide is not None:
             guide.close()
@@ -164,10 +164,12 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
 
 @dataclass
 class FitSettings:
-    """How long and how :func:`fit` trains, checked when made (each field as ``fit``
-    documents it): ``early_steps``/``late_steps`` (with a controller) or ``steps``
-    (without), ``eval_every``, ``log_every``, ``grad_clip``, ``checkpoint_path`` with
-    ``checkpoint_every``, ``cuda_graph``, ``progress``."""
+    """How long and how :func:`fit` trains (each field as ``fit`` documents it):
+    ``early_steps``/``late_steps`` (with a controller) or ``steps`` (without),
+    ``eval_every``, ``log_every``, ``grad_clip``, ``checkpoint_path`` with
+    ``checkpoint_every``, ``cuda_graph``, ``progress``. The counts and the checkpoint pair
+    are checked when made; ``steps`` against the controller by ``fit``, ``grad_clip`` and
+    ``cuda_graph`` by :class:`~tncompile.train.TrainStep`, which takes them."""
 
     early_steps: int = 0
     late_steps: int = 0
