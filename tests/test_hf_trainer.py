@@ -54,15 +54,14 @@ def test_trainer_trains_cuts_saves_and_resumes_a_compressed_model(tmp_path):
     # Trainer's optimizer holds the cut parameters (and their sliced state), not the old ones
     held = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     assert {id(p) for p in model.parameters()} <= held
-    # save_model reloads exactly; plain from_pretrained refuses the folder
+    # save_model reloads exactly, at the cut ranks, through tncompile.load and from_pretrained
     trainer.save_model(str(tmp_path / "final"))
-    with pytest.raises(OSError):
-        transformers.BertForSequenceClassification.from_pretrained(tmp_path / "final")
-    loaded = tncompile.load(tmp_path / "final", model=transformers.BertForSequenceClassification).eval()
     model.eval()
     ids = torch.randint(0, 300, (4, 16))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+    for loaded in (tncompile.load(tmp_path / "final", model=transformers.BertForSequenceClassification).eval(),
+                   transformers.BertForSequenceClassification.from_pretrained(tmp_path / "final")):
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
 
     # resume from the checkpoint at step 12 (after cuts) with a fresh model at the compiled ranks
     checkpoint = tmp_path / "run" / "checkpoint-12"
@@ -111,3 +110,28 @@ def test_rank_control_callback_refuses_what_it_cannot_run(tmp_path):
                                    callbacks=[RankControlCallback(target_ratio=0.3)])
     with pytest.raises(TypeError, match="not a compressed model.*swap mode"):
         trainer.train()
+
+
+def test_plain_trainer_resumes_from_a_checkpoint_taken_after_cuts(tmp_path):
+    """Plain ``Trainer(...).train(resume_from_checkpoint=...)`` on a fresh compressed model: the
+    checkpoint's state_dict holds cut ranks; the model adopts them (``load_state_dict``), then
+    Trainer builds its optimizer and loads its state, and the callback resumes its schedule.
+    It said "Can't find a valid checkpoint" (no model.safetensors) before."""
+    model = _compressed()
+    callback = RankControlCallback(target_ratio=0.3, early_fraction=0.25, truncate_every=4)
+    transformers.Trainer(model=model, args=_args(tmp_path / "run"), train_dataset=_data(),
+                         callbacks=[callback]).train()
+    checkpoint = tmp_path / "run" / "checkpoint-12"
+    at_12 = transformers.BertForSequenceClassification.from_pretrained(checkpoint)
+    assert at_12.ratio < _compressed().ratio  # cut before the checkpoint
+
+    fresh = _compressed()
+    resumed_callback = RankControlCallback(target_ratio=0.3, early_fraction=0.25, truncate_every=4)
+    resumed = transformers.Trainer(model=fresh, args=_args(tmp_path / "run"), train_dataset=_data(),
+                                   callbacks=[resumed_callback])
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed.model is fresh and resumed_callback.controller.steps_done == 24
+    assert [h["step"] for h in resumed_callback.events] == [h["step"] for h in callback.events if h["step"] > 12]
+    assert fresh.ratio == pytest.approx(model.ratio)
+    held = {id(p) for group in resumed.optimizer.param_groups for p in group["params"]}
+    assert {id(p) for p in fresh.parameters()} <= held

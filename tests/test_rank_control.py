@@ -466,3 +466,32 @@ def test_lbfgs_with_reset_trains_cut_cores():
     opt.step(closure)
     unchanged = [n for n, p in compiled.named_parameters() if torch.equal(before[n], p)]
     assert not unchanged, f"LBFGS stopped training {unchanged}"
+
+
+@pytest.mark.parametrize("mode", ["graph", "swap"])
+def test_load_state_dict_of_a_cut_model_adopts_its_ranks(mode):
+    """A state saved after cuts loads into a model at the compiled ranks (what a plain
+    Trainer's resume does): the layers are cut to the state's ranks first. Ranks that would
+    have to grow are refused, naming the layer and tncompile.load."""
+    from tncompile.passes import Pipeline, Replan, TruncateRanks
+    torch.manual_seed(0)
+    dense = mlp((64, 128, 64, 10))
+    kwargs = {"mode": mode, "example_inputs": torch.randn(4, 64)} if mode == "swap" else {}
+    cut = tncompile.compile(dense, target_ratio=0.4, prefer="size", **kwargs)
+    fresh = copy.deepcopy(cut)
+    name, layer = next(iter(cut.tensorized_modules().items()))
+    keep = [torch.arange(max(1, r - 3)) for r in layer.layout.ranks]
+    Pipeline([TruncateRanks({name: keep}), Replan()]).run(cut.program, progress=False)
+    with torch.no_grad():
+        for p in cut.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    fresh.load_state_dict(cut.state_dict())
+    assert fresh.tensorized_modules()[name].layout.ranks == cut.tensorized_modules()[name].layout.ranks
+    assert fresh.ratio == pytest.approx(cut.ratio)
+    x = torch.randn(5, 64)
+    cut.eval(), fresh.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), cut(x), rtol=0, atol=0)
+    grown = copy.deepcopy(fresh)
+    with pytest.raises(ValueError, match=f"{name}.*cannot grow.*tncompile.load"):
+        grown.load_state_dict(tncompile.compile(dense, target_ratio=0.4, prefer="size", **kwargs).state_dict())

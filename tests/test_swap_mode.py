@@ -319,9 +319,10 @@ def test_a_saved_swapped_model_loads_onto_a_fresh_model_and_resumes(tmp_path):
     assert all(loaded.get_submodule(k) is v for k, v in loaded.tensorized_modules().items())
 
 
-def test_save_pretrained_reloads_exactly_and_plain_hf_loading_fails_loudly(tmp_path):
+def test_save_pretrained_reloads_exactly_through_load_and_from_pretrained(tmp_path):
     """Reloading looked fine and was wrong: HF's save_pretrained of a compressed model wrote TT
-    cores under names no dense model has, and from_pretrained built a randomly initialized model."""
+    cores under names no dense model has, and from_pretrained built a randomly initialized model.
+    The folder now declares its layer table (quantization_config): both loaders rebuild it."""
     model = _bert().eval()
     ids = torch.randint(0, 500, (4, 16))
     c = tncompile.compile(model, target_ratio=0.3, example_inputs={"input_ids": ids}, mode="swap")
@@ -330,21 +331,22 @@ def test_save_pretrained_reloads_exactly_and_plain_hf_loading_fails_loudly(tmp_p
             p.add_(0.01 * torch.randn_like(p))
     folder = tmp_path / "compressed"
     c.save_pretrained(folder)
-    assert not (folder / "model.safetensors").exists() and (folder / "config.json").exists()
-    with pytest.raises(OSError):
-        transformers.BertForSequenceClassification.from_pretrained(folder)
+    assert (folder / "model.safetensors").exists() and (folder / "config.json").exists()
     with pytest.raises(tncompile.ModelFileError, match="pass its model class"):
         tncompile.load(folder)
-    loaded = tncompile.load(folder, model=transformers.BertForSequenceClassification)
-    assert isinstance(loaded, transformers.BertForSequenceClassification) and loaded.ratio == pytest.approx(c.ratio)
-    assert not hasattr(loaded.config, "tncompile") and loaded.config.num_labels == 3
-    loaded.eval()
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).logits, c(input_ids=ids).logits, rtol=0, atol=0)
-    # a folder holding a dense save would be read by from_pretrained instead: refused
-    c.to_dense().save_pretrained(tmp_path / "dense")
-    with pytest.raises(FileExistsError, match="model.safetensors"):
-        c.save_pretrained(tmp_path / "dense")
+    c.eval()
+    for loaded in (tncompile.load(folder, model=transformers.BertForSequenceClassification),
+                   transformers.BertForSequenceClassification.from_pretrained(folder)):
+        assert isinstance(loaded, transformers.BertForSequenceClassification)
+        assert loaded.ratio == pytest.approx(c.ratio) and loaded.config.num_labels == 3
+        loaded.eval()
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids).logits, c(input_ids=ids).logits, rtol=0, atol=0)
+    # a folder holding a sharded dense save would be read by from_pretrained instead: refused
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="index.json"):
+        c.save_pretrained(tmp_path / "sharded")
     with pytest.raises(TypeError, match="unexpected keyword"):
         c.save_pretrained(tmp_path / "other", shard_everything=True)
 

@@ -201,12 +201,13 @@ def is_plain_input(value: Any) -> bool:
 def recordable_inputs(example_inputs: Any) -> tuple[tuple, dict] | None:
     """``(args, kwargs)`` of ``example_inputs`` as a file can hold them -- detached CPU copies
     of tensors, and plain values (``None``, bools, numbers, short strings) -- or ``None``
-    where anything else is among them (``load`` then needs ``example_inputs=``)."""
+    where anything else (or a meta tensor) is among them (``load`` then needs ``example_inputs=``)."""
     example = split_example_inputs(example_inputs)
     if example is None:
         return None
     args, kwargs = example
-    if not all(map(is_plain_input, [*args, *kwargs.values()])):
+    leaves = [*args, *kwargs.values()]
+    if not all(map(is_plain_input, leaves)) or any(isinstance(v, torch.Tensor) and v.is_meta for v in leaves):
         return None
 
     def copy_of(v):

@@ -9,11 +9,11 @@ cannot know:
   step, the early/late stages and cuts follow ``state.max_steps``, cut
   parameters are replaced (and their optimizer state sliced) inside Trainer's
   own optimizer, and each cut is appended to ``trainer.state.log_history``.
-- :class:`CompressedTrainer` resumes from its checkpoints and loads the best one
-  at the end (``load_best_model_at_end``): a compressed model's
-  ``save_pretrained`` folder holds its cut ranks, which a dense
-  ``load_state_dict`` cannot take, so the checkpoint is rebuilt with
-  ``tncompile.load`` and becomes ``trainer.model``.
+- plain ``Trainer`` resumes from a compressed model's checkpoints and loads the best
+  one: their ``model.safetensors`` holds the cut ranks, which the model's
+  ``load_state_dict`` adopts (cutting its layers to them) before loading.
+  :class:`CompressedTrainer` rebuilds each checkpoint with ``tncompile.load`` instead
+  and makes it ``trainer.model``: for checkpoints whose layers a run collapsed.
 
 Only the ``"budget"`` schedule runs here (CoMERA's ``"comera"`` rule replaces the
 task loss inside the backward pass, which a callback cannot reach), and not under
@@ -177,8 +177,11 @@ class CompressedTrainer(transformers.Trainer):
     * to resume (``train(resume_from_checkpoint=...)``): optimizer, scheduler, RNG
       and Trainer state resume as usual;
     * at the end of training with ``load_best_model_at_end=True``: the best
-      checkpoint's model (plain ``Trainer`` looks there for a dense
-      ``model.safetensors``, finds none, logs it and keeps the last model).
+      checkpoint's model.
+
+    Plain ``Trainer`` does both through ``load_state_dict``, which adopts smaller ranks;
+    this class is for checkpoints whose layers rank adaptation collapsed (their state
+    has other names), which only a rebuild loads.
 
     Anything else is plain ``Trainer``."""
 

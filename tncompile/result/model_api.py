@@ -6,15 +6,20 @@
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
+import torch
 from torch import nn
 
 from ..ir.program import Program
+from ..passes import Pipeline, Replan, TruncateRanks
 from ..runtime.layers.tt_layers import TNModule
 from .report import Report, build_report
 
-__all__ = ["CompressedModelAPI", "is_compressed"]
+#: names of the traced inputs a save_pretrained folder keeps beside the weights: not state
+EXAMPLE_PREFIX = "tncompile/example."
+
+__all__ = ["CompressedModelAPI", "is_compressed", "saved_ranks", "EXAMPLE_PREFIX"]
 
 
 class CompressedModelAPI:
@@ -40,6 +45,44 @@ class CompressedModelAPI:
 
     def to_dense(self) -> nn.Module:
         raise NotImplementedError
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, and a state saved after rank cuts loads too.
+
+        Where ``state_dict``'s rank gates of a layer are shorter than the layer's, the layer is
+        first cut to those ranks (its leading ones kept, then overwritten by the loaded values)
+        -- what a plain ``transformers.Trainer`` needs to resume from, or load the best of, the
+        checkpoints of a rank-adaptive run. Cutting replaces the layer's parameter objects:
+        build the optimizer and ``RankController`` after loading (Trainer does). The traced
+        inputs a ``save_pretrained`` folder holds beside the weights are not state and are
+        skipped. Larger ranks than the model's cannot be grown into: ``ValueError`` naming
+        the layer (load such a checkpoint with ``tncompile.load`` or ``from_pretrained``)."""
+        state_dict = {k: v for k, v in state_dict.items() if not k.startswith(EXAMPLE_PREFIX)}
+        keep = saved_ranks(self, state_dict)
+        if keep:
+            Pipeline([TruncateRanks({name: [torch.arange(r) for r in ranks] for name, ranks in keep.items()}),
+                      Replan()]).run(self.program, progress=False)
+        return super().load_state_dict(state_dict, strict, assign)
+
+
+def saved_ranks(model: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """``layer -> ranks`` of each compressed layer whose gates in ``state_dict`` are shorter
+    than its own (the ranks a rank-adaptive run had cut it to)."""
+    names = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
+    keep = {}
+    for layer, m in model.tensorized_modules().items():
+        gates = [state_dict.get(names.get(id(g), "")) for g in m.gates._parameters.values()]
+        if any(not isinstance(g, torch.Tensor) or g.dim() == 0 for g in gates):
+            continue  # not in the state (a tied alias, another structure): load_state_dict reports it
+        ranks = tuple(int(g.shape[-1]) for g in gates)
+        if ranks == tuple(m.layout.ranks):
+            continue
+        if any(r < 1 or r > have for r, have in zip(ranks, m.layout.ranks)):
+            raise ValueError(f"load_state_dict: {layer!r} has ranks {ranks} in the state, {tuple(m.layout.ranks)} "
+                             "in the model, which cannot grow to them; load the saved model with tncompile.load "
+                             "(or from_pretrained, for a save_pretrained folder): it rebuilds the saved ranks")
+        keep[layer] = ranks
+    return keep
 
 
 def is_compressed(model: Any) -> bool:

@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from ..api import is_plain_input, rebuild
-from ..result.model_api import is_compressed
-from ..errors import ModelFileError, ModelMismatchError, PassError, TraceError
+from ..result.model_api import EXAMPLE_PREFIX, is_compressed
+from ..errors import ModelFileError, ModelMismatchError, PassError, TraceError, is_int
 from ..options import MAX_ROWS, PREFER, CompileOptions
 from ..passes import BUILTIN_PASSES, Pass, Pipeline, get_pass
 from ..passes.infra.base import normalize_name
@@ -42,7 +42,8 @@ from .container import digest, encode_container, read_container, write_atomicall
 from .fields import boolean, choice, exact_keys, integer, module_path, names, number, text
 from .layer_table import decisions_from_rows, decisions_of, table_rows
 
-__all__ = ["save", "param_names", "FORMAT", "VERSION", "MAX_EXAMPLE_ELEMENTS"]
+__all__ = ["save", "param_names", "manifest_of", "check_manifest_header", "SavedModel", "FORMAT", "VERSION",
+           "MAX_EXAMPLE_ELEMENTS", "EXAMPLE", "rebuild_saved", "checked_state", "load_checked_state"]
 
 FORMAT = "tncompile"
 VERSION = 3
@@ -51,7 +52,7 @@ MAX_PASSES = 64
 #: most elements of all example inputs together: load runs the model on them while tracing
 MAX_EXAMPLE_ELEMENTS = 1 << 16
 _TRAINING = "tncompile/training"
-_EXAMPLE = "tncompile/example"
+EXAMPLE = EXAMPLE_PREFIX.rstrip(".")  # plain.encode names its tensors EXAMPLE.<n>
 _KEYS = {"format", "version", "mode", "model_class", "pipeline", "options", "original_params", "compiled_ratio",
          "example_inputs", "layers", "state", "training", "train_mode"}
 
@@ -86,28 +87,35 @@ def save(compiled: nn.Module, path: str | os.PathLike, *, optimizer: torch.optim
                         f"{type(optimizer).__name__} {optimizer!r}")
     if controller is not None and not (hasattr(controller, "state_dict") and hasattr(controller, "penalty")):
         raise TypeError(f"tncompile.save: controller must be a RankController, got {type(controller).__name__}")
+    tensors: dict[str, torch.Tensor] = {}
+    manifest = manifest_of(compiled, tensors)
+    manifest["training"] = _training_row(compiled, optimizer, controller, extra, rng, tensors)
+    text_ = json.dumps(manifest)
+    metadata = {"format": FORMAT, "version": str(VERSION), "manifest": text_, "sha256": digest(tensors, text_)}
+    header, body = encode_container(tensors, metadata)
+    write_atomically(path, header, body)
+
+
+def manifest_of(compiled: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The manifest of ``compiled`` (no training state); its state's tensors and example
+    inputs go into ``tensors``."""
     program = compiled.program
     swap = is_swapped(compiled)
-    tensors: dict[str, torch.Tensor] = {}
     state, aliases = _model_state(compiled, tensors)
-    manifest = {
+    return {
         "format": FORMAT, "version": VERSION, "mode": "swap" if swap else "graph",
         "model_class": (user_class(compiled) if swap else type(compiled.model)).__name__,
         "pipeline": list(program.pipeline),
         "options": _options_row(program.options),
         "original_params": program.original_params,
         "compiled_ratio": program.compiled_ratio,
-        "example_inputs": plain.encode(program.example_inputs, tensors, _EXAMPLE)
+        "example_inputs": plain.encode(program.example_inputs, tensors, EXAMPLE)
         if program.example_inputs is not None else None,
         "layers": table_rows(decisions_of(program), program, compiled),
         "state": {"names": state, "aliases": aliases},
-        "training": _training_row(compiled, optimizer, controller, extra, rng, tensors),
+        "training": None,
         "train_mode": compiled.training,
     }
-    text_ = json.dumps(manifest)
-    metadata = {"format": FORMAT, "version": str(VERSION), "manifest": text_, "sha256": digest(tensors, text_)}
-    header, body = encode_container(tensors, metadata)
-    write_atomically(path, header, body)
 
 
 def _saved_model(compiled: Any) -> nn.Module:
@@ -237,11 +245,18 @@ def read_model_file(path: Path) -> SavedModel:
         manifest = json.loads(text_)
     except (TypeError, ValueError, RecursionError) as e:
         raise ModelFileError(f"{path} is damaged: its manifest cannot be read ({type(e).__name__}: {e})") from e
-    exact_keys(manifest, _KEYS, f"{path}: the manifest")
-    if manifest["format"] != FORMAT or manifest["version"] != VERSION or isinstance(manifest["version"], bool):
-        raise ModelFileError(f"{path}: the manifest says format {manifest['format']!r:.40} version "
-                             f"{manifest['version']!r:.20}, its header {FORMAT!r} {VERSION}")
+    check_manifest_header(manifest, f"{path}: the manifest")
     return SavedModel(path, manifest, tensors)
+
+
+def check_manifest_header(manifest: Any, where: str) -> None:
+    """The manifest's keys are exactly the format's, and it names this format and version."""
+    exact_keys(manifest, _KEYS, where)
+    if manifest["format"] != FORMAT or manifest["version"] != VERSION or isinstance(manifest["version"], bool):
+        raise ModelFileError(f"{where} says format {manifest['format']!r:.40} version {manifest['version']!r:.20}; "
+                             f"this tncompile reads {FORMAT!r} {VERSION}"
+                             + (": upgrade tncompile" if is_int(manifest["version"]) and manifest["version"] > VERSION
+                                else ""))
 
 
 def dense_model(model: Any, path: Path) -> nn.Module:
@@ -257,8 +272,10 @@ def dense_model(model: Any, path: Path) -> nn.Module:
     return model
 
 
-def rebuild_saved(saved: SavedModel, dense: nn.Module, passes: Sequence[Pass] | None, example_inputs: Any) -> nn.Module:
-    """Rebuild ``saved`` on ``dense`` and load its tensors (see the module doc)."""
+def rebuild_saved(saved: SavedModel, dense: nn.Module, passes: Sequence[Pass] | None, example_inputs: Any,
+                  load_tensors: bool = True) -> nn.Module:
+    """Rebuild ``saved`` on ``dense`` and load its tensors (see the module doc); without
+    ``load_tensors``, the structure only (the caller checks and loads them)."""
     where = str(saved.path)
     if type(dense).__name__ != saved.model_class:
         raise ModelMismatchError(f"{where} was saved from a {saved.model_class}, the model given is a "
@@ -290,7 +307,10 @@ def rebuild_saved(saved: SavedModel, dense: nn.Module, passes: Sequence[Pass] | 
         raise ModelMismatchError(f"{where}: the model given has {program.original_params:,} parameters, the one "
                                  f"saved had {saved.original_params:,}: build it with the same configuration")
     program.compiled_ratio = saved.compiled_ratio
-    _load_state(compiled, saved, where)
+    if program.example_inputs is None:  # traced on meta copies (from_pretrained): keep the file's
+        program.example_inputs = saved.example_inputs
+    if load_tensors:
+        load_checked_state(compiled, saved, where)
     compiled.train(saved.train_mode)
     compiled.training_state = saved.training
     return compiled
@@ -309,9 +329,9 @@ def _global_state_kept():
         torch.set_default_dtype(dtype)
 
 
-def _load_state(model: nn.Module, saved: SavedModel, where: str) -> None:
-    """Every state name, shape, dtype and sharing exactly as the rebuilt model has them, then
-    ``load_state_dict(strict=True)``."""
+def checked_state(model: nn.Module, saved: SavedModel, where: str, cast: bool = False) -> dict[str, torch.Tensor]:
+    """The file's value for every state name of ``model``: names, order, shapes, dtypes
+    (float to float where ``cast``) and sharing exactly as ``model`` has them."""
     expected = model.state_dict(keep_vars=True)
     if list(expected) != saved.state:
         missing = [n for n in expected if n not in set(saved.state)]
@@ -327,11 +347,18 @@ def _load_state(model: nn.Module, saved: SavedModel, where: str) -> None:
             raise ModelMismatchError(f"{where}: {name!r} shares its tensor with {saved.aliases.get(name, name)!r} in "
                                      f"the file, with {shared!r} in the rebuilt model")
         value = saved.tensors[saved.aliases.get(name, name)]
-        if value.shape != t.shape or value.dtype != t.dtype:
+        castable = cast and value.is_floating_point() and t.is_floating_point()
+        if value.shape != t.shape or (value.dtype != t.dtype and not castable):
             raise ModelMismatchError(f"{where}: {name!r} is {value.dtype} {tuple(value.shape)} in the file, "
                                      f"{t.dtype} {tuple(t.shape)} in the model given: build it the same way "
                                      "(configuration, dtype: model.to(dtype))")
         values[name] = value
+    return values
+
+
+def load_checked_state(model: nn.Module, saved: SavedModel, where: str, cast: bool = False) -> None:
+    """:func:`checked_state`, then ``load_state_dict(strict=True)`` (copies into the model's tensors)."""
+    values = checked_state(model, saved, where, cast)
     with torch.no_grad():
         model.load_state_dict(values, strict=True)
 

@@ -1,27 +1,30 @@
-"""``save_pretrained`` of a swap-mode model: a folder that reloads exactly, or not at all.
+"""``save_pretrained`` of a swap-mode model: a folder in Hugging Face's own layout.
 
-HF's own ``save_pretrained`` would write the TT cores under names no dense model
-has, and ``from_pretrained`` on that folder builds the dense model with every
-compressed weight missing -- random weights and a warning at most. A swapped
-model's ``save_pretrained(folder)`` therefore writes:
+A swapped model's ``save_pretrained(folder)`` writes what every tool of the ecosystem reads:
 
-* ``config.json`` (and ``generation_config.json`` when the model has one), with a
-  ``"tncompile"`` entry that says how to load the folder;
-* :data:`FOLDER_FILE`, the model as :func:`tncompile.save` writes it (layouts,
-  ranks, cores, the rest of the state);
-* no ``model.safetensors`` / ``pytorch_model.bin``: plain ``from_pretrained`` on the
-  folder fails with "no file named model.safetensors" instead of loading wrong
-  weights. A folder that already holds such a file is refused (HF would load it).
+* ``model.safetensors``: the compressed model's ``state_dict`` under its own names (a
+  compressed layer's ``cores.<k>`` and ``gates.<k>`` where its dense ``weight`` was; a
+  tensor two names share is stored once), the inputs it was traced with
+  (``tncompile/example.<n>``), and a checksum over both and the table below;
+* ``config.json``: the model's config with a ``quantization_config`` -- ``quant_method:
+  "tncompile"`` plus the manifest :func:`tncompile.save` writes (layer table, compile
+  settings, pass names, state names): data only, as transformers' quantization backends
+  declare theirs;
+* ``generation_config.json`` when the model has one.
 
-``tncompile.load(folder, model=BertModel)`` (a class: built from the folder's
-``config.json``, data fields only; or a fresh instance) rebuilds the compressed model.
+``AutoModel*.from_pretrained(folder)``, pipelines and ``SentenceTransformer(folder)`` load
+it through tncompile's ``HfQuantizer`` (:mod:`tncompile.integrations.hf_quantizer`,
+registered by ``import tncompile``); ``tncompile.load(folder, model=TheClass)`` loads it
+without transformers' loader: the class is built from the config's data fields only
+(:func:`model_from_config`). Both rebuild the structure from the class and the table and
+check every tensor against it before loading (:func:`read_folder`).
 """
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,26 +32,56 @@ from torch import nn
 from ..errors import ModelFileError, ModelMismatchError
 from ..ir.program import count_params
 from ..swap.swapped import register_folder_writer
-from .model_file import dense_model, read_model_file, rebuild_saved, save
+from .container import digest, encode_container, read_container, write_atomically
+from .model_file import SavedModel, check_manifest_header, dense_model, manifest_of, rebuild_saved
 
-__all__ = ["FOLDER_FILE", "HF_WEIGHT_FILES", "save_folder", "load_folder", "model_from_config", "is_model_folder"]
+__all__ = ["WEIGHTS", "QUANT_METHOD", "save_folder", "read_folder", "read_weights", "check_folder_manifest",
+           "load_folder", "model_from_config", "is_model_folder"]
 
-FOLDER_FILE = "tncompile-model.tnc"
-# what transformers' from_pretrained reads weights from (a folder holding any of them would load it)
-HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                   "pytorch_model.bin.index.json", "tf_model.h5", "flax_model.msgpack")
+WEIGHTS = "model.safetensors"
+QUANT_METHOD = "tncompile"
+#: weight files transformers would read before (or beside) ours: a folder holding one is refused
+OTHER_WEIGHTS = ("model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+#: tncompile's first folder format: one model file beside a config marked "tncompile"
+OLD_FILE = "tncompile-model.tnc"
 # keywords of transformers' PreTrainedModel.save_pretrained this writer honours or may ignore
 _IGNORED = {"state_dict", "save_function", "max_shard_size", "safe_serialization", "variant", "token",
             "save_peft_format", "save_original_format"}
+#: config entries that name code, not data: never honoured from a file by tncompile.load
+CODE_KEYS = ("auto_map", "custom_pipelines", "trust_remote_code", "quantization_config", "tncompile")
+ATTENTION_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
+#: attention implementations a file may ask for: PyTorch's own
+ATTENTION = (None, "eager", "sdpa")
+MAX_CONFIG_BYTES = 64 << 20  # the layer table of 100,000 layers fits
+#: a folder's config may build a dense model at most this many times the file's bytes (a
+#: model compressed 200x; CoMERA's are 80-99x) or DENSE_FLOOR_BYTES, whichever is larger
+DENSE_PER_FILE_BYTE = 200
+DENSE_FLOOR_BYTES = 512 << 20
+
+
+def canonical(manifest: dict) -> str:
+    """The manifest as the checksum covers it (independent of how config.json was formatted)."""
+    return json.dumps(manifest, sort_keys=True, separators=(",", ":"))
 
 
 def is_model_folder(path: Path) -> bool:
-    return path.is_dir() and (path / FOLDER_FILE).is_file()
+    """Whether ``path`` is a folder a compressed model's ``save_pretrained`` wrote."""
+    if path.is_dir() and (path / OLD_FILE).is_file():
+        return True  # read_folder says how to load it
+    if not (path.is_dir() and (path / "config.json").is_file()):
+        return False
+    try:
+        config = _config_data(path)
+    except ModelFileError:
+        return False
+    return isinstance(config.get("quantization_config"), dict) \
+        and config["quantization_config"].get("quant_method") == QUANT_METHOD
 
 
-def save_folder(model: nn.Module, directory: str | os.PathLike, save: Callable[..., None], *,
-                is_main_process: bool = True, push_to_hub: bool = False, **kwargs: Any) -> None:
-    """Write the folder (see the module doc) with ``save`` (:func:`tncompile.save`)."""
+# ----------------------------------------------------------------- writing
+def save_folder(model: nn.Module, directory: str | os.PathLike, *, is_main_process: bool = True,
+                push_to_hub: bool = False, **kwargs: Any) -> None:
+    """Write the folder (see the module doc)."""
     unknown = sorted(set(kwargs) - _IGNORED)
     if unknown:
         raise TypeError(f"save_pretrained of a tncompile swap-mode model: unexpected keyword(s) {unknown}")
@@ -60,34 +93,90 @@ def save_folder(model: nn.Module, directory: str | os.PathLike, save: Callable[.
     folder = Path(directory)
     if folder.exists() and not folder.is_dir():
         raise NotADirectoryError(f"save_pretrained: {str(folder)!r} is a file; give a folder")
-    stale = [name for name in HF_WEIGHT_FILES if (folder / name).exists()]
+    stale = [name for name in OTHER_WEIGHTS if (folder / name).exists()]
     if stale:
-        raise FileExistsError(f"save_pretrained: {str(folder)!r} already holds {stale[0]} (a dense save?); "
-                              "transformers' from_pretrained would load it instead of the compressed model. "
-                              "Save into an empty folder, or remove it.")
+        raise FileExistsError(f"save_pretrained: {str(folder)!r} already holds {stale[0]} (a dense save?), which "
+                              "transformers would read instead of the compressed model. Save into an empty folder, "
+                              "or remove it.")
     folder.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    manifest = manifest_of(model, tensors)
+    metadata = {"format": "pt", "tncompile_sha256": digest(tensors, canonical(manifest))}
+    header, body = encode_container(tensors, metadata)
+    write_atomically(folder / WEIGHTS, header, body)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         marked = config.__class__.from_dict(config.to_dict())
-        marked.tncompile = {"file": FOLDER_FILE,
-                            "load_with": f"tncompile.load(folder, model={type(model).__name__})",
-                            "note": "a tncompile compressed model; transformers' from_pretrained cannot load it"}
+        marked.quantization_config = {"quant_method": QUANT_METHOD, **manifest}
         marked.save_pretrained(folder)
+    else:  # not an HF model: the config holds the manifest alone
+        (folder / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": QUANT_METHOD,
+                                                                                **manifest}}))
     generation = getattr(model, "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):
         generation.save_pretrained(folder)
-    save(model, folder / FOLDER_FILE)
+
+
+# ----------------------------------------------------------------- reading
+def _config_data(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ModelFileError(f"{folder}: no config.json")
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise ModelFileError(f"{path}: larger than {MAX_CONFIG_BYTES:,} bytes")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        raise ModelFileError(f"{path}: not JSON ({type(e).__name__}: {e})") from e
+    if not isinstance(data, dict):
+        raise ModelFileError(f"{path}: not a JSON object")
+    return data
+
+
+def check_folder_manifest(manifest: Any, where: str) -> None:
+    """A folder's manifest: this format and version, a swap-mode model, no training state."""
+    check_manifest_header(manifest, where)
+    if manifest["mode"] != "swap" or manifest["training"] is not None:
+        raise ModelFileError(f"{where}: must describe a swap-mode model without training state")
+
+
+def read_folder(folder: Path) -> SavedModel:
+    """The folder's manifest (``config.json``'s ``quantization_config``) and tensors
+    (``model.safetensors``), every field checked, the checksum over both verified."""
+    if (folder / OLD_FILE).is_file():
+        raise ModelFileError(f"{folder} was written by an earlier tncompile (one {OLD_FILE} file, which "
+                             "transformers cannot read); load that file -- tncompile.load(folder / "
+                             f"{OLD_FILE!r}, model=...) -- and save_pretrained it again")
+    manifest = dict(_config_data(folder).get("quantization_config") or {})
+    if manifest.pop("quant_method", None) != QUANT_METHOD:
+        raise ModelFileError(f"{folder}/config.json: no quantization_config with quant_method 'tncompile' (not a "
+                             "folder a compressed model's save_pretrained wrote)")
+    check_folder_manifest(manifest, f"{folder}/config.json: quantization_config")
+    return read_weights(folder / WEIGHTS, manifest, folder)
+
+
+def read_weights(weights: Path, manifest: dict, folder: Path) -> SavedModel:
+    """``weights`` (a folder's ``model.safetensors``) read and checked against ``manifest``
+    (its ``quantization_config`` less ``quant_method``, header already checked)."""
+    if not weights.is_file():
+        raise ModelFileError(f"{folder}: no {WEIGHTS}")
+    metadata, tensors = read_container(weights)
+    if metadata.get("tncompile_sha256") != digest(tensors, canonical(manifest)):
+        raise ModelFileError(f"{folder}: {WEIGHTS} and config.json's quantization_config do not belong together "
+                             "(damaged, or one of them from another save): save_pretrained the model again")
+    return SavedModel(folder, manifest, tensors)
 
 
 def load_folder(folder: Path, model: Any, *, passes=None, example_inputs=None) -> nn.Module:
-    """:func:`tncompile.load` of a folder: its file rebuilt onto ``model`` -- a fresh instance,
-    a callable building one, or a class built from the folder's ``config.json``
+    """:func:`tncompile.load` of a folder: its contents rebuilt onto ``model`` -- a fresh
+    instance, a callable building one, or a class built from the folder's ``config.json``
     (:func:`model_from_config`)."""
-    saved = read_model_file(folder / FOLDER_FILE)
+    saved = read_folder(folder)
     if model is None:
         raise ModelFileError(f"tncompile.load: {str(folder)!r} was written by save_pretrained of a compressed "
                              f"{saved.model_class}; pass its model class (model={saved.model_class}: built from the "
-                             "folder's config.json) or a fresh instance to load it onto")
+                             "folder's config.json) or a fresh instance to load it onto -- or load it with "
+                             f"transformers: {saved.model_class}.from_pretrained(folder) after import tncompile")
     if isinstance(model, type) and issubclass(model, nn.Module):
         dense = model_from_config(folder, model, saved)
     else:
@@ -95,19 +184,7 @@ def load_folder(folder: Path, model: Any, *, passes=None, example_inputs=None) -
     return rebuild_saved(saved, dense, passes, example_inputs)
 
 
-#: config entries that name code, not data: never honoured from a file
-CODE_KEYS = ("auto_map", "custom_pipelines", "trust_remote_code", "quantization_config", "tncompile")
-ATTENTION_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
-#: attention implementations a file may ask for: PyTorch's own
-ATTENTION = (None, "eager", "sdpa")
-MAX_CONFIG_BYTES = 1 << 20
-#: a folder's config may build a dense model at most this many times the file's bytes (a
-#: model compressed 200x; CoMERA's are 80-99x) or DENSE_FLOOR_BYTES, whichever is larger
-DENSE_PER_FILE_BYTE = 200
-DENSE_FLOOR_BYTES = 512 << 20
-
-
-def model_from_config(folder: Path, cls: type, saved) -> nn.Module:
+def model_from_config(folder: Path, cls: type, saved: SavedModel) -> nn.Module:
     """``cls(config)`` from the folder's ``config.json``, data fields only: entries that name
     code (``auto_map``, remote code, a quantizer) are dropped, an attention implementation
     other than PyTorch's own is refused, and the model is first built on the meta device
@@ -118,18 +195,7 @@ def model_from_config(folder: Path, cls: type, saved) -> nn.Module:
     if config_class is None or not hasattr(config_class, "from_dict"):
         raise TypeError(f"tncompile.load({str(folder)!r}, model={cls.__name__}): {cls.__name__} has no config_class "
                         "to build it from the folder's config.json; pass a fresh instance instead (model=YourModel(...))")
-    path = folder / "config.json"
-    if not path.is_file():
-        raise ModelFileError(f"tncompile.load: {str(folder)!r} has no config.json to build {cls.__name__} from; pass "
-                             "a fresh instance (model=...)")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise ModelFileError(f"{where}: larger than {MAX_CONFIG_BYTES:,} bytes")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, RecursionError, UnicodeDecodeError) as e:
-        raise ModelFileError(f"{where}: not JSON ({type(e).__name__}: {e})") from e
-    if not isinstance(data, dict):
-        raise ModelFileError(f"{where}: not a JSON object")
+    data = _config_data(folder)
     for key in CODE_KEYS:
         data.pop(key, None)
     for key in ATTENTION_KEYS:
@@ -156,11 +222,7 @@ def model_from_config(folder: Path, cls: type, saved) -> nn.Module:
     return cls(config)
 
 
-def _save_pretrained(model: nn.Module, directory: str | os.PathLike, **kwargs: Any) -> None:
-    save_folder(model, directory, save, **kwargs)
-
-
 # swap mode sits beside this package and cannot import it: a swapped model's
 # save_pretrained asks the writer registered here (the dependency inverted, as the
 # runtime asks the planner tncompile.planning registers)
-register_folder_writer(_save_pretrained)
+register_folder_writer(save_folder)

@@ -8,9 +8,9 @@ model keeps its class and its own ``forward``: a HuggingFace model keeps
 ``config``, ``generate`` with its KV cache, masks, every keyword argument;
 dropout follows ``train()`` / ``eval()`` as written (on tncompile's kernels when
 ``lower_dropout`` is in the pipeline; graph-mode lowerings made in the tree:
-:mod:`tncompile.swap.lowering`). ``save_pretrained`` writes a
-folder that ``tncompile.load(folder, model=TheClass)`` rebuilds exactly and that
-plain ``from_pretrained`` refuses (:mod:`tncompile.serialization.pretrained_folder`).
+:mod:`tncompile.swap.lowering`). ``save_pretrained`` writes an HF folder that
+``from_pretrained`` (tncompile's quantization backend) and ``tncompile.load(folder,
+model=TheClass)`` rebuild exactly (:mod:`tncompile.serialization.pretrained_folder`).
 
 The returned object's class is a subclass of the user's class, made once per
 class, with the same name, module and qualified name, that adds
@@ -150,11 +150,12 @@ class SwapMixin(CompressedModelAPI):
         return dense
 
     def save_pretrained(self, save_directory, **kwargs: Any) -> None:
-        """Write a folder that ``tncompile.load(folder, model=YourClass)`` rebuilds
-        exactly (``config.json`` + the compressed model, no dense weight file, so
-        plain ``from_pretrained`` on it fails instead of loading wrong weights).
-        Takes HF's keywords (``is_main_process``, ``state_dict`` is ignored: the
-        model's own state is saved). For a dense HF folder: ``to_dense().save_pretrained``."""
+        """Write an HF folder that ``from_pretrained`` (after ``import tncompile``) and
+        ``tncompile.load(folder, model=YourClass)`` rebuild exactly: ``model.safetensors``
+        under the model's own names and ``config.json`` with the layer table as its
+        ``quantization_config``. Takes HF's keywords (``is_main_process``; ``state_dict``
+        is ignored: the model's own state is saved). For a dense HF folder:
+        ``to_dense().save_pretrained``."""
         if _FOLDER_WRITER is None:  # tncompile.serialization registers it on import
             raise RuntimeError("tncompile.serialization is not imported")
         _FOLDER_WRITER(self, save_directory, **kwargs)

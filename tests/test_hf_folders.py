@@ -1,0 +1,238 @@
+"""A compressed model's ``save_pretrained`` folder is an ordinary Hugging Face folder:
+``model.safetensors`` under the model's own names and a ``quantization_config`` of data in
+``config.json``. transformers' ``from_pretrained`` (through tncompile's ``HfQuantizer``),
+pipelines and sentence-transformers load it as the compressed model, exactly; tampered
+folders are refused before any weight is loaded."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+import tncompile
+from tncompile import ModelFileError
+from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
+
+transformers = pytest.importorskip("transformers")
+
+
+def _bert(vocab=120):
+    cfg = transformers.BertConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=32, num_labels=3)
+    torch.manual_seed(0)
+    return transformers.BertForSequenceClassification(cfg)
+
+
+def _perturbed(model):
+    with torch.no_grad():  # weights no fresh compile would have
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    return model
+
+
+@pytest.fixture(scope="module")
+def bert_folder(tmp_path_factory):
+    ids = torch.randint(0, 120, (4, 16))
+    c = _perturbed(tncompile.compile(_bert(), target_ratio=0.3, example_inputs={"input_ids": ids}, mode="swap"))
+    folder = tmp_path_factory.mktemp("hf") / "bert"
+    c.save_pretrained(folder)
+    return folder, c.eval()
+
+
+def _logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_from_pretrained_loads_the_compressed_model_exactly(bert_folder):
+    folder, c = bert_folder
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "tncompile" and len(config["layers"]) == len(c.tensorized_modules())
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:  # the model's own names
+        names = set(f.keys())
+    assert "bert.encoder.layer.0.attention.self.query.cores.0" in names
+    assert names - {"tncompile/example.0"} == set(c.state_dict())
+    ids = torch.randint(0, 120, (3, 16))
+    for cls in (transformers.BertForSequenceClassification, transformers.AutoModelForSequenceClassification):
+        loaded, info = cls.from_pretrained(folder, output_loading_info=True)
+        assert type(loaded).__name__ == "BertForSequenceClassification" and not loaded.training
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+        assert isinstance(loaded.bert.encoder.layer[0].attention.self.query, TTLinear)
+        assert isinstance(loaded.bert.embeddings.word_embeddings, TTMEmbedding)
+        assert loaded.ratio == pytest.approx(c.ratio) and "query" in str(loaded.report())
+        torch.testing.assert_close(_logits(loaded, ids), _logits(c, ids), rtol=0, atol=0)
+    via_load = tncompile.load(folder, model=transformers.BertForSequenceClassification)
+    torch.testing.assert_close(_logits(via_load, ids), _logits(c, ids), rtol=0, atol=0)
+
+
+def test_a_from_pretrained_model_trains_cuts_and_saves_like_a_compiled_one(bert_folder, tmp_path):
+    """Derived state follows: an AdamW step and a rank cut on the from_pretrained model give
+    what they give on the tncompile.load one; its save_pretrained folder loads back exactly."""
+    folder, _ = bert_folder
+    ids, labels = torch.randint(0, 120, (8, 16)), torch.randint(0, 3, (8,))
+    models = [transformers.BertForSequenceClassification.from_pretrained(folder),
+              tncompile.load(folder, model=transformers.BertForSequenceClassification)]
+    for m in models:
+        m.train()
+        opt = torch.optim.AdamW(tncompile.param_groups(m, lr=1e-2))
+        ctl = tncompile.RankController(m, opt, target_ratio=0.2, truncate_every=1)
+        torch.manual_seed(1)
+        F.cross_entropy(m(input_ids=ids).logits, labels).backward()
+        opt.step()
+        ctl.truncate()
+    a, b = models
+    assert a.ratio == pytest.approx(b.ratio) and a.ratio < 0.3
+    torch.testing.assert_close(_logits(a, ids), _logits(b, ids), rtol=0, atol=0)
+    a.save_pretrained(tmp_path / "again")
+    again = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "again")
+    torch.testing.assert_close(_logits(again, ids), _logits(a, ids), rtol=0, atol=0)
+
+
+def test_gpt2_tied_head_generates_the_same_tokens_and_loads_in_bf16(tmp_path):
+    cfg = transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    ids = torch.randint(1, 300, (2, 8))
+    c = tncompile.compile(transformers.GPT2LMHeadModel(cfg), target_ratio=0.4,
+                          example_inputs={"input_ids": ids, "use_cache": False}, mode="swap").eval()
+    c.save_pretrained(tmp_path / "gpt2")
+    assert (tmp_path / "gpt2" / "generation_config.json").is_file()
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert isinstance(loaded.lm_head, TTMTiedLinear) and loaded.lm_head.embedding is loaded.transformer.wte
+
+    def greedy(m):
+        with torch.no_grad():
+            return m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                              pad_token_id=0)
+    assert torch.equal(greedy(loaded), greedy(c))
+    half = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2", dtype=torch.bfloat16)
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        torch.testing.assert_close(half(ids).logits.float(), c(ids).logits, rtol=0.05, atol=0.05)
+
+
+def _tokenizer(folder: Path):
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(115)]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "vocab.txt").write_text("\n".join(words))
+    return transformers.BertTokenizerFast(vocab_file=str(folder / "vocab.txt"))
+
+
+def test_a_pipeline_built_from_the_folder_runs_the_compressed_model(bert_folder, tmp_path):
+    folder, c = bert_folder
+    copy = tmp_path / "with_tokenizer"
+    copy.mkdir()
+    for f in folder.iterdir():
+        (copy / f.name).write_bytes(f.read_bytes())
+    tok = _tokenizer(tmp_path / "vocab")
+    tok.save_pretrained(copy)
+    classify = transformers.pipeline("text-classification", model=str(copy), top_k=None)
+    assert isinstance(classify.model.bert.encoder.layer[1].output.dense, TTLinear)
+    scores = {r["label"]: r["score"] for r in classify(["w1 w2 w3"])[0]}
+    enc = tok("w1 w2 w3", return_tensors="pt")
+    with torch.no_grad():
+        want = c(**enc).logits.softmax(-1)[0]
+    assert scores == pytest.approx({f"LABEL_{i}": float(want[i]) for i in range(3)}, abs=1e-6)
+
+
+def test_sentence_transformers_loads_a_saved_compressed_model(tmp_path):
+    st_lib = pytest.importorskip("sentence_transformers")
+    from sentence_transformers import models
+    cfg = transformers.BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=32)
+    torch.manual_seed(0)
+    tok = _tokenizer(tmp_path / "vocab")
+    transformers.BertModel(cfg).save_pretrained(tmp_path / "dense")
+    tok.save_pretrained(tmp_path / "dense")
+    st = st_lib.SentenceTransformer(modules=[models.Transformer(str(tmp_path / "dense")),
+                                             models.Pooling(64)], device="cpu")
+    enc = tok(["w1 w2 w3", "w4 w5"], padding="max_length", max_length=16, return_tensors="pt")
+    st[0].model = _perturbed(tncompile.compile(st[0].model, target_ratio=0.3, mode="swap",
+                                               example_inputs={"input_ids": enc["input_ids"],
+                                                               "attention_mask": enc["attention_mask"]}))
+    st.eval()
+    sentences = ["w1 w2 w3 w7", "w4 w5", "w9"]
+    want = st.encode(sentences, convert_to_tensor=True)
+    st.save(str(tmp_path / "st"))
+    loaded = st_lib.SentenceTransformer(str(tmp_path / "st"), device="cpu")
+    assert isinstance(loaded[0].model.encoder.layer[0].attention.self.query, TTLinear)
+    torch.testing.assert_close(loaded.encode(sentences, convert_to_tensor=True), want, rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------- tampered folders
+def _copy(folder: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in folder.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _edit_config(folder: Path, edit) -> None:
+    data = json.loads((folder / "config.json").read_text())
+    edit(data)
+    (folder / "config.json").write_text(json.dumps(data))
+
+
+def test_from_pretrained_refuses_a_table_that_disagrees_with_the_weights(bert_folder, tmp_path):
+    folder, _ = bert_folder
+    edited = _copy(folder, tmp_path / "rank")
+
+    def grow_a_rank(data):
+        row = data["quantization_config"]["layers"][1]
+        row["layout"]["ranks"][0] += 1
+    _edit_config(edited, grow_a_rank)
+    with pytest.raises(ModelFileError, match="do not belong together"):
+        transformers.BertForSequenceClassification.from_pretrained(edited)
+
+
+def test_from_pretrained_refuses_weights_of_another_save(bert_folder, tmp_path):
+    folder, _ = bert_folder
+    ids = torch.randint(0, 120, (4, 16))
+    other = tncompile.compile(_bert(), target_ratio=0.5, example_inputs={"input_ids": ids}, mode="swap")
+    other.save_pretrained(tmp_path / "other")
+    mixed = _copy(folder, tmp_path / "mixed")
+    (mixed / "model.safetensors").write_bytes((tmp_path / "other" / "model.safetensors").read_bytes())
+    for load in (lambda: transformers.AutoModelForSequenceClassification.from_pretrained(mixed),
+                 lambda: tncompile.load(mixed, model=transformers.BertForSequenceClassification)):
+        with pytest.raises(ModelFileError, match="do not belong together"):
+            load()
+
+
+def test_from_pretrained_refuses_an_inflated_config_before_allocating(bert_folder, tmp_path):
+    """vocab_size=2**27 (a 32 GB dense table) in config.json, the table and weights untouched:
+    refused on the meta device, under a 3 GB address-space limit."""
+    folder, _ = bert_folder
+    edited = _copy(folder, tmp_path / "inflated")
+    _edit_config(edited, lambda data: data.update(vocab_size=2**27))
+    script = textwrap.dedent(f"""
+        import resource, sys
+        import tncompile, transformers
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+        try:
+            transformers.BertForSequenceClassification.from_pretrained({str(edited)!r})
+        except tncompile.ModelFileError as e:
+            print("refused:", e)
+            sys.exit(0)
+        sys.exit(1)
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "refused:" in run.stdout, run.stdout[-1000:] + run.stderr[-2000:]
+
+
+def test_a_folder_of_the_first_format_says_how_to_load_it(tmp_path):
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "tncompile-model.tnc").write_bytes(b"x")
+    (old / "config.json").write_text(json.dumps({"model_type": "bert", "tncompile": {"file": "tncompile-model.tnc"}}))
+    with pytest.raises(ModelFileError, match="tncompile-model.tnc"):
+        tncompile.load(old, model=transformers.BertForSequenceClassification)

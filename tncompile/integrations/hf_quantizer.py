@@ -1,0 +1,170 @@
+"""transformers' quantization backend for tncompile: ``from_pretrained`` of a compressed folder.
+
+A compressed model's ``save_pretrained`` folder declares ``quantization_config:
+{"quant_method": "tncompile", ...}`` in its ``config.json``, as bitsandbytes, torchao or
+GPTQ folders declare theirs (:mod:`tncompile.serialization.pretrained_folder`). This
+module registers :class:`TNCompileConfig` and :class:`TNCompileQuantizer` under that name,
+so ``AutoModel*.from_pretrained(folder)``, pipelines and ``SentenceTransformer(folder)``
+load the compressed model as the class they build, no ``trust_remote_code`` involved.
+
+What the quantizer does inside ``from_pretrained``:
+
+1. before any weight loads (the model still on the meta device): reads ``model.safetensors``
+   and checks it against the manifest (checksum, every table field typed and bounded,
+   layouts against the tensors), rebuilds the structure as ``tncompile.load`` does -- the
+   class's own model traced on meta copies of the saved inputs, the recorded pipeline run
+   with the table's decisions -- and checks that every tensor the file holds has a place
+   in it of exactly its shape, and every place a tensor (nothing left to random init);
+2. after transformers loaded the weights: copies the file's tensors into the model once
+   more, through ``load_state_dict`` (transformers replaces parameter objects; the copy
+   restores sharing and makes the state the file's exactly, cast to ``dtype=`` if given).
+
+``import tncompile`` imports this module when transformers is installed
+(:mod:`tncompile.integrations.transformers_plugin`).
+"""
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.quantizers.auto import register_quantization_config, register_quantizer
+from transformers import PreTrainedModel
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from ..errors import ModelFileError
+from ..runtime import TNModule
+from ..serialization.model_file import EXAMPLE, checked_state, load_checked_state, rebuild_saved
+from ..serialization.pretrained_folder import QUANT_METHOD, WEIGHTS, check_folder_manifest, read_weights
+
+__all__ = ["TNCompileConfig", "TNCompileQuantizer"]
+
+
+@register_quantization_config(QUANT_METHOD)
+class TNCompileConfig(QuantizationConfigMixin):
+    """``config.json``'s ``quantization_config`` of a compressed folder: the manifest
+    (layer table, compile settings, pass names), data only. Made by ``save_pretrained``;
+    ``from_pretrained`` does not compress a dense model (use ``tncompile.compile``)."""
+
+    def __init__(self, **manifest: Any):
+        manifest.pop("quant_method", None)
+        self.quant_method = QUANT_METHOD
+        self.manifest = manifest
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"quant_method": QUANT_METHOD, **copy.deepcopy(self.manifest)}
+
+    def __iter__(self):
+        yield from self.to_dict().items()
+
+
+@register_quantizer(QUANT_METHOD)
+class TNCompileQuantizer(HfQuantizer):
+    """Loads a compressed folder in ``from_pretrained`` (see the module doc)."""
+
+    requires_calibration = True  # only a folder tncompile saved: from_pretrained does not compress
+
+    def __init__(self, quantization_config: TNCompileConfig, **kwargs: Any):
+        super().__init__(quantization_config, **kwargs)
+        self._saved = None
+
+    def validate_environment(self, *args: Any, **kwargs: Any) -> None:
+        manifest = getattr(self.quantization_config, "manifest", None)
+        check_folder_manifest(manifest, "config.json: quantization_config")
+
+    def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs: Any):
+        files = [Path(f) for f in (checkpoint_files or [])]
+        if len(files) != 1 or files[0].name != WEIGHTS:
+            raise ModelFileError(f"from_pretrained of a tncompile folder: expected its one {WEIGHTS}, got "
+                                 f"{[f.name for f in files]}")
+        saved = read_weights(files[0], self.quantization_config.manifest, files[0].parent)
+        if saved.example_inputs is None:
+            raise ModelFileError(f"{files[0].parent}: the folder holds no example inputs to trace the model with; "
+                                 f"load it with tncompile.load(folder, model={saved.model_class}, example_inputs=...)")
+        args, kwargs_ = saved.example_inputs
+        on_meta = {k: _meta(v) for k, v in kwargs_.items()} if kwargs_ else tuple(_meta(a) for a in args)
+        _tie(model)
+        compiled = rebuild_saved(saved, model, None, on_meta, load_tensors=False)
+        if compiled is not model:
+            raise ModelFileError(f"{files[0].parent}: not a swap-mode model")
+        checked_state(model, saved, str(files[0].parent), cast=True)  # before any weight is read into it
+        _forget_swapped_ties(model)
+        _tolerate_swapped_children(model)
+        # the traced inputs beside the weights are the manifest's, not a weight transformers missed
+        model._keys_to_ignore_on_load_unexpected = {*(model._keys_to_ignore_on_load_unexpected or ()),
+                                                    rf"^{EXAMPLE}\."}
+        # a name sharing another's tensor is stored once (a tied head's embedding): not missing
+        model._keys_to_ignore_on_load_missing = {*(model._keys_to_ignore_on_load_missing or ()),
+                                                 *(rf"^{re.escape(name)}$" for name in saved.aliases)}
+        self._saved = saved
+        return model
+
+    def _process_model_after_weight_loading(self, model, **kwargs: Any):
+        saved, self._saved = self._saved, None
+        for m in model.modules():
+            m.__dict__.pop("_init_weights", None)
+        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+        if left:
+            raise ModelFileError(f"{saved.path}: from_pretrained left {left[:3]} unmade (the model class's "
+                                 f"_init_weights did not reach them); load it with tncompile.load(folder, "
+                                 f"model={saved.model_class})")
+        load_checked_state(model, saved, str(saved.path), cast=True)
+        model.train(False)
+        return model
+
+    def is_serializable(self, *args: Any, **kwargs: Any) -> bool:
+        return True  # a swapped model's save_pretrained writes the folder again
+
+    @property
+    def is_trainable(self) -> bool:
+        return True
+
+    @property
+    def is_qat_trainable(self) -> bool:
+        return True  # rank-adaptive training continues on the loaded model
+
+
+def _meta(value: Any) -> Any:
+    return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+
+def _tie(model: torch.nn.Module) -> None:
+    """Share the weights the model's class ties (``all_tied_weights_keys``: target -> source),
+    as ``__init__`` would: inside ``from_pretrained`` tying waits until after loading, but the
+    layer table's tied head must find its embedding's weight now."""
+    for target, source in dict(getattr(model, "all_tied_weights_keys", None) or {}).items():
+        parent, _, name = target.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, name, model.get_parameter(source))
+
+
+def _forget_swapped_ties(model: torch.nn.Module) -> None:
+    """Drop the class's ties whose weights the swap replaced (a TT tied head shares its
+    embedding's network itself); transformers would re-tie them after loading."""
+    tied = getattr(model, "all_tied_weights_keys", None)
+    if tied:
+        names = dict(model.named_parameters(remove_duplicate=False))
+        model.all_tied_weights_keys = {t: s for t, s in tied.items() if t in names and s in names}
+
+
+def _tolerate_swapped_children(model: torch.nn.Module) -> None:
+    """Let transformers' weight init pass the modules that hold a compressed layer: their
+    ``_init_weights`` reaches for a dense child's ``weight`` (GPT-2 rescales ``c_proj.weight``),
+    which the file's tensors replace anyway; any other error, or a tensor left unmade
+    (checked after loading), still surfaces."""
+    for sub in model.modules():
+        original = getattr(sub, "_init_weights", None)
+        if isinstance(sub, PreTrainedModel) and original is not None:
+            sub._init_weights = _tolerant(original)
+
+
+def _tolerant(init_weights):
+    def init_unless_compressed_child(module: torch.nn.Module) -> None:
+        try:
+            init_weights(module)
+        except (AttributeError, TypeError):
+            if not any(isinstance(child, TNModule) for child in module.children()):
+                raise
+    return init_unless_compressed_child
