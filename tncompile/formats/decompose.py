@@ -7,7 +7,7 @@ import torch
 
 from .layout import TTLayout, TTMLayout
 
-__all__ = ["tt_svd", "tt_from_linear_weight", "ttm_from_embedding_weight",
+__all__ = ["tt_svd", "tt_from_linear_weight", "linear_unfolding_ranks", "ttm_from_embedding_weight",
            "random_cores", "tt_to_dense", "ttm_to_dense", "tt_factors"]
 
 
@@ -85,6 +85,19 @@ def tt_from_linear_weight(weight: torch.Tensor, layout: TTLayout) -> list[torch.
     w = _pad2(weight.detach().t().to(torch.float64), layout.padded_in, layout.padded_out)
     cores = tt_svd(w.reshape(layout.site_sizes), layout.ranks)
     return _fit_ranks(cores, layout.ranks)
+
+
+def linear_unfolding_ranks(weight: torch.Tensor, layout: TTLayout, rtol: float = 1e-6) -> tuple[int, ...]:
+    """The ranks at which TT-SVD holds ``weight`` (``[out, in]``) exactly in ``layout``'s
+    modes: per bond, the number of singular values of that unfolding above ``rtol`` times
+    the largest (at least 1; at most the layout's bound)."""
+    t = _pad2(weight.detach().t().to(torch.float64), layout.padded_in, layout.padded_out)
+    sizes = layout.site_sizes
+    ranks = []
+    for k in range(len(sizes) - 1):
+        sv = torch.linalg.svdvals(t.reshape(prod(sizes[:k + 1]), -1))
+        ranks.append(max(1, int((sv > rtol * sv[0]).sum())) if sv.numel() and sv[0] > 0 else 1)
+    return tuple(min(r, b) for r, b in zip(ranks, layout.rank_bounds()))
 
 
 def ttm_from_embedding_weight(weight: torch.Tensor, layout: TTMLayout) -> list[torch.Tensor]:

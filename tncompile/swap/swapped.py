@@ -212,7 +212,8 @@ def swap_into(model: nn.Module, program: Program) -> None:
     for path, kind in program.swap_layers.items():
         mod = module_at(program.graph_module, path)
         current = module_at(model, path)
-        if mod is None or current is mod or network_of(current) is mod:
+        if mod is None or current is mod or network_of(current) is mod \
+                or getattr(current, "base_layer", None) is mod:  # an adapter (PEFT LoRA) wraps it
             continue
         if kind == "experts":
             put_experts(model, path, mod)

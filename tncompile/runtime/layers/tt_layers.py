@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .network_matrix import NetworkMatrix
 from ... import tuning
 from ...formats.decompose import (random_cores, tt_factors, tt_from_linear_weight, tt_to_dense,
                                  ttm_from_embedding_weight, ttm_to_dense)
@@ -341,9 +342,12 @@ class TTLinear(TNModule):
                 mod.bias.copy_(bias)
         return mod
 
-    def weight(self) -> torch.Tensor:
-        """The dense ``[out_features, in_features]`` matrix the network stands for."""
-        return tt_to_dense(self.scaled_cores(), self.layout)
+    @property
+    def weight(self) -> NetworkMatrix:
+        """``weight()``: the dense ``[out_features, in_features]`` matrix the network stands for
+        (``weight.device`` / ``dtype`` / ``shape`` without making it: :class:`.NetworkMatrix`)."""
+        return NetworkMatrix(self, lambda: tt_to_dense(self.scaled_cores(), self.layout),
+                             (self.layout.out_features, self.layout.in_features))
 
     def merged_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The matrix as two thin factors, ``W.T = A @ B`` (gates included):
@@ -534,9 +538,12 @@ class TTMEmbedding(TNModule):
         mod.set_cores([c.to(weight.dtype) for c in cores])
         return mod
 
-    def weight(self) -> torch.Tensor:
-        """The dense ``[num_embeddings, embedding_dim]`` table (padding row as stored)."""
-        return ttm_to_dense(self.scaled_cores(), self.layout)
+    @property
+    def weight(self) -> NetworkMatrix:
+        """``weight()``: the dense ``[num_embeddings, embedding_dim]`` table (padding row as
+        stored; ``weight.device`` / ``dtype`` / ``shape`` without making it)."""
+        return NetworkMatrix(self, lambda: ttm_to_dense(self.scaled_cores(), self.layout),
+                             (self.layout.num_embeddings, self.layout.embedding_dim))
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         """Ids must be integers in ``[0, num_embeddings)`` (:func:`.traced_lookup.check_ids`:

@@ -1,0 +1,248 @@
+"""PEFT LoRA on compressed layers: QLoRA's recipe with a tensor train in place of 4-bit.
+
+PEFT wraps the layer kinds it knows; a :class:`~tncompile.runtime.TTLinear` is registered
+with its custom-module mechanism by :func:`tt_lora`, after which ``get_peft_model``,
+training, ``save_pretrained`` of the adapters and ``PeftModel.from_pretrained`` work as for
+any model::
+
+    peft_model = peft.get_peft_model(compressed, tt_lora(peft.LoraConfig(target_modules=["query", "value"])))
+    ...train...; peft_model.save_pretrained("adapters")
+    again = peft.PeftModel.from_pretrained(compressed_again, "adapters",
+                                           config=tt_lora(peft.LoraConfig.from_pretrained("adapters")))
+
+:class:`TTLoraLinear` is PEFT's LoRA ``Linear`` around the network: ``y = TT(x) + s B A x``.
+Merging (``merge_adapter``, ``merge_and_unload``) folds ``s B A`` into the network. The
+ranks that hold ``W + s B A`` exactly are measured (each bond's unfolding rank: the bond
+between input and output cores grows by at most ``r``, the adapter's rank; bonds inside
+one side may grow to their bounds). If those cost no more parameters than the layer's
+ranks grown by ``r``, the merge is exact at them -- the adapter becomes extra rank.
+Otherwise it is a refit at the grown ranks: to the matrix (TT-SVD), or, with calibration
+inputs (:func:`merge_and_unload`), to the layer's outputs on them
+(:func:`tncompile.calibration.layer_fit.fit_linear_cores`); ``exact=True`` merges exactly
+at any size. Each merge's :class:`MergeResult` says which happened and the error; an
+inexact merge warns.
+``unmerge`` restores the network exactly as it was.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from peft import LoraConfig
+from peft.tuners.lora.layer import Linear as LoraLinear
+from peft.tuners.tuners_utils import check_adapters_to_merge
+
+from ..calibration.layer_fit import fit_linear_cores
+from ..formats.decompose import linear_unfolding_ranks, tt_from_linear_weight, tt_to_dense
+from ..passes.replan import replan_module
+from ..runtime import TTLinear
+
+__all__ = ["tt_lora", "TTLoraLinear", "MergeResult", "merge_and_unload", "EXACT"]
+
+#: relative error of the merged matrix below which a merge counts as exact
+EXACT = 1e-6
+
+
+def tt_lora(config: LoraConfig) -> LoraConfig:
+    """``config`` with tncompile's TT linears registered as LoRA targets (PEFT's
+    custom-module mechanism); returns the same config, for use inline."""
+    if not isinstance(config, LoraConfig):
+        raise TypeError(f"tt_lora: expected a peft.LoraConfig, got {type(config).__name__}")
+    if config.use_dora:
+        raise ValueError("tt_lora: use_dora=True is not supported on TT layers (DoRA rescales the columns of a "
+                         "dense weight); use plain LoRA")
+    if config.fan_in_fan_out:
+        raise ValueError("tt_lora: fan_in_fan_out=True describes a [in, out] weight; a TTLinear is [out, in]: "
+                         "leave it False")
+    config._register_custom_module({TTLinear: TTLoraLinear})
+    return config
+
+
+@dataclass
+class MergeResult:
+    """One adapter folded into one network.
+
+    Attributes
+    ----------
+    ranks_before, ranks_after : tuple of int
+    exact : bool
+        The merged network equals ``W + s B A`` to ``EXACT`` relative error.
+    weight_error : float
+        ``|TT' - (W + s B A)| / |W + s B A|`` (Frobenius).
+    output_error : float or None
+        With calibration inputs: the relative error of the layer's outputs on them.
+    """
+
+    adapter: str
+    ranks_before: tuple[int, ...]
+    ranks_after: tuple[int, ...]
+    exact: bool
+    weight_error: float
+    output_error: float | None = None
+
+
+class TTLoraLinear(LoraLinear):
+    """PEFT's LoRA ``Linear`` around a :class:`TTLinear` (see the module doc).
+
+    Shapes
+    ------
+    input ``(..., in_features)`` -> output ``(..., out_features)``.
+    """
+
+    def __init__(self, base_layer: torch.nn.Module, adapter_name: str, config: LoraConfig, **kwargs: Any):
+        super().__init__(base_layer, adapter_name, config=config, **kwargs)
+        self.merge_results: list[MergeResult] = []
+        self.calibration_moment: torch.Tensor | None = None  # set by merge_and_unload(calibration=...)
+        self.merge_exactly = False  # set by merge_and_unload(exact=True)
+        self._before_merge: dict[str, tuple] = {}
+
+    def _get_in_out_features(self, module: torch.nn.Module) -> tuple[int, int]:
+        return module.in_features, module.out_features
+
+    def _get_base_layer_device_and_dtype(self, base_layer: torch.nn.Module):
+        weight = base_layer.weight  # a NetworkMatrix: its device and dtype without making it
+        return weight.device, weight.dtype
+
+    def merge(self, safe_merge: bool = False, adapter_names: list[str] | None = None) -> None:
+        """Fold each adapter into the network (see the module doc); ``safe_merge`` checks
+        the merged network is finite before putting it in."""
+        for name in check_adapters_to_merge(self, adapter_names):
+            if name not in self.lora_A:
+                continue
+            layer = self.get_base_layer()
+            self._before_merge[name] = _network_state(layer)
+            result = _fold(layer, self.get_delta_weight(name), self.r[name], name, self.calibration_moment,
+                           safe_merge, self.merge_exactly)
+            if self.lora_bias[name]:
+                if layer.bias is None:
+                    raise RuntimeError("LoRA with lora_bias=True cannot merge into a layer without a bias")
+                with torch.no_grad():
+                    layer.bias.add_(self.lora_B[name].bias * self.scaling[name])
+            self.merge_results.append(result)
+            self.merged_adapters.append(name)
+            if not result.exact:
+                warnings.warn(f"LoRA merge of adapter {name!r} into a TT layer: ranks {result.ranks_before} -> "
+                              f"{result.ranks_after} hold the merged matrix to relative error "
+                              f"{result.weight_error:.2e} (not exact: a refit); merge with calibration inputs "
+                              "(tncompile.integrations.peft_lora.merge_and_unload) to fit the outputs instead",
+                              RuntimeWarning, stacklevel=2)
+
+    def unmerge(self) -> None:
+        """Put each merged adapter's network back exactly as it was before merging."""
+        while self.merged_adapters:
+            name = self.merged_adapters.pop()
+            layer = self.get_base_layer()
+            _restore_network(layer, self._before_merge.pop(name))
+            if self.lora_bias.get(name):
+                with torch.no_grad():
+                    layer.bias.sub_(self.lora_B[name].bias * self.scaling[name])
+
+    def __repr__(self) -> str:
+        return "lora.TT" + super().__repr__()[len("lora."):]
+
+
+def _network_state(layer: TTLinear) -> tuple:
+    return (layer.layout, [p.detach().clone() for p in layer.cores._parameters.values()],
+            [g.detach().clone() for g in layer.gates._parameters.values()])
+
+
+def _restore_network(layer: TTLinear, state: tuple) -> None:
+    layout, cores, gates = state
+    first = next(iter(layer.cores._parameters.values()))
+    layer._init_params(layout, first.device, first.dtype)
+    with torch.no_grad():
+        for p, v in zip([*layer.cores._parameters.values(), *layer.gates._parameters.values()], [*cores, *gates]):
+            p.copy_(v)
+    replan_module(layer, force=True)
+
+
+def _fold(layer: TTLinear, delta: torch.Tensor, lora_rank: int, name: str, moment: torch.Tensor | None,
+          safe: bool, exact: bool = False) -> MergeResult:
+    """Put ``layer.weight() + delta`` into the network: at the ranks that hold it exactly
+    when those cost no more parameters than the ranks grown by ``lora_rank`` (or always,
+    with ``exact``); else refit at the grown ranks (see the module doc)."""
+    with torch.no_grad():
+        target = layer.weight().detach().to(torch.float64) + delta.detach().to(torch.float64)
+    layout = layer.layout
+    grown = layout.with_ranks(tuple(min(b, r + lora_rank) for r, b in zip(layout.ranks, layout.rank_bounds())))
+    holding = layout.with_ranks(linear_unfolding_ranks(target, layout))
+    output_error = None
+    if exact or holding.num_params() <= grown.num_params():
+        new, cores = holding, tt_from_linear_weight(target, holding)
+    elif moment is not None:
+        fit = fit_linear_cores(target, grown, moment)
+        new, cores, output_error = grown, fit.cores, fit.fit_error
+    else:
+        new, cores = grown, tt_from_linear_weight(target, grown)
+    with torch.no_grad():
+        error = float((tt_to_dense(cores, new) - target).norm() / target.norm().clamp_min(1e-300))
+    if safe and not all(bool(torch.isfinite(c).all()) for c in cores):
+        raise ValueError(f"NaNs in the merged network of adapter {name!r}: the adapter seems broken")
+    first = next(iter(layer.cores._parameters.values()))
+    layer._init_params(new, first.device, first.dtype)
+    layer.set_cores([c.to(first.dtype) for c in cores])
+    replan_module(layer, force=True)
+    return MergeResult(name, tuple(layout.ranks), tuple(new.ranks), error <= EXACT, error, output_error)
+
+
+def merge_and_unload(peft_model: torch.nn.Module, calibration: Iterable[Any] | None = None, *,
+                     exact: bool = False) -> tuple[torch.nn.Module, list[MergeResult]]:
+    """``peft_model.merge_and_unload()`` that also says how each TT layer merged.
+
+    Parameters
+    ----------
+    calibration : iterable, optional
+        Batches to call the model on (dicts of keyword arguments, tuples of positional
+        ones, or single tensors): a merge that is not exact fits the layer's outputs on
+        them instead of its matrix.
+    exact : bool
+        Merge every adapter exactly, at whatever ranks that takes (within the layout's
+        bounds; the model may grow).
+
+    Returns
+    -------
+    model : the base model, adapters merged into its networks
+    results : one :class:`MergeResult` per adapter per TT layer
+    """
+    wrapped = [m for m in peft_model.modules() if isinstance(m, TTLoraLinear)]
+    if calibration is not None:
+        _collect_moments(peft_model, wrapped, calibration)
+    for m in wrapped:
+        m.merge_exactly = exact
+    try:
+        peft_model.merge_adapter()
+    finally:
+        for m in wrapped:
+            m.calibration_moment, m.merge_exactly = None, False
+    results = [r for m in wrapped for r in m.merge_results]
+    return peft_model.unload(), results
+
+
+def _collect_moments(model: torch.nn.Module, layers: list[TTLoraLinear], batches: Iterable[Any]) -> None:
+    sums: dict[int, list] = {id(m): [None, 0] for m in layers}
+
+    def record(module, args):
+        x = args[0].detach().reshape(-1, args[0].shape[-1]).to(torch.float64)
+        entry = sums[id(module)]
+        entry[0] = x.t() @ x if entry[0] is None else entry[0] + x.t() @ x
+        entry[1] += x.shape[0]
+    hooks = [m.register_forward_pre_hook(record) for m in layers]
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                if isinstance(batch, dict):
+                    model(**batch)
+                elif isinstance(batch, (tuple, list)):
+                    model(*batch)
+                else:
+                    model(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    for m in layers:
+        total, rows = sums[id(m)]
+        if rows == 0:
+            raise ValueError("merge_and_unload(calibration=...): the batches never reached a LoRA-wrapped TT layer")
+        m.calibration_moment = total / rows
