@@ -9,9 +9,14 @@ dense layer but more kernels and Python calls can lose in time. The model
 (``BertModel``, hidden 128, 2 layers, 2 heads, FFN 512, vocabulary 1,000) is compiled
 with the defaults but ``mode="graph"`` (``--mode auto`` for the true default, swap mode for
 an HF model; written to ``small_models_auto.json``) at
-``--ratio``; each step is a forward over ``batch x length`` ids and a backward of a
-mean-square loss on the last hidden state. Timed interleaved against the dense model,
-eagerly and, unless ``--no-torch-compile``, with both models under ``torch.compile``.
+``--ratio``; each step is what a user's loop runs -- a forward over ``batch x length``
+ids, a backward of a mean-square loss on the last hidden state, ``optimizer.step()`` and
+``zero_grad`` -- timed interleaved against the dense model: eagerly with the AdamW a user
+writes first (``AdamW(model.parameters())``, which steps CPU tensors one by one: a
+compressed model has several times more of them) and with ``foreach`` (the compressed
+model's optimizer built from ``tncompile.param_groups``, which turns it on; the dense
+one's with ``foreach=True``), and, unless ``--no-torch-compile``, the model under
+``torch.compile`` with the default AdamW.
 Where the report estimates some TT linears slower than their dense layers (its speed
 line, ``report.speed``), the model it offers -- those kept dense, at the ratio it names --
 is timed beside them (``--no-slower-kept-dense`` skips it). ``--train-step eager|captured``
@@ -33,6 +38,7 @@ import torch
 import transformers
 
 import tncompile
+from tncompile.result.model_api import is_compressed
 from tncompile.train import TrainStep
 
 from common import interleaved_ms, machine, parser, write_json
@@ -94,13 +100,27 @@ def main() -> None:
         models["no-slower"] = tncompile.compile(dense, target_ratio=estimate.ratio_without_slower,
                                                 exclude_modules=list(estimate.slower), example_inputs=example,
                                                 mode=args.mode).train()
-    params = {m: [p for p in m.parameters() if p.requires_grad] for m in models.values()}
+    tensors = {name: sum(p.requires_grad for p in m.parameters()) for name, m in models.items()}
+    print("parameter tensors: " + ", ".join(f"{k} {v}" for k, v in tensors.items()), flush=True)
 
     def loss_of(out):  # the encoder: a mean-square loss on its last hidden state; decoders: their LM loss
         return out.last_hidden_state.square().mean() if args.family == "bert" else out.loss
 
-    def step(model):
-        return lambda: loss_of(model(**example)).backward()
+    def whole_step(model, run, optimizer):
+        """What a user's loop does: forward, backward, ``optimizer.step()``, ``zero_grad``."""
+        def go():
+            loss_of(run(**example)).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return go
+
+    def default_adamw(model):  # what a user writes first
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+
+    def foreach_adamw(model):  # tncompile.param_groups (foreach on); the dense model with foreach=True alike
+        if is_compressed(model):
+            return torch.optim.AdamW(tncompile.param_groups(model, lr=1e-5))
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
 
     def train_step(model, captured: bool):
         """A full step (forward, backward, AdamW) through tncompile.TrainStep."""
@@ -108,26 +128,22 @@ def main() -> None:
         step = TrainStep(model, opt, lambda out, _: loss_of(out), cuda_graph=captured)
         return lambda: step(example, None)
 
-    def clear():
-        for ps in params.values():
-            for p in ps:
-                p.grad = None
-
     rows = []
-    cases = [("eager", {name: step(model) for name, model in models.items()})]
+    cases = [("eager, AdamW()", {name: whole_step(m, m, default_adamw(m)) for name, m in models.items()}),
+             ("eager, AdamW foreach", {name: whole_step(m, m, foreach_adamw(m)) for name, m in models.items()})]
     if args.torch_compile:
-        cases.append(("torch.compile", {name: step(torch.compile(model)) for name, model in models.items()}))
+        cases.append(("torch.compile, AdamW()", {name: whole_step(m, torch.compile(m), default_adamw(m))
+                                                 for name, m in models.items()}))
     if args.train_step == "captured" and device.type != "cuda":
         ap.error("--train-step captured needs --device cuda")
     if args.train_step:
         cases.append((f"TrainStep {args.train_step}", {name: train_step(model, args.train_step == "captured")
                                                        for name, model in models.items()}))
     for case, fns in cases:
-        ms = interleaved_ms(fns, reps=args.reps, warmup=3, setup=None if case.startswith("TrainStep") else clear,
-                            device=device)
+        ms = interleaved_ms(fns, reps=args.reps, warmup=3, device=device)
         row = {"case": case, "dense_ms": round(ms["dense"], 2), "compiled_ms": round(ms["compiled"], 2),
                "speed_vs_dense": round(ms["dense"] / ms["compiled"], 3)}
-        text = f"{case:14s} dense {ms['dense']:8.2f} ms  compiled {ms['compiled']:8.2f} ms  " \
+        text = f"{case:22s} dense {ms['dense']:8.2f} ms  compiled {ms['compiled']:8.2f} ms  " \
                f"{ms['dense'] / ms['compiled']:5.2f}x dense"
         if "no-slower" in ms:
             row.update(no_slower_ms=round(ms["no-slower"], 2),
@@ -144,7 +160,7 @@ def main() -> None:
             "speed_vs_dense": round(estimate.speedup, 3),
             "slower": len(estimate.slower), "ratio_without_slower": round(estimate.ratio_without_slower, 4)},
         "no_slower_ratio": models["no-slower"].ratio if "no-slower" in models else None,
-        "batch": args.batch, "length": args.length, "rows": rows, "device": str(device), **machine(device)})
+        "parameter_tensors": tensors, "batch": args.batch, "length": args.length, "rows": rows, "device": str(device), **machine(device)})
     print(f"wrote {path}")
 
 

@@ -13,13 +13,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 demo = pytest.importorskip("demo")
 
 
-def test_generated_task_is_consistent():
-    ids, labels = demo.generated_task(50, seed=3)
+def test_generated_task_is_consistent_and_noisy():
+    ids, labels = demo.generated_task(300, seed=3, noise=0.0)
     for seq, label in zip(ids, labels):
         counts = [seq.count(m) for m in (1000, 2000, 3000)]
-        assert counts[label] == 3 and max(c for i, c in enumerate(counts) if i != label) <= 1
+        assert counts[label] >= 2 and counts[label] == max(counts)
+    noisy_ids, noisy = demo.generated_task(300, seed=3, noise=0.3)
+    assert noisy_ids == ids  # the same sequences, some labels redrawn
+    flipped = sum(a != b for a, b in zip(labels, noisy)) / len(labels)
+    assert 0.1 < flipped < 0.3  # about 0.3 * 2/3 of them
     x, y = demo.collate(ids[:4], labels[:4])
     assert x.shape[0] == 4 and x.shape[1] == max(len(s) for s in ids[:4]) and y.tolist() == labels[:4]
+
+
+def test_demo_quick_run_shows_report_speed_accuracy_plot_and_next_step(tmp_path):
+    pytest.importorskip("matplotlib")
+    import json
+    import subprocess
+    script = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
+    run = subprocess.run([sys.executable, str(script), "--quick", "--data", "none", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    assert "44.9x smaller" in out and "total:" in out                       # the report
+    assert "x faster" in out and "dense" in out                              # the step against dense
+    assert "| step | dense | compressed |" in out and "4. next:" in out
+    result = json.loads((tmp_path / "demo.json").read_text())
+    assert result["accuracy"][-1]["step"] == 20 and 0 <= result["accuracy"][-1]["compressed"] <= 1
+    assert result["step_seconds"]["dense"] > 0 and result["ratio"] <= 0.11
+    assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_sst2_rows_tokenize_and_train_one_step(data_dir):

@@ -236,3 +236,17 @@ def test_a_folder_of_the_first_format_says_how_to_load_it(tmp_path):
     (old / "config.json").write_text(json.dumps({"model_type": "bert", "tncompile": {"file": "tncompile-model.tnc"}}))
     with pytest.raises(ModelFileError, match="tncompile-model.tnc"):
         tncompile.load(old, model=transformers.BertForSequenceClassification)
+
+
+@pytest.mark.parametrize("first", ["tncompile", "transformers"])
+def test_import_tncompile_registers_the_backend_without_importing_transformers(bert_folder, first):
+    """``import tncompile`` costs no transformers import; the backend is registered right after
+    transformers imports its quantizer registry -- or at once when it already has."""
+    folder, _ = bert_folder
+    imports = ("import tncompile, sys; assert 'transformers' not in sys.modules; import transformers"
+               if first == "tncompile" else "import transformers.quantizers.auto, transformers, tncompile")
+    script = f"""{imports}
+m = transformers.AutoModelForSequenceClassification.from_pretrained({str(folder)!r})
+print(type(m.bert.encoder.layer[0].attention.self.query).__name__)"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "TTLinear", run.stderr[-2000:]

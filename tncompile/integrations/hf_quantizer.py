@@ -19,8 +19,9 @@ What the quantizer does inside ``from_pretrained``:
    more, through ``load_state_dict`` (transformers replaces parameter objects; the copy
    restores sharing and makes the state the file's exactly, cast to ``dtype=`` if given).
 
-``import tncompile`` imports this module when transformers is installed
-(:mod:`tncompile.integrations.transformers_plugin`).
+``import tncompile`` has this module imported right after transformers imports its
+quantizer registry (:mod:`tncompile.integrations.transformers_plugin`); it imports only
+that registry's modules at its top.
 """
 from __future__ import annotations
 
@@ -31,7 +32,6 @@ from typing import Any
 
 import torch
 from transformers.quantizers.auto import register_quantization_config, register_quantizer
-from transformers import PreTrainedModel
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
@@ -154,6 +154,7 @@ def _tolerate_swapped_children(model: torch.nn.Module) -> None:
     ``_init_weights`` reaches for a dense child's ``weight`` (GPT-2 rescales ``c_proj.weight``),
     which the file's tensors replace anyway; any other error, or a tensor left unmade
     (checked after loading), still surfaces."""
+    from transformers import PreTrainedModel  # here: this module is imported inside transformers' own import
     for sub in model.modules():
         original = getattr(sub, "_init_weights", None)
         if isinstance(sub, PreTrainedModel) and original is not None:

@@ -79,7 +79,8 @@ def _owners(compiled) -> dict[str, TNModule]:
 
 def param_groups(compiled: nn.Module, lr: float, *, core_lr: float | None = None,
                  gate_lr: float | None = None, weight_decay: float = 0.0,
-                 core_weight_decay: float | None = None, gate_weight_decay: float = 0.0) -> list[dict]:
+                 core_weight_decay: float | None = None, gate_weight_decay: float = 0.0,
+                 foreach: bool | None = True) -> list[dict]:
     """Optimizer parameter groups ``cores``, ``gates`` and ``other``.
 
     CoMERA trains the rank gates with their own learning rate and no weight
@@ -87,6 +88,11 @@ def param_groups(compiled: nn.Module, lr: float, *, core_lr: float | None = None
     them directly: ``AdamW(param_groups(compiled, lr=1e-3, gate_lr=1e-2))``.
     Each group carries a ``"name"`` key. Learning rates and weight decays
     not given default to ``lr`` / ``weight_decay`` (gates: no decay).
+
+    ``foreach`` (default ``True``) goes into every group: a compressed model holds several
+    times its dense model's parameter tensors, each small, and PyTorch's optimizers step
+    CPU tensors one at a time unless told otherwise (``benchmarks/bench_small_models.py``
+    times both); ``None`` leaves the optimizer's own choice.
     """
     compiled = unwrap(compiled)
     if not is_compressed(compiled):
@@ -106,6 +112,9 @@ def param_groups(compiled: nn.Module, lr: float, *, core_lr: float | None = None
          "weight_decay": gate_weight_decay},
         {"name": "other", "params": list(other.values()), "lr": lr, "weight_decay": weight_decay},
     ]
+    if foreach is not None:
+        for g in groups:
+            g["foreach"] = bool(foreach)
     return [g for g in groups if g["params"]]
 
 
