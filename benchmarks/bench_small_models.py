@@ -13,9 +13,10 @@ an HF model; written to ``small_models_auto.json``) at
 ids, a backward of a mean-square loss on the last hidden state, ``optimizer.step()`` and
 ``zero_grad`` -- timed interleaved against the dense model: eagerly with the AdamW a user
 writes first (``AdamW(model.parameters())``, which steps CPU tensors one by one: a
-compressed model has several times more of them) and with ``foreach`` (the compressed
-model's optimizer built from ``tncompile.param_groups``, which turns it on; the dense
-one's with ``foreach=True``), and, unless ``--no-torch-compile``, the model under
+compressed model has several times more of them), with ``foreach`` (the compressed
+model's optimizer built from ``tncompile.param_groups``, its default; the dense one's
+with ``foreach=True``) and fused (``param_groups(..., implementation="fused")``;
+``fused=True``), and, unless ``--no-torch-compile``, the model under
 ``torch.compile`` with the default AdamW.
 Where the report estimates some TT linears slower than their dense layers (its speed
 line, ``report.speed``), the model it offers -- those kept dense, at the ratio it names --
@@ -117,10 +118,10 @@ def main() -> None:
     def default_adamw(model):  # what a user writes first
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
 
-    def foreach_adamw(model):  # tncompile.param_groups (foreach on); the dense model with foreach=True alike
+    def grouped_adamw(model, implementation: str):  # tncompile.param_groups; the dense model's alike
         if is_compressed(model):
-            return torch.optim.AdamW(tncompile.param_groups(model, lr=1e-5))
-        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, foreach=True)
+            return torch.optim.AdamW(tncompile.param_groups(model, lr=1e-5, implementation=implementation))
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5, **{implementation: True})
 
     def train_step(model, captured: bool):
         """A full step (forward, backward, AdamW) through tncompile.TrainStep."""
@@ -130,7 +131,9 @@ def main() -> None:
 
     rows = []
     cases = [("eager, AdamW()", {name: whole_step(m, m, default_adamw(m)) for name, m in models.items()}),
-             ("eager, AdamW foreach", {name: whole_step(m, m, foreach_adamw(m)) for name, m in models.items()})]
+             ("eager, AdamW foreach", {name: whole_step(m, m, grouped_adamw(m, "foreach"))
+                                       for name, m in models.items()}),
+             ("eager, AdamW fused", {name: whole_step(m, m, grouped_adamw(m, "fused")) for name, m in models.items()})]
     if args.torch_compile:
         cases.append(("torch.compile, AdamW()", {name: whole_step(m, torch.compile(m), default_adamw(m))
                                                  for name, m in models.items()}))

@@ -126,3 +126,11 @@ def test_tt_lora_refuses_what_a_tt_layer_cannot_take():
         tt_lora(peft.LoraConfig(target_modules=["query"], fan_in_fan_out=True))
     with pytest.raises(TypeError, match="LoraConfig"):
         tt_lora({"target_modules": ["query"]})
+
+
+def test_compiling_a_model_that_carries_adapters_says_what_to_do():
+    cfg = transformers.BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=32)
+    adapted = peft.get_peft_model(transformers.BertModel(cfg), peft.LoraConfig(target_modules=["query"], r=2))
+    with pytest.raises(TypeError, match="LoRA adapters.*Compress first.*tt_lora.*merge_and_unload"):
+        tncompile.compile(adapted, target_ratio=0.3, example_inputs={"input_ids": torch.randint(0, 120, (2, 8))})

@@ -495,3 +495,31 @@ def test_load_state_dict_of_a_cut_model_adopts_its_ranks(mode):
     grown = copy.deepcopy(fresh)
     with pytest.raises(ValueError, match=f"{name}.*cannot grow.*tncompile.load"):
         grown.load_state_dict(tncompile.compile(dense, target_ratio=0.4, prefer="size", **kwargs).state_dict())
+
+
+def test_param_groups_step_tensors_together_with_the_plain_loops_results():
+    """A compressed model has several times the tensors of its dense model: param_groups asks
+    for the foreach step (bit for bit the one-at-a-time loop's) or, on request, the fused one
+    (within rounding)."""
+    torch.manual_seed(0)
+    a = tncompile.compile(mlp((64, 128, 64, 10)), target_ratio=0.4, prefer="size")
+    b, c = copy.deepcopy(a), copy.deepcopy(a)
+    groups = tncompile.param_groups(a, lr=1e-2, gate_lr=1e-1)
+    assert all(g["foreach"] is True and "fused" not in g for g in groups)
+    assert all("fused" not in g and "foreach" not in g
+               for g in tncompile.param_groups(a, lr=1e-2, implementation=None))
+    with pytest.raises(ValueError, match="implementation"):
+        tncompile.param_groups(a, lr=1e-2, implementation="fast")
+    opts = [torch.optim.AdamW(groups),
+            torch.optim.AdamW(tncompile.param_groups(b, lr=1e-2, gate_lr=1e-1, implementation=None)),
+            torch.optim.AdamW(tncompile.param_groups(c, lr=1e-2, gate_lr=1e-1, implementation="fused"))]
+    assert all(g["fused"] is True for g in opts[2].param_groups)
+    x = torch.randn(8, 64)
+    for model, opt in zip((a, b, c), opts):
+        for _ in range(3):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(p, q), name
+        torch.testing.assert_close(r, q, rtol=1e-5, atol=1e-6, msg=name)

@@ -315,6 +315,12 @@ def _check_model(model: Any) -> None:
                         "further by training with tncompile.RankController")
     if not isinstance(model, nn.Module):
         raise TypeError(f"tncompile.compile expects an nn.Module, got {type(model).__name__}")
+    adapted = [name for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    if adapted:  # PEFT's LoRA layers: compressing under them would lose what their merge needs
+        raise TypeError(f"tncompile.compile: the model carries PEFT LoRA adapters ({adapted[0]!r}, ...). Compress "
+                        "first and add the adapters after: peft.get_peft_model(tncompile.compile(base_model, ...), "
+                        "tncompile.integrations.peft_lora.tt_lora(LoraConfig(...))); or fold them in first "
+                        "(peft_model.merge_and_unload()) and compile the result")
     if is_compressible(model):
         kind = type(model).__name__
         single = ("tncompile.runtime.TTMEmbedding.from_embedding(layer, rank=...)" if isinstance(model, nn.Embedding)

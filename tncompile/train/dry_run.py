@@ -388,6 +388,9 @@ def dry_run(compiled: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
     post = torch.nn.modules.module.register_module_forward_hook(leave)
     try:
         with _meta_is_a_capture_device(), native.watch(observer.native_call):
+            for group in opt.param_groups:  # fused kernels have no meta form for every optimizer (SGD's):
+                if group.get("fused"):      # the copy steps with foreach, capture-safe as the fused kernel is
+                    group["fused"], group["foreach"] = False, True
             try:
                 make_capturable(opt)
             except TypeError as e:
