@@ -191,11 +191,11 @@ def main() -> None:
     ap.add_argument("--data", default=default_data,
                     help=f"SST-2 folder (train.tsv, dev.tsv; ../bert-base-uncased/vocab.txt beside it), or 'none' "
                          f"for a generated task; default ${DATA_ENV}/sst2 or ../shared/data/sst2 when present")
-    ap.add_argument("--steps", type=int, default=300, help="training steps of each small model")
+    ap.add_argument("--steps", type=int, default=600, help="training steps of each small model")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--ratio", type=float, default=0.1, help="target_ratio of the small model")
-    ap.add_argument("--eval-every", type=int, default=75)
+    ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--measure-batch", type=int, default=8, help="batch of the six-encoder step-time comparison")
     ap.add_argument("--measure-rounds", type=int, default=2)
     ap.add_argument("--out", default=out_dir("demo"))
