@@ -128,9 +128,76 @@ def test_tt_lora_refuses_what_a_tt_layer_cannot_take():
         tt_lora({"target_modules": ["query"]})
 
 
-def test_compiling_a_model_that_carries_adapters_says_what_to_do():
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_compiling_a_model_that_carries_adapters_keeps_them(family, tmp_path):
+    """compile(peft_model): the layers under the adapters are compressed, the adapters kept as
+    they were (dense, trainable, same values) and acting on the networks; merging folds them
+    into the networks; the user's model is untouched."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 120, (4, 16))
+    if family == "bert":
+        cfg = transformers.BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      intermediate_size=128, max_position_embeddings=32)
+        base, targets, example = transformers.BertModel(cfg), ["query", "value"], {"input_ids": ids}
+    else:
+        cfg = transformers.GPT2Config(vocab_size=120, n_embd=64, n_layer=1, n_head=4, n_positions=32)
+        base, targets = transformers.GPT2LMHeadModel(cfg), ["c_attn"]
+        example = {"input_ids": ids, "use_cache": False}
+    adapted = peft.get_peft_model(base, peft.LoraConfig(target_modules=targets, r=2, init_lora_weights=False))
+    before = {n: p.detach().clone() for n, p in adapted.named_parameters() if "lora_" in n}
+    compiled = tncompile.compile(adapted, target_ratio=0.99, prefer="size", example_inputs=example)
+    assert type(compiled) is type(adapted) and compiled is not adapted
+    wrappers = {n: m for n, m in compiled.named_modules() if isinstance(m, TTLoraLinear)}
+    assert wrappers and all(isinstance(m.get_base_layer(), TTLinear) for m in wrappers.values())
+    assert not any(isinstance(m, TTLinear) for n, m in compiled.named_modules() if "lora_" in n)
+    got = {n: p for n, p in compiled.named_parameters() if "lora_" in n}
+    assert got.keys() == before.keys() and all(torch.equal(got[n], before[n]) for n in before)
+    assert all(p.requires_grad for p in got.values())
+    assert not any(isinstance(m, TTLinear) for m in adapted.modules())  # the user's model is untouched
+    inner = compiled.base_model.model
+    assert inner.ratio > 0.5 and inner.tensorized_modules()
+    compiled.eval()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        for w in wrappers.values():  # each layer: the network plus the very adapter it had
+            a, b = w.lora_A["default"], w.lora_B["default"]
+            torch.testing.assert_close(w(x), w.get_base_layer()(x) + b(a(x)) * w.scaling["default"])
+        got_out = compiled(**example)
+        with compiled.disable_adapter():
+            without = compiled(**example)
+    key = "last_hidden_state" if family == "bert" else "logits"
+    assert not torch.allclose(without[key], got_out[key])  # the adapters act
+    merged, results = merge_and_unload(compiled, exact=True)
+    assert results and all(r.exact for r in results)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**example)[key], got_out[key], rtol=1e-4, atol=1e-5)
+
+
+def test_compiling_adapters_tncompile_cannot_keep_is_refused_before_anything_changes():
     cfg = transformers.BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                   intermediate_size=128, max_position_embeddings=32)
-    adapted = peft.get_peft_model(transformers.BertModel(cfg), peft.LoraConfig(target_modules=["query"], r=2))
-    with pytest.raises(TypeError, match="LoRA adapters.*Compress first.*tt_lora.*merge_and_unload"):
-        tncompile.compile(adapted, target_ratio=0.3, example_inputs={"input_ids": torch.randint(0, 120, (2, 8))})
+    dora = peft.get_peft_model(transformers.BertModel(cfg), peft.LoraConfig(target_modules=["query"], r=2,
+                                                                            use_dora=True))
+    example = {"input_ids": torch.randint(0, 120, (2, 8))}
+    with pytest.raises(TypeError, match="DoRA.*merge_and_unload"):
+        tncompile.compile(dora, target_ratio=0.3, example_inputs=example)
+    with pytest.raises(ValueError, match="swap mode"):
+        tncompile.compile(dora, target_ratio=0.3, example_inputs=example, mode="graph")
+
+
+@pytest.mark.parametrize("first", ["tncompile", "peft"])
+def test_importing_peft_is_enough_to_compile_a_model_with_adapters(first):
+    """tncompile's LoRA support registers itself when PEFT is imported, in either order."""
+    import subprocess
+    import sys
+    imports = "import tncompile, peft" if first == "tncompile" else "import peft, tncompile"
+    script = f"""{imports}
+import sys, torch, transformers
+assert 'tncompile.integrations.peft_lora' in sys.modules
+cfg = transformers.BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                              intermediate_size=128, max_position_embeddings=32)
+adapted = peft.get_peft_model(transformers.BertModel(cfg), peft.LoraConfig(target_modules=["query"], r=2))
+c = tncompile.compile(adapted, target_ratio=0.5, example_inputs={{"input_ids": torch.randint(0, 120, (2, 8))}})
+print(type(c.base_model.model.encoder.layer[0].attention.self.query).__name__)"""
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "TTLoraLinear", run.stderr[-2000:]

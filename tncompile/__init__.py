@@ -15,7 +15,7 @@ from .result.report import Report
 from .serialization import load, save
 from .train import Distill, History, resume, RankController, RankEvent, TrainStep, dry_run, fit, freeze_gates, param_groups
 from .integrations.pretrained import compress_pretrained
-from .integrations import transformers_plugin  # from_pretrained of compressed folders, with transformers
+from .integrations import plugins  # transformers' from_pretrained of compressed folders, PEFT adapters
 
 __version__ = "0.1.0"
 

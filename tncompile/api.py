@@ -22,6 +22,8 @@ from .passes import CollapseLayers, Pass, Pipeline, default_pipeline
 from .swap.swapped import MIXIN_NAMES, Resync, subclass_of, swap_into, swappable_layers, unswappable_layers
 from .swap.lowering import lower_into
 from .swap.experts import expert_weights
+from .swap.adapters import (adapted_model, adapter_exclusion, adapter_wrappers, adopt_compressed_bases,
+                            check_adapter_wrappers)
 
 __all__ = ["compile", "rebuild", "recordable_inputs", "is_plain_input"]
 
@@ -133,6 +135,10 @@ def compile(
     """
     _check_model(model)
     check_target_ratio(target_ratio)
+    adapted = adapter_wrappers(model)
+    if adapted:  # LoRA adapters: the layers under them are compressed, the adapters kept (swap mode)
+        mode = _check_adapted(model, mode)
+        exclude_modules = [*_entries_of(exclude_modules), adapter_exclusion()]
     options = CompileOptions(target_ratio=target_ratio, target_modules=target_modules,
                              exclude_modules=exclude_modules, rank_pattern=rank_pattern, init=init,
                              batch_sizes=batch_sizes, linear_cores=linear_cores,
@@ -143,15 +149,19 @@ def compile(
         raise TypeError(f"inplace must be True or False, got {type(inplace).__name__} {inplace!r} "
                         "(True swaps the compressed layers into the model you pass)")
     _check_dump_dir(dump_dir)
-    mode = _check_mode(mode, model)
+    mode = _check_mode(mode, adapted_model(model) or model)
     dump_dir = dump_dir if dump_dir is not None else os.environ.get(DUMP_ENV) or None
-    work = model if inplace else copy.deepcopy(model)
+    whole = model if inplace else copy.deepcopy(model)
+    work = adapted_model(whole) or whole  # a PeftModel: the model it wraps
     stats = (collect_statistics(work, calibration, sensitivity=options.allocation != "uniform")
              if calibration is not None else None)
-    compiled = _build(work, count_params(model), options, pipeline, mode, example_inputs, dump_dir, stats)
+    compiled = _build(work, count_params(work), options, pipeline, mode, example_inputs, dump_dir, stats)
     if inplace and isinstance(compiled, CompiledModel):
         _put_layers_into(model, compiled.program)
     _warn_if_slower(compiled, options)
+    if adapted:
+        adopt_compressed_bases(work)
+        return whole
     return compiled
 
 
@@ -307,6 +317,19 @@ def _check_calibration(calibration: Any, options: CompileOptions) -> None:
                          f"needs init='svd', got init={options.init!r} (init='random' is for training from scratch)")
 
 
+def _check_adapted(model: nn.Module, mode: str) -> str:
+    """A model carrying adapters compiles in swap mode, every adapter kind kept."""
+    if mode == "graph":
+        raise ValueError("tncompile.compile: a model carrying adapters compiles in swap mode (the adapters stay "
+                         "modules of your model); pass mode='swap' or 'auto'")
+    check_adapter_wrappers(model)
+    return "swap"
+
+
+def _entries_of(spec: Any) -> list:
+    return [] if spec is None else [spec] if isinstance(spec, str) else list(spec)
+
+
 def _check_model(model: Any) -> None:
     """What ``compile`` cannot take as a model, with the fix."""
     if isinstance(model, CompiledModel):
@@ -315,12 +338,6 @@ def _check_model(model: Any) -> None:
                         "further by training with tncompile.RankController")
     if not isinstance(model, nn.Module):
         raise TypeError(f"tncompile.compile expects an nn.Module, got {type(model).__name__}")
-    adapted = [name for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
-    if adapted:  # PEFT's LoRA layers: compressing under them would lose what their merge needs
-        raise TypeError(f"tncompile.compile: the model carries PEFT LoRA adapters ({adapted[0]!r}, ...). Compress "
-                        "first and add the adapters after: peft.get_peft_model(tncompile.compile(base_model, ...), "
-                        "tncompile.integrations.peft_lora.tt_lora(LoraConfig(...))); or fold them in first "
-                        "(peft_model.merge_and_unload()) and compile the result")
     if is_compressible(model):
         kind = type(model).__name__
         single = ("tncompile.runtime.TTMEmbedding.from_embedding(layer, rank=...)" if isinstance(model, nn.Embedding)

@@ -20,7 +20,7 @@ What the quantizer does inside ``from_pretrained``:
    restores sharing and makes the state the file's exactly, cast to ``dtype=`` if given).
 
 ``import tncompile`` has this module imported right after transformers imports its
-quantizer registry (:mod:`tncompile.integrations.transformers_plugin`); it imports only
+quantizer registry (:mod:`tncompile.integrations.plugins`); it imports only
 that registry's modules at its top.
 """
 from __future__ import annotations

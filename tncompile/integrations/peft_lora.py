@@ -22,6 +22,11 @@ inputs (:func:`merge_and_unload`), to the layer's outputs on them
 at any size. Each merge's :class:`MergeResult` says which happened and the error; an
 inexact merge warns.
 ``unmerge`` restores the network exactly as it was.
+
+The other way round works too: ``tncompile.compile(peft_model, ...)`` compresses the layers
+under the adapters and keeps them (:mod:`tncompile.swap.adapters`); this module registers
+how PEFT's LoRA ``Linear`` carries on over a network, and is imported for that whenever
+PEFT is (:mod:`tncompile.integrations.plugins`).
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
-from peft import LoraConfig
+from peft.tuners.lora.config import LoraConfig  # submodules: this is imported inside peft's own import
 from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.tuners_utils import check_adapters_to_merge
 
@@ -38,6 +43,7 @@ from ..calibration.layer_fit import fit_linear_cores
 from ..formats.decompose import linear_unfolding_ranks, tt_from_linear_weight, tt_to_dense
 from ..passes.replan import replan_module
 from ..runtime import TTLinear
+from ..swap.adapters import register_adapter_wrapper
 
 __all__ = ["tt_lora", "TTLoraLinear", "MergeResult", "merge_and_unload", "EXACT"]
 
@@ -246,3 +252,23 @@ def _collect_moments(model: torch.nn.Module, layers: list[TTLoraLinear], batches
         if rows == 0:
             raise ValueError("merge_and_unload(calibration=...): the batches never reached a LoRA-wrapped TT layer")
         m.calibration_moment = total / rows
+
+
+def _check_adoptable(path: str, wrapper: LoraLinear) -> None:
+    if any(wrapper.use_dora.values()):
+        raise TypeError(f"tncompile.compile: the adapter at {path!r} uses DoRA, which rescales the columns of a "
+                        "dense weight; merge it first (peft_model.merge_and_unload()) and compile the result")
+
+
+def _adopt(wrapper: LoraLinear) -> None:
+    """PEFT's LoRA ``Linear`` whose base layer ``compile`` turned into a TT network becomes a
+    :class:`TTLoraLinear` (the same adapters; merges fold into the network). The network
+    takes ``[out, in]`` orientation whatever the dense layer had (GPT-2's ``Conv1D``)."""
+    wrapper.__class__ = TTLoraLinear
+    wrapper.fan_in_fan_out = False
+    wrapper.merge_results, wrapper.calibration_moment = [], None
+    wrapper.merge_exactly, wrapper._before_merge = False, {}
+
+
+# tncompile.compile of a model carrying LoRA adapters keeps them over the compressed layers
+register_adapter_wrapper(LoraLinear, _adopt, _check_adoptable)
