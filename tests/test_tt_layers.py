@@ -310,3 +310,21 @@ def test_tied_head_reads_half_tables_over_few_rows_and_the_merged_table_over_man
         with torch.no_grad():
             torch.testing.assert_close(head(x), x @ emb.weight().t())
     assert "_halves" in head.__dict__ and "_merged" in head.__dict__
+
+
+def test_a_compressed_layers_weight_answers_what_tools_read_and_refuses_dense_writes():
+    """``layer.weight()`` is the dense matrix; ``weight.shape`` / ``dtype`` / ``device`` answer
+    without making it (PEFT places adapters by them); ``weight.data`` does not exist, so code
+    written for a dense weight fails instead of writing into a temporary copy."""
+    from tncompile.runtime import TTLinear, TTMEmbedding
+    torch.manual_seed(0)
+    lin = TTLinear.from_linear(torch.nn.Linear(24, 40, dtype=torch.float64), rank=4, num_cores=2)
+    emb = TTMEmbedding.from_embedding(torch.nn.Embedding(60, 16), rank=3)
+    for layer, shape, dtype in ((lin, (40, 24), torch.float64), (emb, (60, 16), torch.float32)):
+        w = layer.weight
+        assert w.shape == torch.Size(shape) and w.dtype == dtype and w.device == torch.device("cpu")
+        assert w().shape == torch.Size(shape) and "call it" in repr(w)
+        with pytest.raises(AttributeError):
+            w.data.add_(1.0)
+    x = torch.randn(5, 24, dtype=torch.float64)
+    torch.testing.assert_close(lin(x), x @ lin.weight().t() + lin.bias)
