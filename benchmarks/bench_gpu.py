@@ -56,6 +56,7 @@ import torch.nn.functional as F
 import tncompile
 from tncompile.train import TrainStep
 from tncompile.runtime import TTLinear
+from tncompile.runtime.triton import runs_triton, thin_pair
 from tncompile.zoo import six_encoder
 
 from common import RESULTS, galore_optimizer, interleaved_ms, machine, parser
@@ -286,6 +287,31 @@ def peak_memory(work: Workload, emit) -> None:
         emit(row)
 
 
+def thin_pair_kernel(batch: int, emit) -> None:
+    """The Triton thin-pair kernel (``tncompile::thin_pair``) against the same product as two
+    GEMMs and an add, per distinct TT linear of the compiled six-encoder at ``batch x 128``
+    rows: forward, and forward + backward (the kernel is not dispatched by TTLinear yet)."""
+    compiled = tncompile.compile(six_encoder(), target_ratio=PAPER_RATIO, init="random").to(DEV)
+    seen = set()
+    for name, layer in compiled.tensorized_modules().items():
+        if not isinstance(layer, TTLinear) or layer.layout in seen:
+            continue
+        seen.add(layer.layout)
+        with torch.no_grad():
+            a, b = (t.detach().contiguous() for t in layer.merged_factors())
+        x = torch.randn(batch * 128, a.shape[0], device=DEV, requires_grad=True)
+        bias = torch.zeros(b.shape[1], device=DEV)
+        dy = torch.randn(x.shape[0], b.shape[1], device=DEV)
+        fns = {"triton": lambda: thin_pair(x, a, b, bias), "gemms": lambda: (x @ a) @ b + bias}
+        fwd = interleaved_ms(fns, reps=REPS, warmup=3, device=DEV)
+        both = interleaved_ms({k: (lambda f=f: f().backward(dy)) for k, f in fns.items()}, reps=REPS, warmup=3,
+                              device=DEV)
+        emit({"model": "six-encoder", "path": "thin-pair kernel", "variant": name, "batch": batch,
+              "in": a.shape[0], "rank": a.shape[1], "out": b.shape[1], "triton_ran": runs_triton(x),
+              "forward_ms": {k: round(v, 4) for k, v in fwd.items()},
+              "forward_backward_ms": {k: round(v, 4) for k, v in both.items()}})
+
+
 def jobs(models: list[str], batches: list[int], paths: list[str], cuda: bool):
     """(label, callable(emit)) in priority order: the issue's targets first, torch.compile
     (tens of seconds of compiling per model) after every path that compiles nothing."""
@@ -319,6 +345,8 @@ def jobs(models: list[str], batches: list[int], paths: list[str], cuda: bool):
     for m in small:
         for b in [b for b in order if b != first]:
             timed(m, b, fast)
+    for b in [b for b in (1, 32) if b in batches] if six else []:
+        out.append((f"thin-pair kernel b{b}", lambda emit, b=b: thin_pair_kernel(b, emit)))
     return out
 
 

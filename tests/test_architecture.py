@@ -175,7 +175,7 @@ def test_the_circle_check_finds_a_late_import(tmp_path):
 
 
 #: inside the runtime, folders import downward only: fused blocks use layers, layers use kernels
-RUNTIME_ORDER = {"native": 0, "kernels": 1, "layers": 2, "fused": 3}
+RUNTIME_ORDER = {"native": 0, "triton": 0, "kernels": 1, "layers": 2, "fused": 3}
 
 
 @pytest.mark.parametrize("path", [p for p in sources() if module_name(p).split(".")[2:3] in
