@@ -15,6 +15,7 @@ from .result.report import Report
 from .serialization import load, save
 from .train import Distill, History, resume, RankController, RankEvent, TrainStep, dry_run, fit, freeze_gates, param_groups
 from .integrations.pretrained import compress_pretrained
+from .integrations import hf_folder  # save_pretrained folders: the writer and load's reader
 from .integrations import plugins  # transformers' from_pretrained of compressed folders, PEFT adapters
 
 __version__ = "0.1.0"

@@ -32,7 +32,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
 from ..serialization import load
-from ..serialization.pretrained_folder import is_model_folder
+from .hf_folder import is_model_folder
 from ..swap.swapped import is_swapped, user_class
 from ..train.controller import RankController
 from ..train.distributed import unwrap

@@ -2,7 +2,7 @@
 
 A compressed model's ``save_pretrained`` folder declares ``quantization_config:
 {"quant_method": "tncompile", ...}`` in its ``config.json``, as bitsandbytes, torchao or
-GPTQ folders declare theirs (:mod:`tncompile.serialization.pretrained_folder`). This
+GPTQ folders declare theirs (:mod:`tncompile.integrations.hf_folder`). This
 module registers :class:`TNCompileConfig` and :class:`TNCompileQuantizer` under that name,
 so ``AutoModel*.from_pretrained(folder)``, pipelines and ``SentenceTransformer(folder)``
 load the compressed model as the class they build, no ``trust_remote_code`` involved.
@@ -38,7 +38,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..errors import ModelFileError
 from ..runtime import TNModule
 from ..serialization.model_file import EXAMPLE, checked_state, load_checked_state, rebuild_saved
-from ..serialization.pretrained_folder import QUANT_METHOD, WEIGHTS, check_folder_manifest, read_weights
+from .hf_folder import QUANT_METHOD, WEIGHTS, check_folder_manifest, read_weights
 
 __all__ = ["TNCompileConfig", "TNCompileQuantizer"]
 

@@ -3,6 +3,7 @@ model's ``save_pretrained`` wrote, rebuilt onto the user's dense model."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -11,9 +12,17 @@ from torch import nn
 from ..errors import ModelFileError
 from ..passes import Pass
 from .model_file import _file_path, dense_model, read_model_file, rebuild_saved
-from .pretrained_folder import is_model_folder, load_folder
 
-__all__ = ["load"]
+__all__ = ["load", "register_folder_loader"]
+
+# tncompile.integrations.hf_folder registers how a save_pretrained folder is recognized and
+# loaded (the HF format lives above this package): (is_folder(path), load(path, model, ...))
+_FOLDER_LOADER: list = []
+
+
+def register_folder_loader(is_folder: Callable[[Path], bool], load_folder: Callable[..., nn.Module]) -> None:
+    """Set how :func:`load` recognizes and reads a folder a compressed model's ``save_pretrained`` wrote."""
+    _FOLDER_LOADER[:] = [(is_folder, load_folder)]
 
 
 def load(path: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | type | None = None, *,
@@ -54,8 +63,9 @@ def load(path: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | t
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"tncompile.load: map_location={map_location!r} is not a device "
                              "(e.g. 'cpu', 'cuda', 'cuda:1' or a torch.device)") from e
-    if is_model_folder(path):  # save_pretrained of a swap-mode model
-        loaded = load_folder(path, model, passes=passes, example_inputs=example_inputs)
+    folder = next((read for is_folder, read in _FOLDER_LOADER if is_folder(path)), None)
+    if folder is not None:  # save_pretrained of a swap-mode model
+        loaded = folder(path, model, passes=passes, example_inputs=example_inputs)
     elif path.is_dir():
         raise IsADirectoryError(f"tncompile.load: {str(path)!r} is a directory; give the file tncompile.save wrote "
                                 "(or a folder a compressed model's save_pretrained wrote)")

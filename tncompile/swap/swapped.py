@@ -10,7 +10,7 @@ dropout follows ``train()`` / ``eval()`` as written (on tncompile's kernels when
 ``lower_dropout`` is in the pipeline; graph-mode lowerings made in the tree:
 :mod:`tncompile.swap.lowering`). ``save_pretrained`` writes an HF folder that
 ``from_pretrained`` (tncompile's quantization backend) and ``tncompile.load(folder,
-model=TheClass)`` rebuild exactly (:mod:`tncompile.serialization.pretrained_folder`).
+model=TheClass)`` rebuild exactly (:mod:`tncompile.integrations.hf_folder`).
 
 The returned object's class is a subclass of the user's class, made once per
 class, with the same name, module and qualified name, that adds

@@ -18,6 +18,11 @@ registered by ``import tncompile``); ``tncompile.load(folder, model=TheClass)`` 
 without transformers' loader: the class is built from the config's data fields only
 (:func:`model_from_config`). Both rebuild the structure from the class and the table and
 check every tensor against it before loading (:func:`read_folder`).
+
+The format is Hugging Face's, so it lives with the integrations; it reuses the model file's
+manifest and container (:mod:`tncompile.serialization`), which knows nothing of HF. Imported
+by ``import tncompile``: it registers the writer ``save_pretrained`` calls and the folder
+reader ``tncompile.load`` calls.
 """
 from __future__ import annotations
 
@@ -32,8 +37,9 @@ from torch import nn
 from ..errors import ModelFileError, ModelMismatchError
 from ..ir.program import count_params
 from ..swap.swapped import register_folder_writer
-from .container import digest, encode_container, read_container, write_atomically
-from .model_file import SavedModel, check_manifest_header, dense_model, manifest_of, rebuild_saved
+from ..serialization.container import digest, encode_container, read_container, write_atomically
+from ..serialization.loading import register_folder_loader
+from ..serialization.model_file import SavedModel, check_manifest_header, dense_model, manifest_of, rebuild_saved
 
 __all__ = ["WEIGHTS", "QUANT_METHOD", "save_folder", "read_folder", "read_weights", "check_folder_manifest",
            "load_folder", "model_from_config", "is_model_folder"]
@@ -222,7 +228,8 @@ def model_from_config(folder: Path, cls: type, saved: SavedModel) -> nn.Module:
     return cls(config)
 
 
-# swap mode sits beside this package and cannot import it: a swapped model's
-# save_pretrained asks the writer registered here (the dependency inverted, as the
-# runtime asks the planner tncompile.planning registers)
+# swap mode and serialization sit below this package and cannot import it: a swapped
+# model's save_pretrained and tncompile.load(folder) ask what is registered here (the
+# dependency inverted, as the runtime asks the planner tncompile.planning registers)
 register_folder_writer(save_folder)
+register_folder_loader(is_model_folder, load_folder)
