@@ -250,3 +250,26 @@ m = transformers.AutoModelForSequenceClassification.from_pretrained({str(folder)
 print(type(m.bert.encoder.layer[0].attention.self.query).__name__)"""
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "TTLinear", run.stderr[-2000:]
+
+
+def test_from_pretrained_compresses_a_dense_folder_when_asked(tmp_path):
+    """``from_pretrained(dense, quantization_config=TNCompileConfig(target_ratio=...))`` is
+    ``tncompile.compile(loaded, ..., mode="swap")`` on the class's dummy inputs; its
+    ``save_pretrained`` folder loads back exactly; bad settings are refused."""
+    from tncompile.integrations.hf_quantizer import TNCompileConfig
+    _bert().save_pretrained(tmp_path / "dense")
+    cls = transformers.BertForSequenceClassification
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(
+        tmp_path / "dense", quantization_config=TNCompileConfig(target_ratio=0.3))
+    assert isinstance(loaded.bert.encoder.layer[0].attention.self.query, TTLinear) and loaded.ratio <= 0.3 + 1e-9
+    dense = cls.from_pretrained(tmp_path / "dense")
+    yourself = tncompile.compile(dense, target_ratio=0.3, example_inputs=dict(dense.dummy_inputs), mode="swap")
+    ids = torch.randint(0, 120, (3, 12))
+    torch.testing.assert_close(_logits(loaded, ids), _logits(yourself, ids), rtol=0, atol=0)
+    loaded.save_pretrained(tmp_path / "compressed")
+    assert json.loads((tmp_path / "compressed" / "config.json").read_text())["quantization_config"]["layers"]
+    again = cls.from_pretrained(tmp_path / "compressed")
+    torch.testing.assert_close(_logits(again, ids), _logits(loaded, ids), rtol=0, atol=0)
+    for bad in ({}, {"target_ratio": 0.3, "attn_implementation": "x"}):
+        with pytest.raises(ValueError, match="target_ratio"):
+            TNCompileConfig(**bad)

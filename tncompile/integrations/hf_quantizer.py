@@ -19,6 +19,9 @@ What the quantizer does inside ``from_pretrained``:
    more, through ``load_state_dict`` (transformers replaces parameter objects; the copy
    restores sharing and makes the state the file's exactly, cast to ``dtype=`` if given).
 
+Given to ``from_pretrained`` of a *dense* folder, ``TNCompileConfig(target_ratio=...)``
+compresses the loaded model instead (``tncompile.compile`` in swap mode, in place).
+
 ``import tncompile`` has this module imported right after transformers imports its
 quantizer registry (:mod:`tncompile.integrations.plugins`); it imports only
 that registry's modules at its top.
@@ -35,27 +38,45 @@ from transformers.quantizers.auto import register_quantization_config, register_
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from ..api import compile
 from ..errors import ModelFileError
 from ..runtime import TNModule
 from ..serialization.model_file import EXAMPLE, checked_state, load_checked_state, rebuild_saved
 from .hf_folder import QUANT_METHOD, WEIGHTS, check_folder_manifest, read_weights
 
-__all__ = ["TNCompileConfig", "TNCompileQuantizer"]
+__all__ = ["TNCompileConfig", "TNCompileQuantizer", "COMPILE_FIELDS"]
+
+
+#: what ``from_pretrained(dense_folder, quantization_config=TNCompileConfig(...))`` may set
+COMPILE_FIELDS = ("target_ratio", "prefer", "init", "linear_cores", "embedding_cores", "target_modules",
+                  "exclude_modules")
 
 
 @register_quantization_config(QUANT_METHOD)
 class TNCompileConfig(QuantizationConfigMixin):
-    """``config.json``'s ``quantization_config`` of a compressed folder: the manifest
-    (layer table, compile settings, pass names), data only. Made by ``save_pretrained``;
-    ``from_pretrained`` does not compress a dense model (use ``tncompile.compile``)."""
+    """``quantization_config`` ``"tncompile"``: data only.
 
-    def __init__(self, **manifest: Any):
-        manifest.pop("quant_method", None)
+    In a compressed folder's ``config.json`` it is the manifest ``save_pretrained`` wrote
+    (layer table, compile settings, pass names): ``from_pretrained`` rebuilds that model.
+    Given to ``from_pretrained`` of a *dense* folder --
+    ``TNCompileConfig(target_ratio=0.3)``, with any of :data:`COMPILE_FIELDS` -- it
+    compresses the loaded model as ``tncompile.compile(model, ..., mode="swap")`` would,
+    traced on the class's ``dummy_inputs``.
+    """
+
+    def __init__(self, **fields: Any):
+        fields.pop("quant_method", None)
         self.quant_method = QUANT_METHOD
-        self.manifest = manifest
+        self.manifest = fields if "format" in fields else None
+        self.compile_request = None if "format" in fields else fields
+        if self.compile_request is not None:
+            unknown = sorted(set(fields) - set(COMPILE_FIELDS))
+            if unknown or "target_ratio" not in fields:
+                raise ValueError(f"TNCompileConfig: give target_ratio and any of {list(COMPILE_FIELDS[1:])} to "
+                                 f"compress a dense model in from_pretrained; got {sorted(fields)}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"quant_method": QUANT_METHOD, **copy.deepcopy(self.manifest)}
+        return {"quant_method": QUANT_METHOD, **copy.deepcopy(self.manifest or self.compile_request)}
 
     def __iter__(self):
         yield from self.to_dict().items()
@@ -63,19 +84,25 @@ class TNCompileConfig(QuantizationConfigMixin):
 
 @register_quantizer(QUANT_METHOD)
 class TNCompileQuantizer(HfQuantizer):
-    """Loads a compressed folder in ``from_pretrained`` (see the module doc)."""
+    """Loads a compressed folder in ``from_pretrained``, or compresses a dense one when asked
+    (see the module doc and :class:`TNCompileConfig`)."""
 
-    requires_calibration = True  # only a folder tncompile saved: from_pretrained does not compress
+    requires_calibration = False  # a dense folder is compressed after loading when a config asks
 
     def __init__(self, quantization_config: TNCompileConfig, **kwargs: Any):
         super().__init__(quantization_config, **kwargs)
         self._saved = None
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
-        manifest = getattr(self.quantization_config, "manifest", None)
-        check_folder_manifest(manifest, "config.json: quantization_config")
+        if self.pre_quantized:
+            check_folder_manifest(self.quantization_config.manifest, "config.json: quantization_config")
+        elif self.quantization_config.compile_request is None:
+            raise ModelFileError("from_pretrained(quantization_config=TNCompileConfig(...)) of a dense folder: "
+                                 "give compile settings (target_ratio=...), not a saved model's manifest")
 
     def _process_model_before_weight_loading(self, model, checkpoint_files=None, **kwargs: Any):
+        if not self.pre_quantized:
+            return model  # a dense folder: loaded as it is, compressed afterwards
         files = [Path(f) for f in (checkpoint_files or [])]
         if len(files) != 1 or files[0].name != WEIGHTS:
             raise ModelFileError(f"from_pretrained of a tncompile folder: expected its one {WEIGHTS}, got "
@@ -103,6 +130,10 @@ class TNCompileQuantizer(HfQuantizer):
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs: Any):
+        if not self.pre_quantized:
+            example = {k: v.to(model.device) for k, v in model.dummy_inputs.items()}
+            return compile(model, example_inputs=example, mode="swap", inplace=True,
+                           **self.quantization_config.compile_request)
         saved, self._saved = self._saved, None
         for m in model.modules():
             m.__dict__.pop("_init_weights", None)
