@@ -22,6 +22,7 @@ from .passes import CollapseLayers, Pass, Pipeline, default_pipeline
 from .swap.swapped import MIXIN_NAMES, Resync, subclass_of, swap_into, swappable_layers, unswappable_layers
 from .swap.lowering import lower_into
 from .swap.experts import expert_weights
+from .passes.infra.selection import entries
 from .swap.adapters import (adapted_model, adapter_exclusion, adapter_wrappers, adopt_compressed_bases,
                             check_adapter_wrappers)
 
@@ -138,7 +139,7 @@ def compile(
     adapted = adapter_wrappers(model)
     if adapted:  # LoRA adapters: the layers under them are compressed, the adapters kept (swap mode)
         mode = _check_adapted(model, mode)
-        exclude_modules = [*_entries_of(exclude_modules), adapter_exclusion()]
+        exclude_modules = [*entries(exclude_modules, "exclude_modules"), adapter_exclusion()]
     options = CompileOptions(target_ratio=target_ratio, target_modules=target_modules,
                              exclude_modules=exclude_modules, rank_pattern=rank_pattern, init=init,
                              batch_sizes=batch_sizes, linear_cores=linear_cores,
@@ -324,10 +325,6 @@ def _check_adapted(model: nn.Module, mode: str) -> str:
                          "modules of your model); pass mode='swap' or 'auto'")
     check_adapter_wrappers(model)
     return "swap"
-
-
-def _entries_of(spec: Any) -> list:
-    return [] if spec is None else [spec] if isinstance(spec, str) else list(spec)
 
 
 def _check_model(model: Any) -> None:

@@ -15,9 +15,10 @@ What the quantizer does inside ``from_pretrained``:
    class's own model traced on meta copies of the saved inputs, the recorded pipeline run
    with the table's decisions -- and checks that every tensor the file holds has a place
    in it of exactly its shape, and every place a tensor (nothing left to random init);
-2. after transformers loaded the weights: copies the file's tensors into the model once
-   more, through ``load_state_dict`` (transformers replaces parameter objects; the copy
-   restores sharing and makes the state the file's exactly, cast to ``dtype=`` if given).
+2. after transformers loaded the weights: checks the state again (names, shapes, which
+   names share a tensor) and copies the file's tensors in once more, through
+   ``load_state_dict``, so the state is the file's exactly whatever transformers did (cast
+   to ``dtype=`` if given).
 
 Given to ``from_pretrained`` of a *dense* folder, ``TNCompileConfig(target_ratio=...)``
 compresses the loaded model instead (``tncompile.compile`` in swap mode, in place).

@@ -155,12 +155,19 @@ def _network_state(layer: TTLinear) -> tuple:
 
 
 def _restore_network(layer: TTLinear, state: tuple) -> None:
-    layout, cores, gates = state
+    _put_network(layer, *state)
+
+
+def _put_network(layer: TTLinear, layout, cores: list[torch.Tensor], gates: list[torch.Tensor] | None = None) -> None:
+    """``layer``'s network becomes ``layout`` with ``cores`` (new parameters; gates ``gates``,
+    or one), planned afresh."""
     first = next(iter(layer.cores._parameters.values()))
     layer._init_params(layout, first.device, first.dtype)
-    with torch.no_grad():
-        for p, v in zip([*layer.cores._parameters.values(), *layer.gates._parameters.values()], [*cores, *gates]):
-            p.copy_(v)
+    layer.set_cores([c.to(first.dtype) for c in cores])
+    if gates is not None:
+        with torch.no_grad():
+            for g, v in zip(layer.gates._parameters.values(), gates):
+                g.copy_(v)
     replan_module(layer, force=True)
 
 
@@ -186,10 +193,7 @@ def _fold(layer: TTLinear, delta: torch.Tensor, lora_rank: int, name: str, momen
         error = float((tt_to_dense(cores, new) - target).norm() / target.norm().clamp_min(1e-300))
     if safe and not all(bool(torch.isfinite(c).all()) for c in cores):
         raise ValueError(f"NaNs in the merged network of adapter {name!r}: the adapter seems broken")
-    first = next(iter(layer.cores._parameters.values()))
-    layer._init_params(new, first.device, first.dtype)
-    layer.set_cores([c.to(first.dtype) for c in cores])
-    replan_module(layer, force=True)
+    _put_network(layer, new, cores)
     return MergeResult(name, tuple(layout.ranks), tuple(new.ranks), error <= EXACT, error, output_error)
 
 

@@ -17,12 +17,13 @@ __all__ = ["load", "register_folder_loader"]
 
 # tncompile.integrations.hf_folder registers how a save_pretrained folder is recognized and
 # loaded (the HF format lives above this package): (is_folder(path), load(path, model, ...))
-_FOLDER_LOADER: list = []
+_FOLDER_LOADER: tuple[Callable[[Path], bool], Callable[..., nn.Module]] | None = None
 
 
 def register_folder_loader(is_folder: Callable[[Path], bool], load_folder: Callable[..., nn.Module]) -> None:
     """Set how :func:`load` recognizes and reads a folder a compressed model's ``save_pretrained`` wrote."""
-    _FOLDER_LOADER[:] = [(is_folder, load_folder)]
+    global _FOLDER_LOADER
+    _FOLDER_LOADER = (is_folder, load_folder)
 
 
 def load(path: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | type | None = None, *,
@@ -63,9 +64,8 @@ def load(path: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | t
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"tncompile.load: map_location={map_location!r} is not a device "
                              "(e.g. 'cpu', 'cuda', 'cuda:1' or a torch.device)") from e
-    folder = next((read for is_folder, read in _FOLDER_LOADER if is_folder(path)), None)
-    if folder is not None:  # save_pretrained of a swap-mode model
-        loaded = folder(path, model, passes=passes, example_inputs=example_inputs)
+    if _FOLDER_LOADER is not None and _FOLDER_LOADER[0](path):  # save_pretrained of a swap-mode model
+        loaded = _FOLDER_LOADER[1](path, model, passes=passes, example_inputs=example_inputs)
     elif path.is_dir():
         raise IsADirectoryError(f"tncompile.load: {str(path)!r} is a directory; give the file tncompile.save wrote "
                                 "(or a folder a compressed model's save_pretrained wrote)")

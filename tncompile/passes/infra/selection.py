@@ -4,10 +4,11 @@ from __future__ import annotations
 import re
 from typing import Iterable, Sequence
 
-__all__ = ["matches", "select_modules", "pattern_lookup", "check_entry", "check_pattern_keys"]
+__all__ = ["entries", "matches", "select_modules", "pattern_lookup", "check_entry", "check_pattern_keys"]
 
 
-def _entries(spec: str | Sequence[str] | None, argument: str) -> list[str]:
+def entries(spec: str | Sequence[str] | None, argument: str) -> list[str]:
+    """``target_modules`` / ``exclude_modules`` as a list of entries (``TypeError`` naming ``argument``)."""
     if spec is None:
         return []
     if isinstance(spec, str):
@@ -35,10 +36,10 @@ def select_modules(names: Iterable[str], target: str | Sequence[str] | None,
     ``exclude_modules`` that matches no compressible module.
     """
     names = list(names)
-    targets = _entries(target, "target_modules") or ["all"]
-    excludes = _entries(exclude, "exclude_modules")
-    for argument, entries in (("target_modules", targets), ("exclude_modules", excludes)):
-        for e in entries:
+    targets = entries(target, "target_modules") or ["all"]
+    excludes = entries(exclude, "exclude_modules")
+    for argument, given in (("target_modules", targets), ("exclude_modules", excludes)):
+        for e in given:
             check_entry(e, argument, names)
     chosen = {n for n in names if any(matches(n, e) for e in targets)}
     excluded = {n for n in chosen if any(matches(n, e) for e in excludes)}
