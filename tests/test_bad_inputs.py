@@ -198,10 +198,14 @@ CASES: list[tuple[str, Callable[[Env], Any], type, str]] = [
     # ---------------------------------------------------------------- other compile options
     ("init-unknown", _compile(init="xavier"), ValueError, "init must be 'svd' or 'random'"),
     ("prefer-unknown", _compile(prefer="fast"), ValueError, r"prefer must be one of \('speed', 'size'\)"),
-    ("linear-cores-zero", _compile(linear_cores=0), ValueError, "linear_cores must be a positive int"),
+    ("linear-cores-zero", _compile(linear_cores=0), ValueError, r"linear_cores \(cores per network.*\) must be an int "
+     r"in \[1, 16\], got 0"),
     ("linear-cores-too-many", _compile(target_ratio=0.1, linear_cores=20), ValueError,
+     r"linear_cores .* must be an int in \[1, 16\], got 20"),
+    ("linear-cores-too-many-for-the-layers", _compile(target_ratio=0.1, linear_cores=16), ValueError,
      "no layer could be tensorized"),
-    ("embedding-cores-string", _compile(embedding_cores="4"), ValueError, "embedding_cores must be a positive int"),
+    ("embedding-cores-string", _compile(embedding_cores="4"), ValueError, r"embedding_cores .* must be an int in "),
+    ("batch-sizes-too-many", _compile(batch_sizes=list(range(1, 66))), ValueError, "65 batch sizes, at most 64"),
     ("batch-sizes-zero", _compile(batch_sizes=0), TypeError, r"batch_sizes must be a list of positive ints.*\[32, 256\]"),
     ("batch-sizes-negative", _compile(batch_sizes=-1), TypeError, "batch_sizes must be a list of positive ints"),
     ("batch-sizes-float", _compile(batch_sizes=2.5), TypeError, "batch_sizes must be a list.*got float 2.5"),

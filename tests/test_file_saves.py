@@ -36,13 +36,13 @@ def models():
 
 def test_a_live_writers_temporary_is_never_removed_a_dead_ones_is(models, tmp_path):
     path = tmp_path / "m.tnc"
-    live = tmp_path / f"{container.temporary_prefix(path)}0a1b2c3d.tmp"
+    live = tmp_path / ".tnc-0a1b2c3d0a1b2c3d.tmp"
     writer = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(live)], stdout=subprocess.PIPE, text=True)
     try:
         assert writer.stdout.readline().strip() == "locked"
-        fresh = tmp_path / f"{container.temporary_prefix(path)}ffffffff.tmp"
+        fresh = tmp_path / ".tnc-ffffffffffffffff.tmp"
         fresh.write_bytes(b"a writer between creating and locking it")   # new: kept, lock or not
-        unrelated = tmp_path / ".other.tnc.tnc-12345678.tmp"
+        unrelated = tmp_path / ".m.tnc.tmp"   # not a name tncompile gives its temporaries
         unrelated.write_bytes(b"")
         os.utime(unrelated, (0, 0))
         tncompile.save(models[0], path)
@@ -50,8 +50,8 @@ def test_a_live_writers_temporary_is_never_removed_a_dead_ones_is(models, tmp_pa
     finally:
         writer.kill()
         writer.wait()
-    tncompile.save(models[0], path)   # its writer is gone (the kernel dropped the lock) and it is stale
-    assert not live.exists() and fresh.exists() and unrelated.exists()
+    tncompile.save(models[0], tmp_path / "other.tnc")  # any save into the directory sweeps it:
+    assert not live.exists() and fresh.exists() and unrelated.exists()  # its writer is gone and it is stale
     assert tncompile.load(path, model=mlp((64, 128, 10))) is not None
 
 

@@ -8,7 +8,8 @@ from typing import Any, Sequence
 from .passes.infra.selection import check_entry
 from .errors import check_int, is_int, is_real
 
-__all__ = ["CompileOptions", "check_target_ratio", "check_batch_sizes", "PREFER", "MAX_ROWS"]
+__all__ = ["CompileOptions", "check_target_ratio", "check_batch_sizes", "PREFER", "MAX_ROWS", "MAX_BATCH_SIZES",
+           "MAX_CORES"]
 
 #: ``compile(prefer=...)``: what wins when a network at the budget's rank would cost
 #: more to run than its dense layer.
@@ -33,6 +34,10 @@ ALLOCATIONS = ("auto", "sensitivity", "uniform")
 #: Most rows a contraction is planned for (beyond it index arithmetic overflows int32
 #: kernels and no device holds the activations).
 MAX_ROWS = 2**31 - 1
+#: Most batch sizes to plan for (each is a contraction search), and most cores per network
+#: (each core a mode >= 2: 16 factor a 65,536-wide dimension).
+MAX_BATCH_SIZES = 64
+MAX_CORES = 16
 
 
 def check_batch_sizes(batch_sizes: Any, argument: str = "batch_sizes") -> list[int] | None:
@@ -43,6 +48,9 @@ def check_batch_sizes(batch_sizes: Any, argument: str = "batch_sizes") -> list[i
     if isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, (list, tuple, set, frozenset, range)):
         raise TypeError(f"{argument} must be a list of positive ints, got {type(batch_sizes).__name__} "
                         f"{batch_sizes!r}; {example}")
+    if len(batch_sizes) > MAX_BATCH_SIZES:
+        raise ValueError(f"{argument}: {len(batch_sizes):,} batch sizes, at most {MAX_BATCH_SIZES} "
+                         "(each is a contraction search); give the sizes you train and serve at")
     out = []
     for b in batch_sizes:
         if not is_int(b):
@@ -81,9 +89,7 @@ class CompileOptions:
         if self.init not in ("svd", "random"):
             raise ValueError(f"init must be 'svd' or 'random', got {self.init!r}")
         for name in ("linear_cores", "embedding_cores"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            check_int(getattr(self, name), f"{name} (cores per network, each a mode >= 2)", 1, MAX_CORES)
         if self.rank_pattern is not None:
             if not isinstance(self.rank_pattern, dict):
                 raise TypeError(f"rank_pattern must be a dict {{module-name suffix or 're:<regex>': rank}}, "

@@ -7,8 +7,9 @@ new one, never a mix.
 Writing (:func:`write_atomically`): the file is streamed into a temporary in
 the same directory, fsynced, given the mode of the file it replaces (or the
 umask's), renamed over the target and the directory entry synced. Each
-temporary is locked (``flock``) by its writer for as long as it writes; a
-later save removes only temporaries whose lock it can take (their writer is
+temporary (``.tnc-<random>.tmp``, a short name whatever the target's) is locked
+(``flock``) by its writer for as long as it writes; a later save into the
+directory removes only temporaries whose lock it can take (their writer is
 gone: the kernel drops a dead process's locks) and that have not been written
 to for :data:`STALE_SECONDS`. Failures are ``OSError``\\ s naming the path,
 and leave the previous file as it was.
@@ -22,6 +23,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import secrets
 import stat
 import time
@@ -33,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import ModelFileError
 
-__all__ = ["read_container", "write_atomically", "encode_container", "temporary_prefix", "digest", "STALE_SECONDS",
+__all__ = ["read_container", "write_atomically", "encode_container", "digest", "STALE_SECONDS", "TEMPORARY",
            "SAFETENSORS_DTYPES"]
 
 #: the dtypes a file may hold, by their safetensors codes
@@ -43,7 +45,8 @@ SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.f
 
 STALE_SECONDS = 60.0             # a temporary nobody holds and nobody wrote to for this long is an orphan
 _CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
-_SUFFIX_CHARS = 1 + 4 + 1 + 8 + 4   # "." + "tnc-" ... "-" + 8 hex + ".tmp"
+#: a temporary's name: short, so a target at the file system's name limit still has one
+TEMPORARY = re.compile(r"^\.tnc-[0-9a-f]{16}\.tmp$")
 
 
 # ----------------------------------------------------------------- reading
@@ -113,33 +116,12 @@ def encode_container(tensors: dict[str, torch.Tensor], metadata: dict[str, str]
     return len(header).to_bytes(8, "little") + header, body
 
 
-def _name_max(directory: Path) -> int:
-    try:
-        return int(os.pathconf(directory, "PC_NAME_MAX"))
-    except (OSError, ValueError, AttributeError):
-        return 255
-
-
-def temporary_prefix(path: Path) -> str:
-    """``.<name>.tnc-``: the prefix of ``path``'s temporaries, shortened (with a hash of the
-    name, to stay distinct) when the full name would not fit the file system's limit."""
-    limit = _name_max(path.parent if str(path.parent) else Path("."))
-    name = path.name
-    if len(name.encode()) + _SUFFIX_CHARS > limit:
-        digest = hashlib.sha256(name.encode()).hexdigest()[:12]
-        keep = name.encode()[: max(1, limit - _SUFFIX_CHARS - 13)].decode("utf-8", "ignore")
-        name = f"{keep}~{digest}"
-    return f".{name}.tnc-"
-
-
-def remove_orphaned_temporaries(path: Path) -> list[Path]:
-    """Delete temporaries of earlier saves to ``path`` whose writer is provably gone:
+def remove_orphaned_temporaries(directory: Path) -> list[Path]:
+    """Delete temporaries of earlier saves into ``directory`` whose writer is provably gone:
     their lock can be taken, and nobody wrote to them for :data:`STALE_SECONDS`."""
-    directory = path.parent if str(path.parent) else Path(".")
-    prefix = temporary_prefix(path)
     removed = []
     try:
-        candidates = [p for p in directory.iterdir() if p.name.startswith(prefix) and p.name.endswith(".tmp")]
+        candidates = [p for p in directory.iterdir() if TEMPORARY.match(p.name)]
     except OSError:
         return removed
     for tmp in candidates:
@@ -179,13 +161,13 @@ def write_atomically(path: Path, header: bytes, body: list[torch.Tensor],
                      on_written: Callable[[], None] | None = None) -> None:
     """Write ``header`` then each tensor's bytes to ``path`` atomically (see the module docstring)."""
     directory = path.parent if str(path.parent) else Path(".")
-    remove_orphaned_temporaries(path)
+    remove_orphaned_temporaries(directory)
     mode = _mode_for(path)
     tmp = None
     fd = -1
     try:
         for _ in range(100):
-            tmp = directory / f"{temporary_prefix(path)}{secrets.token_hex(4)}.tmp"
+            tmp = directory / f".tnc-{secrets.token_hex(8)}.tmp"
             try:
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
                 break

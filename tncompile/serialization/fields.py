@@ -8,8 +8,7 @@ from typing import Any
 
 from ..errors import ModelFileError, is_int, is_real
 
-__all__ = ["exact_keys", "module_path", "choice", "boolean", "integer", "number", "names", "text",
-           "MAX_NAME", "PATH"]
+__all__ = ["exact_keys", "module_path", "choice", "boolean", "integer", "number", "names", "MAX_NAME", "PATH"]
 
 MAX_NAME = 512
 #: a module or tensor path: dotted Python identifiers or indices, as ``named_modules`` writes them
@@ -65,9 +64,3 @@ def names(data: Any, count: int | None, at: str, limit: int = 100_000) -> list[s
         raise ModelFileError(f"{at}: must be a list of {count if count is not None else f'at most {limit}'} names")
     return [module_path(n, f"{at}[{i}]") for i, n in enumerate(data)]
 
-
-def text(value: Any, at: str, limit: int = MAX_NAME) -> str:
-    """A string of at most ``limit`` characters (shown to people, never run or parsed)."""
-    if not isinstance(value, str) or len(value) > limit:
-        raise ModelFileError(f"{at}: must be a string of at most {limit} characters")
-    return value

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -32,23 +33,25 @@ from torch import nn
 from ..api import is_plain_input, rebuild
 from ..result.model_api import EXAMPLE_PREFIX, is_compressed
 from ..errors import ModelFileError, ModelMismatchError, PassError, TraceError, is_int
-from ..options import MAX_ROWS, PREFER, CompileOptions
+from ..options import CompileOptions
 from ..passes import BUILTIN_PASSES, Pass, Pipeline, get_pass
 from ..passes.infra.base import normalize_name
 from ..runtime.layers.module_kinds import is_sharded
 from ..swap.swapped import is_swapped, user_class
+from ..train.checkpoint import check_training_state, training_state
 from . import plain
 from .container import digest, encode_container, read_container, write_atomically
-from .fields import boolean, choice, exact_keys, integer, module_path, names, number, text
+from .fields import boolean, choice, exact_keys, integer, module_path, names, number
 from .layer_table import decisions_from_rows, decisions_of, table_rows
 
-__all__ = ["save", "param_names", "manifest_of", "check_manifest_header", "SavedModel", "FORMAT", "VERSION",
+__all__ = ["save", "manifest_of", "check_manifest_header", "SavedModel", "FORMAT", "VERSION",
            "MAX_EXAMPLE_ELEMENTS", "EXAMPLE", "rebuild_saved", "checked_state", "load_checked_state"]
 
 FORMAT = "tncompile"
 VERSION = 3
 MODES = ("graph", "swap")
 MAX_PASSES = 64
+PASS_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 #: most elements of all example inputs together: load runs the model on them while tracing
 MAX_EXAMPLE_ELEMENTS = 1 << 16
 _TRAINING = "tncompile/training"
@@ -82,14 +85,11 @@ def save(compiled: nn.Module, path: str | os.PathLike, *, optimizer: torch.optim
     compiled = _saved_model(compiled)
     path = _file_path(path, "save")
     _check_destination(path)
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"tncompile.save: optimizer must be a torch.optim.Optimizer, got "
-                        f"{type(optimizer).__name__} {optimizer!r}")
-    if controller is not None and not (hasattr(controller, "state_dict") and hasattr(controller, "penalty")):
-        raise TypeError(f"tncompile.save: controller must be a RankController, got {type(controller).__name__}")
+    training = training_state(compiled, optimizer, controller, extra, rng)
     tensors: dict[str, torch.Tensor] = {}
     manifest = manifest_of(compiled, tensors)
-    manifest["training"] = _training_row(compiled, optimizer, controller, extra, rng, tensors)
+    manifest["training"] = None if training is None else plain.encode(training, tensors, _TRAINING,
+                                                                        "the training state")
     text_ = json.dumps(manifest)
     metadata = {"format": FORMAT, "version": str(VERSION), "manifest": text_, "sha256": digest(tensors, text_)}
     header, body = encode_container(tensors, metadata)
@@ -162,34 +162,6 @@ def _options_row(options: CompileOptions) -> dict[str, Any]:
             "linear_cores": options.linear_cores, "embedding_cores": options.embedding_cores}
 
 
-def param_names(compiled: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
-    """Per param group, the names of its parameters in the compiled model."""
-    names_ = {id(p): n for n, p in compiled.named_parameters()}
-    out = []
-    for group in optimizer.param_groups:
-        missing = [tuple(p.shape) for p in group["params"] if id(p) not in names_]
-        if missing:
-            raise ValueError(f"the optimizer holds parameters that are not the compiled model's "
-                             f"(shapes {missing[:3]}); build it from the model being saved")
-        out.append([names_[id(p)] for p in group["params"]])
-    return out
-
-
-def _training_row(compiled, optimizer, controller, extra, rng, tensors) -> Any:
-    if optimizer is None and controller is None and extra is None and not rng:
-        return None
-    state: dict[str, Any] = {"extra": extra, "optimizer": None, "controller": None, "rng": None}
-    if optimizer is not None:
-        state["optimizer"] = {"class": type(optimizer).__name__, "names": param_names(compiled, optimizer),
-                              "state": optimizer.state_dict()}
-    if controller is not None:
-        state["controller"] = controller.state_dict()
-    if rng:
-        state["rng"] = {"cpu": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
-    return plain.encode(state, tensors, _TRAINING, "the training state")
-
-
 # ----------------------------------------------------------------- reading a file
 class SavedModel:
     """A model file's checked contents (:func:`read_model_file`)."""
@@ -209,8 +181,8 @@ class SavedModel:
         self.example_inputs = _example(manifest["example_inputs"], tensors, where, used)
         self.decisions = decisions_from_rows(manifest["layers"], tensors, where)
         self.state, self.aliases = _state(manifest["state"], tensors, where, used)
-        self.training = (None if manifest["training"] is None
-                         else _training(manifest["training"], tensors, where, used))
+        self.training = (None if manifest["training"] is None else check_training_state(
+            plain.decode(manifest["training"], tensors, f"{where}: training", used), where))
         extra = sorted(set(tensors) - used)
         if extra:
             raise ModelFileError(f"{where}: the tensor {extra[0]!r} (of {len(extra)}) is in no part of the manifest")
@@ -366,13 +338,10 @@ def load_checked_state(model: nn.Module, saved: SavedModel, where: str, cast: bo
 def _pipeline_names(data: Any, where: str) -> list[str]:
     if not isinstance(data, list) or not 1 <= len(data) <= MAX_PASSES:
         raise ModelFileError(f"{where}: pipeline must be a list of 1 to {MAX_PASSES} pass names")
-    out = []
     for i, name in enumerate(data):
-        name = text(name, f"{where}: pipeline[{i}]", 64)
-        if not name or not all(c.isalnum() or c in "-_" for c in name):
-            raise ModelFileError(f"{where}: pipeline[{i}] {name!r} is not a pass name")
-        out.append(name)
-    return out
+        if not isinstance(name, str) or not PASS_NAME.match(name):
+            raise ModelFileError(f"{where}: pipeline[{i}] {name!r:.80} is not a pass name")
+    return data
 
 
 def _pipeline(names_: list[str], given: Sequence[Pass] | None, where: str) -> Pipeline:
@@ -397,18 +366,13 @@ def _pipeline(names_: list[str], given: Sequence[Pass] | None, where: str) -> Pi
 
 
 def _options(data: Any, where: str) -> CompileOptions:
+    """The file's compile settings, checked as ``compile`` checks its arguments."""
     at = f"{where}: options"
     exact_keys(data, {"target_ratio", "prefer", "init", "batch_sizes", "linear_cores", "embedding_cores"}, at)
-    batch_sizes = data["batch_sizes"]
-    if batch_sizes is not None:
-        if not isinstance(batch_sizes, list) or len(batch_sizes) > 64:
-            raise ModelFileError(f"{at}: batch_sizes must be a list of at most 64 ints")
-        batch_sizes = [integer(b, 1, MAX_ROWS, f"{at}: batch_sizes[{i}]") for i, b in enumerate(batch_sizes)]
-    return CompileOptions(
-        target_ratio=number(data["target_ratio"], 1e-12, 1.0, f"{at}: target_ratio"),
-        prefer=choice(data["prefer"], PREFER, f"{at}: prefer"), init=choice(data["init"], ("svd", "random"), f"{at}: init"),
-        batch_sizes=batch_sizes, linear_cores=integer(data["linear_cores"], 1, 16, f"{at}: linear_cores"),
-        embedding_cores=integer(data["embedding_cores"], 1, 16, f"{at}: embedding_cores"))
+    try:
+        return CompileOptions(**data)
+    except (TypeError, ValueError) as e:
+        raise ModelFileError(f"{at}: {e}") from e
 
 
 def _example(data: Any, tensors: dict, where: str, used: set[str]) -> tuple[tuple, dict] | None:
@@ -439,33 +403,6 @@ def _state(data: Any, tensors: dict, where: str, used: set[str]) -> tuple[list[s
     if set(aliases) - known:
         raise ModelFileError(f"{where}: an alias names no state entry")
     return state, aliases
-
-
-def _training(data: Any, tensors: dict, where: str, used: set[str]) -> dict[str, Any]:
-    state = plain.decode(data, tensors, f"{where}: training", used)
-    if not isinstance(state, dict) or set(state) != {"extra", "optimizer", "controller", "rng"}:
-        raise ModelFileError(f"{where}: the training state must hold extra, optimizer, controller and rng")
-    opt = state["optimizer"]
-    if opt is not None and not (isinstance(opt, dict) and set(opt) == {"class", "names", "state"}
-                                and isinstance(opt["class"], str) and isinstance(opt["state"], dict)
-                                and isinstance(opt["names"], list)):
-        raise ModelFileError(f"{where}: the optimizer state must hold class, names and state")
-    rng = state["rng"]
-    if rng is not None and not (isinstance(rng, dict) and set(rng) == {"cpu", "cuda"} and _generator_state(rng["cpu"])
-                                and (rng["cuda"] is None or isinstance(rng["cuda"], list))):
-        raise ModelFileError(f"{where}: the random state must hold a CPU generator's state and a list of CUDA ones")
-    extra = state["extra"]
-    if extra is not None and not isinstance(extra, dict):
-        raise ModelFileError(f"{where}: extra must be a dict")
-    streams = (extra or {}).get("rng_per_rank")
-    if streams is not None and not (isinstance(streams, list) and all(map(_generator_state, streams))):
-        raise ModelFileError(f"{where}: extra['rng_per_rank'] must be a list of CPU generator states")
-    return state
-
-
-def _generator_state(t: Any) -> bool:
-    """Whether ``t`` can be a CPU generator's state (what ``torch.set_rng_state`` takes)."""
-    return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape == torch.get_rng_state().shape
 
 
 def _file_path(path: Any, verb: str) -> Path:

@@ -1,5 +1,7 @@
-"""``tncompile.resume``: a loaded checkpoint's training state, back into a new optimizer,
-controller and random streams (what ``tncompile.save(..., optimizer=, controller=)`` wrote)."""
+"""A checkpoint's training state: what ``tncompile.save(..., optimizer=, controller=)`` keeps
+beside the model (:func:`training_state`), how a file's copy is checked
+(:func:`check_training_state`), and ``tncompile.resume``, which puts it back into a new
+optimizer, controller and random streams."""
 from __future__ import annotations
 
 import warnings
@@ -10,9 +12,74 @@ from torch import nn
 
 from ..result.model_api import is_compressed
 from ..errors import ModelFileError
-from ..serialization.model_file import param_names
 
-__all__ = ["resume"]
+__all__ = ["resume", "training_state", "check_training_state", "param_names"]
+
+
+def training_state(compiled: nn.Module, optimizer: torch.optim.Optimizer | None, controller, extra: Any,
+                   rng: bool) -> dict[str, Any] | None:
+    """``{"extra", "optimizer", "controller", "rng"}`` as plain data and tensors (``None`` when
+    there is nothing to keep); the optimizer's state is keyed by parameter name."""
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"tncompile.save: optimizer must be a torch.optim.Optimizer, got "
+                        f"{type(optimizer).__name__} {optimizer!r}")
+    if controller is not None and not (hasattr(controller, "state_dict") and hasattr(controller, "penalty")):
+        raise TypeError(f"tncompile.save: controller must be a RankController, got {type(controller).__name__}")
+    if optimizer is None and controller is None and extra is None and not rng:
+        return None
+    state: dict[str, Any] = {"extra": extra, "optimizer": None, "controller": None, "rng": None}
+    if optimizer is not None:
+        state["optimizer"] = {"class": type(optimizer).__name__, "names": param_names(compiled, optimizer),
+                              "state": optimizer.state_dict()}
+    if controller is not None:
+        state["controller"] = controller.state_dict()
+    if rng:
+        state["rng"] = {"cpu": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
+    return state
+
+
+def check_training_state(state: Any, where: str) -> dict[str, Any]:
+    """``state``, read back from a file, if it has the shape :func:`training_state` gives
+    (the optimizer's and controller's own contents are checked by their ``load_state_dict``);
+    else ``ModelFileError``."""
+    if not isinstance(state, dict) or set(state) != {"extra", "optimizer", "controller", "rng"}:
+        raise ModelFileError(f"{where}: the training state must hold extra, optimizer, controller and rng")
+    opt = state["optimizer"]
+    if opt is not None and not (isinstance(opt, dict) and set(opt) == {"class", "names", "state"}
+                                and isinstance(opt["class"], str) and isinstance(opt["state"], dict)
+                                and isinstance(opt["names"], list)):
+        raise ModelFileError(f"{where}: the optimizer state must hold class, names and state")
+    rng = state["rng"]
+    if rng is not None and not (isinstance(rng, dict) and set(rng) == {"cpu", "cuda"} and _generator_state(rng["cpu"])
+                                and (rng["cuda"] is None or isinstance(rng["cuda"], list))):
+        raise ModelFileError(f"{where}: the random state must hold a CPU generator's state and a list of CUDA ones")
+    extra = state["extra"]
+    if extra is not None and not isinstance(extra, dict):
+        raise ModelFileError(f"{where}: extra must be a dict")
+    streams = (extra or {}).get("rng_per_rank")
+    if streams is not None and not (isinstance(streams, list) and all(map(_generator_state, streams))):
+        raise ModelFileError(f"{where}: extra['rng_per_rank'] must be a list of CPU generator states")
+    return state
+
+
+def _generator_state(t: Any) -> bool:
+    """Whether ``t`` can be a CPU generator's state (what ``torch.set_rng_state`` takes)."""
+    return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape == torch.get_rng_state().shape
+
+
+def param_names(compiled: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Per param group, the names of its parameters in the compiled model."""
+    names_ = {id(p): n for n, p in compiled.named_parameters()}
+    out = []
+    for group in optimizer.param_groups:
+        missing = [tuple(p.shape) for p in group["params"] if id(p) not in names_]
+        if missing:
+            raise ValueError(f"the optimizer holds parameters that are not the compiled model's "
+                             f"(shapes {missing[:3]}); build it from the model being saved")
+        out.append([names_[id(p)] for p in group["params"]])
+    return out
+
 def resume(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, controller=None, *,
            restore_rng: bool = True) -> dict[str, Any]:
     """Restore the training state a checkpoint carried into a loaded model's new optimizer
