@@ -12,7 +12,10 @@ Python-to-C++ dispatch on the host) and *kernel-like* (leaf ATen ops that are no
 shape queries or allocations: roughly the kernels a GPU would launch). Models are
 compiled for ``planning.REFERENCE`` (counts do not depend on the host). Variants: the
 dense model; the compiled one with every batch merging into thin factors
-(``tuning.WHOLE_MATRICES = False``: captured CUDA steps, and CPUs); the same deciding
+(``tuning.WHOLE_MATRICES = False``: captured CUDA steps, and CPUs); the same on
+tncompile's Triton kernels (``tuning.TRITON_KERNELS``: a thin pair per layer, a batched merge
+per family and per TTM table, a gather and a scatter per lookup; a Triton op counts as the
+launches it makes on a GPU, whatever its CPU fallback runs); the same deciding
 whole matrices by an H100's measured speed (:data:`H100`: its batches then merge into
 whole matrices, as eager steps there do); and the compiled one with each layer merging
 its own cores (``tuning.GROUP_FACTORS = False``; see :mod:`tncompile.runtime.layers.factor_groups`);
@@ -25,6 +28,7 @@ host. Writes ``benchmarks/results/dispatch.json``.
 """
 from __future__ import annotations
 
+import importlib
 import os
 from collections import Counter
 
@@ -51,9 +55,19 @@ NOT_KERNELS = frozenset(f"aten::{name}" for name in (
     "result_type", "promote_types", "is_nonzero", "size", "stride", "matmul", "linear", "dropout",
     "layer_norm"))
 
-#: variant -> (GROUP_FACTORS, WHOLE_MATRICES, the speed whole matrices are decided by)
+#: tncompile's Triton ops: the thin pair and a TTM gather or scatter are one launch each; a merge op launches one kernel per
+#: task table it runs (counted as it runs them: :func:`ops_as_on_cuda`). On the CPU their
+#: PyTorch fallback runs inside them, uncounted.
+TRITON_OPS = frozenset({"tncompile::thin_pair", "tncompile::thin_pair_kept", "tncompile::ttm_gather",
+                        "tncompile::ttm_scatter_"})
+MERGE_OPS = frozenset({"tncompile::merge_factors_", "tncompile::merge_factors_backward_"})
+MERGE_LAUNCHES = [0]
+
+#: variant -> (GROUP_FACTORS, WHOLE_MATRICES, the speed whole matrices are decided by);
+#: "Triton" variants set ``tuning.TRITON_KERNELS``
 VARIANTS = {"dense": (True, False, None),
             "compiled, thin products": (True, False, None),
+            "compiled, Triton kernels": (True, False, None),
             "compiled, whole matrices (H100's speed)": (True, True, "H100"),
             "compiled, per-layer merges": (False, False, None)}
 #: the H100's speed as tncompile measured it there (torch 2.11; fixed costs timed eagerly):
@@ -94,20 +108,37 @@ def _small_bert(batch: int):
 MODELS = {"six-encoder": _six_encoder, "small-bert": _small_bert}
 
 
+def _in_triton_op(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name in TRITON_OPS or parent.name in MERGE_OPS:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
 def count_ops(model: torch.nn.Module, loss_of) -> dict:
-    """Dispatched and kernel-like ATen ops of one forward and backward (after one warm-up)."""
+    """Dispatched and kernel-like ops of one forward and backward (after one warm-up): a
+    Triton op (:data:`TRITON_OPS`) is one of each, whatever the CPU runs inside it."""
     model.zero_grad(set_to_none=True)
     loss_of(model).backward()
     model.zero_grad(set_to_none=True)
+    MERGE_LAUNCHES[0] = 0
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         loss_of(model).backward()
     model.zero_grad(set_to_none=True)
-    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    triton_ops = [e for e in prof.events() if e.name in TRITON_OPS]
+    merges = MERGE_LAUNCHES[0]
+    events = [e for e in prof.events() if e.name.startswith("aten::") and not _in_triton_op(e)]
     top = [e for e in events if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
     leaves = [e for e in events if e.name not in NOT_KERNELS
               and not any(c.name.startswith("aten::") and c.name not in NOT_KERNELS for c in e.cpu_children)]
-    return {"dispatched": len(top), "kernel_like": len(leaves),
-            "kernel_like_by_op": dict(Counter(e.name for e in leaves).most_common(12))}
+    by_op = Counter(e.name for e in leaves + triton_ops)
+    if merges:
+        by_op["tncompile merge launches"] = merges
+    dispatched = len(top) + len(triton_ops) + sum(e.name in MERGE_OPS for e in prof.events())
+    return {"dispatched": dispatched, "kernel_like": len(leaves) + len(triton_ops) + merges,
+            "kernel_like_by_op": dict(by_op.most_common(12))}
 
 
 def count_batches(model: torch.nn.Module, loss_of) -> int:
@@ -124,17 +155,35 @@ def count_batches(model: torch.nn.Module, loss_of) -> int:
     return len(calls)
 
 
-def ops_as_on_cuda() -> None:
+def ops_as_on_cuda(put=setattr) -> None:
     """Run the TT layers' ops as on CUDA: every GEMM as ``torch.mm`` (on CPU they go
-    through ``cpu_gemm``, whose layout copies and padding a GPU never runs), and padded
-    factor batches through index scatters and gathers (on CPU: a copy per tensor)."""
+    through ``cpu_gemm``, whose layout copies and padding a GPU never runs), padded
+    factor batches through index scatters and gathers (on CPU: a copy per tensor), TTM
+    lookups without host-side deduplication and with a device-side id check, and the
+    Triton ops called where ``tuning.TRITON_KERNELS`` asks for them (their PyTorch fallback
+    runs inside them; each merge launch is counted). ``put(module, name, value)`` patches
+    (``monkeypatch.setattr`` in a test, to undo it)."""
     from tncompile.runtime.kernels import executor, gemms, traced_contract  # noqa: PLC0415
-    from tncompile.runtime.layers import factor_groups
+    from tncompile.runtime.layers import factor_groups, tt_layers
+    from tncompile.runtime.triton import merge_factors, ttm_lookup
+    thin_pair = importlib.import_module("tncompile.runtime.triton.thin_pair")  # the module (the package exports the op)
 
     for module in (executor, gemms, traced_contract):  # each holds its own name of gemm_for
-        module.gemm_for = lambda t: torch.mm
-    gemms.cpu_gemm = torch.mm
-    factor_groups._by_index = lambda device: True
+        put(module, "gemm_for", lambda t: torch.mm)
+    put(gemms, "cpu_gemm", torch.mm)
+    put(factor_groups, "_by_index", lambda device: True)
+    put(tt_layers, "distinct_ids", lambda flat: (flat, None))
+    check = tt_layers.check_ids
+    put(tt_layers, "check_ids", lambda ids, num, who="TTMEmbedding", host_read=True: check(ids, num, who, False))
+    put(tt_layers, "runs_triton", lambda x: True)
+    put(factor_groups, "runs_triton", lambda x: True)
+    for module, name in ((thin_pair, "runs_triton"), (merge_factors, "_runs_triton"), (ttm_lookup, "_runs_triton")):
+        put(module, name, lambda x: False)   # inside the ops: their PyTorch form, even under the interpreter
+
+    def counted(fn):
+        return lambda *args: MERGE_LAUNCHES.__setitem__(0, MERGE_LAUNCHES[0] + 1) or fn(*args)
+    put(merge_factors, "_launch_tasks", counted(merge_factors._launch_tasks))
+    put(merge_factors, "_finish_torch", counted(merge_factors._finish_torch))
 
 
 def main() -> None:
@@ -153,11 +202,12 @@ def main() -> None:
         for variant, (group, whole, decided_by) in VARIANTS.items():
             tuning.GROUP_FACTORS, tuning.WHOLE_MATRICES = group, whole
             tuning.DEVICE_SPEED = H100 if decided_by == "H100" else REFERENCE  # decided at each forward
+            tuning.TRITON_KERNELS = "Triton" in variant
             got = count_ops(dense if variant == "dense" else compiled, loss_of)
             rows.append({"model": name, "variant": variant, **got})
             print(f"{name:12s} {variant:30s} {got['dispatched']:6d} dispatched  {got['kernel_like']:6d} kernel-like",
                   flush=True)
-        tuning.GROUP_FACTORS, tuning.DEVICE_SPEED = True, REFERENCE
+        tuning.GROUP_FACTORS, tuning.DEVICE_SPEED, tuning.TRITON_KERNELS = True, REFERENCE, False
         ranks = cut_every_layer(compiled)
         limit = tuning.FACTOR_PAD_LIMIT
         for variant, (group, pad_limit) in AFTER_CUTS.items():

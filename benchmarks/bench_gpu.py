@@ -21,6 +21,10 @@ each per round, up to a synchronize):
 ``trainer``           ``transformers.Trainer`` (HF models), time between ``on_step_end`` calls
 ``trainer-compile``   the same with ``TrainingArguments(torch_compile=True)``
 
+On a GPU, the six-encoder's rows of those four paths also time ``triton``: the compressed
+model on tncompile's Triton kernels (``tuning.TRITON_KERNELS``: the thin pair per layer, the
+batched merge per family), interleaved with the other two.
+
 Beside each time: the host's time until a step call returns (CUDA runs asynchronously:
 where it is near the step's time, the host's dispatch is the step). ``kernels`` rows profile
 one eager step of each model (``torch.profiler``: kernels per step, their summed GPU time).
@@ -54,9 +58,10 @@ import torch
 import torch.nn.functional as F
 
 import tncompile
+from tncompile import tuning
 from tncompile.train import TrainStep
 from tncompile.runtime import TTLinear
-from tncompile.runtime.triton import runs_triton, thin_pair
+from tncompile.runtime.triton import runs_triton, thin_pair_train
 from tncompile.zoo import six_encoder
 
 from common import RESULTS, galore_optimizer, interleaved_ms, machine, parser
@@ -64,6 +69,8 @@ from common import RESULTS, galore_optimizer, interleaved_ms, machine, parser
 PAPER_RATIO = 1 / 44.9
 PATHS = ("eager", "captured", "bf16", "bf16-captured", "compile", "compile-ro", "trainer", "trainer-compile")
 CUDA_ONLY = {"captured", "bf16-captured", "compile-ro"}
+#: paths the six-encoder is also timed on with tncompile's Triton kernels (``triton_ms``)
+TRITON_PATHS = ("eager", "captured", "bf16", "bf16-captured")
 
 
 # ---------------------------------------------------------------- models
@@ -214,10 +221,13 @@ def time_paths(work: Workload, paths: list[str], reps: int, emit) -> None:
                     ms[k], row[f"{k}_trainer_runs"] = trainer_ms(work, m, path == "trainer-compile", reps)
             else:
                 fns = {k: step_functions(work, path, m) for k, m in models.items()}
+                fns.update(_triton_variant(work, path, models["compressed"], row))
                 ms = interleaved_ms(fns, reps=reps, warmup=3, device=work.device)
                 row.update({f"{k}_host_ms": round(host_ms(fn, work.device), 3) for k, fn in fns.items()})
             row.update(dense_ms=round(ms["dense"], 3), compressed_ms=round(ms["compressed"], 3),
                        speed_vs_dense=round(ms["dense"] / ms["compressed"], 3))
+            if "triton" in ms:
+                row.update(triton_ms=round(ms["triton"], 3), triton_speed_vs_dense=round(ms["dense"] / ms["triton"], 3))
             if "compressed_host_ms" in row and layers:
                 row["extra_host_ms_per_tt_layer"] = round(
                     (row["compressed_host_ms"] - row["dense_host_ms"]) / layers, 4)
@@ -230,14 +240,44 @@ def time_paths(work: Workload, paths: list[str], reps: int, emit) -> None:
             torch.cuda.empty_cache()
 
 
+def _with_triton_kernels(step: Callable[[], None]) -> Callable[[], None]:
+    """``step`` with ``tuning.TRITON_KERNELS`` on for its call (a captured step captures them)."""
+    def call() -> None:
+        tuning.TRITON_KERNELS = True
+        try:
+            step()
+        finally:
+            tuning.TRITON_KERNELS = False
+    return call
+
+
+def _triton_variant(work: Workload, path: str, compressed, row: dict) -> dict[str, Callable[[], None]]:
+    """``{"triton": step}``: the compressed six-encoder on tncompile's Triton kernels
+    (``tuning.TRITON_KERNELS``), timed beside dense and the default path, where a GPU runs
+    Triton; one trial call first (a failure is recorded in ``row`` and leaves the others)."""
+    if work.name != "six-encoder" or path not in TRITON_PATHS or not runs_triton(work.x.float()):
+        return {}
+    try:
+        step = _with_triton_kernels(step_functions(work, path, compressed))
+        step()
+        return {"triton": step}
+    except Exception as e:  # noqa: BLE001 - the default path's figures still count
+        row["triton_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        return {}
+
+
 def profile_kernels(work: Workload, emit) -> None:
-    """Kernels per eager step and their summed GPU time (torch.profiler), each model alone."""
+    """Kernels per eager step and their summed GPU time (torch.profiler), each model alone;
+    the six-encoder also on tncompile's Triton kernels."""
     from bench_gpu_kernels import profile_step  # noqa: PLC0415
-    for kind in ("dense", "compressed"):
+    kinds = ("dense", "compressed") + (("compressed triton",) if work.name == "six-encoder" else ())
+    for kind in kinds:
         row = {"model": work.name, "batch": work.batch, "path": "kernels", "variant": kind}
         try:
-            model = work.build(kind == "compressed")
+            model = work.build(kind != "dense")
             step = _plain_loop(work, model, None)
+            if kind == "compressed triton":
+                step = _with_triton_kernels(step)
             for _ in range(3):
                 step()
             result = profile_step(lambda _x, _y: step(), None, None, steps=3)
@@ -290,7 +330,8 @@ def peak_memory(work: Workload, emit) -> None:
 def thin_pair_kernel(batch: int, emit) -> None:
     """The Triton thin-pair kernel (``tncompile::thin_pair``) against the same product as two
     GEMMs and an add, per distinct TT linear of the compiled six-encoder at ``batch x 128``
-    rows: forward, and forward + backward (the kernel is not dispatched by TTLinear yet)."""
+    rows: forward, and forward + backward (``thin_pair_train``: what TTLinear runs with
+    ``tuning.TRITON_KERNELS``)."""
     compiled = tncompile.compile(six_encoder(), target_ratio=PAPER_RATIO, init="random").to(DEV)
     seen = set()
     for name, layer in compiled.tensorized_modules().items():
@@ -302,7 +343,7 @@ def thin_pair_kernel(batch: int, emit) -> None:
         x = torch.randn(batch * 128, a.shape[0], device=DEV, requires_grad=True)
         bias = torch.zeros(b.shape[1], device=DEV)
         dy = torch.randn(x.shape[0], b.shape[1], device=DEV)
-        fns = {"triton": lambda: thin_pair(x, a, b, bias), "gemms": lambda: (x @ a) @ b + bias}
+        fns = {"triton": lambda: thin_pair_train(x, a, b, bias), "gemms": lambda: (x @ a) @ b + bias}
         fwd = interleaved_ms(fns, reps=REPS, warmup=3, device=DEV)
         both = interleaved_ms({k: (lambda f=f: f().backward(dy)) for k, f in fns.items()}, reps=REPS, warmup=3,
                               device=DEV)

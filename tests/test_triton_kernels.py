@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tncompile.runtime import TTLinear
-from tncompile.runtime.triton import interpreting, runs_triton, thin_pair
+from tncompile.runtime.triton import interpreting, runs_triton, thin_pair, thin_pair_kept, thin_pair_train
 
 pytest.importorskip("triton")
 
@@ -81,3 +81,202 @@ def test_shapes_at_the_edges(device):
     assert not strided_b.is_contiguous()
     torch.testing.assert_close(thin_pair(x, strided_a, strided_b, None), x @ strided_a @ strided_b,
                                rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- the training thin pair
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.float64, 1e-10), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_training_pair_keeps_its_middle_and_matches_the_dense_product(device, dtype, tol, with_bias):
+    """``thin_pair_train``: forward as the plain op; gradients of x, A, B and the bias from the
+    kept middle (``[x A, 1]^T dy`` gives dB and the bias gradient in one product)."""
+    torch.manual_seed(4)
+    x = torch.randn(37, 50, device=device, dtype=dtype, requires_grad=True)
+    a = torch.randn(50, 7, device=device, dtype=dtype, requires_grad=True)
+    b = torch.randn(7, 45, device=device, dtype=dtype, requires_grad=True)
+    bias = torch.randn(45, device=device, dtype=dtype, requires_grad=True) if with_bias else None
+    inputs = (x, a, b) + ((bias,) if with_bias else ())
+    y = thin_pair_train(x, a, b, bias)
+    ref = x.double() @ (a.double() @ b.double()) + (bias.double() if with_bias else 0)
+    scale = ref.abs().max()
+    torch.testing.assert_close(y.double() / scale, ref / scale, rtol=tol, atol=tol)
+    dy = torch.randn_like(y)
+    for g, w, name in zip(torch.autograd.grad(y, inputs, dy), torch.autograd.grad(ref, inputs, dy.double()),
+                          ("x", "a", "b", "bias")):
+        s = w.abs().max()
+        torch.testing.assert_close(g.double() / s, w.double() / s, rtol=tol, atol=tol, msg=name)
+    y_kept, t1 = thin_pair_kept(x.detach(), a.detach(), b.detach(), None if bias is None else bias.detach())
+    assert t1.shape == (37, 7 + with_bias) and torch.equal(y_kept, y.detach())
+    if with_bias:
+        assert torch.equal(t1[:, 7], torch.ones(37, device=device, dtype=dtype))
+
+
+def test_the_training_pair_gradchecks_and_its_op_registers(device):
+    torch.manual_seed(5)
+    args = [torch.randn(*s, device=device, dtype=torch.float64, requires_grad=True)
+            for s in ((5, 20), (20, 3), (3, 17), (17,))]
+    assert torch.autograd.gradcheck(thin_pair_train, tuple(args))
+    assert torch.autograd.gradcheck(lambda x, a, b: thin_pair_train(x, a, b, None), tuple(args[:3]))
+    assert torch.autograd.gradcheck(lambda a, b: thin_pair_train(args[0].detach(), a, b), tuple(args[1:3]))
+    torch.library.opcheck(thin_pair_kept, tuple(t.detach() for t in args))
+
+
+# ---------------------------------------------------------------- the batched merge
+def _merge_case(n, in_modes, out_modes, ranks_of, device, dtype, equal):
+    """``n`` networks' cores and gates, stacked as factor_groups stacks them, the plan, and
+    each network's factors and gradients by ``tt_factors`` under autograd."""
+    from tncompile.runtime.layers.factor_groups import FactorBatch
+    modes = [*in_modes, *out_modes]
+    d = len(modes)
+    nets = []
+    for m in range(n):
+        rk = [1, *ranks_of(m), 1]
+        cores = [torch.randn(rk[k], modes[k], rk[k + 1], device=device, dtype=dtype, requires_grad=True)
+                 for k in range(d)]
+        gates = [torch.rand(rk[k + 1], device=device, dtype=dtype, requires_grad=True) for k in range(d - 1)]
+        nets.append((cores, gates))
+    batch = FactorBatch(len(in_modes), [[tuple(c.shape) for c in cs] for cs, _ in nets],
+                        [[tuple(g.shape) for g in gs] for _, gs in nets])
+    assert batch.params.equal == equal
+    return batch, nets
+
+
+@pytest.mark.parametrize("in_modes, out_modes", [((4, 5, 3), (3, 4, 6)), ((4, 5), (3, 4)),
+                                                 ((2, 3, 2, 2), (3, 2)), ((2, 3), (3, 2, 2, 2))])
+@pytest.mark.parametrize("equal", [True, False], ids=["equal-ranks", "padded-ranks"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+def test_the_batched_merge_is_tt_factors_of_the_gated_cores(device, in_modes, out_modes, equal, dtype, tol):
+    """Every network's A and B, and every core's and gate's gradient, from the merge's few
+    launches: against ``tt_factors`` of its own gated cores under autograd, ranks equal
+    (stacked network after network) or not (zero-padded, stacked position after position)."""
+    from tncompile.formats.decompose import tt_factors
+    from tncompile.runtime.layers.factor_groups import TritonFactors
+    torch.manual_seed(6)
+    bonds = len(in_modes) + len(out_modes) - 1
+    batch, nets = _merge_case(3, in_modes, out_modes,
+                              (lambda m: [3 + (k % 3) for k in range(bonds)]) if equal else
+                              (lambda m: [2 + (k + m) % 4 for k in range(bonds)]), device, dtype, equal)
+    tensors = [t for cores, gates in nets for t in (*cores, *gates)]
+    out = TritonFactors.apply(batch, *tensors)
+    n = batch.n
+    d_out = [torch.randn_like(f) for f in out]
+    got = torch.autograd.grad(out, tensors, d_out)
+    for m, (cores, gates) in enumerate(nets):
+        a, b = tt_factors([c * g for c, g in zip(cores[:-1], gates)] + [cores[-1]], len(in_modes))
+        s = max(a.abs().max(), b.abs().max())
+        torch.testing.assert_close(out[m] / s, a / s, rtol=tol, atol=tol)
+        torch.testing.assert_close(out[n + m] / s, b / s, rtol=tol, atol=tol)
+        want = torch.autograd.grad((a * d_out[m]).sum() + (b * d_out[n + m]).sum(), [*cores, *gates])
+        mine = got[m * len(want):(m + 1) * len(want)]
+        for k, (g, w) in enumerate(zip(mine, want)):
+            torch.testing.assert_close(g / w.abs().max(), w / w.abs().max(), rtol=tol, atol=tol, msg=f"net {m} #{k}")
+
+
+def test_an_unused_factor_gives_its_cores_no_gradient(device):
+    """As the PyTorch merge: a network whose B went unused gets None for its output cores and
+    gates, not zeros; a network whose factors both went unused gets None throughout."""
+    from tncompile.runtime.layers.factor_groups import TritonFactors
+    torch.manual_seed(7)
+    batch, nets = _merge_case(2, (4, 5), (3, 4), lambda m: [3, 4, 3], device, torch.float64, True)
+    tensors = [t for cores, gates in nets for t in (*cores, *gates)]
+    out = TritonFactors.apply(batch, *tensors)
+    out[0].sum().backward()               # network 0's A only
+    (c0, g0), (c1, g1) = nets
+    assert c0[0].grad is not None and c0[1].grad is not None and g0[0].grad is not None and g0[1].grad is not None
+    assert c0[2].grad is None and c0[3].grad is None and g0[2].grad is None
+    assert all(t.grad is None for t in (*c1, *g1))
+
+
+def test_tt_layers_train_the_same_on_the_triton_kernels(device, monkeypatch):
+    """A compiled model's training step with ``tuning.TRITON_KERNELS``: the thin pair per layer
+    and the batched merge per family give the outputs and every gradient of the default
+    path, before and after rank cuts leave each layer its own ranks (padded batches)."""
+    import copy
+    import warnings
+    import tncompile
+    from tncompile import tuning
+    from tncompile.runtime.layers import factor_groups
+    from tncompile.passes import replan_module
+    from tncompile.passes.truncate_ranks import cut_ranks
+    from tncompile.zoo import mlp
+    torch.manual_seed(8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tncompile.SlowerThanDenseWarning)
+        base = tncompile.compile(mlp((64, 128, 128, 128, 10)), target_ratio=0.4).to(device).double()
+    x = torch.randn(20, 64, device=device, dtype=torch.float64)
+
+    def step(model, triton_on):
+        monkeypatch.setattr(tuning, "TRITON_KERNELS", triton_on)
+        model.zero_grad(set_to_none=True)
+        y = model(x)
+        y.square().sum().backward()
+        return y.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    merges = []
+    real = factor_groups.TritonFactors.apply
+    monkeypatch.setattr(factor_groups.TritonFactors, "apply", lambda *a: merges.append(1) or real(*a))
+    for cut in (False, True):
+        model = copy.deepcopy(base)
+        if cut:
+            for i, layer in enumerate(m for m in model.modules() if isinstance(m, TTLinear)):
+                cut_ranks(layer, [torch.arange(max(1, r - 1 - (i + k) % 3)) for k, r in enumerate(layer.layout.ranks)])
+                replan_module(layer)
+        y_ref, g_ref = step(model, False)
+        before = len(merges)
+        y, g = step(model, True)
+        assert len(merges) > before, "the Triton merge did not run"
+        torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+        assert g.keys() == g_ref.keys()
+        for name in g:
+            torch.testing.assert_close(g[name], g_ref[name], rtol=1e-9, atol=1e-10, msg=name)
+
+
+# ---------------------------------------------------------------- TTM lookups
+@pytest.mark.parametrize("padding_idx", [None, 3])
+@pytest.mark.parametrize("cores", [4, 5])
+def test_ttm_lookups_on_the_triton_kernels_are_the_table_rows(device, padding_idx, cores, monkeypatch):
+    """``tuning.TRITON_KERNELS``: a TTM embedding's rows from its halves merged in one launch
+    and gathered in one, against the dense table (the network's own matrix); gradients of
+    every core and gate against the PyTorch path's, repeated ids summed, the padding
+    row's positions sending none."""
+    from tncompile import tuning
+    from tncompile.runtime import TTMEmbedding
+    from tncompile.runtime.layers import tt_layers
+    torch.manual_seed(9)
+    layer = TTMEmbedding.from_embedding(torch.nn.Embedding(1000, 48, padding_idx=padding_idx), rank=6,
+                                        num_cores=cores).to(device).double()
+    ids = torch.randint(0, 1000, (4, 40), device=device)
+    ids[0, :5], ids[1, :30] = 3, 7
+    dy = torch.randn(4, 40, 48, device=device, dtype=torch.float64)
+
+    def step(triton_on):
+        monkeypatch.setattr(tuning, "TRITON_KERNELS", triton_on)
+        layer.zero_grad(set_to_none=True)
+        y = layer(ids)
+        (y * dy).sum().backward()
+        return y.detach(), [p.grad.clone() for p in layer.parameters()]
+
+    calls = []
+    real = tt_layers.TritonLookup.apply
+    monkeypatch.setattr(tt_layers.TritonLookup, "apply", lambda *a: calls.append(1) or real(*a))
+    y_ref, g_ref = step(False)
+    y, g = step(True)
+    assert calls, "the Triton lookup did not run"
+    torch.testing.assert_close(y, layer.weight()[ids], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    for got, want in zip(g, g_ref):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_the_lookup_ops_register(device):
+    """The gather and scatter ops' schemas, fake kernels and mutation (``opcheck``)."""
+    from tncompile.runtime.triton.ttm_lookup import lookup_table, ttm_gather, ttm_scatter_
+    torch.manual_seed(10)
+    row_modes, col_modes, split = (4, 5, 3, 2), (2, 3, 2, 4), 2
+    a = torch.randn(4 * 2 * 5 * 3, 6, device=device, dtype=torch.float64)
+    b = torch.randn(6, 3 * 2 * 2 * 4, device=device, dtype=torch.float64)
+    ids = torch.tensor([0, 5, 119, 5, 33], device=device)
+    table = lookup_table(row_modes, col_modes, split, device)
+    torch.library.opcheck(ttm_gather, (a, b, ids, table, split, 6, 8))
+    dout = torch.randn(5, 48, device=device, dtype=torch.float64)
+    torch.library.opcheck(ttm_scatter_, (torch.zeros_like(a), torch.zeros_like(b), a, b, ids, table, dout, split, 6, 8,
+                                         5))

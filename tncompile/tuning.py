@@ -132,6 +132,15 @@ FACTOR_PAD_LIMIT = 3.0
 #: that faster on the layers' device (kernels dearer than the extra multiply-adds: small
 #: layers on a GPU). ``False``: never.
 WHOLE_MATRICES = True
+#: TT layers run on tncompile's Triton kernels: each TT linear as its merged factors through
+#: one thin-pair launch forward and three backward (a dense linear's count; any row count:
+#: :func:`tncompile.runtime.triton.thin_pair_train`), each family's merged factors in 3
+#: kernels forward and 4 backward (:mod:`tncompile.runtime.triton.merge_factors`), each TTM
+#: lookup from its merged halves in one launch each way (:mod:`~tncompile.runtime.triton.ttm_lookup`;
+#: networks with two or more cores each side). On CUDA, and on the CPU under
+#: ``TRITON_INTERPRET=1`` (how tests run them). Off until ``benchmarks/bench_gpu.py``
+#: measures them on a GPU against the cuBLAS path.
+TRITON_KERNELS = False
 
 # ---------------------------------------------------------------- runtime: TTM lookup
 #: Look up only the distinct ids when they are under this share of the batch ...

@@ -52,6 +52,8 @@ from ... import tuning
 from .derived import storage_address, weights_epoch
 from ..kernels.executor import autocast_state, same_autocast
 from ..kernels.tracing import exporting
+from ..triton import runs_triton
+from ..triton.merge_factors import MergePlan, merge_backward, merge_forward, merge_plan, plan_of, supports
 
 __all__ = ["BatchedFactors", "FactorBatch", "FactorPeers", "peers_of", "register_whole_rule",
            "whole_matrices_faster"]
@@ -119,6 +121,12 @@ class _Packing:
         self.equal = all(member[p] == self.padded[p] for member in self.shapes for p in range(self.positions))
         self.rows_only = self.positions == 1 and all(m[0][1:] == self.padded[0][1:] for m in self.shapes)
         self.blocks = [self.n * math.prod(pad) for pad in self.padded]         # position after position
+        self.size = sum(self.blocks)
+        sizes = [math.prod(pad) for pad in self.padded]
+        if self.equal:   # stack_into: network after network, one cat
+            self.placement = [(sum(sizes[:p]), sum(sizes)) for p in range(self.positions)]
+        else:            # position after position, each network's block padded
+            self.placement = [(sum(self.blocks[:p]), sizes[p]) for p in range(self.positions)]
         # the index per device; shape templates for torch's C++ split of a flat buffer into views
         self._cache: dict = {}
 
@@ -157,6 +165,16 @@ class _Packing:
         buffer = flat.new_zeros(sum(self.blocks))
         buffer.index_copy_(0, self.index(flat.device), flat)
         return [part.view(self.n, *pad) for part, pad in zip(buffer.split(self.blocks), self.padded)]
+
+    def stack_into(self, buffer: Tensor, tensors: Sequence[Tensor]) -> None:
+        """The tensors, network after network, into ``buffer[:size]`` as :attr:`placement`
+        says: one copy of them all where shapes are equal; else zeros and one scatter."""
+        region = buffer[: self.size]
+        if self.equal:
+            torch.cat([t.reshape(-1) for t in tensors], out=region)
+            return
+        region.zero_()
+        region.index_copy_(0, self.index(buffer.device), _flatten_dense_tensors(list(tensors)))
 
     def split(self, stacked: Sequence[Tensor | None]) -> list[Tensor | None]:
         """Per position ``(n, *padded_p)`` (``None``: nothing there) -> each network's own
@@ -210,6 +228,10 @@ class FactorBatch:
         params = [_params(m) for m in layers]
         return cls(len(layers[0].layout.in_modes), [[tuple(c.shape) for c in cores] for cores, _ in params],
                    [[tuple(g.shape) for g in gates] for _, gates in params])
+
+    def merge_plan(self) -> tuple[int, MergePlan]:
+        """The Triton merge's plan for this batch (:mod:`tncompile.runtime.triton.merge_factors`)."""
+        return merge_plan(self.n, self.n_in, self.params.padded[: self.d], self.params.placement, self.params.size)
 
     def waste(self) -> float:
         """Elements of the stacked cores per element of the members' cores."""
@@ -295,14 +317,68 @@ class BatchedFactors(torch.autograd.Function):
             if g is not None:
                 d_cores[k] = g * gates[k][:, None, None, :]
                 d_gates[k] = (g * cores[k]).sum((1, 2))
-        own = batch.params.split([*d_cores, *d_gates])   # network after network, cores then gates
-        out: list[Tensor | None] = [None, None]
-        for m in range(n):  # a factor never used gives its cores and gates no gradient (not zeros)
-            sides = (grads[m] is not None, grads[n + m] is not None)   # A: cores and gates < n_in
-            mine = own[m * (2 * d - 1):(m + 1) * (2 * d - 1)]   # cores 0 .. d-1, then gates 0 .. d-2
-            out.extend(g if g is not None and sides[(p if p < d else p - d) >= n_in] else None
-                       for p, g in enumerate(mine))
-        return tuple(out)
+        return (None, None, *_network_grads(batch, [*d_cores, *d_gates], grads))
+
+
+def _network_grads(batch: FactorBatch, stacked: Sequence[Tensor | None], grads: Sequence[Tensor | None]
+                   ) -> list[Tensor | None]:
+    """Each network's core and gate gradients from the stacked ones (``d`` cores, then
+    ``d - 1`` gates); a factor never used gives its cores and gates no gradient (not zeros)."""
+    n, n_in, d = batch.n, batch.n_in, batch.d
+    own = batch.params.split(stacked)   # network after network, cores then gates
+    out: list[Tensor | None] = []
+    for m in range(n):
+        sides = (grads[m] is not None, grads[n + m] is not None)   # A: cores and gates < n_in
+        mine = own[m * (2 * d - 1):(m + 1) * (2 * d - 1)]   # cores 0 .. d-1, then gates 0 .. d-2
+        out.extend(g if g is not None and sides[(p if p < d else p - d) >= n_in] else None
+                   for p, g in enumerate(mine))
+    return out
+
+
+class TritonFactors(torch.autograd.Function):
+    """:class:`BatchedFactors` (thin factors only) on the Triton merge
+    (:mod:`tncompile.runtime.triton.merge_factors`): the stacked cores and gates, each step of
+    both chains for every network in one launch -- a copy and 2 launches forward, a copy and
+    3 backward for networks of 3 + 3 cores, where PyTorch's ops take ~20 and ~30."""
+
+    @staticmethod
+    def forward(ctx, batch: FactorBatch, *tensors: Tensor):
+        key, plan = batch.merge_plan()
+        work = tensors[0].new_empty(plan.work_size)
+        batch.params.stack_into(work, tensors)
+        merge_forward(work, key)
+        ctx.set_materialize_grads(False)
+        ctx.batch, ctx.key = batch, key
+        ctx.save_for_backward(work)
+        n = batch.n
+        a = work[plan.a_offset: plan.a_offset + n * plan.m * plan.r].view(n, plan.m, plan.r)
+        b = work[plan.b_offset: plan.b_offset + n * plan.r * plan.n_out].view(n, plan.r, plan.n_out)
+        return (*batch.a.split([a]), *batch.b.split([b]))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        batch, key = ctx.batch, ctx.key
+        plan = plan_of(key)
+        (work,) = ctx.saved_tensors
+        n = batch.n
+        if all(g is None for g in grads):
+            return (None, *([None] * (n * (2 * batch.d - 1))))
+        grad = work.new_empty(plan.grad_size)
+        if batch.a.equal and batch.b.equal and all(g is not None for g in grads):
+            torch.cat([g.reshape(-1) for g in grads], out=grad[: plan.incoming])
+        else:
+            da, db = _stack_or_zeros(grads[:n], batch.a, work), _stack_or_zeros(grads[n:], batch.b, work)
+            torch.cat([da.reshape(-1), db.reshape(-1)], out=grad[: plan.incoming])
+        merge_backward(grad, work, key)
+        cores = [grad[off: off + n * size].view(n, *pad)
+                 for (off, size), pad in zip(plan.core_grads(), batch.params.padded[: batch.d])]
+        gates = [grad[off: off + n * size].view(n, size) for off, size in plan.gate_grads()]
+        return (None, *_network_grads(batch, [*cores, *gates], grads))
+
+
+def _triton_merges(batch: FactorBatch, like: Tensor) -> bool:
+    """Whether ``batch`` merges on the Triton kernels (``tuning.TRITON_KERNELS``)."""
+    return tuning.TRITON_KERNELS and runs_triton(like) and supports(batch.n_in, batch.d)
 
 
 def _stack_or_zeros(grads: Sequence[Tensor | None], packing: _Packing, like: Tensor) -> Tensor:
@@ -442,7 +518,10 @@ class FactorPeers:
         whole = bool(whole()) if callable(whole) else whole
         n = len(members)
         tensors = [t for m in members for group in _params(m) for t in group]
-        out = BatchedFactors.apply(batch, whole, *tensors)
+        if not whole and _triton_merges(batch, tensors[0]):
+            out = TritonFactors.apply(batch, *tensors)
+        else:
+            out = BatchedFactors.apply(batch, whole, *tensors)
         mine = None
         for i, m in enumerate(members):
             made = (out[i],) if whole else (out[i], out[n + i])

@@ -37,6 +37,9 @@ from ..kernels.traced_lookup import (check_ids, distinct_ids, gathered_product, 
                             split_ids, ttm_lookup)
 from .tied_head import best_split, half_table_head, head_halves
 from ..kernels.tt_chain import chain_kernels, tt_chain
+from ..triton import runs_triton, thin_pair_train
+from ..triton.merge_factors import merge_backward, merge_forward, merge_plan, plan_of, supports
+from ..triton.ttm_lookup import lookup_table, ttm_gather, ttm_scatter_
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of", "tied_merge_macs"]
 
@@ -115,6 +118,18 @@ def _through_factors(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor 
     return y.reshape(*lead, y.shape[-1])
 
 
+def _triton_pair(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor],
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """``x A B + bias`` through the Triton thin pair (``tuning.TRITON_KERNELS``), in the
+    autocast dtype inside an autocast region (as a linear's GEMMs would run):
+    ``(rows, P_in) -> (rows, P_out)``."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, bias = x.to(dtype), None if bias is None else bias.to(dtype)
+    return thin_pair_train(x, factors[0], factors[1], bias)
+
+
 def check_input_dtype(module: nn.Module, x: torch.Tensor) -> None:
     """Raise ``TypeError`` when ``x``'s dtype is not the layer's (as ``nn.Linear`` does,
     but saying which layer and the fix); autocast regions mix dtypes on purpose."""
@@ -174,6 +189,50 @@ class _GatheredProduct(torch.autograd.Function):
             g_left, g_right = gathered_product_backward(grad, left, right, i, j, ctx.needs_input_grad[0],
                                                         ctx.needs_input_grad[1])
         return g_left, g_right, None, None
+
+
+class TritonLookup(torch.autograd.Function):
+    """A TTM embedding's rows on tncompile's Triton kernels (``tuning.TRITON_KERNELS``): the
+    two halves merged from the cores and gates in one launch (:mod:`..triton.merge_factors`,
+    the cores read as TT cores ``(r, m n, r')``), the rows gathered from them in one
+    (:mod:`..triton.ttm_lookup`); backward: the halves' gradients scattered in one launch,
+    the cores' and gates' in three more. Inputs: the layer, ids ``(T,)``, the split, then
+    its cores and gates. Output ``(T, padded_cols)``; ids equal to ``padding_idx`` send no
+    gradient."""
+
+    @staticmethod
+    def forward(ctx, layer: "TTMEmbedding", ids: torch.Tensor, split: int, *tensors: torch.Tensor):
+        lay = layer.layout
+        d = len(lay.row_modes)
+        shapes = [(c.shape[0], c.shape[1] * c.shape[2], c.shape[3]) for c in tensors[:d]]
+        sizes = [t.numel() for t in tensors]
+        key, plan = merge_plan(1, split, shapes, [(sum(sizes[:p]), sum(sizes)) for p in range(len(sizes))], sum(sizes))
+        work = tensors[0].new_empty(plan.work_size)
+        torch.cat([t.reshape(-1) for t in tensors], out=work[: sum(sizes)])
+        merge_forward(work, key)
+        a = work[plan.a_offset: plan.a_offset + plan.m * plan.r].view(plan.m, plan.r)
+        b = work[plan.b_offset: plan.b_offset + plan.r * plan.n_out].view(plan.r, plan.n_out)
+        table = lookup_table(lay.row_modes, lay.col_modes, split, ids.device)
+        halves = (math.prod(lay.col_modes[:split]), math.prod(lay.col_modes[split:]))
+        ctx.save_for_backward(work, ids)
+        ctx.info = (key, table, split, halves, layer.padding_idx, [t.shape for t in tensors])
+        return ttm_gather(a, b, ids, table, split, *halves)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        work, ids = ctx.saved_tensors
+        key, table, split, halves, padding_idx, shapes = ctx.info
+        plan = plan_of(key)
+        grads = work.new_empty(plan.grad_size)
+        grads[: plan.incoming].zero_()
+        da = grads[plan.da_offset: plan.da_offset + plan.m * plan.r].view(plan.m, plan.r)
+        db = grads[plan.db_offset: plan.db_offset + plan.r * plan.n_out].view(plan.r, plan.n_out)
+        a = work[plan.a_offset: plan.a_offset + plan.m * plan.r].view(plan.m, plan.r)
+        b = work[plan.b_offset: plan.b_offset + plan.r * plan.n_out].view(plan.r, plan.n_out)
+        ttm_scatter_(da, db, a, b, ids, table, grad.contiguous(), split, *halves, padding_idx)
+        merge_backward(grads, work, key)
+        at = [*plan.core_grads(), *plan.gate_grads()]
+        return (None, None, None, *(grads[off: off + size].view(shape) for (off, size), shape in zip(at, shapes)))
 
 
 class TNModule(nn.Module):
@@ -418,6 +477,8 @@ class TTLinear(TNModule):
         """``h (rows, *in_modes)`` through the network: at a few rows one native
         chain call each way (:mod:`.tt_chain`), otherwise the planned order."""
         rows = h.shape[0]
+        if tuning.TRITON_KERNELS and runs_triton(h) and not torch.compiler.is_compiling():
+            return _triton_pair(h.reshape(rows, -1), self.merged_factors(), bias)
         ops = chain_kernels(h, self.layout, self.plan_for, rows, choice_cache(self, "_chain_choice"))
         if ops is not None:
             return tt_chain(ops, len(self.layout.in_modes), h, bias, list(self.cores._parameters.values()),
@@ -579,11 +640,14 @@ class TTMEmbedding(TNModule):
         flat = ids.reshape(-1).long()
         lookup, inverse = distinct_ids(flat)
         rows = lookup.shape[0]
-        if len(lay.row_modes) == 1:
+        split = self.plan_for(rows).split if len(lay.row_modes) > 1 else 0
+        triton = tuning.TRITON_KERNELS and split and runs_triton(self.cores[0]) and supports(split, len(lay.row_modes))
+        if triton:  # padding positions send no gradient inside the kernel
+            out = TritonLookup.apply(self, lookup, split, *self.network_tensors())
+        elif len(lay.row_modes) == 1:
             table = self.scaled_cores()[0].reshape(lay.row_modes[0], lay.col_modes[0])
             out = table.index_select(0, lookup)
         else:
-            split = self.plan_for(rows).split
             left, right = self.half_tables(split)
             i_left, i_right = split_ids(lookup, math.prod(lay.row_modes[split:]))
             out = _GatheredProduct.apply(left, right, i_left, i_right).reshape(rows, lay.padded_cols)
@@ -591,7 +655,7 @@ class TTMEmbedding(TNModule):
             out = out[:, : lay.embedding_dim]
         if inverse is not None:
             out = out.index_select(0, inverse)
-        if self.padding_idx is not None:  # the row's value, no gradient from these positions
+        if self.padding_idx is not None and not triton:  # the row's value, no gradient from these positions
             out = torch.where((flat == self.padding_idx).unsqueeze(-1), out.detach(), out)
         return out.reshape(*ids.shape, lay.embedding_dim)
 

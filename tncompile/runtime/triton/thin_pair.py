@@ -10,7 +10,11 @@ and read it back, two launches per layer and direction. Here each program takes
 :func:`thin_pair` is a ``torch.library`` custom op (``tncompile::thin_pair``) with a fake
 kernel (so ``torch.compile``, export and capture see one opaque call) and an autograd
 formula whose input gradient is the same kernel on ``(B^T, A^T)`` (``dx = (dy B^T) A^T``)
-and whose weight gradients are two GEMMs. Where it runs:
+and whose weight gradients are two GEMMs. For training, :func:`thin_pair_train` keeps the
+middle from the forward launch (``tncompile::thin_pair_kept`` writes ``[x A, 1]`` beside
+``y``), so its backward is three launches -- ``dx`` by the same kernel keeping ``u = dy B^T``,
+``dA = x^T u``, and ``[dB; dbias] = [x A, 1]^T dy`` -- where a dense linear runs ``dx``,
+``dW`` and the bias sum: a TT linear's step launches what a dense one does. Where it runs:
 
 * CUDA tensors: the compiled Triton kernel;
 * CPU tensors with ``TRITON_INTERPRET=1`` (set before Triton is imported: it decides
@@ -23,8 +27,8 @@ TF32, as PyTorch's default matmul); 16-bit inputs multiply ``h`` rounded to thei
 as a 16-bit matmul would. (Triton's interpreter multiplies bfloat16 operands wrongly -- NumPy
 has no bfloat16 -- so on the CPU their products are formed in float32 from the same
 bfloat16 values: exact, as the tensor cores' are, accumulated in float32 as theirs are.)
-Not dispatched by ``TTLinear`` yet: which layers and shapes gain
-is measured on a GPU first (``benchmarks/bench_gpu.py``).
+``TTLinear`` runs :func:`thin_pair_train` at any row count under ``tuning.TRITON_KERNELS``
+(off until ``benchmarks/bench_gpu.py`` measures it on a GPU).
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ try:
 except ImportError:  # CPU builds of PyTorch do not ship Triton: the PyTorch path runs
     triton = tl = None
 
-__all__ = ["thin_pair", "triton_available", "interpreting", "runs_triton"]
+__all__ = ["thin_pair", "thin_pair_train", "thin_pair_kept", "triton_available", "interpreting", "runs_triton"]
 
 BLOCK_M, BLOCK_K, BLOCK_N = 32, 32, 32
 
@@ -61,9 +65,10 @@ def runs_triton(x: Tensor) -> bool:
         and x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _thin_pair_kernel(x_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, M, K, N, R,
-                      sxm, sxk, sak, sar, sbr, sbn, sym, syn,
-                      HAS_BIAS: tl.constexpr, ACC: tl.constexpr, LOW: tl.constexpr, UPCAST: tl.constexpr,
+def _thin_pair_kernel(x_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, t_ptr, M, K, N, R,
+                      sxm, sxk, sak, sar, sbr, sbn, sym, syn, stm, str_,
+                      HAS_BIAS: tl.constexpr, KEEP: tl.constexpr, ONES: tl.constexpr,
+                      ACC: tl.constexpr, LOW: tl.constexpr, UPCAST: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_R: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -81,6 +86,11 @@ def _thin_pair_kernel(x_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, M, K, N, R,
             h += tl.dot(x, a, out_dtype=ACC)
         else:
             h += tl.dot(x.to(ACC), a.to(ACC), input_precision="ieee", out_dtype=ACC)
+    if KEEP:  # the middle, for the weight gradients: (rows, R), or (rows, R + 1) ending in ones
+        kept = tl.where(rr[None, :] == R, 1.0, h) if ONES else h
+        width = R + 1 if ONES else R
+        tl.store(t_ptr + rows[:, None] * stm + rr[None, :] * str_, kept.to(t_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < M) & (rr[None, :] < width))
     for n0 in range(0, N, BLOCK_N):
         ns = n0 + tl.arange(0, BLOCK_N)
         b = tl.load(b_ptr + rr[:, None] * sbr + ns[None, :] * sbn,
@@ -106,25 +116,45 @@ def _kernel(device_type: str):
     return InterpretedFunction(_thin_pair_kernel)
 
 
-def _launch(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> Tensor:
+def _launch(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], keep: bool, ones: bool
+            ) -> tuple[Tensor, Optional[Tensor]]:
+    """``(y, t)`` for 2-D ``x``: ``t`` the middle ``x a`` when ``keep`` (ending in a column of
+    ones when ``ones``), else ``None``."""
     m, k = x.shape
     r, n = b.shape
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    t = torch.empty(m, r + ones, device=x.device, dtype=x.dtype) if keep else None
     if m == 0:
-        return y
+        return y, t
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
+    kept = t if t is not None else y
     _kernel(x.device.type)[(triton.cdiv(m, BLOCK_M),)](
-        x, a, b, bias if bias is not None else y, y, m, k, n, r,
+        x, a, b, bias if bias is not None else y, y, kept, m, k, n, r,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), y.stride(1),
-        HAS_BIAS=bias is not None, ACC=acc, LOW=x.dtype in (torch.float16, torch.bfloat16),
+        kept.stride(0), kept.stride(1),
+        HAS_BIAS=bias is not None, KEEP=keep, ONES=ones, ACC=acc, LOW=x.dtype in (torch.float16, torch.bfloat16),
         UPCAST=x.dtype == torch.bfloat16 and x.device.type == "cpu",
-        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(r)))
-    return y
+        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(r + ones)))
+    return y, t
+
+
+def _pair(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], keep: bool, ones: bool
+          ) -> tuple[Tensor, Optional[Tensor]]:
+    """:func:`_launch` where Triton runs, else the same arithmetic in PyTorch ops."""
+    a, b = a.to(x.dtype), b.to(x.dtype)
+    bias = None if bias is None else bias.to(x.dtype)
+    if runs_triton(x):
+        return _launch(x, a, b, bias, keep, ones)
+    t = x @ a
+    y = t @ b if bias is None else torch.addmm(bias, t, b)
+    if keep and ones:
+        t = torch.cat([t, t.new_ones(t.shape[0], 1)], 1)
+    return y, (t if keep else None)
 
 
 @torch.library.custom_op("tncompile::thin_pair", mutates_args=())
 def thin_pair(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """``(x @ a) @ b + bias``.
+    """``(x @ a) @ b + bias``: one launch (no gradient kept; :func:`thin_pair_train` for training).
 
     Parameters
     ----------
@@ -137,19 +167,59 @@ def thin_pair(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> Tensor
     -------
     Tensor, shape ``(..., out)``, ``x``'s dtype.
     """
-    flat = x.reshape(-1, x.shape[-1])
-    if runs_triton(x):
-        y = _launch(flat, a.to(x.dtype), b.to(x.dtype), None if bias is None else bias.to(x.dtype))
-    else:
-        y = (flat @ a) @ b
-        if bias is not None:
-            y = y + bias
+    y, _ = _pair(x.reshape(-1, x.shape[-1]), a, b, bias, keep=False, ones=False)
     return y.reshape(*x.shape[:-1], b.shape[1])
 
 
 @thin_pair.register_fake
 def _(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> Tensor:
     return x.new_empty(*x.shape[:-1], b.shape[1])
+
+
+@torch.library.custom_op("tncompile::thin_pair_kept", mutates_args=())
+def thin_pair_kept(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """``(y, t1)``: ``y = (x a) b + bias`` as :func:`thin_pair`, and the middle ``x a`` kept
+    for the weight gradients, as ``t1 (rows, r + 1)`` whose last column is ones when there
+    is a bias (``t1^T dy`` is then ``dB`` and the bias gradient in one GEMM), else
+    ``(rows, r)``; in the same launch. ``x``: ``(rows, in)``."""
+    y, t = _pair(x, a, b, bias, keep=True, ones=bias is not None)
+    return y, t
+
+
+@thin_pair_kept.register_fake
+def _(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    return x.new_empty(x.shape[0], b.shape[1]), x.new_empty(x.shape[0], a.shape[1] + (bias is not None))
+
+
+class _ThinPairTrain(torch.autograd.Function):
+    """:func:`thin_pair_kept`'s ``y`` with the gradients of ``x A B + bias``: three launches
+    backward -- ``dx`` with ``u = dy B^T`` kept (the same kernel on ``(B^T, A^T)``), ``dA = x^T u``
+    and ``[dB; dbias] = t1^T dy`` -- where a dense linear runs ``dx``, ``dW`` and the bias sum."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> Tensor:
+        y, t1 = thin_pair_kept(x, a, b, bias)
+        ctx.save_for_backward(x, a, b, t1)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, a, b, t1 = ctx.saved_tensors
+        need_x, need_a, need_b, need_bias = ctx.needs_input_grad
+        dx = da = db = dbias = None
+        if need_x or need_a:
+            if need_x:
+                dx, u = thin_pair_kept(dy, b.t(), a.t(), None)
+            else:
+                u = dy @ b.t().to(dy.dtype)
+            da = (x.t() @ u).to(a.dtype) if need_a else None
+        if need_b or need_bias:
+            grads = t1.t() @ dy
+            r = b.shape[0]
+            db = grads[:r].to(b.dtype) if need_b else None
+            dbias = grads[r].to(dy.dtype) if need_bias and ctx.has_bias else None
+        return dx, da, db, dbias
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -160,12 +230,20 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dy: Tensor):
     x, a, b = ctx.saved_tensors
-    dx = thin_pair(dy, b.t(), a.t(), None)                       # (dy B^T) A^T: the same launch
     flat_x, flat_dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    da = flat_x.t() @ (flat_dy @ b.t())                         # (in, r)
-    db = (flat_x @ a).t() @ flat_dy                             # (r, out)
+    dx, u = thin_pair_kept(flat_dy, b.t(), a.t(), None)         # (dy B^T) A^T, the middle kept
+    da = flat_x.t() @ u                                         # (in, r)
+    grads = (flat_x @ a.to(x.dtype)).t() @ flat_dy              # (r, out): the middle recomputed
     dbias = flat_dy.sum(0) if ctx.has_bias else None
-    return dx, da, db, dbias
+    return dx.reshape(x.shape), da.to(a.dtype), grads.to(b.dtype), dbias
 
 
 thin_pair.register_autograd(_backward, setup_context=_setup_context)
+
+
+def thin_pair_train(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``(x @ a) @ b + bias`` for training: one launch forward (keeping the ``r``-wide middle),
+    three backward (``dx`` by the same kernel, ``dA`` and ``[dB; dbias]`` as one GEMM each):
+    a dense linear's count. Shapes as :func:`thin_pair`."""
+    y = _ThinPairTrain.apply(x.reshape(-1, x.shape[-1]), a, b, bias)
+    return y.reshape(*x.shape[:-1], b.shape[1])
