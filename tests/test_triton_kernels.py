@@ -275,8 +275,60 @@ def test_the_lookup_ops_register(device):
     a = torch.randn(4 * 2 * 5 * 3, 6, device=device, dtype=torch.float64)
     b = torch.randn(6, 3 * 2 * 2 * 4, device=device, dtype=torch.float64)
     ids = torch.tensor([0, 5, 119, 5, 33], device=device)
-    table = lookup_table(row_modes, col_modes, split, device)
+    table = lookup_table(row_modes, col_modes, split, ids)
     torch.library.opcheck(ttm_gather, (a, b, ids, table, split, 6, 8))
     dout = torch.randn(5, 48, device=device, dtype=torch.float64)
     torch.library.opcheck(ttm_scatter_, (torch.zeros_like(a), torch.zeros_like(b), a, b, ids, table, dout, split, 6, 8,
                                          5))
+
+
+class _TinyLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(1000, 48)
+        self.up, self.down = torch.nn.Linear(48, 96), torch.nn.Linear(96, 48)
+        self.up2, self.down2 = torch.nn.Linear(48, 96), torch.nn.Linear(96, 48)
+        self.head = torch.nn.Linear(48, 5)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + self.down(torch.relu(self.up(h)))
+        h = h + self.down2(torch.relu(self.up2(h)))
+        return self.head(h.mean(1))
+
+
+def test_a_dry_run_on_the_triton_kernels_captures_and_leaves_no_fake_state(monkeypatch):
+    """``dry_run`` (fake device copies) through the Triton ops' fake kernels: capturable, and
+    what the ops keep per device (task and digit tables) is never a fake tensor -- a real step
+    after it runs and matches the PyTorch path."""
+    import warnings
+    import torch.nn.functional as F
+    import tncompile
+    from tncompile import tuning
+    from tncompile.runtime.layers import factor_groups, tt_layers
+    from tncompile.train import dry_run
+    torch.manual_seed(11)
+    ids, y = torch.randint(0, 1000, (3, 10)), torch.randint(0, 5, (3,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = tncompile.compile(_TinyLM(), target_ratio=0.5, example_inputs=(ids,), embedding_cores=4)
+    assert any(isinstance(m, TTLinear) for m in compiled.modules())
+    calls = []
+    for owner, name in ((tt_layers.TritonLookup, "apply"), (factor_groups.TritonFactors, "apply")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, real=real, tag=owner.__name__: calls.append(tag) or real(*a))
+    monkeypatch.setattr(tuning, "TRITON_KERNELS", True)
+    opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = dry_run(compiled, opt, F.cross_entropy, ids, y)
+    assert report.ok, str(report)
+    assert {"TritonLookup", "TritonFactors"} <= set(calls), calls
+    loss = F.cross_entropy(compiled(ids), y)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in compiled.named_parameters()}
+    monkeypatch.setattr(tuning, "TRITON_KERNELS", False)
+    compiled.zero_grad(set_to_none=True)
+    F.cross_entropy(compiled(ids), y).backward()
+    for n, p in compiled.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)

@@ -124,7 +124,7 @@ def _triton_pair(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor],
     autocast dtype inside an autocast region (as a linear's GEMMs would run):
     ``(rows, P_in) -> (rows, P_out)``."""
     device = x.device.type
-    if torch.is_autocast_enabled(device):
+    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):   # meta (a dry run): no autocast
         dtype = torch.get_autocast_dtype(device)
         x, bias = x.to(dtype), None if bias is None else bias.to(dtype)
     return thin_pair_train(x, factors[0], factors[1], bias)
@@ -212,7 +212,7 @@ class TritonLookup(torch.autograd.Function):
         merge_forward(work, key)
         a = work[plan.a_offset: plan.a_offset + plan.m * plan.r].view(plan.m, plan.r)
         b = work[plan.b_offset: plan.b_offset + plan.r * plan.n_out].view(plan.r, plan.n_out)
-        table = lookup_table(lay.row_modes, lay.col_modes, split, ids.device)
+        table = lookup_table(lay.row_modes, lay.col_modes, split, ids)
         halves = (math.prod(lay.col_modes[:split]), math.prod(lay.col_modes[split:]))
         ctx.save_for_backward(work, ids)
         ctx.info = (key, table, split, halves, layer.padding_idx, [t.shape for t in tensors])

@@ -60,9 +60,11 @@ def interpreting() -> bool:
 
 
 def runs_triton(x: Tensor) -> bool:
-    """Whether :func:`thin_pair` on tensors like ``x`` runs the Triton kernel."""
-    return triton_available() and (x.is_cuda or (x.device.type == "cpu" and interpreting())) \
-        and x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    """Whether the Triton kernels run on tensors like ``x``: CUDA tensors, CPU tensors under
+    the interpreter, and ``meta`` ones (a dry run's fake device, which takes CUDA's path:
+    the ops' fake kernels run there)."""
+    return triton_available() and x.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16) \
+        and (x.is_cuda or x.is_meta or (x.device.type == "cpu" and interpreting()))
 
 
 def _thin_pair_kernel(x_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, t_ptr, M, K, N, R,

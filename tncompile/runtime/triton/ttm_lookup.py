@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from .merge_factors import _runs_triton
 
@@ -49,14 +50,20 @@ def _digits(row_modes: tuple[int, ...], col_modes: tuple[int, ...], split: int) 
     return rows
 
 
-def lookup_table(row_modes: Sequence[int], col_modes: Sequence[int], split: int, device: torch.device) -> Tensor:
-    """The digits table of a layout and split (:func:`_digits`), int64 on ``device``."""
-    return _table(tuple(row_modes), tuple(col_modes), split, device)
+_TABLES: dict[tuple, Tensor] = {}
 
 
-@functools.cache
-def _table(row_modes: tuple[int, ...], col_modes: tuple[int, ...], split: int, device: torch.device) -> Tensor:
-    return torch.tensor(_digits(row_modes, col_modes, split), dtype=torch.int64, device=device)
+def lookup_table(row_modes: Sequence[int], col_modes: Sequence[int], split: int, ids: Tensor) -> Tensor:
+    """The digits table of a layout and split (:func:`_digits`), int64 on ``ids``' device;
+    made once per device (for fake or meta ids, a dry run's, its shape only: the ops' fake
+    kernels read no values)."""
+    if isinstance(ids, FakeTensor) or ids.is_meta:
+        return ids.new_empty((len(row_modes), 4), dtype=torch.int64)
+    key = (tuple(row_modes), tuple(col_modes), split, ids.device)
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = torch.tensor(_digits(*key[:3]), dtype=torch.int64, device=ids.device)
+    return table
 
 
 def _offsets(ids_row: Tensor, index: Tensor, table: list[list[int]], cores: range) -> Tensor:
