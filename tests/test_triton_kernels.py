@@ -267,19 +267,27 @@ def test_ttm_lookups_on_the_triton_kernels_are_the_table_rows(device, padding_id
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
 
 
-def test_the_lookup_ops_register(device):
-    """The gather and scatter ops' schemas, fake kernels and mutation (``opcheck``)."""
-    from tncompile.runtime.triton.ttm_lookup import lookup_table, ttm_gather, ttm_scatter_
+def test_the_lookup_and_merge_ops_register(device):
+    """The gather, scatter and merge ops' schemas, fake kernels and mutation (``opcheck``)."""
+    from tncompile.runtime.triton.ttm_lookup import lookup_table, ttm_gather_op, ttm_scatter_op
     torch.manual_seed(10)
     row_modes, col_modes, split = (4, 5, 3, 2), (2, 3, 2, 4), 2
     a = torch.randn(4 * 2 * 5 * 3, 6, device=device, dtype=torch.float64)
     b = torch.randn(6, 3 * 2 * 2 * 4, device=device, dtype=torch.float64)
     ids = torch.tensor([0, 5, 119, 5, 33], device=device)
     table = lookup_table(row_modes, col_modes, split, ids)
-    torch.library.opcheck(ttm_gather, (a, b, ids, table, split, 6, 8))
+    torch.library.opcheck(ttm_gather_op, (a, b, ids, table, split, 6, 8))
     dout = torch.randn(5, 48, device=device, dtype=torch.float64)
-    torch.library.opcheck(ttm_scatter_, (torch.zeros_like(a), torch.zeros_like(b), a, b, ids, table, dout, split, 6, 8,
-                                         5))
+    torch.library.opcheck(ttm_scatter_op, (torch.zeros_like(a), torch.zeros_like(b), a, b, ids, table, dout, split,
+                                           6, 8, 5))
+    from tncompile.runtime.triton.merge_factors import merge_backward_op, merge_forward_op, merge_plan
+    cores = [(1, 8, 3), (3, 15, 6), (6, 6, 4), (4, 8, 1)]
+    sizes = [a_ * b_ * c_ for a_, b_, c_ in cores] + [3, 6, 4]
+    key, plan = merge_plan(2, 2, cores, [(sum(sizes[:p]), sum(sizes)) for p in range(7)], 2 * sum(sizes))
+    work = torch.randn(plan.work_size, device=device, dtype=torch.float64)
+    torch.library.opcheck(merge_forward_op, (work, key))
+    torch.library.opcheck(merge_backward_op, (torch.randn(plan.grad_size, device=device, dtype=torch.float64), work,
+                                              key))
 
 
 class _TinyLM(torch.nn.Module):

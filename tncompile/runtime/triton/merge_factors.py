@@ -42,6 +42,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from .device_ops import direct
 from .thin_pair import interpreting, triton_available
 
 try:
@@ -50,7 +51,8 @@ try:
 except ImportError:
     triton = tl = None
 
-__all__ = ["MergePlan", "merge_plan", "plan_of", "merge_forward", "merge_backward", "supports"]
+__all__ = ["MergePlan", "merge_plan", "plan_of", "merge_forward", "merge_backward", "merge_forward_op",
+           "merge_backward_op", "supports"]
 
 #: task table columns (int64): left, right, out (offset, per-network stride, row stride,
 #: column stride each); the product's M, K, N; a gate on the contracted dim (offset or -1,
@@ -429,8 +431,7 @@ def _finish_torch(rows: list[list[int]], grad: Tensor, work: Tensor, n: int) -> 
 
 
 # ---------------------------------------------------------------- custom ops
-@torch.library.custom_op("tncompile::merge_factors_", mutates_args=("work",))
-def merge_forward(work: Tensor, key: int) -> None:
+def _forward(work: Tensor, key: int) -> None:
     """Fill ``work`` past its stacked cores and gates with the batch's running products,
     ``A`` and ``B`` among them (``(max(n_in, d - n_in) - 1)`` launches)."""
     plan = _BY_KEY[key]
@@ -439,13 +440,15 @@ def merge_forward(work: Tensor, key: int) -> None:
         _launch_tasks(rows, tables["forward"][j] if tables else None, work, work, work, work, plan.n)
 
 
-@merge_forward.register_fake
+merge_forward_op = torch.library.custom_op("tncompile::merge_factors_", _forward, mutates_args=("work",))
+
+
+@merge_forward_op.register_fake
 def _(work: Tensor, key: int) -> None:
     return None
 
 
-@torch.library.custom_op("tncompile::merge_factors_backward_", mutates_args=("grad",))
-def merge_backward(grad: Tensor, work: Tensor, key: int) -> None:
+def _backward(grad: Tensor, work: Tensor, key: int) -> None:
     """Fill ``grad`` (``dA`` and ``dB`` stacked at its start) with every core's and gate's
     gradient (``max(n_in, d - n_in)`` launches)."""
     plan = _BY_KEY[key]
@@ -460,6 +463,19 @@ def merge_backward(grad: Tensor, work: Tensor, key: int) -> None:
             grad, work, tables["finish"], FIELDS=len(plan.finish[0]), ACC=_acc(grad), BM=BLOCK, BN=BLOCK)
 
 
-@merge_backward.register_fake
+merge_backward_op = torch.library.custom_op("tncompile::merge_factors_backward_", _backward, mutates_args=("grad",))
+
+
+@merge_backward_op.register_fake
 def _(grad: Tensor, work: Tensor, key: int) -> None:
     return None
+
+
+def merge_forward(work: Tensor, key: int) -> None:
+    """``tncompile::merge_factors_`` (its implementation called directly in an eager step: :func:`.direct`)."""
+    (_forward if direct(work) else merge_forward_op)(work, key)
+
+
+def merge_backward(grad: Tensor, work: Tensor, key: int) -> None:
+    """``tncompile::merge_factors_backward_`` (directly in an eager step)."""
+    (_backward if direct(grad) else merge_backward_op)(grad, work, key)

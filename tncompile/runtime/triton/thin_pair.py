@@ -39,6 +39,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from .device_ops import direct
+
 try:
     import triton
     import triton.language as tl
@@ -178,14 +180,21 @@ def _(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> Tensor:
     return x.new_empty(*x.shape[:-1], b.shape[1])
 
 
-@torch.library.custom_op("tncompile::thin_pair_kept", mutates_args=())
-def thin_pair_kept(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+def _kept(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
     """``(y, t1)``: ``y = (x a) b + bias`` as :func:`thin_pair`, and the middle ``x a`` kept
     for the weight gradients, as ``t1 (rows, r + 1)`` whose last column is ones when there
     is a bias (``t1^T dy`` is then ``dB`` and the bias gradient in one GEMM), else
     ``(rows, r)``; in the same launch. ``x``: ``(rows, in)``."""
     y, t = _pair(x, a, b, bias, keep=True, ones=bias is not None)
     return y, t
+
+
+thin_pair_kept = torch.library.custom_op("tncompile::thin_pair_kept", _kept, mutates_args=())
+
+
+def _kept_call(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """:func:`thin_pair_kept`, its implementation called directly in an eager step (:func:`.direct`)."""
+    return _kept(x, a, b, bias) if direct(x) else thin_pair_kept(x, a, b, bias)
 
 
 @thin_pair_kept.register_fake
@@ -200,7 +209,7 @@ class _ThinPairTrain(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> Tensor:
-        y, t1 = thin_pair_kept(x, a, b, bias)
+        y, t1 = _kept_call(x, a, b, bias)
         ctx.save_for_backward(x, a, b, t1)
         ctx.has_bias = bias is not None
         return y
@@ -212,7 +221,7 @@ class _ThinPairTrain(torch.autograd.Function):
         dx = da = db = dbias = None
         if need_x or need_a:
             if need_x:
-                dx, u = thin_pair_kept(dy, b.t(), a.t(), None)
+                dx, u = _kept_call(dy, b.t(), a.t(), None)
             else:
                 u = dy @ b.t().to(dy.dtype)
             da = (x.t() @ u).to(a.dtype) if need_a else None

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
+from .device_ops import direct
 from .merge_factors import _runs_triton
 
 try:
@@ -32,7 +33,7 @@ try:
 except ImportError:
     triton = tl = None
 
-__all__ = ["lookup_table", "ttm_gather", "ttm_scatter_"]
+__all__ = ["lookup_table", "ttm_gather", "ttm_scatter_", "ttm_gather_op", "ttm_scatter_op"]
 
 BLOCK_R = 16
 
@@ -180,8 +181,7 @@ def _acc(t: Tensor):
 
 
 # ---------------------------------------------------------------- custom ops
-@torch.library.custom_op("tncompile::ttm_gather", mutates_args=())
-def ttm_gather(a: Tensor, b: Tensor, ids: Tensor, table: Tensor, split: int, n_left: int, n_right: int) -> Tensor:
+def _gather(a: Tensor, b: Tensor, ids: Tensor, table: Tensor, split: int, n_left: int, n_right: int) -> Tensor:
     """Rows ``ids (T,)`` of the table whose halves are ``a (M_A, r)`` and ``b (r, N_B)``:
     ``(T, n_left * n_right)``, ``n_left``/``n_right`` the products of the halves' ``n`` modes."""
     d = table.shape[0]
@@ -200,14 +200,16 @@ def ttm_gather(a: Tensor, b: Tensor, ids: Tensor, table: Tensor, split: int, n_l
     return out.copy_(prod.reshape(ids.shape[0], -1))
 
 
-@ttm_gather.register_fake
+ttm_gather_op = torch.library.custom_op("tncompile::ttm_gather", _gather, mutates_args=())
+
+
+@ttm_gather_op.register_fake
 def _(a, b, ids, table, split, n_left, n_right):
     return a.new_empty(ids.shape[0], n_left * n_right)
 
 
-@torch.library.custom_op("tncompile::ttm_scatter_", mutates_args=("da", "db"))
-def ttm_scatter_(da: Tensor, db: Tensor, a: Tensor, b: Tensor, ids: Tensor, table: Tensor, dout: Tensor,
-                 split: int, n_left: int, n_right: int, padding_idx: Optional[int]) -> None:
+def _scatter(da: Tensor, db: Tensor, a: Tensor, b: Tensor, ids: Tensor, table: Tensor, dout: Tensor,
+             split: int, n_left: int, n_right: int, padding_idx: Optional[int]) -> None:
     """Add each id's ``dOut B_slab^T`` into ``da`` and ``A_slab^T dOut`` into ``db`` (zeroed
     by the caller), ids equal to ``padding_idx`` left out."""
     d = table.shape[0]
@@ -231,6 +233,20 @@ def ttm_scatter_(da: Tensor, db: Tensor, a: Tensor, b: Tensor, ids: Tensor, tabl
                       accumulate=True)
 
 
-@ttm_scatter_.register_fake
+ttm_scatter_op = torch.library.custom_op("tncompile::ttm_scatter_", _scatter, mutates_args=("da", "db"))
+
+
+@ttm_scatter_op.register_fake
 def _(da, db, a, b, ids, table, dout, split, n_left, n_right, padding_idx):
     return None
+
+
+def ttm_gather(a: Tensor, b: Tensor, ids: Tensor, table: Tensor, split: int, n_left: int, n_right: int) -> Tensor:
+    """``tncompile::ttm_gather`` (its implementation called directly in an eager step: :func:`.direct`)."""
+    return (_gather if direct(a) else ttm_gather_op)(a, b, ids, table, split, n_left, n_right)
+
+
+def ttm_scatter_(da: Tensor, db: Tensor, a: Tensor, b: Tensor, ids: Tensor, table: Tensor, dout: Tensor,
+                 split: int, n_left: int, n_right: int, padding_idx: Optional[int]) -> None:
+    """``tncompile::ttm_scatter_`` (directly in an eager step)."""
+    (_scatter if direct(da) else ttm_scatter_op)(da, db, a, b, ids, table, dout, split, n_left, n_right, padding_idx)
