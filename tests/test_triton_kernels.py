@@ -62,7 +62,7 @@ def test_forward_and_gradients_match_the_dense_product(device, dtype, tol):
 def test_float64_gradcheck_and_the_custom_op_registration(device):
     torch.manual_seed(2)
     args = [torch.randn(*s, device=device, dtype=torch.float64, requires_grad=True)
-            for s in ((5, 20), (20, 3), (3, 17), (17,))]
+            for s in ((3, 7), (7, 2), (2, 5), (5,))]
     assert torch.autograd.gradcheck(thin_pair, tuple(args))
     assert torch.autograd.gradcheck(lambda x, a, b: thin_pair(x, a, b, None), tuple(args[:3]))
     torch.library.opcheck(thin_pair, tuple(args))
@@ -113,7 +113,7 @@ def test_the_training_pair_keeps_its_middle_and_matches_the_dense_product(device
 def test_the_training_pair_gradchecks_and_its_op_registers(device):
     torch.manual_seed(5)
     args = [torch.randn(*s, device=device, dtype=torch.float64, requires_grad=True)
-            for s in ((5, 20), (20, 3), (3, 17), (17,))]
+            for s in ((3, 7), (7, 2), (2, 5), (5,))]
     assert torch.autograd.gradcheck(thin_pair_train, tuple(args))
     assert torch.autograd.gradcheck(lambda x, a, b: thin_pair_train(x, a, b, None), tuple(args[:3]))
     assert torch.autograd.gradcheck(lambda a, b: thin_pair_train(args[0].detach(), a, b), tuple(args[1:3]))
@@ -141,13 +141,15 @@ def _merge_case(n, in_modes, out_modes, ranks_of, device, dtype, equal):
 
 
 @pytest.mark.parametrize("in_modes, out_modes", [((4, 5, 3), (3, 4, 6)), ((4, 5), (3, 4)),
-                                                 ((2, 3, 2, 2), (3, 2)), ((2, 3), (3, 2, 2, 2))])
+                                                 ((2, 3, 2, 2), (3, 2)), ((2, 3), (3, 2, 2, 2)),
+                                                 ((4, 5, 3), (6,)), ((7,), (3, 4)), ((5,), (6,))])
 @pytest.mark.parametrize("equal", [True, False], ids=["equal-ranks", "padded-ranks"])
 @pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
 def test_the_batched_merge_is_tt_factors_of_the_gated_cores(device, in_modes, out_modes, equal, dtype, tol):
     """Every network's A and B, and every core's and gate's gradient, from the merge's few
     launches: against ``tt_factors`` of its own gated cores under autograd, ranks equal
-    (stacked network after network) or not (zero-padded, stacked position after position)."""
+    (stacked network after network) or not (zero-padded, stacked position after position),
+    sides of one core (its factor a gated copy) included."""
     from tncompile.formats.decompose import tt_factors
     from tncompile.runtime.layers.factor_groups import TritonFactors
     torch.manual_seed(6)
@@ -232,7 +234,7 @@ def test_tt_layers_train_the_same_on_the_triton_kernels(device, monkeypatch):
 
 # ---------------------------------------------------------------- TTM lookups
 @pytest.mark.parametrize("padding_idx", [None, 3])
-@pytest.mark.parametrize("cores", [4, 5])
+@pytest.mark.parametrize("cores", [3, 4])
 def test_ttm_lookups_on_the_triton_kernels_are_the_table_rows(device, padding_idx, cores, monkeypatch):
     """``tuning.TRITON_KERNELS``: a TTM embedding's rows from its halves merged in one launch
     and gathered in one, against the dense table (the network's own matrix); gradients of

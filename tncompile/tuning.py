@@ -136,10 +136,9 @@ WHOLE_MATRICES = True
 #: one thin-pair launch forward and three backward (a dense linear's count; any row count:
 #: :func:`tncompile.runtime.triton.thin_pair_train`), each family's merged factors in 3
 #: kernels forward and 4 backward (:mod:`tncompile.runtime.triton.merge_factors`), each TTM
-#: lookup from its merged halves in one launch each way (:mod:`~tncompile.runtime.triton.ttm_lookup`;
-#: networks with two or more cores each side). On CUDA, and on the CPU under
-#: ``TRITON_INTERPRET=1`` (how tests run them). Off until ``benchmarks/bench_gpu.py``
-#: measures them on a GPU against the cuBLAS path.
+#: lookup from its merged halves in one launch each way (:mod:`~tncompile.runtime.triton.ttm_lookup`).
+#: On CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (how tests run them). Off until
+#: ``benchmarks/bench_gpu.py`` measures them on a GPU against the cuBLAS path.
 TRITON_KERNELS = False
 
 # ---------------------------------------------------------------- runtime: TTM lookup

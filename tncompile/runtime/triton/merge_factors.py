@@ -58,8 +58,8 @@ __all__ = ["MergePlan", "merge_plan", "plan_of", "merge_forward", "merge_backwar
 #: column stride each); the product's M, K, N; a gate on the contracted dim (offset or -1,
 #: per-network stride, period); a gate on the output (offset or -1, per-network stride,
 #: period, axis: 0 rows, 1 columns); which workspace left and right are in (0: the first
-#: a launch is given, 1: the second)
-FIELDS = 24
+#: a launch is given, 1: the second); 1 where the task copies left (gated) instead of multiplying
+FIELDS = 25
 BLOCK = 32
 
 
@@ -78,11 +78,11 @@ class Operand:
 
 def _task(left: Operand, right: Operand, out: Operand, m: int, k: int, n: int,
           gate_k: tuple[int, int, int] | None = None, gate_out: tuple[int, int, int, int] | None = None,
-          buffers: tuple[int, int] = (0, 0)) -> list[int]:
+          buffers: tuple[int, int] = (0, 0), copy: bool = False) -> list[int]:
     gk = gate_k or (-1, 0, 1)
     go = gate_out or (-1, 0, 1, 0)
     return [left.offset, left.stride, left.row, left.col, right.offset, right.stride, right.row, right.col,
-            out.offset, out.stride, out.row, out.col, m, k, n, *gk, *go, *buffers]
+            out.offset, out.stride, out.row, out.col, m, k, n, *gk, *go, *buffers, int(copy)]
 
 
 class _Regions:
@@ -105,8 +105,8 @@ class MergePlan:
     n : int
         Networks in the batch.
     n_in : int
-        Input cores (``A`` merges cores ``0 .. n_in - 1``); at least 2, and at least 2
-        output cores (:func:`supports`).
+        Input cores (``A`` merges cores ``0 .. n_in - 1``); at least one on each side
+        (:func:`supports`; a side of one core is copied out, gated).
     cores : list of (r_prev, s, r_next)
         Each core's (padded) shape.
     placement : list of (offset, stride)
@@ -129,7 +129,7 @@ class MergePlan:
         self._forward_workspace(params)
         self._backward_workspace()
         steps = max(n_in, d - n_in) - 1
-        self.forward = [[] for _ in range(steps)]
+        self.forward = [[] for _ in range(max(steps, 1))]
         self.backward = [[] for _ in range(steps)]
         self._forward_tasks()
         self._backward_tasks()
@@ -153,10 +153,10 @@ class MergePlan:
         cores, n_in, d = self.cores, self.n_in, self.d
         work = _Regions(self.n, params)
         self.prefix = [None] * n_in
-        for k in range(1, n_in):
+        for k in range(0 if n_in == 1 else 1, n_in):      # a one-core side's factor is a copy
             self.prefix[k] = work.add(self._rows(k) * cores[k][2])
         self.suffix = [None] * d
-        for k in range(d - 2, n_in - 1, -1):
+        for k in range(d - 1 if n_in == d - 1 else d - 2, n_in - 1, -1):
             self.suffix[k] = work.add(cores[k][0] * self._cols(k))
         self.work_size = work.end
         self.a_offset, self.b_offset = self.prefix[n_in - 1], self.suffix[n_in]
@@ -171,6 +171,10 @@ class MergePlan:
         self.db_offset = grad.add(self.r * self.n_out)
         self.incoming = grad.end
         self.e_at = [grad.add(math.prod(c)) for c in cores]
+        if n_in == 1:           # a one-core side: its factor's gradient is its core's (gated)
+            self.e_at[0] = self.da_offset
+        if n_in == d - 1:
+            self.e_at[d - 1] = self.db_offset
         self.dg_at = [grad.add(cores[k][2]) for k in range(d - 1)]
         self.d_prefix = [None] * n_in
         for k in range(1, n_in - 1):
@@ -201,8 +205,17 @@ class MergePlan:
         return Operand(self.core_at[k].offset, self.core_at[k].stride, cols, 1)
 
     def _forward_tasks(self) -> None:
-        """Launch ``j`` makes ``P_{1+j}`` and ``Q_{d-2-j}``."""
+        """Launch ``j`` makes ``P_{1+j}`` and ``Q_{d-2-j}`` (a one-core side's factor, its core
+        gated, in launch 0)."""
         cores, n_in, d, gate = self.cores, self.n_in, self.d, self.gate_at
+        if n_in == 1:                           # A = G_0 g_0
+            s, r = cores[0][1], cores[0][2]
+            self.forward[0].append(_task(self._core(0, r), Operand(0, 0, 0, 0), Operand(self.prefix[0], s * r, r, 1),
+                                         s, 1, r, gate_out=(*gate[0], r, 1), copy=True))
+        if n_in == d - 1:                       # B = G_{d-1}
+            r, s = cores[d - 1][0], cores[d - 1][1]
+            self.forward[0].append(_task(self._core(d - 1, s), Operand(0, 0, 0, 0),
+                                         Operand(self.suffix[d - 1], r * s, s, 1), r, 1, s, copy=True))
         for k in range(1, n_in):                # P_k = (P_{k-1} G_k) g_k; P_0 = G_0 g_0, gated as it is read
             left, rows, r_prev = self._p(k - 1)
             s, r = cores[k][1], cores[k][2]
@@ -273,9 +286,8 @@ class MergePlan:
 
 
 def supports(n_in: int, d: int) -> bool:
-    """Whether a batch merges here: at least two cores on each side (else a factor is one
-    gated core, which PyTorch's path makes in one product)."""
-    return n_in >= 2 and d - n_in >= 2
+    """Whether a batch merges here: at least one core on each side."""
+    return 1 <= n_in < d
 
 
 _PLANS: dict[tuple, int] = {}
@@ -321,18 +333,22 @@ def _tasks_kernel(first_ptr, second_ptr, out_ptr, gate_ptr, table_ptr,
         gk_off, go_off = tl.load(row + 15), tl.load(row + 18)
         rows = (tile // tiles_n) * BM + tl.arange(0, BM)
         cols = (tile % tiles_n) * BN + tl.arange(0, BN)
-        acc = tl.zeros((BM, BN), dtype=ACC)
-        for k0 in range(0, k, BK):
-            ks = k0 + tl.arange(0, BK)
-            lhs = tl.load(l_at + rows[:, None] * l_rs + ks[None, :] * l_cs,
-                          mask=(rows[:, None] < m) & (ks[None, :] < k), other=0.0).to(ACC)
-            if gk_off >= 0:
-                gk = tl.load(gate_ptr + gk_off + net * tl.load(row + 16) + ks % tl.load(row + 17),
-                             mask=ks < k, other=0.0).to(ACC)
-                lhs = lhs * gk[None, :]
-            rhs = tl.load(r_at + ks[:, None] * r_rs + cols[None, :] * r_cs,
-                          mask=(ks[:, None] < k) & (cols[None, :] < n), other=0.0).to(ACC)
-            acc += tl.dot(lhs, rhs, input_precision="ieee", out_dtype=ACC)
+        if tl.load(row + 24) == 1:   # a copy of left (M x N)
+            acc = tl.load(l_at + rows[:, None] * l_rs + cols[None, :] * l_cs,
+                          mask=(rows[:, None] < m) & (cols[None, :] < n), other=0.0).to(ACC)
+        else:
+            acc = tl.zeros((BM, BN), dtype=ACC)
+            for k0 in range(0, k, BK):
+                ks = k0 + tl.arange(0, BK)
+                lhs = tl.load(l_at + rows[:, None] * l_rs + ks[None, :] * l_cs,
+                              mask=(rows[:, None] < m) & (ks[None, :] < k), other=0.0).to(ACC)
+                if gk_off >= 0:
+                    gk = tl.load(gate_ptr + gk_off + net * tl.load(row + 16) + ks % tl.load(row + 17),
+                                 mask=ks < k, other=0.0).to(ACC)
+                    lhs = lhs * gk[None, :]
+                rhs = tl.load(r_at + ks[:, None] * r_rs + cols[None, :] * r_cs,
+                              mask=(ks[:, None] < k) & (cols[None, :] < n), other=0.0).to(ACC)
+                acc += tl.dot(lhs, rhs, input_precision="ieee", out_dtype=ACC)
         if go_off >= 0:
             g_at = gate_ptr + go_off + net * tl.load(row + 19)
             period = tl.load(row + 20)
@@ -408,6 +424,13 @@ def _run_tasks_torch(rows: list[list[int]], first: Tensor, second: Tensor, out: 
     for r in rows:
         m, k, cols = r[12], r[13], r[14]
         left, right = (second if r[22] else first), (second if r[23] else first)
+        if r[24]:   # a copy of left, gated
+            prod = _view(left, Operand(*r[0:4]), n, m, cols).to(acc)
+            if r[18] >= 0:
+                g = gates.as_strided((n, r[20]), (r[19], 1), gates.storage_offset() + r[18]).to(acc)
+                prod = prod * (g.repeat(1, cols // r[20])[:, None, :] if r[21] == 1 else g.repeat(1, m // r[20])[:, :, None])
+            _view(out, Operand(*r[8:12]), n, m, cols).copy_(prod)
+            continue
         lhs = _view(left, Operand(*r[0:4]), n, m, k).to(acc)
         if r[15] >= 0:
             g = gates.as_strided((n, r[17]), (r[16], 1), gates.storage_offset() + r[15]).to(acc)
