@@ -342,3 +342,20 @@ def test_a_dry_run_on_the_triton_kernels_captures_and_leaves_no_fake_state(monke
     F.cross_entropy(compiled(ids), y).backward()
     for n, p in compiled.named_parameters():
         torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("programs", [1, 256])
+def test_the_thin_pair_splits_columns_among_programs_only_when_rows_are_few(device, programs, monkeypatch):
+    """``PROGRAMS``: with few row blocks a launch splits y's columns among programs too
+    (each forms its rows' middle again; only the first keeps it); with many, one program
+    per row block. Both give the product and the kept middle."""
+    import importlib
+    module = importlib.import_module("tncompile.runtime.triton.thin_pair")
+    monkeypatch.setattr(module, "PROGRAMS", programs)
+    torch.manual_seed(12)
+    x = torch.randn(70, 40, device=device, dtype=torch.float64)
+    a, b = torch.randn(40, 5, device=device, dtype=torch.float64), torch.randn(5, 150, device=device, dtype=torch.float64)
+    bias = torch.randn(150, device=device, dtype=torch.float64)
+    y, t1 = thin_pair_kept(x, a, b, bias)
+    torch.testing.assert_close(y, x @ a @ b + bias, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(t1, torch.cat([x @ a, torch.ones(70, 1, device=device, dtype=torch.float64)], 1))

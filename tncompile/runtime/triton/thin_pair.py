@@ -5,7 +5,10 @@ A TT linear's network, its input cores merged into ``A (in, r)`` and its output 
 two thin GEMMs. Run as two cuBLAS calls they write the ``rows x r`` intermediate to memory
 and read it back, two launches per layer and direction. Here each program takes
 ``BLOCK_M`` rows: it accumulates ``h = x A`` over the input in registers, then multiplies
-``h`` by ``B`` one ``BLOCK_N`` column block at a time, adding the bias on the way out.
+``h`` by ``B`` one ``BLOCK_N`` column block at a time, adding the bias on the way out. With
+few rows (a batch of one sequence: 4 row blocks) the output's columns are split among
+programs as well, each forming its rows' ``h`` again (cheap: ``r`` is small), so a launch
+has about :data:`PROGRAMS` programs to spread over the device.
 
 :func:`thin_pair` is a ``torch.library`` custom op (``tncompile::thin_pair``) with a fake
 kernel (so ``torch.compile``, export and capture see one opaque call) and an autograd
@@ -50,6 +53,8 @@ except ImportError:  # CPU builds of PyTorch do not ship Triton: the PyTorch pat
 __all__ = ["thin_pair", "thin_pair_train", "thin_pair_kept", "triton_available", "interpreting", "runs_triton"]
 
 BLOCK_M, BLOCK_K, BLOCK_N = 32, 32, 32
+#: programs a launch aims for (about two per SM of an H100): below it, columns are split too
+PROGRAMS = 256
 
 
 def triton_available() -> bool:
@@ -69,7 +74,7 @@ def runs_triton(x: Tensor) -> bool:
         and (x.is_cuda or x.is_meta or (x.device.type == "cpu" and interpreting()))
 
 
-def _thin_pair_kernel(x_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, t_ptr, M, K, N, R,
+def _thin_pair_kernel(x_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, t_ptr, M, K, N, R, COLS,
                       sxm, sxk, sak, sar, sbr, sbn, sym, syn, stm, str_,
                       HAS_BIAS: tl.constexpr, KEEP: tl.constexpr, ONES: tl.constexpr,
                       ACC: tl.constexpr, LOW: tl.constexpr, UPCAST: tl.constexpr,
@@ -90,12 +95,13 @@ def _thin_pair_kernel(x_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, t_ptr, M, K, N, R,
             h += tl.dot(x, a, out_dtype=ACC)
         else:
             h += tl.dot(x.to(ACC), a.to(ACC), input_precision="ieee", out_dtype=ACC)
+    first = tl.program_id(1) * COLS      # this program's columns of y: [first, first + COLS)
     if KEEP:  # the middle, for the weight gradients: (rows, R), or (rows, R + 1) ending in ones
         kept = tl.where(rr[None, :] == R, 1.0, h) if ONES else h
-        width = R + 1 if ONES else R
+        width = (R + 1 if ONES else R) * (tl.program_id(1) == 0).to(tl.int32)   # the first column program's
         tl.store(t_ptr + rows[:, None] * stm + rr[None, :] * str_, kept.to(t_ptr.dtype.element_ty),
                  mask=(rows[:, None] < M) & (rr[None, :] < width))
-    for n0 in range(0, N, BLOCK_N):
+    for n0 in range(first, tl.minimum(first + COLS, N), BLOCK_N):
         ns = n0 + tl.arange(0, BLOCK_N)
         b = tl.load(b_ptr + rr[:, None] * sbr + ns[None, :] * sbn,
                     mask=(rr[:, None] < R) & (ns[None, :] < N), other=0.0)
@@ -132,8 +138,13 @@ def _launch(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], keep: bool,
         return y, t
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
     kept = t if t is not None else y
-    _kernel(x.device.type)[(triton.cdiv(m, BLOCK_M),)](
-        x, a, b, bias if bias is not None else y, y, kept, m, k, n, r,
+    row_blocks, col_blocks = triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)
+    # few rows: y's columns split among programs too (each forms its rows' x A again) so the
+    # device has PROGRAMS programs to run; many rows: one program per row block
+    split = max(1, min(col_blocks, triton.cdiv(PROGRAMS, row_blocks)))
+    cols = triton.cdiv(col_blocks, split) * BLOCK_N
+    _kernel(x.device.type)[(row_blocks, triton.cdiv(n, cols))](
+        x, a, b, bias if bias is not None else y, y, kept, m, k, n, r, cols,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), y.stride(1),
         kept.stride(0), kept.stride(1),
         HAS_BIAS=bias is not None, KEEP=keep, ONES=ones, ACC=acc, LOW=x.dtype in (torch.float16, torch.bfloat16),
