@@ -231,6 +231,9 @@ def time_paths(work: Workload, paths: list[str], reps: int, emit) -> None:
             if "compressed_host_ms" in row and layers:
                 row["extra_host_ms_per_tt_layer"] = round(
                     (row["compressed_host_ms"] - row["dense_host_ms"]) / layers, 4)
+            if "triton_host_ms" in row and layers:
+                row["triton_extra_host_ms_per_tt_layer"] = round(
+                    (row["triton_host_ms"] - row["dense_host_ms"]) / layers, 4)
         except Exception as e:  # noqa: BLE001 - one failing path must not end the run
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         emit(row)
