@@ -40,6 +40,7 @@ layers only, and off with ``tuning.GROUP_FACTORS = False``.
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Callable, Iterable, Sequence
@@ -229,8 +230,9 @@ class FactorBatch:
         return cls(len(layers[0].layout.in_modes), [[tuple(c.shape) for c in cores] for cores, _ in params],
                    [[tuple(g.shape) for g in gates] for _, gates in params])
 
-    def merge_plan(self) -> tuple[int, MergePlan]:
-        """The Triton merge's plan for this batch (:mod:`tncompile.runtime.triton.merge_factors`)."""
+    @functools.cached_property
+    def merge(self) -> tuple[int, MergePlan]:
+        """The Triton merge's key and plan for this batch (:mod:`tncompile.runtime.triton.merge_factors`)."""
         return merge_plan(self.n, self.n_in, self.params.padded[: self.d], self.params.placement, self.params.size)
 
     def waste(self) -> float:
@@ -343,16 +345,14 @@ class TritonFactors(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, batch: FactorBatch, *tensors: Tensor):
-        key, plan = batch.merge_plan()
+        key, plan = batch.merge
         work = tensors[0].new_empty(plan.work_size)
         batch.params.stack_into(work, tensors)
         merge_forward(work, key)
         ctx.set_materialize_grads(False)
         ctx.batch, ctx.key = batch, key
         ctx.save_for_backward(work)
-        n = batch.n
-        a = work[plan.a_offset: plan.a_offset + n * plan.m * plan.r].view(n, plan.m, plan.r)
-        b = work[plan.b_offset: plan.b_offset + n * plan.r * plan.n_out].view(n, plan.r, plan.n_out)
+        a, b = plan.factors(work)
         return (*batch.a.split([a]), *batch.b.split([b]))
 
     @staticmethod
@@ -370,10 +370,7 @@ class TritonFactors(torch.autograd.Function):
             da, db = _stack_or_zeros(grads[:n], batch.a, work), _stack_or_zeros(grads[n:], batch.b, work)
             torch.cat([da.reshape(-1), db.reshape(-1)], out=grad[: plan.incoming])
         merge_backward(grad, work, key)
-        cores = [grad[off: off + n * size].view(n, *pad)
-                 for (off, size), pad in zip(plan.core_grads(), batch.params.padded[: batch.d])]
-        gates = [grad[off: off + n * size].view(n, size) for off, size in plan.gate_grads()]
-        return (None, *_network_grads(batch, [*cores, *gates], grads))
+        return (None, *_network_grads(batch, plan.network_grads(grad), grads))
 
 
 def _triton_merges(batch: FactorBatch, like: Tensor) -> bool:

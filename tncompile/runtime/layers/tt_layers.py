@@ -210,8 +210,7 @@ class TritonLookup(torch.autograd.Function):
         work = tensors[0].new_empty(plan.work_size)
         torch.cat([t.reshape(-1) for t in tensors], out=work[: sum(sizes)])
         merge_forward(work, key)
-        a = work[plan.a_offset: plan.a_offset + plan.m * plan.r].view(plan.m, plan.r)
-        b = work[plan.b_offset: plan.b_offset + plan.r * plan.n_out].view(plan.r, plan.n_out)
+        a, b = (f[0] for f in plan.factors(work))
         table = lookup_table(lay.row_modes, lay.col_modes, split, ids)
         halves = (math.prod(lay.col_modes[:split]), math.prod(lay.col_modes[split:]))
         ctx.save_for_backward(work, ids)
@@ -225,14 +224,11 @@ class TritonLookup(torch.autograd.Function):
         plan = plan_of(key)
         grads = work.new_empty(plan.grad_size)
         grads[: plan.incoming].zero_()
-        da = grads[plan.da_offset: plan.da_offset + plan.m * plan.r].view(plan.m, plan.r)
-        db = grads[plan.db_offset: plan.db_offset + plan.r * plan.n_out].view(plan.r, plan.n_out)
-        a = work[plan.a_offset: plan.a_offset + plan.m * plan.r].view(plan.m, plan.r)
-        b = work[plan.b_offset: plan.b_offset + plan.r * plan.n_out].view(plan.r, plan.n_out)
+        da, db = (g[0] for g in plan.factor_grads(grads))     # one network: the views' first
+        a, b = (f[0] for f in plan.factors(work))
         ttm_scatter_(da, db, a, b, ids, table, grad.contiguous(), split, *halves, padding_idx)
         merge_backward(grads, work, key)
-        at = [*plan.core_grads(), *plan.gate_grads()]
-        return (None, None, None, *(grads[off: off + size].view(shape) for (off, size), shape in zip(at, shapes)))
+        return (None, None, None, *(g[0].view(shape) for g, shape in zip(plan.network_grads(grads), shapes)))
 
 
 class TNModule(nn.Module):

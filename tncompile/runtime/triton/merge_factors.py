@@ -277,12 +277,26 @@ class MergePlan:
                                     "backward": [table(t) for t in self.backward], "finish": table(self.finish)}
         return self._tables[device]
 
-    def core_grads(self) -> list[tuple[int, int]]:
-        """Where each core's gradient ``dG_k`` lies in the backward workspace: (offset, stride)."""
-        return [(self.e_at[k], math.prod(self.cores[k])) for k in range(self.d)]
+    def factors(self, work: Tensor) -> tuple[Tensor, Tensor]:
+        """``A (n, M, R)`` and ``B (n, R, N)``: views of the forward workspace."""
+        n = self.n
+        return (work[self.a_offset: self.a_offset + n * self.m * self.r].view(n, self.m, self.r),
+                work[self.b_offset: self.b_offset + n * self.r * self.n_out].view(n, self.r, self.n_out))
 
-    def gate_grads(self) -> list[tuple[int, int]]:
-        return [(self.dg_at[k], self.cores[k][2]) for k in range(self.d - 1)]
+    def factor_grads(self, grad: Tensor) -> tuple[Tensor, Tensor]:
+        """``dA`` and ``dB`` (shaped as :meth:`factors`): views of the backward workspace's start."""
+        n = self.n
+        return (grad[self.da_offset: self.da_offset + n * self.m * self.r].view(n, self.m, self.r),
+                grad[self.db_offset: self.db_offset + n * self.r * self.n_out].view(n, self.r, self.n_out))
+
+    def network_grads(self, grad: Tensor) -> list[Tensor]:
+        """Every core's gradient ``(n, *core)``, then every gate's ``(n, r)``: views of the
+        backward workspace after :func:`merge_backward`."""
+        n = self.n
+        cores = [grad[self.e_at[k]: self.e_at[k] + n * math.prod(c)].view(n, *c) for k, c in enumerate(self.cores)]
+        gates = [grad[self.dg_at[k]: self.dg_at[k] + n * self.cores[k][2]].view(n, self.cores[k][2])
+                 for k in range(self.d - 1)]
+        return cores + gates
 
 
 def supports(n_in: int, d: int) -> bool:
@@ -424,18 +438,14 @@ def _run_tasks_torch(rows: list[list[int]], first: Tensor, second: Tensor, out: 
     for r in rows:
         m, k, cols = r[12], r[13], r[14]
         left, right = (second if r[22] else first), (second if r[23] else first)
-        if r[24]:   # a copy of left, gated
+        if r[24]:   # a copy of left
             prod = _view(left, Operand(*r[0:4]), n, m, cols).to(acc)
-            if r[18] >= 0:
-                g = gates.as_strided((n, r[20]), (r[19], 1), gates.storage_offset() + r[18]).to(acc)
-                prod = prod * (g.repeat(1, cols // r[20])[:, None, :] if r[21] == 1 else g.repeat(1, m // r[20])[:, :, None])
-            _view(out, Operand(*r[8:12]), n, m, cols).copy_(prod)
-            continue
-        lhs = _view(left, Operand(*r[0:4]), n, m, k).to(acc)
-        if r[15] >= 0:
-            g = gates.as_strided((n, r[17]), (r[16], 1), gates.storage_offset() + r[15]).to(acc)
-            lhs = lhs * g.repeat(1, k // r[17])[:, None, :]
-        prod = torch.bmm(lhs, _view(right, Operand(*r[4:8]), n, k, cols).to(acc))
+        else:
+            lhs = _view(left, Operand(*r[0:4]), n, m, k).to(acc)
+            if r[15] >= 0:
+                g = gates.as_strided((n, r[17]), (r[16], 1), gates.storage_offset() + r[15]).to(acc)
+                lhs = lhs * g.repeat(1, k // r[17])[:, None, :]
+            prod = torch.bmm(lhs, _view(right, Operand(*r[4:8]), n, k, cols).to(acc))
         if r[18] >= 0:
             g = gates.as_strided((n, r[20]), (r[19], 1), gates.storage_offset() + r[18]).to(acc)
             prod = prod * (g.repeat(1, cols // r[20])[:, None, :] if r[21] == 1 else g.repeat(1, m // r[20])[:, :, None])

@@ -25,7 +25,7 @@ from torch import Tensor
 from torch._subclasses.fake_tensor import FakeTensor
 
 from .device_ops import direct
-from .merge_factors import _runs_triton
+from .merge_factors import _acc, _runs_triton
 
 try:
     import triton
@@ -174,10 +174,6 @@ def _scatter_kernel(da_ptr, db_ptr, a_ptr, b_ptr, ids_ptr, table_ptr, dout_ptr, 
 def _blocks(nl: int, nr: int) -> dict:
     return {"BL": max(16, min(64, triton.next_power_of_2(nl))), "BN": max(16, min(64, triton.next_power_of_2(nr))),
             "BR": BLOCK_R}
-
-
-def _acc(t: Tensor):
-    return tl.float64 if t.dtype == torch.float64 else tl.float32
 
 
 # ---------------------------------------------------------------- custom ops
