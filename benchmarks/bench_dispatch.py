@@ -58,8 +58,8 @@ NOT_KERNELS = frozenset(f"aten::{name}" for name in (
 #: tncompile's Triton ops: the thin pair and a TTM gather or scatter are one launch each; a merge op launches one kernel per
 #: task table it runs (counted as it runs them: :func:`ops_as_on_cuda`). On the CPU their
 #: PyTorch fallback runs inside them, uncounted.
-TRITON_OPS = frozenset({"tncompile::thin_pair", "tncompile::thin_pair_kept", "tncompile::ttm_gather",
-                        "tncompile::ttm_scatter_"})
+TRITON_OPS = frozenset({"tncompile::thin_pair", "tncompile::thin_pair_kept", "tncompile::thin_pair_activation_grad",
+                        "tncompile::ttm_gather", "tncompile::ttm_scatter_"})
 MERGE_OPS = frozenset({"tncompile::merge_factors_", "tncompile::merge_factors_backward_"})
 MERGE_LAUNCHES = [0]
 
@@ -119,7 +119,8 @@ def _in_triton_op(event) -> bool:
 
 def count_ops(model: torch.nn.Module, loss_of) -> dict:
     """Dispatched and kernel-like ops of one forward and backward (after one warm-up): a
-    Triton op (:data:`TRITON_OPS`) is one of each, whatever the CPU runs inside it."""
+    Triton op (:data:`TRITON_OPS`) is one of each, whatever the CPU runs inside it. By op:
+    the twelve commonest and every Triton op."""
     model.zero_grad(set_to_none=True)
     loss_of(model).backward()
     model.zero_grad(set_to_none=True)
@@ -138,7 +139,7 @@ def count_ops(model: torch.nn.Module, loss_of) -> dict:
         by_op["tncompile merge launches"] = merges
     dispatched = len(top) + len(triton_ops) + sum(e.name in MERGE_OPS for e in prof.events())
     return {"dispatched": dispatched, "kernel_like": len(leaves) + len(triton_ops) + merges,
-            "kernel_like_by_op": dict(by_op.most_common(12))}
+            "kernel_like_by_op": dict(by_op.most_common(12)) | {e: by_op[e] for e in TRITON_OPS if by_op[e]}}
 
 
 def count_batches(model: torch.nn.Module, loss_of) -> int:

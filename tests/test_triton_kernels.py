@@ -120,6 +120,94 @@ def test_the_training_pair_gradchecks_and_its_op_registers(device):
     torch.library.opcheck(thin_pair_kept, tuple(t.detach() for t in args))
 
 
+# ---------------------------------------------------------------- activation epilogues
+_REFERENCE_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda t: F.gelu(t, approximate="tanh"), "relu": F.relu}
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.float64, 1e-10), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("activation", sorted(_REFERENCE_ACTIVATIONS))
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_the_activation_epilogue_is_the_pair_then_the_activation(device, dtype, tol, activation, with_bias):
+    """``act(x A B + bias)`` in one launch, its backward launch forming ``dy * act'(pre)``
+    from the kept middle: output and every gradient against float64 PyTorch, with and
+    without ``dx`` (no ``dx``: the derivative in PyTorch ops). A 16-bit ReLU's kink is
+    where the kernel's own output says (the reference's float64 ``pre`` may round to the
+    other side)."""
+    torch.manual_seed(11)
+    x = torch.randn(37, 50, device=device, dtype=dtype, requires_grad=True)
+    a = torch.randn(50, 7, device=device, dtype=dtype, requires_grad=True)
+    b = (0.3 * torch.randn(7, 45, device=device, dtype=dtype)).requires_grad_()
+    bias = torch.randn(45, device=device, dtype=dtype, requires_grad=True) if with_bias else None
+    inputs = (x, a, b) + ((bias,) if with_bias else ())
+    y = thin_pair_train(x, a, b, bias, activation)
+    pre = x.double() @ (a.double() @ b.double()) + (bias.double() if with_bias else 0)
+    ref = pre * (y.detach() > 0) if activation == "relu" else _REFERENCE_ACTIVATIONS[activation](pre)
+    scale = ref.abs().max()
+    torch.testing.assert_close(y.double() / scale, ref / scale, rtol=tol, atol=tol)
+    dy = torch.randn_like(y)
+    want = torch.autograd.grad(ref, inputs, dy.double())
+    for got, skip in ((torch.autograd.grad(y, inputs, dy), 0),
+                      (torch.autograd.grad(thin_pair_train(x.detach(), a, b, bias, activation), inputs[1:], dy), 1)):
+        for g, w, name in zip(got, want[skip:], ("x", "a", "b", "bias")[skip:]):
+            s = w.abs().max()
+            torch.testing.assert_close(g.double() / s, w.double() / s, rtol=tol, atol=tol, msg=name)
+
+
+def test_the_activation_epilogue_gradchecks_and_its_ops_register(device):
+    from tncompile.runtime.triton import thin_pair_activation_grad
+    torch.manual_seed(12)
+    args = [torch.randn(*s, device=device, dtype=torch.float64, requires_grad=True)
+            for s in ((5, 6), (6, 3), (3, 4), (4,))]
+    for activation in _REFERENCE_ACTIVATIONS:
+        assert torch.autograd.gradcheck(lambda *t: thin_pair_train(*t, activation=activation), tuple(args))
+    x, a, b, bias = (t.detach() for t in args)
+    torch.library.opcheck(thin_pair_kept, (x, a, b, bias, 1))
+    kept = torch.cat([x @ a, x.new_ones(5, 1)], 1)
+    torch.library.opcheck(thin_pair_activation_grad, (torch.randn_like(x @ a @ b), b.t(), a.t(), kept, b, bias, 2))
+    with pytest.raises(ValueError, match="unknown activation 'swish'.*gelu"):
+        thin_pair_train(x, a, b, bias, "swish")
+
+
+@pytest.mark.parametrize("activation", [torch.nn.GELU(), torch.nn.GELU(approximate="tanh"), torch.nn.ReLU()],
+                         ids=["gelu", "gelu_tanh", "relu"])
+def test_a_feed_forward_block_folds_its_activation_into_the_first_launch(device, activation, monkeypatch):
+    """A compiled ``Linear -> act -> Linear`` block under ``tuning.TRITON_KERNELS``: the
+    activation runs in the first TT linear's launches (its backward launch runs, with the
+    activation's code), and output and gradients are the default path's."""
+    import copy
+    import warnings
+    import tncompile
+    from tncompile import tuning
+    import importlib
+    thin_pair_module = importlib.import_module("tncompile.runtime.triton.thin_pair")   # the package exports the op
+    torch.manual_seed(13)
+    block = torch.nn.Sequential(torch.nn.Linear(64, 160), activation, torch.nn.Linear(160, 48))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tncompile.SlowerThanDenseWarning)
+        base = tncompile.compile(block, target_ratio=0.4).to(device).double()
+    x = torch.randn(2, 10, 64, device=device, dtype=torch.float64, requires_grad=True)
+    results, calls, real = [], [], thin_pair_module._activation_grad
+    monkeypatch.setattr(thin_pair_module, "_activation_grad", lambda *a: calls.append(a[-1]) or real(*a))
+    for triton_on in (False, True):
+        model = copy.deepcopy(base)
+        monkeypatch.setattr(tuning, "TRITON_KERNELS", triton_on)
+        calls.clear()
+        y = model(x)
+        grads = torch.autograd.grad(y.square().sum(), [x, *model.parameters()])
+        assert calls == ([thin_pair_module.ACTIVATIONS[_name(activation)]] if triton_on else [])
+        results.append((y.detach(), grads))
+    (y_ref, g_ref), (y, g) = results
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
+    for got, want in zip(g, g_ref):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def _name(activation: torch.nn.Module) -> str:
+    if isinstance(activation, torch.nn.ReLU):
+        return "relu"
+    return "gelu_tanh" if activation.approximate == "tanh" else "gelu"
+
+
 # ---------------------------------------------------------------- the batched merge
 def _merge_case(n, in_modes, out_modes, ranks_of, device, dtype, equal):
     """``n`` networks' cores and gates, stacked as factor_groups stacks them, the plan, and

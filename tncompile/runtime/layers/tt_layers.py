@@ -38,6 +38,7 @@ from ..kernels.traced_lookup import (check_ids, distinct_ids, gathered_product, 
 from .tied_head import best_split, half_table_head, head_halves
 from ..kernels.tt_chain import chain_kernels, tt_chain
 from ..triton import runs_triton, thin_pair_train
+from ..triton.thin_pair import activate, activation_code
 from ..triton.merge_factors import merge_backward, merge_forward, merge_plan, plan_of, supports
 from ..triton.ttm_lookup import lookup_table, ttm_gather, ttm_scatter_
 
@@ -119,15 +120,15 @@ def _through_factors(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor 
 
 
 def _triton_pair(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor],
-                 bias: torch.Tensor | None) -> torch.Tensor:
-    """``x A B + bias`` through the Triton thin pair (``tuning.TRITON_KERNELS``), in the
+                 bias: torch.Tensor | None, activation: str | None = None) -> torch.Tensor:
+    """``act(x A B + bias)`` through the Triton thin pair (``tuning.TRITON_KERNELS``), in the
     autocast dtype inside an autocast region (as a linear's GEMMs would run):
     ``(rows, P_in) -> (rows, P_out)``."""
     device = x.device.type
     if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):   # meta (a dry run): no autocast
         dtype = torch.get_autocast_dtype(device)
         x, bias = x.to(dtype), None if bias is None else bias.to(dtype)
-    return thin_pair_train(x, factors[0], factors[1], bias)
+    return thin_pair_train(x, factors[0], factors[1], bias, activation)
 
 
 def check_input_dtype(module: nn.Module, x: torch.Tensor) -> None:
@@ -431,6 +432,20 @@ class TTLinear(TNModule):
                 return _through_factors(x, factors, self.bias)
         return _apply_matrix(self, x, self.bias, lay.in_features, lay.in_modes, lay.out_features,
                              lay.padded_out, self._contract_rows)
+
+    def activated(self, x: torch.Tensor, activation: str) -> torch.Tensor:
+        """``act(self(x))`` for ``activation`` in :data:`~tncompile.runtime.triton.ACTIVATIONS`
+        (``"gelu"``, ``"gelu_tanh"``, ``"relu"``): on the Triton kernels the thin pair's
+        epilogue, so the activation's input is never written (its backward launch forms it
+        again from the rank-thin middle); otherwise the layer, then the activation.
+        ``x (..., in_features) -> (..., out_features)``."""
+        code = activation_code(activation)
+        lay = self.layout
+        if exporting() or not (tuning.TRITON_KERNELS and runs_triton(x) and not torch.compiler.is_compiling()):
+            return activate(self(x), code)
+        return _apply_matrix(self, x, self.bias, lay.in_features, lay.in_modes, lay.out_features, lay.padded_out,
+                             lambda h, bias: _triton_pair(h.reshape(h.shape[0], -1), self.merged_factors(), bias,
+                                                          activation))
 
     def _exported_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Under ``torch.export`` (and ONNX's exporter): ``x @ A @ B + bias`` with the factors

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 __all__ = ["DEVICE_OPS", "direct"]
 
-DEVICE_OPS = frozenset({"thin_pair", "thin_pair_kept", "merge_factors_", "merge_factors_backward_", "ttm_gather",
+DEVICE_OPS = frozenset({"thin_pair", "thin_pair_kept", "thin_pair_activation_grad", "merge_factors_", "merge_factors_backward_", "ttm_gather",
                         "ttm_scatter_"})
 
 

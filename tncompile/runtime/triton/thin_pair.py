@@ -50,7 +50,8 @@ try:
 except ImportError:  # CPU builds of PyTorch do not ship Triton: the PyTorch path runs
     triton = tl = None
 
-__all__ = ["thin_pair", "thin_pair_train", "thin_pair_kept", "triton_available", "interpreting", "runs_triton"]
+__all__ = ["thin_pair", "thin_pair_train", "thin_pair_kept", "thin_pair_activation_grad", "ACTIVATIONS",
+           "triton_available", "interpreting", "runs_triton"]
 
 BLOCK_M, BLOCK_K, BLOCK_N = 32, 32, 32
 #: programs a launch aims for (about two per SM of an H100): below it, columns are split too
@@ -76,17 +77,49 @@ def runs_triton(x: Tensor) -> bool:
 
 def _thin_pair_kernel(x_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, t_ptr, M, K, N, R, COLS,
                       sxm, sxk, sak, sar, sbr, sbn, sym, syn, stm, str_,
+                      f_ptr, fb_ptr, fbias_ptr, d_ptr, G, sfm, sfg, sgb, sgk, sdm, sdk,
                       HAS_BIAS: tl.constexpr, KEEP: tl.constexpr, ONES: tl.constexpr,
+                      ACT: tl.constexpr, DACT: tl.constexpr, F_BIAS: tl.constexpr,
                       ACC: tl.constexpr, LOW: tl.constexpr, UPCAST: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_R: tl.constexpr):
+                      BLOCK_R: tl.constexpr, BLOCK_G: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rr = tl.arange(0, BLOCK_R)
     h = tl.zeros((BLOCK_M, BLOCK_R), dtype=ACC)
+    if DACT != 0:   # x is dy of ``act(f fb + fbias)``: the forward's middle f, read once
+        gg = tl.arange(0, BLOCK_G)
+        f = tl.load(f_ptr + rows[:, None] * sfm + gg[None, :] * sfg,
+                    mask=(rows[:, None] < M) & (gg[None, :] < G), other=0.0)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows[:, None] * sxm + ks[None, :] * sxk,
                     mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+        if DACT != 0:   # dy * act'(pre), pre formed again from the middle (as the forward formed it)
+            fb = tl.load(fb_ptr + gg[:, None] * sgb + ks[None, :] * sgk,
+                         mask=(gg[:, None] < G) & (ks[None, :] < K), other=0.0)
+            if UPCAST:
+                pre = tl.dot(f.to(ACC), fb.to(ACC), input_precision="ieee", out_dtype=ACC)
+            elif LOW:
+                pre = tl.dot(f, fb, out_dtype=ACC)
+            else:
+                pre = tl.dot(f.to(ACC), fb.to(ACC), input_precision="ieee", out_dtype=ACC)
+            if F_BIAS:
+                pre += tl.load(fbias_ptr + ks, mask=ks < K, other=0.0).to(ACC)[None, :]
+            if DACT == 1:       # gelu: Phi(z) + z phi(z)
+                slope = 0.5 * (1.0 + tl.erf(pre * 0.7071067811865476)) \
+                    + pre * tl.exp(-0.5 * pre * pre) * 0.3989422804014327
+            elif DACT == 2:     # gelu, tanh approximation
+                z = 1.5957691216057308 * (pre + 0.044715 * pre * pre * pre)
+                th = 2.0 * tl.sigmoid(tl.minimum(tl.maximum(z, -80.0), 80.0)) - 1.0   # no exp overflow
+                slope = 0.5 * (1.0 + th) + 0.5 * pre * (1.0 - th * th) * 0.7978845608028654 \
+                    * (1.0 + 0.134145 * pre * pre)
+            else:               # relu
+                slope = (pre > 0.0).to(ACC)
+            dpre = x.to(ACC) * slope
+            stored = K * (tl.program_id(1) == 0).to(tl.int32)     # the first column program writes dy'
+            tl.store(d_ptr + rows[:, None] * sdm + ks[None, :] * sdk, dpre.to(d_ptr.dtype.element_ty),
+                     mask=(rows[:, None] < M) & (ks[None, :] < stored))
+            x = dpre.to(x.dtype)
         a = tl.load(a_ptr + ks[:, None] * sak + rr[None, :] * sar,
                     mask=(ks[:, None] < K) & (rr[None, :] < R), other=0.0)
         if UPCAST:
@@ -112,7 +145,14 @@ def _thin_pair_kernel(x_ptr, a_ptr, b_ptr, bias_ptr, y_ptr, t_ptr, M, K, N, R, C
         else:
             y = tl.dot(h, b.to(ACC), input_precision="ieee", out_dtype=ACC)
         if HAS_BIAS:
-            y += tl.load(bias_ptr + ns, mask=ns < N, other=0.0).to(ACC)
+            y += tl.load(bias_ptr + ns, mask=ns < N, other=0.0).to(ACC)[None, :]
+        if ACT == 1:        # gelu
+            y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
+        elif ACT == 2:      # gelu, tanh approximation
+            z = 1.5957691216057308 * (y + 0.044715 * y * y * y)
+            y = y * tl.sigmoid(tl.minimum(tl.maximum(z, -80.0), 80.0))                # no exp overflow
+        elif ACT == 3:      # relu
+            y = tl.maximum(y, 0.0)
         tl.store(y_ptr + rows[:, None] * sym + ns[None, :] * syn, y.to(y_ptr.dtype.element_ty),
                  mask=(rows[:, None] < M) & (ns[None, :] < N))
 
@@ -126,45 +166,100 @@ def _kernel(device_type: str):
     return InterpretedFunction(_thin_pair_kernel)
 
 
-def _launch(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], keep: bool, ones: bool
-            ) -> tuple[Tensor, Optional[Tensor]]:
-    """``(y, t)`` for 2-D ``x``: ``t`` the middle ``x a`` when ``keep`` (ending in a column of
-    ones when ``ones``), else ``None``."""
+#: the activations an epilogue applies, by name (``tt_feed_forward``'s), and their kernel codes
+ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3}
+_BY_CODE = {code: name for name, code in ACTIVATIONS.items()}
+
+
+def activation_code(activation: Optional[str]) -> int:
+    """The kernel's code for ``activation`` (0 for none); a clear error for an unknown name."""
+    if activation is None:
+        return 0
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"thin_pair_train: unknown activation {activation!r}; use one of {sorted(ACTIVATIONS)}")
+    return ACTIVATIONS[activation]
+
+
+def activate(pre: Tensor, code: int) -> Tensor:
+    """The epilogue's activation (``code`` of :data:`ACTIVATIONS`, 0: none) in PyTorch ops."""
+    if code == 0:
+        return pre
+    if code == 3:
+        return torch.relu(pre)
+    return torch.nn.functional.gelu(pre, approximate="tanh" if code == 2 else "none")
+
+
+def _slope(pre: Tensor, code: int) -> Tensor:
+    """``act'(pre)`` for ``code``'s activation, in PyTorch ops (the kernel's formulas)."""
+    if code == 3:
+        return (pre > 0).to(pre.dtype)
+    if code == 1:
+        return 0.5 * (1 + torch.erf(pre * 0.7071067811865476)) + pre * torch.exp(-0.5 * pre * pre) * 0.3989422804014327
+    th = torch.tanh(0.7978845608028654 * (pre + 0.044715 * pre ** 3))
+    return 0.5 * (1 + th) + 0.5 * pre * (1 - th * th) * 0.7978845608028654 * (1 + 0.134145 * pre * pre)
+
+
+def _launch(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], keep: bool, ones: bool, act: int = 0,
+            dact: Optional[tuple[Tensor, Tensor, Optional[Tensor], int]] = None
+            ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """``(y, t, d)`` for 2-D ``x``: ``y = act((x' a) b + bias)``, ``t`` the middle ``x' a``
+    when ``keep`` (ending in a column of ones when ``ones``), else ``None``. ``x' = x`` unless
+    ``dact = (f, fb, fbias, code)``: then ``x`` is the gradient at an activation's output,
+    ``x' = x * act'(f fb + fbias)`` is that at its input, formed tile by tile from the
+    forward's middle ``f (rows, G)`` and factor ``fb (G, K)``, and returned as ``d``."""
     m, k = x.shape
     r, n = b.shape
     y = torch.empty(m, n, device=x.device, dtype=x.dtype)
     t = torch.empty(m, r + ones, device=x.device, dtype=x.dtype) if keep else None
+    d = torch.empty(m, k, device=x.device, dtype=x.dtype) if dact is not None else None
     if m == 0:
-        return y, t
+        return y, t, d
     acc = tl.float64 if x.dtype == torch.float64 else tl.float32
     kept = t if t is not None else y
+    f, fb, fbias, code = dact if dact is not None else (y, y, None, 0)
+    dout = d if d is not None else y
     row_blocks, col_blocks = triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)
     # few rows: y's columns split among programs too (each forms its rows' x A again) so the
     # device has PROGRAMS programs to run; many rows: one program per row block
     split = max(1, min(col_blocks, triton.cdiv(PROGRAMS, row_blocks)))
     cols = triton.cdiv(col_blocks, split) * BLOCK_N
+    g = fb.shape[0] if dact is not None else 1
     _kernel(x.device.type)[(row_blocks, triton.cdiv(n, cols))](
         x, a, b, bias if bias is not None else y, y, kept, m, k, n, r, cols,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), y.stride(1),
         kept.stride(0), kept.stride(1),
-        HAS_BIAS=bias is not None, KEEP=keep, ONES=ones, ACC=acc, LOW=x.dtype in (torch.float16, torch.bfloat16),
+        f, fb, fbias if fbias is not None else y, dout, g, f.stride(0), f.stride(1), fb.stride(0), fb.stride(1),
+        dout.stride(0), dout.stride(1),
+        HAS_BIAS=bias is not None, KEEP=keep, ONES=ones, ACT=act, DACT=code, F_BIAS=fbias is not None,
+        ACC=acc, LOW=x.dtype in (torch.float16, torch.bfloat16),
         UPCAST=x.dtype == torch.bfloat16 and x.device.type == "cpu",
-        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(r + ones)))
-    return y, t
+        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_N=BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(r + ones)),
+        BLOCK_G=max(16, triton.next_power_of_2(g)))
+    return y, t, d
 
 
-def _pair(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], keep: bool, ones: bool
-          ) -> tuple[Tensor, Optional[Tensor]]:
+def _pair(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], keep: bool, ones: bool, act: int = 0,
+          dact: Optional[tuple[Tensor, Tensor, Optional[Tensor], int]] = None
+          ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """:func:`_launch` where Triton runs, else the same arithmetic in PyTorch ops."""
     a, b = a.to(x.dtype), b.to(x.dtype)
     bias = None if bias is None else bias.to(x.dtype)
+    if dact is not None:
+        f, fb, fbias, code = dact
+        fb, fbias = fb.to(x.dtype), None if fbias is None else fbias.to(x.dtype)
+        dact = (f, fb, fbias, code)
     if runs_triton(x):
-        return _launch(x, a, b, bias, keep, ones)
+        return _launch(x, a, b, bias, keep, ones, act, dact)
+    d = None
+    if dact is not None:
+        f, fb, fbias, code = dact
+        pre = f @ fb if fbias is None else torch.addmm(fbias, f, fb)
+        x = d = x * _slope(pre, code)
     t = x @ a
-    y = t @ b if bias is None else torch.addmm(bias, t, b)
+    y = activate(t @ b if bias is None else torch.addmm(bias, t, b), act)
     if keep and ones:
         t = torch.cat([t, t.new_ones(t.shape[0], 1)], 1)
-    return y, (t if keep else None)
+    return y, (t if keep else None), d
 
 
 @torch.library.custom_op("tncompile::thin_pair", mutates_args=())
@@ -182,7 +277,7 @@ def thin_pair(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> Tensor
     -------
     Tensor, shape ``(..., out)``, ``x``'s dtype.
     """
-    y, _ = _pair(x.reshape(-1, x.shape[-1]), a, b, bias, keep=False, ones=False)
+    y, _, _ = _pair(x.reshape(-1, x.shape[-1]), a, b, bias, keep=False, ones=False)
     return y.reshape(*x.shape[:-1], b.shape[1])
 
 
@@ -191,57 +286,97 @@ def _(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> Tensor:
     return x.new_empty(*x.shape[:-1], b.shape[1])
 
 
-def _kept(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """``(y, t1)``: ``y = (x a) b + bias`` as :func:`thin_pair`, and the middle ``x a`` kept
-    for the weight gradients, as ``t1 (rows, r + 1)`` whose last column is ones when there
-    is a bias (``t1^T dy`` is then ``dB`` and the bias gradient in one GEMM), else
-    ``(rows, r)``; in the same launch. ``x``: ``(rows, in)``."""
-    y, t = _pair(x, a, b, bias, keep=True, ones=bias is not None)
+def _kept(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], activation: int = 0) -> tuple[Tensor, Tensor]:
+    """``(y, t1)``: ``y = act((x a) b + bias)`` as :func:`thin_pair` (``activation``: a code of
+    :data:`ACTIVATIONS`, 0 for none), and the middle ``x a`` kept for the weight gradients,
+    as ``t1 (rows, r + 1)`` whose last column is ones when there is a bias (``t1^T dy`` is
+    then ``dB`` and the bias gradient in one GEMM), else ``(rows, r)``; in the same launch.
+    ``x``: ``(rows, in)``."""
+    y, t, _ = _pair(x, a, b, bias, keep=True, ones=bias is not None, act=activation)
     return y, t
 
 
 thin_pair_kept = torch.library.custom_op("tncompile::thin_pair_kept", _kept, mutates_args=())
 
 
-def _kept_call(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """:func:`thin_pair_kept`, its implementation called directly in an eager step (:func:`.direct`)."""
-    return _kept(x, a, b, bias) if direct(x) else thin_pair_kept(x, a, b, bias)
-
-
 @thin_pair_kept.register_fake
-def _(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+def _(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], activation: int = 0) -> tuple[Tensor, Tensor]:
     return x.new_empty(x.shape[0], b.shape[1]), x.new_empty(x.shape[0], a.shape[1] + (bias is not None))
 
 
+def _activation_grad(dy: Tensor, bt: Tensor, at: Tensor, kept: Tensor, b: Tensor, bias: Optional[Tensor],
+                     activation: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward launch of ``y = act(x A B + bias)``: ``(dx, u, dpre)`` with
+    ``dpre = dy * act'(pre)`` (``pre = (x A) B + bias`` formed again from the kept middle
+    ``kept[:, :r]``, never stored by the forward), ``u = dpre B^T`` and ``dx = u A^T``.
+    ``dy (rows, out)``, ``bt = B^T (out, r)``, ``at = A^T (r, in)``, ``kept (rows, r[+1])``,
+    ``b (r, out)``; ``activation`` a code of :data:`ACTIVATIONS`."""
+    r = b.shape[0]
+    dx, u, dpre = _pair(dy, bt, at, None, keep=True, ones=False, dact=(kept[:, :r], b, bias, activation))
+    return dx, u, dpre
+
+
+thin_pair_activation_grad = torch.library.custom_op("tncompile::thin_pair_activation_grad", _activation_grad,
+                                                    mutates_args=())
+
+
+@thin_pair_activation_grad.register_fake
+def _(dy: Tensor, bt: Tensor, at: Tensor, kept: Tensor, b: Tensor, bias: Optional[Tensor],
+      activation: int) -> tuple[Tensor, Tensor, Tensor]:
+    return dy.new_empty(dy.shape[0], at.shape[1]), dy.new_empty(dy.shape[0], bt.shape[1]), torch.empty_like(dy)
+
+
+def _kept_call(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], activation: int = 0
+               ) -> tuple[Tensor, Tensor]:
+    """:func:`thin_pair_kept`, its implementation called directly in an eager step (:func:`.direct`)."""
+    return _kept(x, a, b, bias, activation) if direct(x) else thin_pair_kept(x, a, b, bias, activation)
+
+
+def _activation_grad_call(dy: Tensor, bt: Tensor, at: Tensor, kept: Tensor, b: Tensor, bias: Optional[Tensor],
+                          activation: int) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`thin_pair_activation_grad`, called directly in an eager step (:func:`.direct`)."""
+    op = _activation_grad if direct(dy) else thin_pair_activation_grad
+    return op(dy, bt, at, kept, b, bias, activation)
+
+
 class _ThinPairTrain(torch.autograd.Function):
-    """:func:`thin_pair_kept`'s ``y`` with the gradients of ``x A B + bias``: three launches
-    backward -- ``dx`` with ``u = dy B^T`` kept (the same kernel on ``(B^T, A^T)``), ``dA = x^T u``
-    and ``[dB; dbias] = t1^T dy`` -- where a dense linear runs ``dx``, ``dW`` and the bias sum."""
+    """:func:`thin_pair_kept`'s ``y`` with the gradients of ``act(x A B + bias)``: three launches
+    backward -- ``dx`` with ``u = dy' B^T`` kept (the same kernel on ``(B^T, A^T)``, which with
+    an activation first forms ``dy' = dy * act'(pre)`` from the kept middle and writes it),
+    ``dA = x^T u`` and ``[dB; dbias] = t1^T dy'`` -- where a dense linear runs ``dx``, ``dW``
+    and the bias sum, and its activation one more each way."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor]) -> Tensor:
-        y, t1 = _kept_call(x, a, b, bias)
-        ctx.save_for_backward(x, a, b, t1)
-        ctx.has_bias = bias is not None
+    def forward(ctx, x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], activation: int) -> Tensor:
+        y, t1 = _kept_call(x, a, b, bias, activation)
+        ctx.save_for_backward(x, a, b, t1, bias if activation else None)
+        ctx.has_bias, ctx.activation = bias is not None, activation
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x, a, b, t1 = ctx.saved_tensors
-        need_x, need_a, need_b, need_bias = ctx.needs_input_grad
+        x, a, b, t1, bias = ctx.saved_tensors
+        need_x, need_a, need_b, need_bias, _ = ctx.needs_input_grad
+        code = ctx.activation
         dx = da = db = dbias = None
-        if need_x or need_a:
+        if code and need_x:
+            dx, u, dy = _activation_grad_call(dy, b.t(), a.t(), t1, b, bias, code)
+        else:
+            if code:   # no dx: dy' in PyTorch ops
+                r = b.shape[0]
+                pre = t1[:, :r] @ b.to(dy.dtype)
+                dy = dy * _slope(pre if bias is None else pre + bias.to(dy.dtype), code)
             if need_x:
                 dx, u = _kept_call(dy, b.t(), a.t(), None)
-            else:
+            elif need_a:
                 u = dy @ b.t().to(dy.dtype)
-            da = (x.t() @ u).to(a.dtype) if need_a else None
+        da = (x.t() @ u).to(a.dtype) if need_a else None
         if need_b or need_bias:
             grads = t1.t() @ dy
             r = b.shape[0]
             db = grads[:r].to(b.dtype) if need_b else None
             dbias = grads[r].to(dy.dtype) if need_bias and ctx.has_bias else None
-        return dx, da, db, dbias
+        return dx, da, db, dbias, None
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -253,7 +388,7 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, dy: Tensor):
     x, a, b = ctx.saved_tensors
     flat_x, flat_dy = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
-    dx, u = thin_pair_kept(flat_dy, b.t(), a.t(), None)         # (dy B^T) A^T, the middle kept
+    dx, u = thin_pair_kept(flat_dy, b.t(), a.t(), None, 0)      # (dy B^T) A^T, the middle kept
     da = flat_x.t() @ u                                         # (in, r)
     grads = (flat_x @ a.to(x.dtype)).t() @ flat_dy              # (r, out): the middle recomputed
     dbias = flat_dy.sum(0) if ctx.has_bias else None
@@ -263,9 +398,13 @@ def _backward(ctx, dy: Tensor):
 thin_pair.register_autograd(_backward, setup_context=_setup_context)
 
 
-def thin_pair_train(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    """``(x @ a) @ b + bias`` for training: one launch forward (keeping the ``r``-wide middle),
-    three backward (``dx`` by the same kernel, ``dA`` and ``[dB; dbias]`` as one GEMM each):
-    a dense linear's count. Shapes as :func:`thin_pair`."""
-    y = _ThinPairTrain.apply(x.reshape(-1, x.shape[-1]), a, b, bias)
+def thin_pair_train(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor] = None,
+                    activation: Optional[str] = None) -> Tensor:
+    """``act((x @ a) @ b + bias)`` for training: one launch forward (keeping the ``r``-wide
+    middle, not the activation's input), three backward (``dx`` by the same kernel, which
+    first applies the activation's derivative; ``dA`` and ``[dB; dbias]`` as one GEMM each):
+    a dense linear's count, its activation's two kernels folded in. Shapes as
+    :func:`thin_pair`; ``activation``: None or a key of :data:`ACTIVATIONS`."""
+    code = activation_code(activation)
+    y = _ThinPairTrain.apply(x.reshape(-1, x.shape[-1]), a, b, bias, code)
     return y.reshape(*x.shape[:-1], b.shape[1])
