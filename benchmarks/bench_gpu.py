@@ -21,9 +21,11 @@ each per round, up to a synchronize):
 ``trainer``           ``transformers.Trainer`` (HF models), time between ``on_step_end`` calls
 ``trainer-compile``   the same with ``TrainingArguments(torch_compile=True)``
 
-On a GPU, the six-encoder's rows of those four paths also time ``triton``: the compressed
-model on tncompile's Triton kernels (``tuning.TRITON_KERNELS``: the thin pair per layer, the
-batched merge per family), interleaved with the other two.
+On a GPU, the rows of the first six paths also time ``triton``: the compressed model on
+tncompile's Triton kernels (``tuning.TRITON_KERNELS``: the thin pair per layer with a
+feed-forward block's activation in its epilogue, the batched merge per family, the TTM
+gather and scatter; under ``torch.compile`` the thin pair only), interleaved with the other
+two.
 
 Beside each time: the host's time until a step call returns (CUDA runs asynchronously:
 where it is near the step's time, the host's dispatch is the step). ``kernels`` rows profile
@@ -69,8 +71,8 @@ from common import RESULTS, galore_optimizer, interleaved_ms, machine, parser
 PAPER_RATIO = 1 / 44.9
 PATHS = ("eager", "captured", "bf16", "bf16-captured", "compile", "compile-ro", "trainer", "trainer-compile")
 CUDA_ONLY = {"captured", "bf16-captured", "compile-ro"}
-#: paths the six-encoder is also timed on with tncompile's Triton kernels (``triton_ms``)
-TRITON_PATHS = ("eager", "captured", "bf16", "bf16-captured")
+#: paths also timed with tncompile's Triton kernels (``triton_ms``), every model
+TRITON_PATHS = ("eager", "captured", "bf16", "bf16-captured", "compile", "compile-ro")
 
 
 # ---------------------------------------------------------------- models
@@ -255,10 +257,10 @@ def _with_triton_kernels(step: Callable[[], None]) -> Callable[[], None]:
 
 
 def _triton_variant(work: Workload, path: str, compressed, row: dict) -> dict[str, Callable[[], None]]:
-    """``{"triton": step}``: the compressed six-encoder on tncompile's Triton kernels
+    """``{"triton": step}``: the compressed model on tncompile's Triton kernels
     (``tuning.TRITON_KERNELS``), timed beside dense and the default path, where a GPU runs
     Triton; one trial call first (a failure is recorded in ``row`` and leaves the others)."""
-    if work.name != "six-encoder" or path not in TRITON_PATHS or not runs_triton(work.x.float()):
+    if path not in TRITON_PATHS or not runs_triton(torch.empty(0, device=work.device)):
         return {}
     try:
         step = _with_triton_kernels(step_functions(work, path, compressed))
@@ -271,9 +273,9 @@ def _triton_variant(work: Workload, path: str, compressed, row: dict) -> dict[st
 
 def profile_kernels(work: Workload, emit) -> None:
     """Kernels per eager step and their summed GPU time (torch.profiler), each model alone;
-    the six-encoder also on tncompile's Triton kernels."""
+    the compressed model also on tncompile's Triton kernels."""
     from bench_gpu_kernels import profile_step  # noqa: PLC0415
-    kinds = ("dense", "compressed") + (("compressed triton",) if work.name == "six-encoder" else ())
+    kinds = ("dense", "compressed", "compressed triton")
     for kind in kinds:
         row = {"model": work.name, "batch": work.batch, "path": "kernels", "variant": kind}
         try:

@@ -202,6 +202,40 @@ def test_a_feed_forward_block_folds_its_activation_into_the_first_launch(device,
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
 
 
+def test_torch_compile_runs_the_triton_ops_in_one_graph(device, monkeypatch):
+    """``torch.compile(model, fullgraph=True)`` under ``tuning.TRITON_KERNELS``: the thin pair
+    and the activation epilogue are opaque ops in the compiled graph (their fake kernels
+    trace it; their registered backwards run), and the step equals the eager default path."""
+    import copy
+    import warnings
+    import tncompile
+    from tncompile import tuning
+    from torch.profiler import profile
+    torch.manual_seed(14)
+    block = torch.nn.Sequential(torch.nn.Linear(64, 160), torch.nn.GELU(), torch.nn.Linear(160, 48), torch.nn.ReLU(),
+                                torch.nn.Linear(48, 48))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tncompile.SlowerThanDenseWarning)
+        base = tncompile.compile(block, target_ratio=0.4).to(device)
+    x = torch.randn(2, 10, 64, device=device, requires_grad=True)
+
+    def step(model):
+        y = model(x)
+        return y.detach(), torch.autograd.grad(y.square().sum(), [x, *model.parameters()])
+
+    y_ref, g_ref = step(copy.deepcopy(base))
+    monkeypatch.setattr(tuning, "TRITON_KERNELS", True)
+    compiled = torch.compile(copy.deepcopy(base), fullgraph=True)
+    step(compiled)
+    with profile() as prof:
+        y, g = step(compiled)
+    ran = {e.name for e in prof.events()}
+    assert {"tncompile::thin_pair_kept", "tncompile::thin_pair_activation_grad"} <= ran, sorted(ran)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+    for got, want in zip(g, g_ref):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 def _name(activation: torch.nn.Module) -> str:
     if isinstance(activation, torch.nn.ReLU):
         return "relu"

@@ -441,7 +441,7 @@ class TTLinear(TNModule):
         ``x (..., in_features) -> (..., out_features)``."""
         code = activation_code(activation)
         lay = self.layout
-        if exporting() or not (tuning.TRITON_KERNELS and runs_triton(x) and not torch.compiler.is_compiling()):
+        if exporting() or not (tuning.TRITON_KERNELS and runs_triton(x)):
             return activate(self(x), code)
         return _apply_matrix(self, x, self.bias, lay.in_features, lay.in_modes, lay.out_features, lay.padded_out,
                              lambda h, bias: _triton_pair(h.reshape(h.shape[0], -1), self.merged_factors(), bias,
@@ -488,7 +488,7 @@ class TTLinear(TNModule):
         """``h (rows, *in_modes)`` through the network: at a few rows one native
         chain call each way (:mod:`.tt_chain`), otherwise the planned order."""
         rows = h.shape[0]
-        if tuning.TRITON_KERNELS and runs_triton(h) and not torch.compiler.is_compiling():
+        if tuning.TRITON_KERNELS and runs_triton(h):
             return _triton_pair(h.reshape(rows, -1), self.merged_factors(), bias)
         ops = chain_kernels(h, self.layout, self.plan_for, rows, choice_cache(self, "_chain_choice"))
         if ops is not None:
