@@ -29,6 +29,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..frontend.layers import is_embedding, is_embedding_bag, is_linear
+from ..frontend.tracing import call_model
 
 __all__ = ["CalibrationStats", "InputMoment", "collect_statistics"]
 
@@ -192,14 +193,6 @@ class _Recorder:
         self.stats.batches += 1
 
 
-def _call(model: nn.Module, inputs: Any) -> Any:
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
-
-
 def _floating_tensors(output: Any, depth: int = 0) -> list[torch.Tensor]:
     """The floating tensors of a model's output (a tensor, tuple/list, dict or HF
     ``ModelOutput``, two levels deep), ``loss`` left out: it depends on labels."""
@@ -270,7 +263,7 @@ def collect_statistics(model: nn.Module, calibration: Iterable, *, progress: boo
             for inputs in tqdm(calibration, total=total, desc="calibration", disable=not progress or None,
                                leave=False):
                 try:
-                    output = _call(model, inputs)
+                    output = call_model(model, inputs)
                     if sensitivity:
                         recorder.measure_sensitivity(output)
                     del output

@@ -14,6 +14,7 @@ from torch import nn
 from ..ir.program import Program
 from ..passes import Pipeline, Replan, TruncateRanks
 from ..runtime.layers.tt_layers import TNModule
+from .host_time import measure_layer_times, summarize
 from .report import Report, build_report
 
 #: names of the traced inputs a save_pretrained folder keeps beside the weights: not state
@@ -34,9 +35,23 @@ class CompressedModelAPI:
         """``params(compiled) / params(original)``, tied parameters counted once."""
         return self.program.ratio
 
-    def report(self) -> Report:
-        """Per layer: format, modes, ranks, params dense -> compiled, ratio, FLOPs per token."""
-        return build_report(self.program)
+    def report(self, inputs: Any = None, *, steps: int = 5) -> Report:
+        """Per layer: format, modes, ranks, params dense -> compiled, ratio, FLOPs per token.
+
+        With ``inputs`` (one batch as the model takes it: a tensor, a tuple of positional
+        inputs or a dict of keyword inputs), each compressed layer's forward + backward is
+        also measured on the input it gets in the model, beside a dense layer of its shape:
+        the time until the calls return (*host*: on a GPU, the dispatch an eager step pays
+        per layer) and, on a GPU, until the device is done (*wall*); median of ``steps``
+        (:mod:`.host_time`). The model is left as it was."""
+        report = build_report(self.program)
+        if inputs is not None:
+            times = measure_layer_times(self, inputs, steps=steps)
+            for row in report.rows:
+                row.measured = times.get(row.name)
+            device = next((p.device for p in self.parameters()), torch.device("cpu"))
+            report.measured = summarize(times, device)
+        return report
 
     def tensorized_modules(self) -> dict[str, TNModule]:
         """``name -> TT/TTM layer`` for every compressed layer, named by its path in the

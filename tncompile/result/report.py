@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from ..formats.layout import TTLayout
 from ..planning.speed_model import layer_step_seconds, lookup_step_seconds, merge_family
 from ..planning.layer_info import fmt_count, layer_info, ranks_str
+from .host_time import LayerTime, MeasuredSummary, time_cells
 
 __all__ = ["Report", "LayerRow", "SpeedSummary", "build_report", "speed_summary"]
 
@@ -30,6 +31,8 @@ class LayerRow:
     #: ``prefer="speed"`` planned with (:class:`~tncompile.planning.DeviceSpeed`)
     time_dense: float | None = None
     time_now: float | None = None  # relative output errors on calibration data (compile(calibration=...))
+    #: measured forward + backward on the layer's input in the model (``report(inputs)``)
+    measured: LayerTime | None = None
 
     @property
     def ratio(self) -> float:
@@ -49,30 +52,37 @@ class Report:
     #: the estimated training step of the compressed layers (TT linears, TTM embeddings)
     #: against their dense layers (:func:`speed_summary`), ``None`` where no layer was timed
     speed: "SpeedSummary | None" = None
+    #: the measured layer times together (``report(inputs)``), ``None`` when not measured
+    measured: MeasuredSummary | None = None
 
     @property
     def ratio(self) -> float:
         return self.params / self.original_params
 
     def as_dicts(self) -> list[dict]:
-        return [dict(vars(r), ratio=r.ratio) for r in self.rows]
+        return [dict(vars(r), ratio=r.ratio, measured=asdict(r.measured) if r.measured else None) for r in self.rows]
 
     def __str__(self) -> str:
         calibrated = any(r.calibration for r in self.rows)
         timed = any(r.time_now is not None for r in self.rows)
+        measured = self.measured is not None
+        wall = measured and self.measured.shows_wall
         head = ("layer", "format", "modes", "ranks", "dense", "compiled", "ratio", "flops/tok",
-                *(("step/tok (est.)",) if timed else ()), *(("calib. error",) if calibrated else ()), "note")
+                *(("step/tok (est.)",) if timed else ()),
+                *(("host (dense)",) if measured else ()), *(("wall (dense)",) if wall else ()),
+                *(("calib. error",) if calibrated else ()), "note")
         body = []
         for r in self.rows:
             flops = (f"{fmt_count(r.flops_dense)}->{fmt_count(r.flops_now)}"
                      if r.flops_dense and r.flops_now is not None else
                      (f"lookup {fmt_count(r.flops_now)}" if r.flops_now else ""))
             extra = ((f"{_ns(r.time_dense)}->{_ns(r.time_now)}" if r.time_now is not None else "",) if timed else ()) + \
+                (time_cells(r.measured, wall) if measured else ()) + \
                 ((_calibration_cell(r.calibration),) if calibrated else ())
             body.append((r.name, r.format, r.modes, ranks_str(r.ranks) if r.ranks else "",
                          f"{r.dense_params:,}", f"{r.params:,}", f"{r.ratio:.2%}", flops, *extra, r.note))
         body.append(("(rest: norms, biases, dense layers)", "", "", "", "", f"{self.other_params:,}", "", "",
-                     *(("",) if timed else ()), *(("",) if calibrated else ()), ""))
+                     *(("",) if timed else ()), *(("",) * (measured + wall)), *(("",) if calibrated else ()), ""))
         widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
 
         def line(cells):
@@ -87,6 +97,8 @@ class Report:
                        "at the rows each layer was planned for")
         if self.speed is not None:
             out.extend(self.speed.lines())
+        if measured:
+            out.extend(self.measured.lines())
         if calibrated:
             out.append("calib. error: relative output error on the calibration data -- est.: rank allocation's "
                        "estimate at the chosen rank; TT-SVD's -> after the calibrated fit")

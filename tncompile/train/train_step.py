@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..frontend.tracing import call_model
 from ..runtime.layers.derived import advance_weights_epoch
 from .distributed import DDP_WARMUP_STEPS, check_controller_group, is_ddp, unwrap
 from .capture_cache import CaptureCache
@@ -38,16 +39,6 @@ from .step_guard import StepGuard
 __all__ = ["TrainStep", "call_model", "make_capturable"]
 
 AMP_DTYPES = {"bf16": torch.bfloat16}
-
-
-def call_model(model: nn.Module, inputs: Any) -> Any:
-    """``model(inputs)`` for a tensor, ``model(*inputs)`` for a tuple or list,
-    ``model(**inputs)`` for a dict."""
-    if isinstance(inputs, dict):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
 
 
 def make_capturable(optimizer: torch.optim.Optimizer) -> None:
