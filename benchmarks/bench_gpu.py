@@ -30,6 +30,9 @@ two.
 Beside each time: the host's time until a step call returns (CUDA runs asynchronously:
 where it is near the step's time, the host's dispatch is the step). ``kernels`` rows profile
 one eager step of each model (``torch.profiler``: kernels per step, their summed GPU time).
+The ``kernels`` rows of compressed models also carry ``compiled.report(inputs)``'s measured
+mean per layer (``layer_host_us`` / ``dense_layer_host_us``: one layer's forward + backward
+until the calls return, against a dense layer of its shape; ``*_wall_us`` to completion).
 ``memory`` rows build one model at a time at batch 1 and record the peak allocated while
 building it, what stays allocated, and the peak over warm-up and training steps: dense,
 compressed eager and captured, and dense with GaLore (when
@@ -288,6 +291,17 @@ def profile_kernels(work: Workload, emit) -> None:
             result = profile_step(lambda _x, _y: step(), None, None, steps=3)
             row.update(kernels_per_step=result["kernels_per_step"],
                        gpu_ms_per_step=round(result["gpu_ms_per_step"], 3), by_kind=result["by_kind"])
+            if kind != "dense":   # compiled.report(inputs): each layer's fwd+bwd host time vs a dense one's
+                tuning.TRITON_KERNELS = kind == "compressed triton"
+                try:
+                    measured = model.report(work.x, steps=5).measured
+                finally:
+                    tuning.TRITON_KERNELS = False
+                if measured is not None:
+                    row.update(layer_host_us=round(1e6 * measured.host / measured.layers, 1),
+                               dense_layer_host_us=round(1e6 * measured.dense_host / measured.layers, 1),
+                               layer_wall_us=round(1e6 * measured.wall / measured.layers, 1),
+                               dense_layer_wall_us=round(1e6 * measured.dense_wall / measured.layers, 1))
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         emit(row)
