@@ -280,7 +280,7 @@ def test_the_batched_merge_is_tt_factors_of_the_gated_cores(device, in_modes, ou
                               (lambda m: [3 + (k % 3) for k in range(bonds)]) if equal else
                               (lambda m: [2 + (k + m) % 4 for k in range(bonds)]), device, dtype, equal)
     tensors = [t for cores, gates in nets for t in (*cores, *gates)]
-    out = TritonFactors.apply(batch, *tensors)
+    out = TritonFactors.apply((batch,), *tensors)
     n = batch.n
     d_out = [torch.randn_like(f) for f in out]
     got = torch.autograd.grad(out, tensors, d_out)
@@ -295,6 +295,52 @@ def test_the_batched_merge_is_tt_factors_of_the_gated_cores(device, in_modes, ou
             torch.testing.assert_close(g / w.abs().max(), w / w.abs().max(), rtol=tol, atol=tol, msg=f"net {m} #{k}")
 
 
+def test_batches_of_different_layouts_merge_together_in_one_launch_per_step(device, monkeypatch):
+    """A model's batches of different modes, core counts and rank patterns merged by one
+    joint plan: as many launches as the deepest batch needs (here 2 + 4 cores: 3 forward,
+    3 backward and the gates' finish), every network's factors and gradients those of
+    ``tt_factors``; a batch none of whose factors is used gets no gradient."""
+    from tncompile.formats.decompose import tt_factors
+    from tncompile.runtime.layers.factor_groups import TritonFactors
+    from tncompile.runtime.triton import merge_factors
+    torch.manual_seed(9)
+    cases = [(((4, 5, 3), (3, 4, 6)), True, lambda m: [3, 4, 5, 4, 3]),
+             (((7,), (3, 4)), False, lambda m: [2 + m, 3]),
+             (((2, 3), (3, 2, 2, 2)), True, lambda m: [2, 3, 3, 2, 2]),
+             (((5,), (6,)), True, lambda m: [4])]
+    made = [_merge_case(2 + i % 2, *modes, ranks, device, torch.float64, equal)
+            for i, (modes, equal, ranks) in enumerate(cases)]
+    batches = tuple(b for b, _ in made)
+    tensors = [t for _, nets in made for cores, gates in nets for t in (*cores, *gates)]
+    launches = []
+    real = merge_factors._launch_tasks
+    monkeypatch.setattr(merge_factors, "_launch_tasks", lambda rows, *a: launches.append(len(rows)) or real(rows, *a))
+    plans = [merge_factors.plan_of(b.merge[0]) for b in batches]
+    out = TritonFactors.apply(batches, *tensors)
+    assert len(launches) == max(len(p.forward) for p in plans) == 3 < sum(len(p.forward) for p in plans)
+    start, used, want_out = 0, [], []
+    for (batch, nets), (modes, _, _) in zip(made, cases):
+        n = batch.n
+        for m, (cores, gates) in enumerate(nets):
+            a, b = tt_factors([c * g for c, g in zip(cores[:-1], gates)] + [cores[-1]], len(modes[0]))
+            torch.testing.assert_close(out[start + m], a, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(out[start + n + m], b, rtol=1e-10, atol=1e-10)
+            if batch is not batches[2]:        # batch 2's factors go unused
+                used += [(out[start + m], a), (out[start + n + m], b)]
+        start += 2 * n
+    d_out = [torch.randn_like(f) for f, _ in used]
+    got = torch.autograd.grad([f for f, _ in used], tensors, d_out, allow_unused=True)
+    assert len(launches) == 3 + max(len(p.backward) for p in plans) == 6   # + the gates' finish, one launch
+    want = torch.autograd.grad([a for _, a in used], tensors, d_out, allow_unused=True)
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+    unused = {id(t) for cores, gates in made[2][1] for t in (*cores, *gates)}
+    assert all(g is None for t, g in zip(tensors, got) if id(t) in unused)
+
+
 def test_an_unused_factor_gives_its_cores_no_gradient(device):
     """As the PyTorch merge: a network whose B went unused gets None for its output cores and
     gates, not zeros; a network whose factors both went unused gets None throughout."""
@@ -302,7 +348,7 @@ def test_an_unused_factor_gives_its_cores_no_gradient(device):
     torch.manual_seed(7)
     batch, nets = _merge_case(2, (4, 5), (3, 4), lambda m: [3, 4, 3], device, torch.float64, True)
     tensors = [t for cores, gates in nets for t in (*cores, *gates)]
-    out = TritonFactors.apply(batch, *tensors)
+    out = TritonFactors.apply((batch,), *tensors)
     out[0].sum().backward()               # network 0's A only
     (c0, g0), (c1, g1) = nets
     assert c0[0].grad is not None and c0[1].grad is not None and g0[0].grad is not None and g0[1].grad is not None

@@ -54,7 +54,7 @@ from .derived import storage_address, weights_epoch
 from ..kernels.executor import autocast_state, same_autocast
 from ..kernels.tracing import exporting
 from ..triton import runs_triton
-from ..triton.merge_factors import MergePlan, merge_backward, merge_forward, merge_plan, plan_of, supports
+from ..triton.merge_factors import MergePlan, joint_plan, merge_backward, merge_forward, merge_plan, plan_of, supports
 
 __all__ = ["BatchedFactors", "FactorBatch", "FactorPeers", "peers_of", "register_whole_rule",
            "whole_matrices_faster"]
@@ -338,39 +338,60 @@ def _network_grads(batch: FactorBatch, stacked: Sequence[Tensor | None], grads: 
 
 
 class TritonFactors(torch.autograd.Function):
-    """:class:`BatchedFactors` (thin factors only) on the Triton merge
-    (:mod:`tncompile.runtime.triton.merge_factors`): the stacked cores and gates, each step of
-    both chains for every network in one launch -- a copy and 2 launches forward, a copy and
-    3 backward for networks of 3 + 3 cores, where PyTorch's ops take ~20 and ~30."""
+    """:class:`BatchedFactors` (thin factors only) of several batches at once on the Triton
+    merge (:mod:`tncompile.runtime.triton.merge_factors`, a :class:`JointPlan`): each
+    batch's cores and gates stacked into one joint workspace, then each step of both chains
+    of every network of every batch in one launch -- a model's families of layers merge
+    in a copy per batch and 2 launches forward, a copy per batch and 3 launches backward
+    (networks of up to 3 + 3 cores), where PyTorch's ops take ~20 and ~30 per batch.
+
+    Inputs: the batches, then each batch's tensors (:func:`_params` of its members, in
+    order). Outputs: per batch, its members' ``A`` then their ``B``."""
 
     @staticmethod
-    def forward(ctx, batch: FactorBatch, *tensors: Tensor):
-        key, plan = batch.merge
-        work = tensors[0].new_empty(plan.work_size)
-        batch.params.stack_into(work, tensors)
+    def forward(ctx, batches: tuple[FactorBatch, ...], *tensors: Tensor):
+        key, joint = joint_plan([batch.merge[0] for batch in batches])
+        work = tensors[0].new_empty(joint.work_size)
+        outputs, start = [], 0
+        for batch, plan, at in zip(batches, joint.parts, joint.work_at):
+            own = work[at: at + plan.work_size]
+            count = batch.n * (2 * batch.d - 1)
+            batch.params.stack_into(own, tensors[start: start + count])
+            start += count
         merge_forward(work, key)
+        for batch, plan, at in zip(batches, joint.parts, joint.work_at):
+            a, b = plan.factors(work[at: at + plan.work_size])
+            outputs += [*batch.a.split([a]), *batch.b.split([b])]
         ctx.set_materialize_grads(False)
-        ctx.batch, ctx.key = batch, key
+        ctx.batches, ctx.key = batches, key
         ctx.save_for_backward(work)
-        a, b = plan.factors(work)
-        return (*batch.a.split([a]), *batch.b.split([b]))
+        return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        batch, key = ctx.batch, ctx.key
-        plan = plan_of(key)
+        batches, joint = ctx.batches, plan_of(ctx.key)
         (work,) = ctx.saved_tensors
-        n = batch.n
-        if all(g is None for g in grads):
-            return (None, *([None] * (n * (2 * batch.d - 1))))
-        grad = work.new_empty(plan.grad_size)
-        if batch.a.equal and batch.b.equal and all(g is not None for g in grads):
-            torch.cat([g.reshape(-1) for g in grads], out=grad[: plan.incoming])
-        else:
-            da, db = _stack_or_zeros(grads[:n], batch.a, work), _stack_or_zeros(grads[n:], batch.b, work)
-            torch.cat([da.reshape(-1), db.reshape(-1)], out=grad[: plan.incoming])
-        merge_backward(grad, work, key)
-        return (None, *_network_grads(batch, plan.network_grads(grad), grads))
+        grad = work.new_empty(joint.grad_size)
+        start = 0
+        for batch, plan, at in zip(batches, joint.parts, joint.grad_at):
+            mine = grads[start: start + 2 * batch.n]
+            start += 2 * batch.n
+            incoming = grad[at: at + plan.incoming]
+            if all(g is None for g in mine):   # a batch none of whose factors were used
+                incoming.zero_()
+            elif batch.a.equal and batch.b.equal and all(g is not None for g in mine):
+                torch.cat([g.reshape(-1) for g in mine], out=incoming)
+            else:
+                da = _stack_or_zeros(mine[: batch.n], batch.a, work)
+                db = _stack_or_zeros(mine[batch.n:], batch.b, work)
+                torch.cat([da.reshape(-1), db.reshape(-1)], out=incoming)
+        merge_backward(grad, work, ctx.key)
+        out, start = [None], 0
+        for batch, plan, at in zip(batches, joint.parts, joint.grad_at):
+            mine = grads[start: start + 2 * batch.n]
+            start += 2 * batch.n
+            out += _network_grads(batch, plan.network_grads(grad[at: at + plan.grad_size]), mine)
+        return tuple(out)
 
 
 def _triton_merges(batch: FactorBatch, like: Tensor) -> bool:
@@ -513,19 +534,40 @@ class FactorPeers:
         if not any(m is layer for m in members):
             return None
         whole = bool(whole()) if callable(whole) else whole
-        n = len(members)
         tensors = [t for m in members for group in _params(m) for t in group]
         if not whole and _triton_merges(batch, tensors[0]):
-            out = TritonFactors.apply(batch, *tensors)
-        else:
-            out = BatchedFactors.apply(batch, whole, *tensors)
-        mine = None
-        for i, m in enumerate(members):
-            made = (out[i],) if whole else (out[i], out[n + i])
-            if m is layer:
-                mine = made
-            else:
-                self._ready[id(m)] = (_freshness(m, _stamp(m)), made)
+            return self._triton_factors(layer, batch, tensors[0])
+        return self._keep(layer, [(members, batch)], BatchedFactors.apply(batch, whole, *tensors), whole)
+
+    def _triton_factors(self, layer: nn.Module, batch: FactorBatch, like: Tensor) -> tuple[Tensor, Tensor]:
+        """``layer``'s factors from one Triton merge of every batch of this model that merges
+        there on ``like``'s device and dtype (its own first), the others' kept for them."""
+        entries = {id(batch): None}
+        for refs, other in self._groups.values():
+            members = [r() for r in refs]
+            first = next(iter(members[0].cores._parameters.values())) if members and members[0] is not None else None
+            if id(other) not in entries and all(m is not None for m in members) and first is not None \
+                    and first.device == like.device and first.dtype == like.dtype and _triton_merges(other, first):
+                entries[id(other)] = (members, other)
+        entries[id(batch)] = (self._group_of(layer)[0], batch)
+        groups = list(entries.values())
+        tensors = [t for members, _ in groups for m in members for group in _params(m) for t in group]
+        return self._keep(layer, groups, TritonFactors.apply(tuple(b for _, b in groups), *tensors), False)
+
+    def _keep(self, layer: nn.Module, groups: list[tuple[list[nn.Module], FactorBatch]], out: Sequence[Tensor],
+              whole: bool) -> tuple[Tensor, ...]:
+        """``layer``'s part of ``out`` (per batch: its members' ``A`` then ``B``, or their
+        ``W.T``), every other member's kept for it."""
+        mine, start = None, 0
+        for members, _ in groups:
+            n = len(members)
+            for i, m in enumerate(members):
+                made = (out[start + i],) if whole else (out[start + i], out[start + n + i])
+                if m is layer:
+                    mine = made
+                else:
+                    self._ready[id(m)] = (_freshness(m, _stamp(m)), made)
+            start += n if whole else 2 * n
         return mine
 
     def batch_of(self, layer: nn.Module) -> FactorBatch | None:

@@ -12,7 +12,9 @@ Every step of both chains is one small matrix product per network, ``OUT = (L g)
 gate optionally scaling ``L``'s contracted dimension and one scaling ``OUT``'s rows or
 columns; all operands live in two flat workspaces, the batch's stacked cores and gates
 first. One launch runs one step of every network on both sides (a table of tasks, one row
-each, in :class:`MergePlan`); one more finishes the gates' gradients. With ``P_k`` the
+each, in :class:`MergePlan`); one more finishes the gates' gradients. A :class:`JointPlan`
+runs several batches -- a model's families of layers -- in the same launches, their
+workspaces laid end to end and each task made once per network with absolute offsets. With ``P_k`` the
 running product of the first ``k + 1`` input cores and ``Q_k`` that of the output cores
 from ``k`` on:
 
@@ -51,7 +53,7 @@ try:
 except ImportError:
     triton = tl = None
 
-__all__ = ["MergePlan", "merge_plan", "plan_of", "merge_forward", "merge_backward", "merge_forward_op",
+__all__ = ["MergePlan", "JointPlan", "merge_plan", "joint_plan", "plan_of", "merge_forward", "merge_backward", "merge_forward_op",
            "merge_backward_op", "supports"]
 
 #: task table columns (int64): left, right, out (offset, per-network stride, row stride,
@@ -270,12 +272,7 @@ class MergePlan:
 
     def tables(self, device: torch.device) -> dict[str, list[Tensor] | Tensor]:
         """The task tables as int64 tensors on ``device`` (made once per device)."""
-        if device not in self._tables:
-            def table(rows):
-                return torch.tensor(rows, dtype=torch.int64, device=device)
-            self._tables[device] = {"forward": [table(t) for t in self.forward],
-                                    "backward": [table(t) for t in self.backward], "finish": table(self.finish)}
-        return self._tables[device]
+        return _device_tables(self, device)
 
     def factors(self, work: Tensor) -> tuple[Tensor, Tensor]:
         """``A (n, M, R)`` and ``B (n, R, N)``: views of the forward workspace."""
@@ -299,6 +296,69 @@ class MergePlan:
         return cores + gates
 
 
+def _device_tables(plan, device: torch.device) -> dict[str, list[Tensor] | Tensor]:
+    """``plan``'s task tables as int64 tensors on ``device``, made once per device."""
+    if device not in plan._tables:
+        def table(rows):
+            return torch.tensor(rows, dtype=torch.int64, device=device) if rows else None
+        plan._tables[device] = {"forward": [table(t) for t in plan.forward],
+                                "backward": [table(t) for t in plan.backward], "finish": table(plan.finish)}
+    return plan._tables[device]
+
+
+def _absolute(rows: list[list[int]], n: int, work_base: int, grad_base: int, out_base: int) -> list[list[int]]:
+    """Task rows of an ``n``-network plan as rows of a one-network launch: each row once per
+    network, its operands' offsets absolute (``+ m * stride``, the stride then 0) and
+    moved by the plan's place in joint workspaces (``work_base`` for an operand in the
+    first buffer or a gate, ``grad_base`` for one in the second, ``out_base`` for the
+    result)."""
+    base = (work_base, grad_base)
+    out = []
+    for r in rows:
+        for m in range(n):
+            t = list(r)
+            t[0], t[1] = r[0] + m * r[1] + base[r[22]], 0
+            t[4], t[5] = r[4] + m * r[5] + base[r[23]], 0
+            t[8], t[9] = r[8] + m * r[9] + out_base, 0
+            for at in (15, 18):                # gates (in the forward workspace), -1: none
+                if r[at] >= 0:
+                    t[at], t[at + 1] = r[at] + m * r[at + 1] + work_base, 0
+            out.append(t)
+    return out
+
+
+class JointPlan:
+    """Several batches' merges as one: their workspaces laid end to end, each launch running
+    one step of every batch (tasks made per network, :func:`_absolute`), so a model's
+    families of layers merge in as many launches as one family does.
+
+    ``work_at[i]`` / ``grad_at[i]``: where batch ``i``'s forward / backward workspace
+    starts in the joint ones (each laid out as its own :class:`MergePlan` says)."""
+
+    def __init__(self, plans: Sequence[MergePlan]):
+        self.parts, self.n = list(plans), 1
+        self.work_at, self.grad_at = [], []
+        work = grad = 0
+        for plan in self.parts:
+            self.work_at.append(work)
+            self.grad_at.append(grad)
+            work, grad = work + plan.work_size, grad + plan.grad_size
+        self.work_size, self.grad_size = work, grad
+        steps = max(len(p.forward) for p in self.parts)
+        self.forward = [[t for p, w in zip(self.parts, self.work_at) if j < len(p.forward)
+                         for t in _absolute(p.forward[j], p.n, w, w, w)] for j in range(steps)]
+        steps = max(len(p.backward) for p in self.parts)
+        self.backward = [[t for p, w, g in zip(self.parts, self.work_at, self.grad_at) if j < len(p.backward)
+                          for t in _absolute(p.backward[j], p.n, w, g, g)] for j in range(steps)]
+        self.finish = [[r[0] + m * r[1] + g, 0, r[2] + m * r[3] + w, 0, r[4] + m * r[5] + w, 0,
+                        r[6] + m * r[7] + g, 0, *r[8:]]
+                       for p, w, g in zip(self.parts, self.work_at, self.grad_at) for r in p.finish for m in range(p.n)]
+        self._tables: dict = {}
+
+    def tables(self, device: torch.device) -> dict[str, list[Tensor] | Tensor]:
+        return _device_tables(self, device)
+
+
 def supports(n_in: int, d: int) -> bool:
     """Whether a batch merges here: at least one core on each side."""
     return 1 <= n_in < d
@@ -319,8 +379,18 @@ def merge_plan(n: int, n_in: int, cores: Sequence[tuple[int, int, int]], placeme
     return key, _BY_KEY[key]
 
 
-def plan_of(key: int) -> MergePlan:
-    """The plan :func:`merge_plan` gave ``key``."""
+def joint_plan(keys: Sequence[int]) -> tuple[int, JointPlan]:
+    """``(key, plan)`` merging the batches of plans ``keys`` together (made once)."""
+    signature = ("joint", *keys)
+    key = _PLANS.get(signature)
+    if key is None:
+        key = _PLANS[signature] = len(_BY_KEY)
+        _BY_KEY.append(JointPlan([_BY_KEY[k] for k in keys]))
+    return key, _BY_KEY[key]
+
+
+def plan_of(key: int) -> MergePlan | JointPlan:
+    """The plan :func:`merge_plan` or :func:`joint_plan` gave ``key``."""
     return _BY_KEY[key]
 
 
@@ -470,7 +540,8 @@ def _forward(work: Tensor, key: int) -> None:
     plan = _BY_KEY[key]
     tables = plan.tables(work.device) if _runs_triton(work) else None
     for j, rows in enumerate(plan.forward):
-        _launch_tasks(rows, tables["forward"][j] if tables else None, work, work, work, work, plan.n)
+        if rows:
+            _launch_tasks(rows, tables["forward"][j] if tables else None, work, work, work, work, plan.n)
 
 
 merge_forward_op = torch.library.custom_op("tncompile::merge_factors_", _forward, mutates_args=("work",))
@@ -487,7 +558,10 @@ def _backward(grad: Tensor, work: Tensor, key: int) -> None:
     plan = _BY_KEY[key]
     tables = plan.tables(grad.device) if _runs_triton(grad) else None
     for j, rows in enumerate(plan.backward):
-        _launch_tasks(rows, tables["backward"][j] if tables else None, work, grad, grad, work, plan.n)
+        if rows:
+            _launch_tasks(rows, tables["backward"][j] if tables else None, work, grad, grad, work, plan.n)
+    if not plan.finish:
+        return
     if tables is None:
         _finish_torch(plan.finish, grad, work, plan.n)
     else:
