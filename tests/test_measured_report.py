@@ -116,3 +116,32 @@ def test_a_lookup_is_measured_against_an_embedding_table():
     report = compiled.report(torch.randint(0, 4096, (2, 30)), steps=1)
     lookup = next(r for r in report.rows if r.format == "TTM")
     assert lookup.measured.rows == 60 and lookup.measured.dense_host > 0
+
+
+class _TwoFamilies(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a1, self.a2 = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.b1, self.b2 = nn.Linear(64, 128), nn.Linear(64, 128)
+
+    def forward(self, x):
+        h = self.a2(self.a1(x))
+        return self.b1(h) + self.b2(h)
+
+
+@pytest.mark.parametrize("triton_on", [False, True], ids=["default", "triton"])
+def test_layers_are_timed_with_what_they_merge_with(triton_on, monkeypatch):
+    """Two families of two layers: each family's layers share one batch's time on PyTorch's
+    ops; on the Triton kernels (one merge for the model's batches) all four share it."""
+    from tncompile import tuning
+    from tncompile.runtime.triton import runs_triton
+    if triton_on and not runs_triton(torch.empty(0)):
+        pytest.skip("the Triton path on the CPU needs Triton's interpreter (TRITON_INTERPRET=1)")
+    torch.manual_seed(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tncompile.SlowerThanDenseWarning)
+        compiled = tncompile.compile(_TwoFamilies(), target_ratio=0.3)
+    monkeypatch.setattr(tuning, "TRITON_KERNELS", triton_on)
+    times = measure_layer_times(compiled, torch.randn(6, 64), steps=1, warmup=1)
+    assert len(times) == 4
+    assert {t.shared_with for t in times.values()} == ({4} if triton_on else {2})

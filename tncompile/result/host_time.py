@@ -11,9 +11,10 @@ How, so that a layer costs what it costs in a step:
 
 * each layer's input is captured from one forward of the model (no autograd, eval mode,
   random state restored): only shapes, dtypes and values the model really produces;
-* the TT linears that merge their factors in one batched pass (:mod:`~tncompile.runtime.
-  layers.factor_groups`) are timed together, forward then backward, as a step runs them,
-  and the batch's time is shared among its layers (its merge is paid once per step);
+* the TT linears that merge their factors in one pass (a batch of one layout; on the
+  Triton kernels every batch of the model: :mod:`~tncompile.runtime.layers.factor_groups`)
+  are timed together, forward then backward, as a step runs them, and their time is
+  shared among them (the merge is paid once per step);
 * layers run in training mode under autograd; the backward of every output at once
   (``torch.autograd.backward``), no loss ops added; a warm-up first (plans, Triton builds).
 
@@ -25,13 +26,14 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..frontend.tracing import call_model
-from ..runtime.layers.factor_groups import peers_of
+from ..runtime.layers.factor_groups import merge_unit, peers_of
 from ..runtime.layers.tt_layers import TNModule, TTLinear, TTMEmbedding
 
 __all__ = ["LayerTime", "MeasuredSummary", "measure_layer_times", "summarize", "time_cells"]
@@ -116,7 +118,11 @@ def measure_layer_times(model: nn.Module, inputs: Any, steps: int = 5, warmup: i
         return _measure(layers, captured, steps, warmup)
 
 
-def _measure(layers: dict[str, TNModule], captured: dict[str, torch.Tensor], steps: int, warmup: int
+#: a layer's call as captured: positional and keyword inputs
+Call = tuple[tuple, dict]
+
+
+def _measure(layers: dict[str, TNModule], captured: dict[str, Call], steps: int, warmup: int
              ) -> dict[str, LayerTime]:
     times: dict[str, LayerTime] = {}
     saved_grads = {p: p.grad for m in layers.values() for p in m.parameters()}
@@ -125,18 +131,18 @@ def _measure(layers: dict[str, TNModule], captured: dict[str, torch.Tensor], ste
             p.grad = None
         for group in _timing_groups(layers, captured):
             mods = [layers[name] for name in group]
-            xs = [captured[name] for name in group]
-            host, wall = _time(mods, xs, steps, warmup)
-            dense = [_dense_like(m, x) for m, x in zip(mods, xs)]
+            calls = [captured[name] for name in group]
+            host, wall = _time(mods, calls, steps, warmup)
+            dense = [_dense_like(m) for m in mods]
             dense_host = dense_wall = None
             if all(d is not None for d in dense):
-                dense_host, dense_wall = _time(dense, xs, steps, warmup)
+                dense_host, dense_wall = _time(dense, [((args[0],), {}) for args, _ in calls], steps, warmup)
             share = len(group)
-            for name, x in zip(group, xs):
+            for name, (args, _) in zip(group, calls):
                 times[name] = LayerTime(host / share, wall / share,
                                         None if dense_host is None else dense_host / share,
                                         None if dense_wall is None else dense_wall / share,
-                                        _rows(layers[name], x), share)
+                                        _rows(args[0]), share)
     finally:
         for p, g in saved_grads.items():
             p.grad = g
@@ -157,20 +163,21 @@ def _distinct_layers(model: nn.Module) -> dict[str, TNModule]:
     return out
 
 
-def _capture_inputs(model: nn.Module, inputs: Any, layers: dict[str, TNModule]) -> dict[str, torch.Tensor]:
-    """The first input each layer gets in one forward of ``model`` (eval mode, no autograd,
-    training flags restored). Layers with hooks run unfused, so every
+def _capture_inputs(model: nn.Module, inputs: Any, layers: dict[str, TNModule]) -> dict[str, Call]:
+    """The first call each layer gets in one forward of ``model`` (eval mode, no autograd,
+    training flags restored), its tensors copied. Layers with hooks run unfused, so every
     layer's own call happens."""
-    captured: dict[str, torch.Tensor] = {}
+    captured: dict[str, Call] = {}
 
     def keep(name: str) -> Callable:
-        def hook(_module, args):
+        def hook(_module, args, kwargs):
             if name not in captured and args and isinstance(args[0], torch.Tensor):
-                captured[name] = args[0].detach().clone()
+                captured[name] = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t,
+                                          (tuple(args), dict(kwargs)))
         return hook
 
     modes = {m: m.training for m in model.modules()}
-    handles = [m.register_forward_pre_hook(keep(name)) for name, m in layers.items()]
+    handles = [m.register_forward_pre_hook(keep(name), with_kwargs=True) for name, m in layers.items()]
     try:
         model.eval()
         with torch.no_grad():
@@ -183,27 +190,28 @@ def _capture_inputs(model: nn.Module, inputs: Any, layers: dict[str, TNModule]) 
     return captured
 
 
-def _timing_groups(layers: dict[str, TNModule], captured: dict[str, torch.Tensor]) -> list[list[str]]:
-    """Names timed together: the TT linears of one merge batch, every other layer alone."""
-    groups: dict[int, list[str]] = {}
+def _timing_groups(layers: dict[str, TNModule], captured: dict[str, Call]) -> list[list[str]]:
+    """Names timed together: the TT linears whose factors merge in one pass
+    (:func:`~tncompile.runtime.layers.factor_groups.merge_unit`), every other layer alone."""
+    groups: dict[Hashable, list[str]] = {}
     alone: list[list[str]] = []
     for name, m in layers.items():
         if name not in captured:
             continue
-        peers = peers_of(m)
-        batch = peers.batch_of(m) if peers is not None else None
-        if batch is None:
+        unit = merge_unit(m)
+        if unit is None:
             alone.append([name])
         else:
-            groups.setdefault(id(batch), []).append(name)
+            groups.setdefault(unit, []).append(name)
     return [*groups.values(), *alone]
 
 
-def _time(mods: list[nn.Module], xs: list[torch.Tensor], steps: int, warmup: int) -> tuple[float, float]:
-    """Median (host, wall) seconds of the modules' forwards then one backward of all."""
-    device = xs[0].device
+def _time(mods: list[nn.Module], calls: list[Call], steps: int, warmup: int) -> tuple[float, float]:
+    """Median (host, wall) seconds of the modules' forwards then one backward of all
+    their floating outputs; each call's first input takes a gradient where it can."""
+    device = next(t for t in tree_leaves(calls) if isinstance(t, torch.Tensor)).device
     modes = [m.training for m in mods]
-    inputs = [x.requires_grad_() if x.is_floating_point() else x for x in (x.detach() for x in xs)]
+    calls = [((_grad_leaf(args[0]), *args[1:]), kwargs) for args, kwargs in calls]
     grads: list[torch.Tensor] | None = None
     hosts, walls = [], []
     try:
@@ -212,7 +220,8 @@ def _time(mods: list[nn.Module], xs: list[torch.Tensor], steps: int, warmup: int
         for i in range(warmup + steps):
             _sync(device)
             start = time.perf_counter()
-            outs = [m(x) for m, x in zip(mods, inputs)]
+            outs = [t for m, (args, kwargs) in zip(mods, calls) for t in tree_leaves(m(*args, **kwargs))
+                    if isinstance(t, torch.Tensor) and t.requires_grad]
             if grads is None:
                 grads = [torch.randn_like(y) for y in outs]
             torch.autograd.backward(outs, grads)
@@ -230,7 +239,12 @@ def _time(mods: list[nn.Module], xs: list[torch.Tensor], steps: int, warmup: int
     return statistics.median(hosts), statistics.median(walls)
 
 
-def _dense_like(m: TNModule, x: torch.Tensor) -> nn.Module | None:
+def _grad_leaf(x: torch.Tensor) -> torch.Tensor:
+    """A leaf copy of ``x`` that takes a gradient (floating inputs), as a layer's input does in a step."""
+    return x.detach().requires_grad_() if x.is_floating_point() else x
+
+
+def _dense_like(m: TNModule) -> nn.Module | None:
     """A dense layer of ``m``'s shape on its device and dtype (``None``: no plain counterpart)."""
     param = next(m.parameters())
     if type(m) is TTLinear:
@@ -241,7 +255,8 @@ def _dense_like(m: TNModule, x: torch.Tensor) -> nn.Module | None:
     return None
 
 
-def _rows(m: nn.Module, x: torch.Tensor) -> int:
+def _rows(x: torch.Tensor) -> int:
+    """Rows of a layer's input (ids, for a lookup)."""
     return x.numel() if not x.is_floating_point() else x.numel() // max(x.shape[-1], 1)
 
 

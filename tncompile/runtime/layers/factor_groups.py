@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -56,7 +56,7 @@ from ..kernels.tracing import exporting
 from ..triton import runs_triton
 from ..triton.merge_factors import MergePlan, joint_plan, merge_backward, merge_forward, merge_plan, plan_of, supports
 
-__all__ = ["BatchedFactors", "FactorBatch", "FactorPeers", "peers_of", "register_whole_rule",
+__all__ = ["BatchedFactors", "FactorBatch", "FactorPeers", "peers_of", "merge_unit", "register_whole_rule",
            "whole_matrices_faster"]
 
 
@@ -614,3 +614,15 @@ def whole_matrices_faster(layout, rows: int, device: torch.device, batch: Factor
 def peers_of(layer: nn.Module) -> FactorPeers | None:
     """The :class:`FactorPeers` ``layer`` belongs to, if any."""
     return layer.__dict__.get("_factor_peers")
+
+
+def merge_unit(layer: nn.Module) -> Hashable | None:
+    """What ``layer``'s factors are computed with in one pass -- layers with equal units
+    merge together, ``None`` merges alone: its batch, or on the Triton kernels every batch
+    of its model that merges there (:meth:`FactorPeers._triton_factors`)."""
+    peers = peers_of(layer)
+    batch = peers.batch_of(layer) if peers is not None else None
+    if batch is None:
+        return None
+    first = next(iter(layer.cores._parameters.values()))
+    return (id(peers), first.device, first.dtype) if _triton_merges(batch, first) else id(batch)
