@@ -145,3 +145,16 @@ def test_layers_are_timed_with_what_they_merge_with(triton_on, monkeypatch):
     times = measure_layer_times(compiled, torch.randn(6, 64), steps=1, warmup=1)
     assert len(times) == 4
     assert {t.shared_with for t in times.values()} == ({4} if triton_on else {2})
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_report_shows_time_to_completion_beside_host_time():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", tncompile.SlowerThanDenseWarning)
+        compiled = tncompile.compile(_TwoFamilies(), target_ratio=0.3).cuda()
+    report = compiled.report(torch.randn(64, 64, device="cuda"), steps=3)
+    assert report.measured.shows_wall and "wall (dense)" in str(report) and "NVIDIA" in report.measured.device
+    assert all(r.measured.wall >= r.measured.host for r in report.rows if r.measured is not None)
