@@ -41,6 +41,7 @@ layers only, and off with ``tuning.GROUP_FACTORS = False``.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import weakref
 from typing import Callable, Hashable, Iterable, Sequence
@@ -372,10 +373,9 @@ class TritonFactors(torch.autograd.Function):
         batches, joint = ctx.batches, plan_of(ctx.key)
         (work,) = ctx.saved_tensors
         grad = work.new_empty(joint.grad_size)
-        start = 0
-        for batch, plan, at in zip(batches, joint.parts, joint.grad_at):
-            mine = grads[start: start + 2 * batch.n]
-            start += 2 * batch.n
+        ends = list(itertools.accumulate(2 * batch.n for batch in batches))
+        per_batch = [grads[end - 2 * batch.n: end] for batch, end in zip(batches, ends)]   # its A's, then its B's
+        for batch, plan, at, mine in zip(batches, joint.parts, joint.grad_at, per_batch):
             incoming = grad[at: at + plan.incoming]
             if all(g is None for g in mine):   # a batch none of whose factors were used
                 incoming.zero_()
@@ -386,10 +386,8 @@ class TritonFactors(torch.autograd.Function):
                 db = _stack_or_zeros(mine[batch.n:], batch.b, work)
                 torch.cat([da.reshape(-1), db.reshape(-1)], out=incoming)
         merge_backward(grad, work, ctx.key)
-        out, start = [None], 0
-        for batch, plan, at in zip(batches, joint.parts, joint.grad_at):
-            mine = grads[start: start + 2 * batch.n]
-            start += 2 * batch.n
+        out = [None]
+        for batch, plan, at, mine in zip(batches, joint.parts, joint.grad_at, per_batch):
             out += _network_grads(batch, plan.network_grads(grad[at: at + plan.grad_size]), mine)
         return tuple(out)
 
@@ -489,6 +487,7 @@ class FactorPeers:
         self._ready: dict[int, tuple] = {}  # id(layer) -> (freshness, (A, B) or (W.T,))
         self._stamps: tuple | None = None   # the pad limit and the layers' _stamp when _groups was made
         self._groups: dict[int, tuple] = {}  # id(layer) -> (weak refs to its batch, itself included; FactorBatch)
+        self._entries: list[tuple] = []      # each batch's entry of _groups once, in model order
         self.generation = 0  # counts regroupings (what layers' cached choices depend on)
 
     @property
@@ -505,11 +504,12 @@ class FactorPeers:
                 key = _family(m)
                 if key is not None:
                     families.setdefault(key, []).append(m)
-            self._groups = {}
+            self._groups, self._entries = {}, []
             for family in families.values():
                 for batch in _batches(family):
                     entry = ([weakref.ref(m) for m in batch], FactorBatch.of(batch))
                     self._groups.update((id(m), entry) for m in batch)
+                    self._entries.append(entry)
             self._stamps = stamps
             self.generation += 1
         refs, batch = self._groups.get(id(layer), ([], None))
@@ -536,21 +536,22 @@ class FactorPeers:
         whole = bool(whole()) if callable(whole) else whole
         tensors = [t for m in members for group in _params(m) for t in group]
         if not whole and _triton_merges(batch, tensors[0]):
-            return self._triton_factors(layer, batch, tensors[0])
+            return self._triton_factors(layer, members, batch, tensors[0])
         return self._keep(layer, [(members, batch)], BatchedFactors.apply(batch, whole, *tensors), whole)
 
-    def _triton_factors(self, layer: nn.Module, batch: FactorBatch, like: Tensor) -> tuple[Tensor, Tensor]:
+    def _triton_factors(self, layer: nn.Module, members: list[nn.Module], batch: FactorBatch, like: Tensor
+                        ) -> tuple[Tensor, Tensor]:
         """``layer``'s factors from one Triton merge of every batch of this model that merges
         there on ``like``'s device and dtype (its own first), the others' kept for them."""
-        entries = {id(batch): None}
-        for refs, other in self._groups.values():
-            members = [r() for r in refs]
-            first = next(iter(members[0].cores._parameters.values())) if members and members[0] is not None else None
-            if id(other) not in entries and all(m is not None for m in members) and first is not None \
-                    and first.device == like.device and first.dtype == like.dtype and _triton_merges(other, first):
-                entries[id(other)] = (members, other)
-        entries[id(batch)] = (self._group_of(layer)[0], batch)
-        groups = list(entries.values())
+        groups = [(members, batch)]
+        for refs, other in self._entries:
+            if other is batch:
+                continue
+            others = [r() for r in refs]
+            if all(m is not None for m in others):
+                first = next(iter(others[0].cores._parameters.values()))
+                if first.device == like.device and first.dtype == like.dtype and _triton_merges(other, first):
+                    groups.append((others, other))
         tensors = [t for members, _ in groups for m in members for group in _params(m) for t in group]
         return self._keep(layer, groups, TritonFactors.apply(tuple(b for _, b in groups), *tensors), False)
 

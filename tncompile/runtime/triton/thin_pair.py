@@ -168,7 +168,6 @@ def _kernel(device_type: str):
 
 #: the activations an epilogue applies, by name (``tt_feed_forward``'s), and their kernel codes
 ACTIVATIONS = {"gelu": 1, "gelu_tanh": 2, "relu": 3}
-_BY_CODE = {code: name for name, code in ACTIVATIONS.items()}
 
 
 def activation_code(activation: Optional[str]) -> int:
@@ -197,6 +196,13 @@ def _slope(pre: Tensor, code: int) -> Tensor:
         return 0.5 * (1 + torch.erf(pre * 0.7071067811865476)) + pre * torch.exp(-0.5 * pre * pre) * 0.3989422804014327
     th = torch.tanh(0.7978845608028654 * (pre + 0.044715 * pre ** 3))
     return 0.5 * (1 + th) + 0.5 * pre * (1 - th * th) * 0.7978845608028654 * (1 + 0.134145 * pre * pre)
+
+
+def _input_grad(dy: Tensor, f: Tensor, fb: Tensor, fbias: Optional[Tensor], code: int) -> Tensor:
+    """``dy * act'(f fb + fbias)`` in PyTorch ops: the gradient at an activation's input, its
+    input formed again from the middle ``f`` (what the kernel does tile by tile)."""
+    pre = f @ fb if fbias is None else torch.addmm(fbias, f, fb)
+    return dy * _slope(pre, code)
 
 
 def _launch(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], keep: bool, ones: bool, act: int = 0,
@@ -252,9 +258,7 @@ def _pair(x: Tensor, a: Tensor, b: Tensor, bias: Optional[Tensor], keep: bool, o
         return _launch(x, a, b, bias, keep, ones, act, dact)
     d = None
     if dact is not None:
-        f, fb, fbias, code = dact
-        pre = f @ fb if fbias is None else torch.addmm(fbias, f, fb)
-        x = d = x * _slope(pre, code)
+        x = d = _input_grad(x, *dact)
     t = x @ a
     y = activate(t @ b if bias is None else torch.addmm(bias, t, b), act)
     if keep and ones:
@@ -363,9 +367,8 @@ class _ThinPairTrain(torch.autograd.Function):
             dx, u, dy = _activation_grad_call(dy, b.t(), a.t(), t1, b, bias, code)
         else:
             if code:   # no dx: dy' in PyTorch ops
-                r = b.shape[0]
-                pre = t1[:, :r] @ b.to(dy.dtype)
-                dy = dy * _slope(pre if bias is None else pre + bias.to(dy.dtype), code)
+                dy = _input_grad(dy, t1[:, :b.shape[0]], b.to(dy.dtype), None if bias is None else bias.to(dy.dtype),
+                                 code)
             if need_x:
                 dx, u = _kept_call(dy, b.t(), a.t(), None)
             elif need_a:
