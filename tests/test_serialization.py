@@ -103,29 +103,51 @@ class Scale(tncompile.Pass):
         return program
 
 
-def test_a_custom_pass_runs_again_by_name_and_must_be_given(tmp_path):
+def test_a_custom_pass_runs_where_the_users_pipeline_puts_it(tmp_path):
+    """Issue 53: load takes the pipeline the user compiled with; the file's pass names only
+    confirm it (a file cannot move the user's pass, or run it where they did not)."""
     torch.manual_seed(0)
     pipe = tncompile.default_pipeline().insert_after("tensorize", Scale())
     compiled = tncompile.compile(small_encoder(max_len=16), target_ratio=0.3, passes=pipe)
     path = tmp_path / "custom.tnc"
     tncompile.save(compiled, path)
-    with pytest.raises(ModelFileError, match="'scale-norms', which is not tncompile's: pass yours again"):
+    with pytest.raises(ModelMismatchError, match=r"the file ran \['scale-norms'\]"):
         tncompile.load(path, model=small_encoder(max_len=16))
-    loaded = tncompile.load(path, model=small_encoder(max_len=16), passes=[Scale()])
+    with pytest.raises(ModelMismatchError, match="never chooses it"):  # the pass alone: where would it run?
+        tncompile.load(path, model=small_encoder(max_len=16), passes=[Scale()])
+    loaded = tncompile.load(path, model=small_encoder(max_len=16), passes=pipe)
     assert [r.name for r in loaded.program.history] == [r.name for r in compiled.program.history]
     x = torch.randint(0, 1000, (2, 16))
     compiled.eval(), loaded.eval()
     with torch.no_grad():
         assert torch.equal(compiled(x), loaded(x))
-    with pytest.raises(ModelMismatchError, match="did not run them"):
-        tncompile.load(tmp_path / "custom.tnc", model=small_encoder(max_len=16), passes=[Scale(), _Other()])
+    moved = tncompile.default_pipeline().insert_after("canonicalize", Scale())
+    with pytest.raises(ModelMismatchError, match="compiled with the passes"):
+        tncompile.load(path, model=small_encoder(max_len=16), passes=moved)
 
 
-class _Other(tncompile.Pass):
-    name = "other"
-
-    def run(self, program):
-        return program
+def test_a_file_moving_the_users_pass_is_refused(tmp_path):
+    """The attack of issue 53: the file's pipeline puts the user's pass before tensorize."""
+    import json
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+    from tncompile.serialization.container import digest
+    torch.manual_seed(0)
+    pipe = tncompile.default_pipeline().insert_after("tensorize", Scale())
+    compiled = tncompile.compile(small_encoder(max_len=16), target_ratio=0.3, passes=pipe)
+    tncompile.save(compiled, tmp_path / "custom.tnc")
+    with safe_open(str(tmp_path / "custom.tnc"), framework="pt") as f:
+        meta = dict(f.metadata())
+    manifest = json.loads(meta["manifest"])
+    names = manifest["pipeline"]
+    names.remove("scale-norms")
+    names.insert(0, "scale-norms")
+    meta["manifest"] = json.dumps(manifest)
+    tensors = load_file(tmp_path / "custom.tnc")
+    meta["sha256"] = digest(tensors, meta["manifest"])
+    save_file(tensors, tmp_path / "moved.tnc", metadata=meta)
+    with pytest.raises(ModelMismatchError, match="never chooses it"):
+        tncompile.load(tmp_path / "moved.tnc", model=small_encoder(max_len=16), passes=pipe)
 
 
 _DECODER = dict(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -31,7 +31,9 @@ __all__ = ["compile", "rebuild", "recordable_inputs", "is_plain_input"]
 DUMP_ENV = "TNCOMPILE_DUMP"
 
 
-def _pipeline(passes: Pipeline | Sequence[Pass | str] | None) -> Pipeline:
+def pipeline_of(passes: Pipeline | Sequence[Pass | str] | None) -> Pipeline:
+    """The pipeline ``passes=`` names: ``None`` the default one; a Pipeline (copied); a list of
+    pass names / Pass objects."""
     if passes is None:
         return default_pipeline()
     if isinstance(passes, Pipeline):
@@ -145,7 +147,7 @@ def compile(
                              batch_sizes=batch_sizes, linear_cores=linear_cores,
                              embedding_cores=embedding_cores, seed=seed, prefer=prefer, allocation=allocation)
     _check_calibration(calibration, options)
-    pipeline = _pipeline(passes)
+    pipeline = pipeline_of(passes)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be True or False, got {type(inplace).__name__} {inplace!r} "
                         "(True swaps the compressed layers into the model you pass)")
@@ -167,20 +169,23 @@ def compile(
 
 
 def rebuild(model: nn.Module, decisions: CompileDecisions, options: CompileOptions, pipeline: Pipeline,
-            mode: str, example_inputs: Any) -> CompiledModel | nn.Module:
+            mode: str, example_inputs: Any, trusted_inputs: bool = True) -> CompiledModel | nn.Module:
     """What ``tncompile.load`` compiles: ``model`` (used in place) traced as ``compile``
     traced it, ``pipeline`` run with the saved ``decisions`` instead of deciding again
     (no calibration, no rank search, no decomposition: the caller loads the tensors),
     then the collapsed layers collapsed. Raises :class:`~tncompile.errors.ModelMismatchError`
-    where ``model`` does not fit the decisions."""
-    return _build(model, count_params(model), options, pipeline, mode, example_inputs, None, None, decisions)
+    where ``model`` does not fit the decisions. ``trusted_inputs=False`` (a file's inputs): the
+    model is traced on fake tensors only, never run on real data."""
+    return _build(model, count_params(model), options, pipeline, mode, example_inputs, None, None, decisions,
+                  trusted_inputs)
 
 
 def _build(work: nn.Module, original_params: int, options: CompileOptions, pipeline: Pipeline, mode: str,
-           example_inputs: Any, dump_dir, stats, decisions: CompileDecisions | None = None):
+           example_inputs: Any, dump_dir, stats, decisions: CompileDecisions | None = None,
+           trusted_inputs: bool = True):
     """Trace ``work``, run ``pipeline`` over it and hand it back in ``mode``."""
     layers = swappable_layers(work)  # before tracing: export's trace may not keep the module paths
-    gm, inputs = trace(work, example_inputs)
+    gm, inputs = trace(work, example_inputs, run_real=trusted_inputs)
     layers.update(expert_weights(gm, work))  # fused MoE parameters the trace found: swapped via their owner
     if mode == "auto":
         mode = _auto_mode(work, inputs.frontend, gm, layers)

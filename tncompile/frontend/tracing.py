@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
@@ -101,8 +102,13 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
-def trace(model: nn.Module, example_inputs: Any = None) -> tuple[fx.GraphModule, InputSpec]:
+def trace(model: nn.Module, example_inputs: Any = None, run_real: bool = True) -> tuple[fx.GraphModule, InputSpec]:
     """Capture ``model``; see the module docstring.
+
+    Shapes are propagated on fake tensors (``FakeTensorMode``: shapes and dtypes, no data,
+    nothing allocated), so example inputs of any size cost no memory. Where a model cannot
+    run on fake tensors (it reads a value), it runs on the inputs themselves -- unless
+    ``run_real`` is False (inputs read from a file), which then raises ``ValueError``.
 
     Raises
     ------
@@ -129,7 +135,7 @@ def trace(model: nn.Module, example_inputs: Any = None) -> tuple[fx.GraphModule,
     follow_training_mode(gm, model, model.training)
     _drop_annotations(gm)
     if example is not None:
-        _propagate_shapes(gm, model, *example)
+        _propagate_shapes(gm, model, *example, run_real=run_real)
     return gm, InputSpec("fx", described=_describe(example))
 
 
@@ -147,7 +153,7 @@ def _describe(example) -> dict[str, str]:
     return InputSpec.from_example("fx", *example).described
 
 
-def _propagate_shapes(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict) -> None:
+def _propagate_shapes(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs: dict, run_real: bool = True) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     try:
         bound = inspect.signature(model.forward).bind(*args, **kwargs)
@@ -156,8 +162,14 @@ def _propagate_shapes(gm: fx.GraphModule, model: nn.Module, args: tuple, kwargs:
     bound.apply_defaults()
     values = [bound.arguments.get(p.target, p.args[0] if p.args else None) for p in placeholders]
     try:
-        with torch.no_grad():
-            _ShapeRecorder(gm).run(*values)
+        try:
+            with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as fake:
+                _ShapeRecorder(gm).run(*pytree.tree_map_only(torch.Tensor, fake.from_tensor, values))
+        except _NodeFailed:
+            if not run_real:
+                raise
+            with torch.no_grad():  # the model reads a value (or fails): run it on the inputs themselves
+                _ShapeRecorder(gm).run(*values)
     except _NodeFailed as failed:
         e, node = failed.__cause__, failed.node
         where = (f"layer {node.target!r} ({type(gm.get_submodule(node.target)).__name__})"

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,8 @@ from torch import nn
 from ..errors import ModelFileError, ModelMismatchError
 from ..ir.program import count_params
 from ..swap.swapped import register_folder_writer
-from ..serialization.container import digest, encode_container, read_container, write_atomically
+from ..serialization.container import digest, encode_container, write_atomically
+from ..serialization.tensor_file import MAX_HEADER_BYTES, open_tensor_file
 from ..serialization.loading import register_folder_loader
 from ..serialization.model_file import SavedModel, check_manifest_header, dense_model, manifest_of, rebuild_saved
 
@@ -58,7 +60,7 @@ CODE_KEYS = ("auto_map", "custom_pipelines", "trust_remote_code", "quantization_
 ATTENTION_KEYS = ("attn_implementation", "_attn_implementation", "_attn_implementation_internal")
 #: attention implementations a file may ask for: PyTorch's own
 ATTENTION = (None, "eager", "sdpa")
-MAX_CONFIG_BYTES = 64 << 20  # the layer table of 100,000 layers fits
+MAX_CONFIG_BYTES = MAX_HEADER_BYTES  # as a model file's header: a 1B-parameter model's table is under 1 MiB
 #: a folder's config may build a dense model at most this many times the file's bytes (a
 #: model compressed 200x; CoMERA's are 80-99x) or DENSE_FLOOR_BYTES, whichever is larger
 DENSE_PER_FILE_BYTE = 200
@@ -126,12 +128,25 @@ def save_folder(model: nn.Module, directory: str | os.PathLike, *, is_main_proce
 # ----------------------------------------------------------------- reading
 def _config_data(folder: Path) -> dict:
     path = folder / "config.json"
-    if not path.is_file():
-        raise ModelFileError(f"{folder}: no config.json")
-    if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise ModelFileError(f"{path}: larger than {MAX_CONFIG_BYTES:,} bytes")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise ModelFileError(f"{folder}: no config.json (not a folder a model's save_pretrained wrote)") from None
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot be opened ({e.strerror or e})") from e
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ModelFileError(f"{path}: not a regular file")
+        if info.st_size > MAX_CONFIG_BYTES:
+            raise ModelFileError(f"{path}: larger than {MAX_CONFIG_BYTES:,} bytes")
+        raw = os.read(fd, MAX_CONFIG_BYTES + 1)
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot be read ({e.strerror or e})") from e
+    finally:
+        os.close(fd)
+    try:
+        data = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         raise ModelFileError(f"{path}: not JSON ({type(e).__name__}: {e})") from e
     if not isinstance(data, dict):
@@ -147,47 +162,59 @@ def check_folder_manifest(manifest: Any, where: str) -> None:
 
 
 def read_folder(folder: Path) -> SavedModel:
-    """The folder's manifest (``config.json``'s ``quantization_config``) and tensors
+    """The folder's manifest (``config.json``'s ``quantization_config``) and tensors' specs
     (``model.safetensors``), every field checked, the checksum over both verified."""
     if (folder / OLD_FILE).is_file():
         raise ModelFileError(f"{folder} was written by an earlier tncompile (one {OLD_FILE} file, which "
                              "transformers cannot read); load that file -- tncompile.load(folder / "
                              f"{OLD_FILE!r}, model=...) -- and save_pretrained it again")
-    manifest = dict(_config_data(folder).get("quantization_config") or {})
-    if manifest.pop("quant_method", None) != QUANT_METHOD:
-        raise ModelFileError(f"{folder}/config.json: no quantization_config with quant_method 'tncompile' (not a "
-                             "folder a compressed model's save_pretrained wrote)")
+    config = _config_data(folder)
+    quantization = config.get("quantization_config")
+    if not isinstance(quantization, dict) or quantization.get("quant_method") != QUANT_METHOD:
+        dense = "model.safetensors" if (folder / WEIGHTS).exists() else next(
+            (name for name in OTHER_WEIGHTS if (folder / name).exists()), None)
+        raise ModelFileError(f"{folder} holds a dense model ({dense}), not a compressed one: config.json has no "
+                             "quantization_config with quant_method 'tncompile'. Compress it: "
+                             "tncompile.compile(YourClass.from_pretrained(folder), target_ratio=...)" if dense else
+                             f"{folder} is not a folder a compressed model's save_pretrained wrote (its config.json "
+                             "has no quantization_config with quant_method 'tncompile')")
+    manifest = dict(quantization)
+    manifest.pop("quant_method")
     check_folder_manifest(manifest, f"{folder}/config.json: quantization_config")
     return read_weights(folder / WEIGHTS, manifest, folder)
 
 
 def read_weights(weights: Path, manifest: dict, folder: Path) -> SavedModel:
-    """``weights`` (a folder's ``model.safetensors``) read and checked against ``manifest``
+    """``weights`` (a folder's ``model.safetensors``) opened and checked against ``manifest``
     (its ``quantization_config`` less ``quant_method``, header already checked)."""
-    if not weights.is_file():
+    if not weights.exists():
         raise ModelFileError(f"{folder}: no {WEIGHTS}")
-    metadata, tensors = read_container(weights)
-    if metadata.get("tncompile_sha256") != digest(tensors, canonical(manifest)):
-        raise ModelFileError(f"{folder}: {WEIGHTS} and config.json's quantization_config do not belong together "
-                             "(damaged, or one of them from another save): save_pretrained the model again")
-    return SavedModel(folder, manifest, tensors)
+    file = open_tensor_file(weights)
+    try:
+        if file.metadata.get("tncompile_sha256") != file.digest(canonical(manifest)):
+            raise ModelFileError(f"{folder}: {WEIGHTS} and config.json's quantization_config do not belong together "
+                                 "(damaged, or one of them from another save): save_pretrained the model again")
+        return SavedModel(folder, manifest, file)
+    except BaseException:
+        file.close()
+        raise
 
 
 def load_folder(folder: Path, model: Any, *, passes=None, example_inputs=None) -> nn.Module:
     """:func:`tncompile.load` of a folder: its contents rebuilt onto ``model`` -- a fresh
     instance, a callable building one, or a class built from the folder's ``config.json``
     (:func:`model_from_config`)."""
-    saved = read_folder(folder)
-    if model is None:
-        raise ModelFileError(f"tncompile.load: {str(folder)!r} was written by save_pretrained of a compressed "
-                             f"{saved.model_class}; pass its model class (model={saved.model_class}: built from the "
-                             "folder's config.json) or a fresh instance to load it onto -- or load it with "
-                             f"transformers: {saved.model_class}.from_pretrained(folder) after import tncompile")
-    if isinstance(model, type) and issubclass(model, nn.Module):
-        dense = model_from_config(folder, model, saved)
-    else:
-        dense = dense_model(model, folder)
-    return rebuild_saved(saved, dense, passes, example_inputs)
+    with read_folder(folder) as saved:
+        if model is None:
+            raise ModelFileError(f"tncompile.load: {str(folder)!r} was written by save_pretrained of a compressed "
+                                 f"{saved.model_class}; pass its model class (model={saved.model_class}: built from "
+                                 "the folder's config.json) or a fresh instance to load it onto -- or load it with "
+                                 f"transformers: {saved.model_class}.from_pretrained(folder) after import tncompile")
+        if isinstance(model, type) and issubclass(model, nn.Module):
+            dense = model_from_config(folder, model, saved)
+        else:
+            dense = dense_model(model, folder, saved.model_class)
+        return rebuild_saved(saved, dense, passes, example_inputs)
 
 
 def model_from_config(folder: Path, cls: type, saved: SavedModel) -> nn.Module:
@@ -220,8 +247,7 @@ def model_from_config(folder: Path, cls: type, saved: SavedModel) -> nn.Module:
     if params != saved.original_params:
         raise ModelMismatchError(f"{where}: builds a {cls.__name__} of {params:,} parameters; the saved model had "
                                  f"{saved.original_params:,}")
-    limit = max(DENSE_FLOOR_BYTES, DENSE_PER_FILE_BYTE * sum(t.numel() * t.element_size()
-                                                              for t in saved.tensors.values()))
+    limit = max(DENSE_FLOOR_BYTES, DENSE_PER_FILE_BYTE * sum(spec.nbytes for spec in saved.file.specs.values()))
     if nbytes > limit:
         raise ModelFileError(f"{where}: builds a dense {cls.__name__} of {nbytes:,} bytes, more than {limit:,} for "
                              "this file; build it yourself and pass the instance (model=...) if you trust it")
@@ -232,4 +258,4 @@ def model_from_config(folder: Path, cls: type, saved: SavedModel) -> nn.Module:
 # model's save_pretrained and tncompile.load(folder) ask what is registered here (the
 # dependency inverted, as the runtime asks the planner tncompile.planning registers)
 register_folder_writer(save_folder)
-register_folder_loader(is_model_folder, load_folder)
+register_folder_loader(load_folder)

@@ -42,6 +42,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..api import compile
 from ..errors import ModelFileError
 from ..runtime import TNModule
+from ..serialization.caller_state import caller_state_kept
 from ..serialization.model_file import EXAMPLE, checked_state, load_checked_state, rebuild_saved
 from .hf_folder import QUANT_METHOD, WEIGHTS, check_folder_manifest, read_weights
 
@@ -76,6 +77,18 @@ class TNCompileConfig(QuantizationConfigMixin):
                 raise ValueError(f"TNCompileConfig: give target_ratio and any of {list(COMPILE_FIELDS[1:])} to "
                                  f"compress a dense model in from_pretrained; got {sorted(fields)}")
 
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):
+        """What transformers builds from a folder's ``config.json``: only a saved model's
+        manifest (a file never asks to compress; anything else is a ``ModelFileError``)."""
+        if not isinstance(config_dict, dict) or "format" not in config_dict:
+            raise ModelFileError(f"config.json: quantization_config {{'quant_method': 'tncompile', ...}} is not the "
+                                 f"manifest a compressed model's save_pretrained writes (keys "
+                                 f"{sorted(map(str, config_dict))[:8] if isinstance(config_dict, dict) else '-'}): "
+                                 "save_pretrained the compressed model again")
+        config = cls(**config_dict)
+        return (config, kwargs) if return_unused_kwargs else config
+
     def to_dict(self) -> dict[str, Any]:
         return {"quant_method": QUANT_METHOD, **copy.deepcopy(self.manifest or self.compile_request)}
 
@@ -109,16 +122,23 @@ class TNCompileQuantizer(HfQuantizer):
             raise ModelFileError(f"from_pretrained of a tncompile folder: expected its one {WEIGHTS}, got "
                                  f"{[f.name for f in files]}")
         saved = read_weights(files[0], self.quantization_config.manifest, files[0].parent)
-        if saved.example_inputs is None:
-            raise ModelFileError(f"{files[0].parent}: the folder holds no example inputs to trace the model with; "
-                                 f"load it with tncompile.load(folder, model={saved.model_class}, example_inputs=...)")
-        args, kwargs_ = saved.example_inputs
-        on_meta = {k: _meta(v) for k, v in kwargs_.items()} if kwargs_ else tuple(_meta(a) for a in args)
-        _tie(model)
-        compiled = rebuild_saved(saved, model, None, on_meta, load_tensors=False)
-        if compiled is not model:
-            raise ModelFileError(f"{files[0].parent}: not a swap-mode model")
-        checked_state(model, saved, str(files[0].parent), cast=True)  # before any weight is read into it
+        try:
+            if saved.example_inputs is None:
+                raise ModelFileError(f"{files[0].parent}: the folder holds no example inputs to trace the model with; "
+                                     f"load it with tncompile.load(folder, model={saved.model_class}, "
+                                     "example_inputs=...)")
+            args, kwargs_ = saved.example_inputs
+            on_meta = {k: _meta(v) for k, v in kwargs_.items()} if kwargs_ else tuple(_meta(a) for a in args)
+            with caller_state_kept():
+                _tie(model)
+                compiled = rebuild_saved(saved, model, None, on_meta, load_tensors=False)
+            if compiled is not model:
+                raise ModelFileError(f"{files[0].parent}: not a swap-mode model")
+            compiled.program.example_inputs = saved.example_inputs  # the file's, not the meta copies
+            checked_state(model, saved, str(files[0].parent), cast=True)  # before any weight is read into it
+        except BaseException:
+            saved.close()
+            raise
         _forget_swapped_ties(model)
         _tolerate_swapped_children(model)
         # the traced inputs beside the weights are the manifest's, not a weight transformers missed
@@ -136,14 +156,15 @@ class TNCompileQuantizer(HfQuantizer):
             return compile(model, example_inputs=example, mode="swap", inplace=True,
                            **self.quantization_config.compile_request)
         saved, self._saved = self._saved, None
-        for m in model.modules():
-            m.__dict__.pop("_init_weights", None)
-        left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-        if left:
-            raise ModelFileError(f"{saved.path}: from_pretrained left {left[:3]} unmade (the model class's "
-                                 f"_init_weights did not reach them); load it with tncompile.load(folder, "
-                                 f"model={saved.model_class})")
-        load_checked_state(model, saved, str(saved.path), cast=True)
+        with saved:
+            for m in model.modules():
+                m.__dict__.pop("_init_weights", None)
+            left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+            if left:
+                raise ModelFileError(f"{saved.path}: from_pretrained left {left[:3]} unmade (the model class's "
+                                     f"_init_weights did not reach them); load it with tncompile.load(folder, "
+                                     f"model={saved.model_class})")
+            load_checked_state(model, saved, str(saved.path), cast=True)
         model.train(False)
         return model
 

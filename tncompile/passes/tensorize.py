@@ -15,7 +15,7 @@ from .infra.base import Pass, register_pass
 from .infra.pending import PendingLayer
 from .infra.selection import select_modules
 
-__all__ = ["Tensorize"]
+__all__ = ["Tensorize", "check_decision", "check_ties"]
 
 
 @register_pass
@@ -128,6 +128,7 @@ class Tensorize(Pass):
         decided = program.decisions.layers
         for name, decision in decided.items():
             check_decision(name, decision, modules, decided)
+        check_ties(modules, decided)
         gm = program.graph_module
         for name, decision in decided.items():
             gm.set_submodule(name, PendingLayer(modules[name], decision.layout, tied_to=decision.tied_to))
@@ -178,6 +179,23 @@ def _lookup_options(emb: nn.Embedding) -> tuple:
 
 _DENSE_KINDS = {"linear": ("linear", "conv1d"), "tied": ("linear", "conv1d"), "alias": ("embedding",)}
 _FIX = "build the model the file was saved from (same class and configuration) and pass it as model="
+
+
+def check_ties(modules: dict[str, nn.Module], decided: dict) -> None:
+    """The model's own ties, confirmed by the file: the layers sharing one weight are all in
+    the table, as one network (its embedding) the others are tied to -- or none is. A file
+    may not untie a head from its embedding, by a network of its own or by leaving it dense."""
+    by_weight: dict[int, list[str]] = defaultdict(list)
+    for name, mod in modules.items():
+        by_weight[id(mod.weight)].append(name)
+    for group in by_weight.values():
+        in_table = [n for n in group if n in decided]
+        owners = [n for n in in_table if decided[n].tied_to is None]
+        if len(group) > 1 and in_table and (len(in_table) != len(group) or len(owners) != 1):
+            raise ModelMismatchError(
+                f"the model given ties {group} to one weight; the file "
+                + (f"leaves {sorted(set(group) - set(in_table))} dense" if len(in_table) != len(group)
+                   else f"gives {owners} networks of their own") + f", which would untie them: {_FIX}")
 
 
 def check_decision(name: str, decision, modules: dict[str, nn.Module], decided: dict) -> None:

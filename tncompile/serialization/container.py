@@ -1,8 +1,5 @@
-"""The bytes of a model file: a safetensors container, read once and written atomically.
-
-Reading (:func:`read_container`): safetensors' own parser, through one open
-handle, so a reader racing an atomic re-save sees either the old file or the
-new one, never a mix.
+"""The bytes of a model file: a safetensors container, written atomically (reading one,
+bounded against a hostile file, is :mod:`.tensor_file`).
 
 Writing (:func:`write_atomically`): the file is streamed into a temporary in
 the same directory, fsynced, given the mode of the file it replaces (or the
@@ -31,11 +28,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import SafetensorError, safe_open
 
-from ..errors import ModelFileError
-
-__all__ = ["read_container", "write_atomically", "encode_container", "digest", "STALE_SECONDS", "TEMPORARY",
+__all__ = ["write_atomically", "raw_bytes", "encode_container", "digest", "STALE_SECONDS", "TEMPORARY",
            "SAFETENSORS_DTYPES"]
 
 #: the dtypes a file may hold, by their safetensors codes
@@ -49,35 +43,7 @@ _CODES = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
 TEMPORARY = re.compile(r"^\.tnc-[0-9a-f]{16}\.tmp$")
 
 
-# ----------------------------------------------------------------- reading
-def read_container(path: Path) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """``(metadata, tensors)`` of a safetensors file, parsed and checked by safetensors itself
-    (header, dtypes, shapes, offsets: no overlap, no gap, nothing past the end) through one
-    open handle: a reader racing an atomic re-save sees the old file or the new one."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except SafetensorError as e:
-        raise ModelFileError(_unreadable(path, e)) from e
-    return metadata, tensors
-
-
-def _unreadable(path: Path, error: Exception) -> str:
-    """Why ``path`` did not parse, in words: a cut header or cut data (an interrupted copy
-    or save), or something else."""
-    with open(path, "rb") as f:
-        header = int.from_bytes(f.read(8), "little")
-        size = os.fstat(f.fileno()).st_size
-    if size < 8 + header:
-        return (f"{path} is a truncated tncompile file ({size:,} bytes, shorter than its own header): an "
-                "interrupted copy or save; copy or save it again")
-    if "not fully covered" in str(error):
-        return (f"{path} is not a readable tncompile file (truncated by an interrupted copy or save, or "
-                f"its tensor data do not match its header: {error}); copy or save it again")
-    return f"{path} is not a readable tncompile file ({error})"
-
-
+# ----------------------------------------------------------------- checksum
 def digest(tensors: dict[str, torch.Tensor], manifest: str | None = None) -> str:
     """SHA-256 over the manifest (when given), then every tensor's name, dtype, shape and
     bytes, in name order: what proves a file undamaged (not benign: anyone can reseal)."""
@@ -92,7 +58,7 @@ def digest(tensors: dict[str, torch.Tensor], manifest: str | None = None) -> str
 
 
 # ----------------------------------------------------------------- writing
-def _raw(t: torch.Tensor) -> memoryview:
+def raw_bytes(t: torch.Tensor) -> memoryview:
     nbytes = t.numel() * t.element_size()
     return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B") if nbytes else memoryview(b"")
 
@@ -179,7 +145,7 @@ def write_atomically(path: Path, header: bytes, body: list[torch.Tensor],
         with os.fdopen(os.dup(fd), "wb", buffering=1 << 20) as f:
             f.write(header)
             for t in body:
-                f.write(_raw(t))
+                f.write(raw_bytes(t))
             f.flush()
             os.fsync(f.fileno())
         os.fchmod(fd, mode)

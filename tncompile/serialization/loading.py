@@ -10,24 +10,26 @@ import torch
 from torch import nn
 
 from ..errors import ModelFileError
-from ..passes import Pass
+from ..passes import Pass, Pipeline
+from .caller_state import caller_state_kept
 from .model_file import _file_path, dense_model, read_model_file, rebuild_saved
 
 __all__ = ["load", "register_folder_loader"]
 
-# tncompile.integrations.hf_folder registers how a save_pretrained folder is recognized and
-# loaded (the HF format lives above this package): (is_folder(path), load(path, model, ...))
-_FOLDER_LOADER: tuple[Callable[[Path], bool], Callable[..., nn.Module]] | None = None
+# tncompile.integrations.hf_folder registers how a folder is loaded (the HF format lives
+# above this package): load(path, model, ...), raising ModelFileError for a folder that is
+# not one a compressed model's save_pretrained wrote
+_FOLDER_LOADER: Callable[..., nn.Module] | None = None
 
 
-def register_folder_loader(is_folder: Callable[[Path], bool], load_folder: Callable[..., nn.Module]) -> None:
-    """Set how :func:`load` recognizes and reads a folder a compressed model's ``save_pretrained`` wrote."""
+def register_folder_loader(load_folder: Callable[..., nn.Module]) -> None:
+    """Set how :func:`load` reads a folder (one a compressed model's ``save_pretrained`` wrote)."""
     global _FOLDER_LOADER
-    _FOLDER_LOADER = (is_folder, load_folder)
+    _FOLDER_LOADER = load_folder
 
 
 def load(path: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | type | None = None, *,
-         passes: Sequence[Pass] | None = None, example_inputs: Any = None,
+         passes: Pipeline | Sequence[Pass | str] | None = None, example_inputs: Any = None,
          map_location=None) -> nn.Module:
     """Rebuild the compressed model saved at ``path`` from your dense model.
 
@@ -40,9 +42,10 @@ def load(path: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | t
         zero-argument callable (``lambda: MyModel(cfg)``) builds it. For a folder a
         compressed model's ``save_pretrained`` wrote, an HF class will do: it is built
         from the folder's ``config.json`` (data fields only).
-    passes : list of Pass, optional
-        Your own passes, when the model was compiled with them: matched by name
-        against the pipeline the file records (tncompile's passes need not be given).
+    passes : Pipeline or list of pass names / Pass objects, optional
+        The ``passes=`` you gave ``compile`` (``None``: the default pipeline). The file's
+        recorded pass names must be exactly its names in its order: the file confirms
+        where your passes run, it never decides it.
     example_inputs : optional
         Inputs to trace with, when the file holds none (the compile's were not plain
         tensors and values).
@@ -64,21 +67,22 @@ def load(path: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | t
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"tncompile.load: map_location={map_location!r} is not a device "
                              "(e.g. 'cpu', 'cuda', 'cuda:1' or a torch.device)") from e
-    if _FOLDER_LOADER is not None and _FOLDER_LOADER[0](path):  # save_pretrained of a swap-mode model
-        loaded = _FOLDER_LOADER[1](path, model, passes=passes, example_inputs=example_inputs)
-    elif path.is_dir():
-        raise IsADirectoryError(f"tncompile.load: {str(path)!r} is a directory; give the file tncompile.save wrote "
-                                "(or a folder a compressed model's save_pretrained wrote)")
-    elif not path.exists():
-        raise FileNotFoundError(f"tncompile.load: no file {str(path)!r}")
-    else:
-        saved = read_model_file(path)
-        if model is None:
-            raise ModelFileError(f"tncompile.load({str(path)!r}): a model file holds tensors and a table of its "
-                                 f"compressed layers, not the program: pass the dense model it was saved from (a "
-                                 f"{saved.model_class}), e.g. tncompile.load(path, model={saved.model_class}(...)) "
-                                 "or model=lambda: ... that builds it")
-        loaded = rebuild_saved(saved, dense_model(model, path), passes, example_inputs)
+    with caller_state_kept():  # building, tracing and planning leave no trace in the caller's state
+        if path.is_dir():
+            if _FOLDER_LOADER is None:
+                raise ModelFileError(f"tncompile.load: {str(path)!r} is a directory; give the file tncompile.save "
+                                     "wrote")
+            loaded = _FOLDER_LOADER(path, model, passes=passes, example_inputs=example_inputs)
+        elif not path.exists():
+            raise FileNotFoundError(f"tncompile.load: no file {str(path)!r}")
+        else:
+            with read_model_file(path) as saved:
+                if model is None:
+                    raise ModelFileError(f"tncompile.load({str(path)!r}): a model file holds tensors and a table of "
+                                         f"its compressed layers, not the program: pass the dense model it was saved "
+                                         f"from (a {saved.model_class}), e.g. tncompile.load(path, "
+                                         f"model={saved.model_class}(...)) or model=lambda: ... that builds it")
+                loaded = rebuild_saved(saved, dense_model(model, path, saved.model_class), passes, example_inputs)
     if map_location is not None:
         loaded.to(map_location)
     return loaded

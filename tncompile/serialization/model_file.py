@@ -20,8 +20,8 @@ subclass :class:`~tncompile.errors.ModelMismatchError`).
 """
 from __future__ import annotations
 
-import contextlib
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -30,19 +30,24 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ..api import is_plain_input, rebuild
+from ..api import is_plain_input, pipeline_of, rebuild
 from ..result.model_api import EXAMPLE_PREFIX, is_compressed
 from ..errors import ModelFileError, ModelMismatchError, PassError, TraceError, is_int
+from ..frontend.layers import is_compressible
+from ..ir.program import count_params
+from ..passes.tensorize import check_decision
 from ..options import CompileOptions
-from ..passes import BUILTIN_PASSES, Pass, Pipeline, get_pass
+from ..passes import BUILTIN_PASSES, Pass, Pipeline
 from ..passes.infra.base import normalize_name
 from ..runtime.layers.module_kinds import is_sharded
 from ..swap.swapped import is_swapped, user_class
 from ..train.checkpoint import check_training_state, training_state
 from . import plain
-from .container import digest, encode_container, read_container, write_atomically
+from .caller_state import caller_state_kept
+from .container import digest, encode_container, write_atomically
 from .fields import boolean, choice, exact_keys, integer, module_path, names, number
 from .layer_table import decisions_from_rows, decisions_of, table_rows
+from .tensor_file import MAX_TENSORS, TensorFile, open_tensor_file
 
 __all__ = ["save", "manifest_of", "check_manifest_header", "SavedModel", "FORMAT", "VERSION",
            "MAX_EXAMPLE_ELEMENTS", "EXAMPLE", "rebuild_saved", "checked_state", "load_checked_state"]
@@ -52,8 +57,14 @@ VERSION = 3
 MODES = ("graph", "swap")
 MAX_PASSES = 64
 PASS_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-#: most elements of all example inputs together: load runs the model on them while tracing
+#: most elements of all example inputs together (each dimension at most this too; an empty
+#: dimension counts as 1): load traces the model on them, on fake tensors (no data)
 MAX_EXAMPLE_ELEMENTS = 1 << 16
+MAX_EXAMPLE_DIMS = 8
+#: a training state (optimizer moments, ...) may hold at most this many times the model's
+#: bytes (AdamW with amsgrad keeps 3), plus TRAINING_FLOOR_BYTES (extra, scalars)
+TRAINING_PER_STATE_BYTE = 4
+TRAINING_FLOOR_BYTES = 64 << 20
 _TRAINING = "tncompile/training"
 EXAMPLE = EXAMPLE_PREFIX.rstrip(".")  # plain.encode names its tensors EXAMPLE.<n>
 _KEYS = {"format", "version", "mode", "model_class", "pipeline", "options", "original_params", "compiled_ratio",
@@ -164,11 +175,16 @@ def _options_row(options: CompileOptions) -> dict[str, Any]:
 
 # ----------------------------------------------------------------- reading a file
 class SavedModel:
-    """A model file's checked contents (:func:`read_model_file`)."""
+    """A model file's checked contents (:func:`read_model_file`): its fields, and its
+    tensors' specs (dtype, shape) -- every one claimed by a part of the manifest and
+    checked against it. Tensors are read only once what they must be is known: the
+    example inputs (bounded) at once, the model's state once the rebuilt model says what
+    it holds (:func:`checked_state`), the training state after it (bounded by the state)."""
 
-    def __init__(self, path: Path, manifest: dict, tensors: dict[str, torch.Tensor]):
-        self.path = path
+    def __init__(self, path: Path, manifest: dict, file: TensorFile):
+        self.path, self.file = path, file
         where = str(path)
+        specs = file.specs
         self.mode = choice(manifest["mode"], MODES, f"{where}: mode")
         self.train_mode = boolean(manifest["train_mode"], f"{where}: train_mode")
         self.model_class = module_path(manifest["model_class"], f"{where}: model_class")
@@ -178,47 +194,100 @@ class SavedModel:
         self.compiled_ratio = (None if manifest["compiled_ratio"] is None
                                else number(manifest["compiled_ratio"], 0.0, 1e9, f"{where}: compiled_ratio"))
         used: set[str] = set()
-        self.example_inputs = _example(manifest["example_inputs"], tensors, where, used)
-        self.decisions = decisions_from_rows(manifest["layers"], tensors, where)
-        self.state, self.aliases = _state(manifest["state"], tensors, where, used)
-        self.training = (None if manifest["training"] is None else check_training_state(
-            plain.decode(manifest["training"], tensors, f"{where}: training", used), where))
-        extra = sorted(set(tensors) - used)
+        example = _example(manifest["example_inputs"], file, where, used)
+        self.example_inputs = None if isinstance(example, str) else example
+        self.example_refused = example if isinstance(example, str) else None
+        self.decisions = decisions_from_rows(manifest["layers"], specs, where)
+        self.state, self.aliases = _state(manifest["state"], specs, where, used)
+        self._training = manifest["training"]
+        training_names: set[str] = set()
+        if self._training is not None:  # its structure now, on the specs; its tensors once the state loaded
+            check_training_state(plain.decode(self._training, specs, f"{where}: training", training_names,
+                                              _TRAINING), where)
+        used |= training_names
+        extra = sorted(set(specs) - used)
         if extra:
             raise ModelFileError(f"{where}: the tensor {extra[0]!r} (of {len(extra)}) is in no part of the manifest")
-        self.tensors = tensors
+        state_bytes = sum(specs[n].nbytes for n in set(self.state) - set(self.aliases))
+        training_bytes = sum(specs[n].nbytes for n in training_names)
+        if training_bytes > TRAINING_PER_STATE_BYTE * state_bytes + TRAINING_FLOOR_BYTES:
+            raise ModelFileError(f"{where}: a training state of {training_bytes:,} bytes for a model of {state_bytes:,} "
+                                 f"(at most {TRAINING_PER_STATE_BYTE}x the model's, plus {TRAINING_FLOOR_BYTES:,})")
+
+    def read(self, name: str) -> torch.Tensor:
+        """The file's tensor ``name`` (read now)."""
+        return self.file.read(name)
+
+    def training(self) -> dict[str, Any] | None:
+        """The training state, its tensors read (call after the model's state was checked)."""
+        if self._training is None:
+            return None
+        names_: set[str] = set()
+        tensors = _Reader(self.file)
+        return check_training_state(plain.decode(self._training, tensors, f"{self.path}: training", names_,
+                                                 _TRAINING), str(self.path), values=True)
+
+    def close(self) -> None:
+        self.file.close()
+
+    def __enter__(self) -> "SavedModel":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Reader(dict):
+    """The file's tensors as ``plain.decode`` looks them up: each read when asked for."""
+
+    def __init__(self, file: TensorFile):
+        super().__init__()
+        self.file = file
+
+    def __contains__(self, name) -> bool:
+        return name in self.file.specs
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.file.read(name)
 
 
 def read_model_file(path: Path) -> SavedModel:
-    """The file's manifest and tensors, every field checked (no model is touched)."""
-    with open(path, "rb") as f:
-        head = f.read(9)
-    if not (len(head) == 9 and head[8:9] == b"{"):
-        if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
-            raise ModelFileError(f"{path} is not a tncompile file: it is a pickle (tncompile's format 1 wrote them, "
-                                 "torch.save does). Loading a pickle runs the code it carries; this tncompile reads "
-                                 "format 3 only: compile your model, load_state_dict weights you trust, tncompile.save")
-        raise ModelFileError(f"{path} is not a tncompile file (save it with tncompile.save)")
-    metadata, tensors = read_container(path)
-    if metadata.get("format") != FORMAT:
-        raise ModelFileError(f"{path} is not a tncompile file (save it with tncompile.save)")
-    version = metadata.get("version", "")
-    if version != str(VERSION):
-        newer = version.isdigit() and int(version) > VERSION
-        raise ModelFileError(
-            f"{path} is a tncompile model file of format {version!r:.20}; this tncompile reads format {VERSION} only"
-            + (": upgrade tncompile" if newer else
-               " (format 2 stored the whole program, which loading would have to trust; format 3 holds data only): "
-               "re-save it -- compile your model, load_state_dict the old model's weights, tncompile.save"))
-    text_ = metadata.get("manifest")
-    if metadata.get("sha256") != digest(tensors, text_ if isinstance(text_, str) else None):
-        raise ModelFileError(f"{path} is damaged: its contents do not match the checksum saved with them")
+    """The file's manifest and tensors' specs, every field checked (no model is touched,
+    no tensor but the bounded example inputs read)."""
+    file = open_tensor_file(path, _not_a_pickle)
     try:
-        manifest = json.loads(text_)
-    except (TypeError, ValueError, RecursionError) as e:
-        raise ModelFileError(f"{path} is damaged: its manifest cannot be read ({type(e).__name__}: {e})") from e
-    check_manifest_header(manifest, f"{path}: the manifest")
-    return SavedModel(path, manifest, tensors)
+        metadata = file.metadata
+        if metadata.get("format") != FORMAT:
+            raise ModelFileError(f"{path} is not a tncompile file (save it with tncompile.save)")
+        version = metadata.get("version", "")
+        if version != str(VERSION):
+            newer = version.isdigit() and int(version) > VERSION
+            raise ModelFileError(
+                f"{path} is a tncompile model file of format {version!r:.20}; this tncompile reads format {VERSION} "
+                "only" + (": upgrade tncompile" if newer else
+                          " (format 2 stored the whole program, which loading would have to trust; format 3 holds "
+                          "data only): re-save it -- compile your model, load_state_dict the old model's weights, "
+                          "tncompile.save"))
+        text_ = metadata.get("manifest")
+        if metadata.get("sha256") != file.digest(text_ if isinstance(text_, str) else None):
+            raise ModelFileError(f"{path} is damaged: its contents do not match the checksum saved with them")
+        try:
+            manifest = json.loads(text_)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ModelFileError(f"{path} is damaged: its manifest cannot be read ({type(e).__name__}: {e})") from e
+        check_manifest_header(manifest, f"{path}: the manifest")
+        return SavedModel(path, manifest, file)
+    except BaseException:
+        file.close()
+        raise
+
+
+def _not_a_pickle(head: bytes) -> str | None:
+    if head[:4] == b"PK\x03\x04" or (head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05")):
+        return ("is not a tncompile file: it is a pickle (tncompile's format 1 wrote them, "
+                             "torch.save does). Loading a pickle runs the code it carries; this tncompile reads "
+                             "format 3 only: compile your model, load_state_dict weights you trust, tncompile.save")
+    return None
 
 
 def check_manifest_header(manifest: Any, where: str) -> None:
@@ -231,8 +300,13 @@ def check_manifest_header(manifest: Any, where: str) -> None:
                                 else ""))
 
 
-def dense_model(model: Any, path: Path) -> nn.Module:
-    """The dense model to rebuild onto: ``model`` itself, or what calling it returns."""
+def dense_model(model: Any, path: Path, saved_class: str = "YourModel") -> nn.Module:
+    """The dense model to rebuild onto: ``model`` itself, or what calling it returns (a
+    class is refused: which configuration it needs is the caller's to say)."""
+    if isinstance(model, type):
+        raise TypeError(f"tncompile.load({str(path)!r}, model={model.__name__}): model is a class; pass an instance "
+                        f"built as the one you compiled ({saved_class}(...) with the same configuration), or a "
+                        f"callable that builds it (model=lambda: {saved_class}(...))")
     if not isinstance(model, nn.Module) and callable(model):
         model = model()
     if not isinstance(model, nn.Module):
@@ -244,26 +318,36 @@ def dense_model(model: Any, path: Path) -> nn.Module:
     return model
 
 
-def rebuild_saved(saved: SavedModel, dense: nn.Module, passes: Sequence[Pass] | None, example_inputs: Any,
-                  load_tensors: bool = True) -> nn.Module:
+def rebuild_saved(saved: SavedModel, dense: nn.Module, passes: Pipeline | Sequence[Pass | str] | None,
+                  example_inputs: Any, load_tensors: bool = True) -> nn.Module:
     """Rebuild ``saved`` on ``dense`` and load its tensors (see the module doc); without
-    ``load_tensors``, the structure only (the caller checks and loads them)."""
+    ``load_tensors``, the structure only (the caller checks and loads them).
+
+    ``passes`` is the pipeline the caller compiled with (``None``: the default one): the
+    file's recorded pass names must be exactly its names, in its order -- the file only
+    confirms where the caller's passes run. The file's example inputs are traced on fake
+    tensors (shapes only, nothing allocated); ``example_inputs`` the caller gives are
+    trusted and may run for real."""
     where = str(saved.path)
     if type(dense).__name__ != saved.model_class:
         raise ModelMismatchError(f"{where} was saved from a {saved.model_class}, the model given is a "
                                  f"{type(dense).__name__}: pass the dense model it was saved from")
+    _check_layers(dense, saved, where)  # before tracing: a config may ask for 300 layers
+    params = count_params(dense)
+    if params != saved.original_params:
+        raise ModelMismatchError(f"{where}: the model given has {params:,} parameters, the one saved had "
+                                 f"{saved.original_params:,}: build it with the same configuration")
     pipeline = _pipeline(saved.pipeline, passes, where)
     example = example_inputs
+    if example is None and saved.example_refused:
+        raise ModelFileError(saved.example_refused)
     if example is None and saved.example_inputs is not None:  # compile took a tuple of args or a dict of kwargs
         args, kwargs = saved.example_inputs
-        elements = sum(t.numel() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor))
-        if elements > MAX_EXAMPLE_ELEMENTS:
-            raise ModelFileError(f"{where}: example inputs of {elements:,} elements (at most {MAX_EXAMPLE_ELEMENTS:,}: "
-                                 "load runs the model on them); pass example_inputs= to load it")
         example = kwargs if kwargs else args
     try:
-        with _global_state_kept():
-            compiled = rebuild(dense, saved.decisions, saved.options, pipeline, saved.mode, example)
+        with caller_state_kept():
+            compiled = rebuild(dense, saved.decisions, saved.options, pipeline, saved.mode, example,
+                               trusted_inputs=example_inputs is not None)
     except ModelFileError as e:
         raise type(e)(f"{where}: {e}") from e
     except PassError as e:
@@ -275,35 +359,20 @@ def rebuild_saved(saved: SavedModel, dense: nn.Module, passes: Sequence[Pass] | 
                              f"{e}); pass example_inputs= to load it, or check it is the model the file was saved "
                              "from") from e
     program = compiled.program
-    if program.original_params != saved.original_params:
-        raise ModelMismatchError(f"{where}: the model given has {program.original_params:,} parameters, the one "
-                                 f"saved had {saved.original_params:,}: build it with the same configuration")
     program.compiled_ratio = saved.compiled_ratio
-    if program.example_inputs is None:  # traced on meta copies (from_pretrained): keep the file's
+    if example_inputs is None:  # the file's inputs, not the fake copies traced on
         program.example_inputs = saved.example_inputs
     if load_tensors:
         load_checked_state(compiled, saved, where)
+        compiled.training_state = saved.training()
     compiled.train(saved.train_mode)
-    compiled.training_state = saved.training
     return compiled
 
 
-@contextlib.contextmanager
-def _global_state_kept():
-    """Rebuilding traces the user's model, which may run it (dropout draws, a model that sets
-    a default dtype): the caller's random stream, grad mode and default dtype are put back."""
-    grad, dtype = torch.is_grad_enabled(), torch.get_default_dtype()
-    try:
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        torch.set_grad_enabled(grad)
-        torch.set_default_dtype(dtype)
-
-
-def checked_state(model: nn.Module, saved: SavedModel, where: str, cast: bool = False) -> dict[str, torch.Tensor]:
-    """The file's value for every state name of ``model``: names, order, shapes, dtypes
-    (float to float where ``cast``) and sharing exactly as ``model`` has them."""
+def checked_state(model: nn.Module, saved: SavedModel, where: str, cast: bool = False) -> dict[str, str]:
+    """Check the file's tensor for every state name of ``model`` -- names, order, shapes,
+    dtypes (float to float where ``cast``) and sharing exactly as ``model`` has them -- by
+    their specs (nothing read); ``state name -> the file's tensor name``."""
     expected = model.state_dict(keep_vars=True)
     if list(expected) != saved.state:
         missing = [n for n in expected if n not in set(saved.state)]
@@ -312,27 +381,42 @@ def checked_state(model: nn.Module, saved: SavedModel, where: str, cast: bool = 
                                  f"{missing[:3]}, unexpected {unexpected[:3]}{'' if missing or unexpected else ', order'}"
                                  "): pass the dense model it was saved from")
     first: dict[int, str] = {}
-    values = {}
+    sources = {}
     for name, t in expected.items():
         shared = first.setdefault(id(t), name)
         if saved.aliases.get(name, name) != shared:
             raise ModelMismatchError(f"{where}: {name!r} shares its tensor with {saved.aliases.get(name, name)!r} in "
                                      f"the file, with {shared!r} in the rebuilt model")
-        value = saved.tensors[saved.aliases.get(name, name)]
-        castable = cast and value.is_floating_point() and t.is_floating_point()
-        if value.shape != t.shape or (value.dtype != t.dtype and not castable):
-            raise ModelMismatchError(f"{where}: {name!r} is {value.dtype} {tuple(value.shape)} in the file, "
+        source = saved.aliases.get(name, name)
+        spec = saved.file.specs[source]
+        castable = cast and spec.dtype.is_floating_point and t.is_floating_point()
+        if spec.shape != tuple(t.shape) or (spec.dtype != t.dtype and not castable):
+            raise ModelMismatchError(f"{where}: {name!r} is {spec.dtype} {spec.shape} in the file, "
                                      f"{t.dtype} {tuple(t.shape)} in the model given: build it the same way "
                                      "(configuration, dtype: model.to(dtype))")
-        values[name] = value
-    return values
+        sources[name] = source
+    return sources
+
+
+def _check_layers(dense: nn.Module, saved: SavedModel, where: str) -> None:
+    """The table's layers the model has at their paths, of the kind and shape the file says
+    (a mismatch named by its layer, before any tracing; the pipeline checks them all again)."""
+    modules = dict(dense.named_modules())
+    for name, decision in saved.decisions.layers.items():
+        mod = modules.get(name)
+        if mod is not None and is_compressible(mod) and decision.tied_to is None:
+            try:
+                check_decision(name, decision, {name: mod}, {})
+            except ModelMismatchError as e:
+                raise ModelMismatchError(f"{where}: {e}") from e
 
 
 def load_checked_state(model: nn.Module, saved: SavedModel, where: str, cast: bool = False) -> None:
-    """:func:`checked_state`, then ``load_state_dict(strict=True)`` (copies into the model's tensors)."""
-    values = checked_state(model, saved, where, cast)
+    """:func:`checked_state`, then each tensor read and copied in (``load_state_dict(strict=True)``)."""
+    sources = checked_state(model, saved, where, cast)
+    values = {source: saved.read(source) for source in dict.fromkeys(sources.values())}
     with torch.no_grad():
-        model.load_state_dict(values, strict=True)
+        model.load_state_dict({name: values[source] for name, source in sources.items()}, strict=True)
 
 
 def _pipeline_names(data: Any, where: str) -> list[str]:
@@ -344,25 +428,19 @@ def _pipeline_names(data: Any, where: str) -> list[str]:
     return data
 
 
-def _pipeline(names_: list[str], given: Sequence[Pass] | None, where: str) -> Pipeline:
-    """The recorded pipeline: tncompile's passes by name, the user's from ``given``."""
-    mine = {normalize_name(p.name): p for p in (given or [])}
-    if any(not isinstance(p, Pass) for p in (given or [])):
-        raise TypeError("tncompile.load(passes=...): a list of Pass objects (your own passes)")
-    steps = []
-    for name in names_:
-        key = normalize_name(name)
-        if key in mine:
-            steps.append(mine.pop(key))
-        elif key in BUILTIN_PASSES:
-            steps.append(get_pass(key))
-        else:
-            raise ModelFileError(f"{where} was compiled with the pass {name!r}, which is not tncompile's: pass yours "
-                                 f"again, tncompile.load(path, model=..., passes=[{name} pass object])")
-    if mine:
-        raise ModelMismatchError(f"{where}: passes={sorted(mine)} were given, but the file's pipeline "
-                                 f"{names_} did not run them")
-    return Pipeline(steps)
+def _pipeline(names_: list[str], given: Pipeline | Sequence[Pass | str] | None, where: str) -> Pipeline:
+    """The caller's pipeline (what they gave ``compile``), which the file's pass names must match."""
+    try:
+        pipeline = pipeline_of(given)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"tncompile.load(passes=...): {e}") from e
+    if [normalize_name(n) for n in names_] != [normalize_name(n) for n in pipeline.names]:
+        custom = [n for n in names_ if normalize_name(n) not in BUILTIN_PASSES]
+        fix = ("pass the pipeline you compiled with: passes=default_pipeline().insert_after(..., YourPass()) as "
+               f"given to compile (the file ran {custom})" if custom else "pass the passes= you compiled with")
+        raise ModelMismatchError(f"{where} was compiled with the passes {names_}; the passes given run "
+                                 f"{pipeline.names}: {fix}. The file only confirms the pipeline, never chooses it")
+    return pipeline
 
 
 def _options(data: Any, where: str) -> CompileOptions:
@@ -375,20 +453,33 @@ def _options(data: Any, where: str) -> CompileOptions:
         raise ModelFileError(f"{at}: {e}") from e
 
 
-def _example(data: Any, tensors: dict, where: str, used: set[str]) -> tuple[tuple, dict] | None:
+def _example(data: Any, file: TensorFile, where: str, used: set[str]) -> tuple[tuple, dict] | str | None:
+    """The example inputs: checked on the specs (each dimension and all elements together
+    within :data:`MAX_EXAMPLE_ELEMENTS`), then read; out of those bounds, why (unread: the
+    caller may give inputs of their own)."""
     if data is None:
         return None
-    value = plain.decode(data, tensors, f"{where}: example_inputs", used)
+    at = f"{where}: example_inputs"
+    names_: set[str] = set()
+    shapes = plain.decode(data, file.specs, at, names_, EXAMPLE)
+    used |= names_
+    elements = sum(math.prod(max(d, 1) for d in file.specs[name].shape) for name in names_)
+    shape = max((file.specs[name].shape for name in names_), key=lambda s: (len(s), max(s, default=0)), default=())
+    if len(shape) > MAX_EXAMPLE_DIMS or max(shape, default=0) > MAX_EXAMPLE_ELEMENTS or elements > MAX_EXAMPLE_ELEMENTS:
+        return (f"{at}: {elements:,} elements, a tensor of shape {shape} (at most {MAX_EXAMPLE_ELEMENTS:,} elements, "
+                f"{MAX_EXAMPLE_DIMS} dimensions of at most as many: load traces the model on them); pass "
+                "example_inputs= to load it")
+    value = plain.decode(data, _Reader(file), at, set(), EXAMPLE) if names_ else shapes
     ok = isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], tuple) and isinstance(value[1], dict)
     leaves = [*value[0], *value[1].values()] if ok else []
     if not ok or not all(map(is_plain_input, leaves)) or not all(isinstance(k, str) for k in value[1]):
-        raise ModelFileError(f"{where}: example_inputs must be (args, kwargs) of tensors and plain values")
+        raise ModelFileError(f"{at} must be (args, kwargs) of tensors and plain values")
     return value
 
 
 def _state(data: Any, tensors: dict, where: str, used: set[str]) -> tuple[list[str], dict[str, str]]:
     exact_keys(data, {"names", "aliases"}, f"{where}: state")
-    state = names(data["names"], None, f"{where}: state names", limit=10_000_000)
+    state = names(data["names"], None, f"{where}: state names", limit=MAX_TENSORS)
     if len(set(state)) != len(state):
         raise ModelFileError(f"{where}: a state name appears twice")
     aliases = data["aliases"]

@@ -12,7 +12,7 @@ any other object, a name of no tensor, too deep a nesting or too many values is 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -50,13 +50,17 @@ def encode(value: Any, tensors: dict[str, torch.Tensor], prefix: str, where: str
                     "bools, numbers, strings, tensors, and lists, tuples and dicts of them); convert it first")
 
 
-def decode(data: Any, tensors: dict[str, torch.Tensor], where: str, used: set[str] | None = None) -> Any:
-    """The value :func:`encode` wrote (see the module doc); ``used`` collects the tensor names read."""
+def decode(data: Any, tensors: Mapping[str, Any], where: str, used: set[str] | None = None,
+           prefix: str | None = None) -> Any:
+    """The value :func:`encode` wrote (see the module doc); ``used`` collects the tensor names
+    read. Each name is read once (``encode`` never writes one twice: two places sharing a
+    tensor, an optimizer's moment two parameters share, are refused), and only names under
+    ``prefix`` (the model's own tensors are not data of this part)."""
     count = [0]
-    return _decode(data, tensors, where, 0, count, used if used is not None else set())
+    return _decode(data, tensors, where, 0, count, used if used is not None else set(), prefix)
 
 
-def _decode(data: Any, tensors, where: str, depth: int, count: list, used: set) -> Any:
+def _decode(data: Any, tensors, where: str, depth: int, count: list, used: set, prefix: str | None) -> Any:
     count[0] += 1
     if count[0] > MAX_VALUES:
         raise ModelFileError(f"{where}: more than {MAX_VALUES:,} values")
@@ -73,7 +77,7 @@ def _decode(data: Any, tensors, where: str, depth: int, count: list, used: set) 
             raise ModelFileError(f"{where}: a string of {len(data):,} characters (at most {MAX_TEXT:,})")
         return data
     if isinstance(data, list):
-        return [_decode(v, tensors, f"{where}[{i}]", depth + 1, count, used) for i, v in enumerate(data)]
+        return [_decode(v, tensors, f"{where}[{i}]", depth + 1, count, used, prefix) for i, v in enumerate(data)]
     if not isinstance(data, dict):
         raise ModelFileError(f"{where}: {type(data).__name__} is not plain data")
     marks = [k for k in data if isinstance(k, str) and k.startswith("$")]
@@ -86,22 +90,27 @@ def _decode(data: Any, tensors, where: str, depth: int, count: list, used: set) 
         if mark == "$tensor":
             if not isinstance(body, str) or body not in tensors:
                 raise ModelFileError(f"{where}: names no tensor of the file ({body!r:.80})")
+            if prefix is not None and not body.startswith(prefix + "."):
+                raise ModelFileError(f"{where}: names the tensor {body!r:.80}, which is not one of {prefix}.*")
+            if body in used:
+                raise ModelFileError(f"{where}: the tensor {body!r:.80} is named twice (a file shares no tensor "
+                                     "between two places of its data)")
             used.add(body)
             return tensors[body]
         if not isinstance(body, list):
             raise ModelFileError(f"{where}: {mark!r} holds a list")
         if mark == "$tuple":
-            return tuple(_decode(v, tensors, f"{where}[{i}]", depth + 1, count, used) for i, v in enumerate(body))
+            return tuple(_decode(v, tensors, f"{where}[{i}]", depth + 1, count, used, prefix) for i, v in enumerate(body))
         out = {}
         for i, item in enumerate(body):
             if not (isinstance(item, list) and len(item) == 2):
                 raise ModelFileError(f"{where}: item {i} is not a [key, value] pair")
-            key = _decode(item[0], tensors, f"{where} key {i}", depth + 1, count, used)
+            key = _decode(item[0], tensors, f"{where} key {i}", depth + 1, count, used, prefix)
             if not (key is None or isinstance(key, (bool, int, float, str)) or
                     (isinstance(key, tuple) and all(isinstance(k, (int, str)) for k in key))):
                 raise ModelFileError(f"{where}: key {i} is not a plain value")
             if isinstance(key, float) and math.isnan(key):
                 raise ModelFileError(f"{where}: key {i} is NaN")
-            out[key] = _decode(item[1], tensors, f"{where}[{key!r:.40}]", depth + 1, count, used)
+            out[key] = _decode(item[1], tensors, f"{where}[{key!r:.40}]", depth + 1, count, used, prefix)
         return out
-    return {k: _decode(v, tensors, f"{where}[{k!r:.40}]", depth + 1, count, used) for k, v in data.items()}
+    return {k: _decode(v, tensors, f"{where}[{k!r:.40}]", depth + 1, count, used, prefix) for k, v in data.items()}

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..result.model_api import is_compressed
-from ..errors import ModelFileError
+from ..errors import ModelFileError, is_int
 
 __all__ = ["resume", "training_state", "check_training_state", "param_names"]
 
@@ -39,17 +39,22 @@ def training_state(compiled: nn.Module, optimizer: torch.optim.Optimizer | None,
     return state
 
 
-def check_training_state(state: Any, where: str) -> dict[str, Any]:
+def check_training_state(state: Any, where: str, values: bool = False) -> dict[str, Any]:
     """``state``, read back from a file, if it has the shape :func:`training_state` gives
-    (the optimizer's and controller's own contents are checked by their ``load_state_dict``);
-    else ``ModelFileError``."""
+    (the optimizer's state is checked against the parameters by :func:`resume`, the
+    controller's by its ``load_state_dict``); else ``ModelFileError``. Its tensors may be
+    specs (dtype and shape) or, with ``values``, the tensors, whose random states are then
+    checked to be ones a generator takes."""
     if not isinstance(state, dict) or set(state) != {"extra", "optimizer", "controller", "rng"}:
         raise ModelFileError(f"{where}: the training state must hold extra, optimizer, controller and rng")
     opt = state["optimizer"]
     if opt is not None and not (isinstance(opt, dict) and set(opt) == {"class", "names", "state"}
                                 and isinstance(opt["class"], str) and isinstance(opt["state"], dict)
-                                and isinstance(opt["names"], list)):
-        raise ModelFileError(f"{where}: the optimizer state must hold class, names and state")
+                                and isinstance(opt["names"], list)
+                                and all(isinstance(g, list) and all(isinstance(n, str) for n in g)
+                                        for g in opt["names"])):
+        raise ModelFileError(f"{where}: the optimizer state must hold class, names (a list of lists of parameter "
+                             "names) and state")
     rng = state["rng"]
     if rng is not None and not (isinstance(rng, dict) and set(rng) == {"cpu", "cuda"} and _generator_state(rng["cpu"])
                                 and (rng["cuda"] is None or isinstance(rng["cuda"], list))):
@@ -60,12 +65,25 @@ def check_training_state(state: Any, where: str) -> dict[str, Any]:
     streams = (extra or {}).get("rng_per_rank")
     if streams is not None and not (isinstance(streams, list) and all(map(_generator_state, streams))):
         raise ModelFileError(f"{where}: extra['rng_per_rank'] must be a list of CPU generator states")
+    if rng is not None and rng["cuda"] is not None and not all(
+            getattr(t, "dtype", None) == torch.uint8 and tuple(t.shape) == (16,) for t in rng["cuda"]):
+        raise ModelFileError(f"{where}: the CUDA random states must be 16-byte uint8 tensors")
+    if values:
+        for t in ([rng["cpu"]] if rng is not None else []) + list(streams or []):
+            try:
+                torch.Generator().set_state(t)
+            except RuntimeError as e:
+                raise ModelFileError(f"{where}: a saved random state is not one a generator takes ({e})") from e
     return state
 
 
 def _generator_state(t: Any) -> bool:
-    """Whether ``t`` can be a CPU generator's state (what ``torch.set_rng_state`` takes)."""
-    return isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.shape == torch.get_rng_state().shape
+    """Whether ``t`` (a tensor or a file's spec of one) has a CPU generator state's dtype and
+    shape (what ``torch.set_rng_state`` takes)."""
+    return getattr(t, "dtype", None) == torch.uint8 and tuple(getattr(t, "shape", ())) == (_RNG_STATE_BYTES,)
+
+
+_RNG_STATE_BYTES = torch.get_rng_state().numel()
 
 
 def param_names(compiled: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
@@ -111,9 +129,10 @@ def resume(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, 
         if param_names(compiled, optimizer) != saved["names"]:
             raise ValueError("the optimizer's parameter groups differ from the saved one's; build it "
                              "the same way (same groups, same order) from the loaded model")
+        _check_optimizer_state(saved["state"], optimizer)
         try:
             optimizer.load_state_dict(saved["state"])
-        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+        except (KeyError, TypeError, ValueError, RuntimeError, OverflowError) as e:
             raise ModelFileError(f"the checkpoint's optimizer state does not load into {type(optimizer).__name__} "
                                  f"({type(e).__name__}: {e})") from e
     if controller is not None:
@@ -121,7 +140,7 @@ def resume(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, 
             raise ValueError("the checkpoint has no controller state (save with controller=...)")
         try:
             controller.load_state_dict(state["controller"])
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ModelFileError(f"the checkpoint's controller state is malformed ({e})") from e
     if restore_rng and state["rng"] is not None:
         torch.set_rng_state(state["rng"]["cpu"])
@@ -135,6 +154,41 @@ def resume(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, 
             _restore_rank_stream(per_rank)
     compiled.training_state = None
     return dict(state.get("extra") or {})
+
+
+#: what torch.optim's optimizers keep per parameter as a scalar; every other tensor has its shape
+_SCALAR_STATE = ("step", "mu_product", "eta", "mu")
+
+
+def _check_optimizer_state(state: Any, optimizer: torch.optim.Optimizer) -> None:
+    """A saved ``optimizer.state_dict()`` fits ``optimizer``'s parameter groups: the same
+    groups of the same sizes, one state per parameter, and every tensor in a parameter's
+    state (of torch.optim's optimizers) a scalar step count or of the parameter's shape. A file whose
+    numbers are genuine but whose state is shared or reshaped would resume another run."""
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    if not (isinstance(groups, list) and isinstance(state.get("state"), dict) and len(groups) == len(
+            optimizer.param_groups) and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)):
+        raise ModelFileError("the checkpoint's optimizer state is not an optimizer's state_dict of "
+                             f"{len(optimizer.param_groups)} parameter group(s)")
+    params: dict[Any, torch.Tensor] = {}
+    for saved_group, group in zip(groups, optimizer.param_groups):
+        if len(saved_group["params"]) != len(group["params"]):
+            raise ModelFileError("the checkpoint's optimizer groups differ in size from the optimizer's")
+        for index, p in zip(saved_group["params"], group["params"]):
+            if not is_int(index) or index in params:
+                raise ModelFileError(f"the checkpoint's optimizer state names parameter {index!r:.40} twice or "
+                                     "not by number")
+            params[index] = p
+    own = type(optimizer).__module__.startswith("torch.optim")  # others may keep state of their own shapes
+    for index, entry in state["state"].items():
+        p = params.get(index)
+        if p is None or not isinstance(entry, dict):
+            raise ModelFileError(f"the checkpoint's optimizer state holds an entry {index!r:.40} for no parameter")
+        for key, value in entry.items():
+            scalar = key in _SCALAR_STATE and isinstance(value, torch.Tensor) and value.dim() == 0
+            if own and isinstance(value, torch.Tensor) and not scalar and value.shape != p.shape:
+                raise ModelFileError(f"the checkpoint's optimizer state {key!r:.40} of parameter {index} is "
+                                     f"{tuple(value.shape)}, the parameter {tuple(p.shape)}")
 
 
 def _restore_rank_stream(per_rank: list[torch.Tensor]) -> None:

@@ -735,24 +735,34 @@ class RankController:
             raise ValueError(f"RankController.load_state_dict: not a controller state (missing {missing}); "
                              "pass what RankController.state_dict() returned")
         if state["stage"] not in STAGES:
-            raise ValueError(f"unknown stage {state['stage']!r} in controller state")
+            raise ValueError(f"unknown stage {state['stage']!r:.40} in controller state")
+        if not isinstance(state.get("recovering", False), bool):
+            raise ValueError("controller state: recovering must be true or false")
+        counts = {k: check_int(state.get(k), f"controller state {k}", 0, 2**62, none_ok=k in ("late_steps", "late_start", "early_steps"))
+                  for k in ("steps_done", "version", "early_steps", "late_steps", "late_start")}
+        scalars = {k: _scalar_tensor(state[k], k) for k in ("target_loss", "ema", "ema_weight")}
+        late_start_ratio = check_float(state.get("late_start_ratio"), "controller state late_start_ratio", 0.0,
+                                       none_ok=True)
         self.stage = state["stage"]
-        self.steps_done = int(state["steps_done"])
-        self.version = int(state["version"])
-        self._target_loss = state["target_loss"]
-        self._ema = state["ema"]
-        self._ema_w = state["ema_weight"]
-        self.early_steps = state["early_steps"]
-        self.late_steps = state.get("late_steps", self.late_steps)
-        self._late_start = state.get("late_start")
-        self._late_start_ratio = state.get("late_start_ratio")
-        self.recovering = bool(state.get("recovering", False))
+        self.steps_done, self.version, self.early_steps = counts["steps_done"], counts["version"], counts["early_steps"]
+        self._target_loss, self._ema, self._ema_w = scalars["target_loss"], scalars["ema"], scalars["ema_weight"]
+        if "late_steps" in state:
+            self.late_steps = counts["late_steps"]
+        self._late_start, self._late_start_ratio = counts["late_start"], late_start_ratio
+        self.recovering = state.get("recovering", False)
         self._refresh()
 
     def __repr__(self) -> str:
         return (f"RankController(stage={self.stage}, schedule={self.schedule}, step={self.steps_done}, "
                 f"ratio={self.ratio:.5f}, "
                 f"target_ratio={self.target_ratio:g}, layers={len(self._layers)})")
+
+
+def _scalar_tensor(value: Any, name: str) -> torch.Tensor | None:
+    """A saved loss figure: ``None`` or a one-element floating tensor."""
+    if value is None or (isinstance(value, torch.Tensor) and value.is_floating_point() and value.numel() == 1):
+        return value
+    raise ValueError(f"controller state {name}: must be None or a one-element float tensor, got {type(value).__name__}")
 
 
 def _network_size(widths: list, sites: tuple[int, ...]):
