@@ -6,9 +6,11 @@ folders are refused before any weight is loaded."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -191,7 +193,7 @@ def test_from_pretrained_refuses_a_table_that_disagrees_with_the_weights(bert_fo
         row = data["quantization_config"]["layers"][1]
         row["layout"]["ranks"][0] += 1
     _edit_config(edited, grow_a_rank)
-    with pytest.raises(ModelFileError, match="do not belong together"):
+    with pytest.raises(ModelFileError, match="ranks\\[0\\]: 5 is not an int"):  # checked before it is hashed
         transformers.BertForSequenceClassification.from_pretrained(edited)
 
 
@@ -204,7 +206,7 @@ def test_from_pretrained_refuses_weights_of_another_save(bert_folder, tmp_path):
     (mixed / "model.safetensors").write_bytes((tmp_path / "other" / "model.safetensors").read_bytes())
     for load in (lambda: transformers.AutoModelForSequenceClassification.from_pretrained(mixed),
                  lambda: tncompile.load(mixed, model=transformers.BertForSequenceClassification)):
-        with pytest.raises(ModelFileError, match="do not belong together"):
+        with pytest.raises(ModelFileError, match="do not belong together|its layout makes it"):
             load()
 
 
@@ -273,3 +275,146 @@ def test_from_pretrained_compresses_a_dense_folder_when_asked(tmp_path):
     for bad in ({}, {"target_ratio": 0.3, "attn_implementation": "x"}):
         with pytest.raises(ValueError, match="target_ratio"):
             TNCompileConfig(**bad)
+
+
+# ----------------------------------------------------------------- issue 53: hostile folders
+def _reseal_folder(folder: Path, dst: Path, edit) -> Path:
+    """``folder`` copied to ``dst`` with ``edit(manifest, tensors)`` applied to its
+    quantization_config and weights, and the checksum recomputed (as an attacker can)."""
+    from safetensors.torch import load_file, save_file
+    from tncompile.integrations.hf_folder import canonical
+    from tncompile.serialization.container import digest
+    _copy(folder, dst)
+    data = json.loads((dst / "config.json").read_text())
+    manifest = dict(data["quantization_config"])
+    manifest.pop("quant_method")
+    tensors = load_file(dst / "model.safetensors")
+    edit(manifest, tensors)
+    data["quantization_config"] = {"quant_method": "tncompile", **manifest}
+    (dst / "config.json").write_text(json.dumps(data))
+    save_file(tensors, dst / "model.safetensors",
+              metadata={"format": "pt", "tncompile_sha256": digest(tensors, canonical(manifest))})
+    return dst
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    cfg = transformers.GPT2Config(vocab_size=300, n_embd=64, n_layer=1, n_head=4, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    c = tncompile.compile(transformers.GPT2LMHeadModel(cfg), target_ratio=0.4,
+                          example_inputs={"input_ids": torch.randint(1, 300, (2, 8)), "use_cache": False},
+                          mode="swap")
+    folder = tmp_path_factory.mktemp("gpt2") / "gpt2"
+    c.save_pretrained(folder)
+    return folder
+
+
+def _untie_dense(manifest, tensors):
+    manifest["layers"] = [r for r in manifest["layers"] if r["path"] != "lm_head"]
+
+
+def _untie_network(manifest, tensors):
+    from tncompile.formats.layout import TTLayout
+    layout = TTLayout.for_shape(64, 300, 3).with_ranks(2)
+    row = next(r for r in manifest["layers"] if r["path"] == "lm_head")
+    row.update(kind="linear", tied_to=None, layout={
+        "format": "TT", "in_features": 64, "out_features": 300, "in_modes": list(layout.in_modes),
+        "out_modes": list(layout.out_modes), "ranks": list(layout.ranks), "experts": 1},
+        cores=[f"lm_head.cores.{k}" for k in range(layout.num_cores)],
+        gates=[f"lm_head.gates.{k}" for k in range(layout.num_cores - 1)])
+    tensors.update({f"lm_head.cores.{k}": torch.randn(s) for k, s in enumerate(layout.core_shapes())})
+    tensors.update({f"lm_head.gates.{k}": torch.ones(r) for k, r in enumerate(layout.ranks)})
+    manifest["state"]["names"] += row["cores"] + row["gates"]
+
+
+@pytest.mark.parametrize("untie", [_untie_dense, _untie_network], ids=["dense-head", "own-network"])
+def test_a_folder_cannot_untie_a_head_from_its_embedding(gpt2_folder, tmp_path, untie):
+    edited = _reseal_folder(gpt2_folder, tmp_path / "untied", untie)
+    for load in (lambda: transformers.GPT2LMHeadModel.from_pretrained(edited),
+                 lambda: tncompile.load(edited, model=transformers.GPT2LMHeadModel)):
+        with pytest.raises(ModelFileError, match="ties .*lm_head.* to one weight"):
+            load()
+
+
+def test_a_config_asking_for_300_layers_is_refused_before_tracing_them(bert_folder, tmp_path):
+    """num_hidden_layers=300 while the table has 2: refused by the parameter count before any
+    layer is traced, in a few seconds, by both loaders."""
+    folder, _ = bert_folder
+    edited = _copy(folder, tmp_path / "deep")
+    _edit_config(edited, lambda data: data.update(num_hidden_layers=300))
+    for load in (lambda: transformers.BertForSequenceClassification.from_pretrained(edited),
+                 lambda: tncompile.load(edited, model=transformers.BertForSequenceClassification)):
+        start = time.time()
+        with pytest.raises(ModelFileError, match="parameters"):
+            load()
+        assert time.time() - start < 15
+
+
+@pytest.mark.parametrize("damage", ["config-is-a-directory", "config-nested-deep", "weights-are-proc-mem",
+                                    "weights-are-a-fifo", "not-a-manifest"])
+def test_every_damaged_folder_is_a_model_file_error(bert_folder, tmp_path, damage):
+    folder, _ = bert_folder
+    edited = _copy(folder, tmp_path / "damaged")
+    if damage == "config-is-a-directory":
+        (edited / "config.json").unlink()
+        (edited / "config.json").mkdir()
+    elif damage == "config-nested-deep":
+        (edited / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    elif damage == "weights-are-proc-mem":
+        (edited / "model.safetensors").unlink()
+        (edited / "model.safetensors").symlink_to("/proc/self/mem")
+    elif damage == "weights-are-a-fifo":
+        (edited / "model.safetensors").unlink()
+        os.mkfifo(edited / "model.safetensors")
+    else:
+        _edit_config(edited, lambda data: data.update(quantization_config={"quant_method": "tncompile", "x": 1}))
+    with pytest.raises(ModelFileError):
+        tncompile.load(edited, model=transformers.BertForSequenceClassification)
+    if damage == "not-a-manifest":  # (transformers reads a weights file's header itself before any backend)
+        with pytest.raises(ModelFileError):
+            transformers.BertForSequenceClassification.from_pretrained(edited)
+
+
+def test_a_dense_folder_given_to_load_says_it_is_dense(tmp_path):
+    _bert().save_pretrained(tmp_path / "dense")
+    with pytest.raises(ModelFileError, match="holds a dense model"):
+        tncompile.load(tmp_path / "dense", model=transformers.BertForSequenceClassification)
+
+
+def test_loading_a_folder_leaves_the_callers_random_streams(gpt2_folder):
+    """GPT-2's class initializes its weights at random: building it from the folder's config
+    happens inside the loader's fork of the random streams."""
+    import random
+    for load in (lambda: tncompile.load(gpt2_folder, model=transformers.GPT2LMHeadModel),
+                 lambda: transformers.GPT2LMHeadModel.from_pretrained(gpt2_folder)):
+        torch.manual_seed(1)
+        before, py = torch.get_rng_state().clone(), random.getstate()
+        load()
+        assert torch.equal(torch.get_rng_state(), before) and random.getstate() == py
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("target_modules", "(.|.)*Q", "regular expression"),
+    ("target_modules", ["query", "(a+)+$"], "regular expression"),
+    ("exclude_modules", ".*", "regular expression"),
+    ("r", 20_000_000, "r must be an int in"),
+    ("rank_pattern", {"query": 10**9}, "rank_pattern"),
+])
+def test_an_adapter_config_is_bounded_before_peft_sees_it(field, value, says):
+    """The adapter folder's config goes through tt_lora: a catastrophic regex would hang PEFT's
+    matching, a rank of 2e7 would allocate 4.8 GiB before the 4 KB adapter file is read."""
+    peft = pytest.importorskip("peft")
+    from tncompile.integrations.peft_lora import tt_lora
+    config = peft.LoraConfig(target_modules=["query"], r=4)
+    setattr(config, field, value)
+    with pytest.raises(ModelFileError, match=says):
+        tt_lora(config)
+
+
+def test_an_adapter_rank_above_the_layers_side_is_refused_before_allocating(bert_folder):
+    peft = pytest.importorskip("peft")
+    from tncompile.integrations.peft_lora import tt_lora
+    base = transformers.BertForSequenceClassification.from_pretrained(bert_folder[0])
+    with pytest.raises(ModelFileError, match="LoRA rank"):
+        peft.get_peft_model(base, tt_lora(peft.LoraConfig(target_modules=["query"], r=65)))  # sides are 64

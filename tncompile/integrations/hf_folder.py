@@ -191,10 +191,11 @@ def read_weights(weights: Path, manifest: dict, folder: Path) -> SavedModel:
         raise ModelFileError(f"{folder}: no {WEIGHTS}")
     file = open_tensor_file(weights)
     try:
-        if file.metadata.get("tncompile_sha256") != file.digest(canonical(manifest)):
-            raise ModelFileError(f"{folder}: {WEIGHTS} and config.json's quantization_config do not belong together "
-                                 "(damaged, or one of them from another save): save_pretrained the model again")
-        return SavedModel(folder, manifest, file)
+        expected = file.metadata.get("tncompile_sha256")
+        if not isinstance(expected, str):
+            raise ModelFileError(f"{folder}: {WEIGHTS} is not one a compressed model's save_pretrained wrote (no "
+                                 "tncompile checksum): save_pretrained the model again")
+        return SavedModel(folder, manifest, file, (expected, canonical(manifest)))
     except BaseException:
         file.close()
         raise

@@ -136,6 +136,7 @@ class TNCompileQuantizer(HfQuantizer):
                 raise ModelFileError(f"{files[0].parent}: not a swap-mode model")
             compiled.program.example_inputs = saved.example_inputs  # the file's, not the meta copies
             checked_state(model, saved, str(files[0].parent), cast=True)  # before any weight is read into it
+            saved.verify()
         except BaseException:
             saved.close()
             raise

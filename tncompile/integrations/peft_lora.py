@@ -30,6 +30,7 @@ PEFT is (:mod:`tncompile.integrations.plugins`).
 """
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -40,6 +41,7 @@ from peft.tuners.lora.layer import Linear as LoraLinear
 from peft.tuners.tuners_utils import check_adapters_to_merge
 
 from ..calibration.layer_fit import fit_linear_cores
+from ..errors import ModelFileError, check_int
 from ..formats.decompose import linear_unfolding_ranks, tt_from_linear_weight, tt_to_dense
 from ..passes.replan import replan_module
 from ..runtime import TTLinear
@@ -62,8 +64,47 @@ def tt_lora(config: LoraConfig) -> LoraConfig:
     if config.fan_in_fan_out:
         raise ValueError("tt_lora: fan_in_fan_out=True describes a [in, out] weight; a TTLinear is [out, in]: "
                          "leave it False")
+    _check_config(config)
     config._register_custom_module({TTLinear: TTLoraLinear})
     return config
+
+
+#: the largest adapter rank tt_lora takes (each layer also bounds it by its own sides)
+MAX_ADAPTER_RANK = 4096
+#: a name PEFT may put into a regular expression: letters, digits, ``_ . -`` (no quantifier,
+#: group or alternation, so no pattern that backtracks for ever)
+PLAIN_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,256}$")
+
+
+def _check_config(config: LoraConfig) -> None:
+    """What PEFT would match or allocate from ``config`` (which may come from an adapter
+    folder's ``adapter_config.json``), bounded before PEFT sees it: module names are plain
+    names or suffixes (PEFT runs a string as a regular expression: ``(.|.)*Q`` never ends),
+    ranks are ints in ``[1, MAX_ADAPTER_RANK]`` (and within each layer, checked as it is
+    wrapped). A ``ModelFileError`` (a ``ValueError``) naming the field and the fix."""
+    def plain(value: Any, field: str, many: bool) -> None:
+        values = [value] if isinstance(value, str) else list(value) if many and isinstance(value, (list, set, tuple)) \
+            else None
+        if values is None or len(values) > 100_000 or not all(isinstance(v, str) and PLAIN_NAME.match(v) for v in values):
+            raise ModelFileError(f"tt_lora: LoraConfig {field}={value!r:.120} is not a list of module names or suffixes "
+                                 "(PEFT would run a string as a regular expression, which may never end): list the "
+                                 "names, e.g. target_modules=['query', 'value']")
+    if isinstance(config.target_modules, str) and config.target_modules != "all-linear":
+        plain(config.target_modules, "target_modules", False)
+    elif config.target_modules is not None and config.target_modules != "all-linear":
+        plain(config.target_modules, "target_modules", True)
+    for field in ("exclude_modules", "modules_to_save", "layers_pattern"):
+        if getattr(config, field, None):
+            plain(getattr(config, field), field, True)
+    for field in ("rank_pattern", "alpha_pattern"):
+        pattern = getattr(config, field, None) or {}
+        if not isinstance(pattern, dict):
+            raise ModelFileError(f"tt_lora: LoraConfig {field} must be a dict of module names to ints")
+        plain(list(pattern), f"{field} keys", True)
+        for key, value in pattern.items():
+            check_int(value, f"tt_lora: LoraConfig {field}[{key!r}]", 1, MAX_ADAPTER_RANK if field == "rank_pattern"
+                      else 2**31, error=ModelFileError)
+    check_int(config.r, "tt_lora: LoraConfig r", 1, MAX_ADAPTER_RANK, error=ModelFileError)
 
 
 @dataclass
@@ -98,6 +139,9 @@ class TTLoraLinear(LoraLinear):
     """
 
     def __init__(self, base_layer: torch.nn.Module, adapter_name: str, config: LoraConfig, **kwargs: Any):
+        rank, side = kwargs.get("r", config.r), min(base_layer.in_features, base_layer.out_features)
+        check_int(rank, f"LoRA rank of adapter {adapter_name!r} on a TT layer of {base_layer.in_features} -> "
+                        f"{base_layer.out_features} features", 1, side, error=ModelFileError)  # before PEFT allocates
         super().__init__(base_layer, adapter_name, config=config, **kwargs)
         self.merge_results: list[MergeResult] = []
         self.calibration_moment: torch.Tensor | None = None  # set by merge_and_unload(calibration=...)

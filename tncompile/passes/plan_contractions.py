@@ -50,13 +50,18 @@ class PlanContractions(Pass):
     ``compile(batch_sizes=...)``: each batch size times the non-batch leading
     dims seen at trace time (e.g. the sequence length); plus the traced rows
     themselves. Other sizes are planned on first use and cached. Plans live
-    on the layers (``layer.plans``), are saved with the model and shown in the
-    IR dump.
+    on the layers (``layer.plans``) and are shown in the IR dump. Loading a file
+    plans nothing ahead: each bucket is planned on its first use.
     """
 
     name = "plan_contractions"
 
     def run(self, program: Program) -> Program:
+        if program.decisions is not None:
+            # tncompile.load: a file's layouts and batch sizes would size the search; every
+            # bucket is planned on first use instead (as a bucket nobody named is), so
+            # loading costs no planning
+            return program
         batch_sizes = list(program.options.batch_sizes or [])
         work: list[tuple[TNModule, int]] = []
         seen: set[tuple[int, int]] = set()

@@ -15,6 +15,7 @@ are in :mod:`tncompile.tuning`.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from math import prod
 from typing import Sequence
@@ -137,6 +138,21 @@ def _merge_first(inputs: list[Indices], batch: str) -> list[tuple[int, int]] | N
     return path
 
 
+def _hyper_search(inputs: list, output: tuple, sizes: dict, minimize: str) -> list:
+    """cotengra's hyper-optimizer on greedy trials, in this process: its ``labels`` method
+    would start a pool of worker processes for its sub-problems (``parallel="auto"`` inside,
+    whatever ``parallel=False`` says), and its trials draw from Python's ``random``, which is
+    seeded here and put back: plans are reproducible and the caller's stream is untouched."""
+    state = random.getstate()
+    random.seed(0)
+    try:
+        opt = ctg.HyperOptimizer(methods=["greedy"], minimize=minimize, max_repeats=tuning.HYPER_REPEATS,
+                                 parallel=False, progbar=False)
+        return opt.search(inputs, output, sizes).get_path()
+    finally:
+        random.setstate(state)
+
+
 def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str, int],
                      needs_grad: Sequence[bool] | None = None, batch: str = "b",
                      write_weight: float | None = None,
@@ -167,8 +183,7 @@ def plan_contraction(inputs: Sequence[Indices], output: Indices, sizes: dict[str
             if exact:
                 ssa = ctg.optimal_optimize(list(inputs), output, sizes, minimize=minimize)
             else:
-                opt = ctg.HyperOptimizer(minimize=minimize, max_repeats=tuning.HYPER_REPEATS, parallel=False, progbar=False)
-                ssa = opt.search(list(inputs), output, sizes).get_path()
+                ssa = _hyper_search(list(inputs), output, sizes, minimize)
             candidates[f"cotengra-{minimize.split('-')[0]}"] = [tuple(p) for p in ssa]
     if strategies is not None:
         unknown = set(strategies) - set(candidates)

@@ -181,8 +181,8 @@ class SavedModel:
     example inputs (bounded) at once, the model's state once the rebuilt model says what
     it holds (:func:`checked_state`), the training state after it (bounded by the state)."""
 
-    def __init__(self, path: Path, manifest: dict, file: TensorFile):
-        self.path, self.file = path, file
+    def __init__(self, path: Path, manifest: dict, file: TensorFile, seal: tuple[Any, str]):
+        self.path, self.file, self._seal = path, file, seal
         where = str(path)
         specs = file.specs
         self.mode = choice(manifest["mode"], MODES, f"{where}: mode")
@@ -213,6 +213,17 @@ class SavedModel:
         if training_bytes > TRAINING_PER_STATE_BYTE * state_bytes + TRAINING_FLOOR_BYTES:
             raise ModelFileError(f"{where}: a training state of {training_bytes:,} bytes for a model of {state_bytes:,} "
                                  f"(at most {TRAINING_PER_STATE_BYTE}x the model's, plus {TRAINING_FLOOR_BYTES:,})")
+
+    def verify(self) -> None:
+        """The checksum over the manifest and every tensor's bytes (streamed: time in
+        proportion to the file, no memory), checked once the structure is known to fit --
+        a damaged file is refused before its data are read, a crafted one before it is hashed."""
+        expected, manifest = self._seal
+        if expected is not None and expected != self.file.digest(manifest):
+            raise ModelFileError(f"{self.path} is damaged: its contents do not match the checksum saved with them "
+                                 "(an interrupted copy; or tensors and manifest that do not belong together, of "
+                                 "different saves): save it again")
+        self._seal = (None, manifest)
 
     def read(self, name: str) -> torch.Tensor:
         """The file's tensor ``name`` (read now)."""
@@ -269,14 +280,12 @@ def read_model_file(path: Path) -> SavedModel:
                           "data only): re-save it -- compile your model, load_state_dict the old model's weights, "
                           "tncompile.save"))
         text_ = metadata.get("manifest")
-        if metadata.get("sha256") != file.digest(text_ if isinstance(text_, str) else None):
-            raise ModelFileError(f"{path} is damaged: its contents do not match the checksum saved with them")
         try:
             manifest = json.loads(text_)
         except (TypeError, ValueError, RecursionError) as e:
             raise ModelFileError(f"{path} is damaged: its manifest cannot be read ({type(e).__name__}: {e})") from e
         check_manifest_header(manifest, f"{path}: the manifest")
-        return SavedModel(path, manifest, file)
+        return SavedModel(path, manifest, file, (metadata.get("sha256"), text_))
     except BaseException:
         file.close()
         raise
@@ -414,6 +423,7 @@ def _check_layers(dense: nn.Module, saved: SavedModel, where: str) -> None:
 def load_checked_state(model: nn.Module, saved: SavedModel, where: str, cast: bool = False) -> None:
     """:func:`checked_state`, then each tensor read and copied in (``load_state_dict(strict=True)``)."""
     sources = checked_state(model, saved, where, cast)
+    saved.verify()
     values = {source: saved.read(source) for source in dict.fromkeys(sources.values())}
     with torch.no_grad():
         model.load_state_dict({name: values[source] for name, source in sources.items()}, strict=True)
