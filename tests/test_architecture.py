@@ -246,6 +246,15 @@ def code_lines(path: Path) -> int:
 
 def test_serialization_reads_in_one_sitting():
     """Issue 41: a model file is data, so the code that reads and writes it stays small
-    (under 800 lines of code); a new field is a few typed lines, not a codec."""
-    total = sum(code_lines(p) for p in (PACKAGE / "serialization").glob("*.py"))
-    assert 300 < total < 800, f"serialization/ is {total} lines of code"  # 300: the count itself works
+    (788 lines of code when issue 41 closed); a new field is a few typed lines, not a codec.
+    Issue 53's checks (example shapes, training bytes, optimizer state, the late checksum)
+    brought it to ~840, hence under 900; what bounds a hostile file before it costs -- the
+    reader of the safetensors bytes (``tensor_file``: safetensors' own parser can be neither
+    bounded before it parses nor read lazily through one open handle) and the caller-state
+    guard -- is counted apart, under 200."""
+    bounds = {"tensor_file.py", "caller_state.py"}
+    files = list((PACKAGE / "serialization").glob("*.py"))
+    total = sum(code_lines(p) for p in files if p.name not in bounds)
+    guard = sum(code_lines(p) for p in files if p.name in bounds)
+    assert 300 < total < 900, f"serialization/ is {total} lines of code"  # 300: the count itself works
+    assert 100 < guard < 200, f"the bounded reader and the state guard are {guard} lines of code"

@@ -27,7 +27,7 @@ from .fields import boolean, choice, exact_keys, integer, module_path, names
 
 __all__ = ["decisions_of", "table_rows", "decisions_from_rows", "MAX_LAYERS"]
 
-MAX_LAYERS = 100_000
+MAX_LAYERS = 20_000  # a 1B-parameter model has a few hundred; the table fits the 16 MiB header
 MAX_MODES = 16          # modes per side of a network
 MAX_MODE = 2**20
 MAX_FEATURES = 2**31 - 1
