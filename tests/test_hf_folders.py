@@ -418,3 +418,27 @@ def test_an_adapter_rank_above_the_layers_side_is_refused_before_allocating(bert
     base = transformers.BertForSequenceClassification.from_pretrained(bert_folder[0])
     with pytest.raises(ModelFileError, match="LoRA rank"):
         peft.get_peft_model(base, tt_lora(peft.LoraConfig(target_modules=["query"], r=65)))  # sides are 64
+
+
+def test_a_compressed_folder_refuses_to_load_without_tncompile(bert_folder):
+    """Issue 52: transformers alone would build the class and leave every compressed layer at
+    random init (one log line). The folder's config refuses to build without tncompile, naming
+    it and the install command; with tncompile imported it loads (the tests above)."""
+    folder, _ = bert_folder
+    assert json.loads((folder / "config.json").read_text())["dtype"].startswith("compressed by tncompile")
+    script = textwrap.dedent(f"""
+        import sys, transformers
+        for load in (transformers.AutoModel.from_pretrained, transformers.BertForSequenceClassification.from_pretrained,
+                     transformers.AutoConfig.from_pretrained):
+            try:
+                load({str(folder)!r})
+            except Exception as e:
+                print(type(e).__name__, e)
+                continue
+            print("LOADED")
+        assert "tncompile" not in sys.modules
+    """)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = [line for line in run.stdout.splitlines() if line.strip()]
+    assert len(lines) == 3 and all("pip install tncompile, then import tncompile" in line for line in lines), lines

@@ -37,6 +37,7 @@ from torch import nn
 
 from ..errors import ModelFileError, ModelMismatchError
 from ..ir.program import count_params
+from .hf_config import marked as dtype_marked, restored as dtype_restored
 from ..swap.swapped import register_folder_writer
 from ..serialization.container import digest, encode_container, write_atomically
 from ..serialization.tensor_file import MAX_HEADER_BYTES, open_tensor_file
@@ -117,6 +118,9 @@ def save_folder(model: nn.Module, directory: str | os.PathLike, *, is_main_proce
         marked = config.__class__.from_dict(config.to_dict())
         marked.quantization_config = {"quant_method": QUANT_METHOD, **manifest}
         marked.save_pretrained(folder)
+        written = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        (folder / "config.json").write_text(json.dumps(dtype_marked(written), indent=2, sort_keys=True) + "\n",
+                                            encoding="utf-8")
     else:  # not an HF model: the config holds the manifest alone
         (folder / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": QUANT_METHOD,
                                                                                 **manifest}}))
@@ -151,7 +155,7 @@ def _config_data(folder: Path) -> dict:
         raise ModelFileError(f"{path}: not JSON ({type(e).__name__}: {e})") from e
     if not isinstance(data, dict):
         raise ModelFileError(f"{path}: not a JSON object")
-    return data
+    return dtype_restored(data)
 
 
 def check_folder_manifest(manifest: Any, where: str) -> None:

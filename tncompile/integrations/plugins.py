@@ -1,7 +1,9 @@
 """tncompile's parts that plug into other libraries, registered when those load.
 
 - transformers' quantization backend ``"tncompile"`` (:mod:`.hf_quantizer`), so that
-  ``from_pretrained`` of a compressed folder works after ``import tncompile``;
+  ``from_pretrained`` of a compressed folder works after ``import tncompile``, and the
+  reading of its ``config.json``, whose dtype refuses to build without tncompile
+  (:mod:`.hf_config`);
 - PEFT's LoRA ``Linear`` over a compressed layer (:mod:`.peft_lora`), so that
   ``tncompile.compile`` of a model carrying adapters keeps them.
 
@@ -20,8 +22,10 @@ import sys
 
 __all__ = ["PLUGINS", "register_when_imported"]
 
-#: module that is extended -> tncompile module whose import registers the extension
-PLUGINS = {"transformers.quantizers.auto": "tncompile.integrations.hf_quantizer",
+#: module that is extended -> tncompile module whose import registers the extension (or
+#: ``module:function``, called)
+PLUGINS = {"transformers.configuration_utils": "tncompile.integrations.hf_config:install",
+           "transformers.quantizers.auto": "tncompile.integrations.hf_quantizer",
            "peft.tuners.lora.layer": "tncompile.integrations.peft_lora"}
 
 
@@ -37,7 +41,7 @@ class _Loader(importlib.abc.Loader):
 
     def exec_module(self, module) -> None:
         self.loader.exec_module(module)
-        importlib.import_module(self.plugin)
+        _register(self.plugin)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -58,12 +62,19 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _register(plugin: str) -> None:
+    module, _, function = plugin.partition(":")
+    imported = importlib.import_module(module)
+    if function:
+        getattr(imported, function)()
+
+
 def register_when_imported(plugins: dict[str, str] = PLUGINS) -> None:
     """Import each plugin now if its module is imported, else right after it is."""
     finder = next((f for f in sys.meta_path if isinstance(f, _AfterImport)), None)
     for module, plugin in plugins.items():
         if module in sys.modules:
-            importlib.import_module(plugin)
+            _register(plugin)
         elif importlib.util.find_spec(module.partition(".")[0]) is not None:
             if finder is None:
                 finder = _AfterImport()
