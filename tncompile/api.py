@@ -12,7 +12,7 @@ from torch import nn
 from . import tuning
 from .calibration import collect_statistics
 from .result.compiled import CompiledModel
-from .errors import SlowerThanDenseWarning
+from .errors import BelowTargetWarning, SlowerThanDenseWarning
 from .ir.decisions import CompileDecisions
 from .ir.program import Program, count_params
 from .frontend.layers import is_compressible
@@ -162,6 +162,7 @@ def compile(
     if inplace and isinstance(compiled, CompiledModel):
         _put_layers_into(model, compiled.program)
     _warn_if_slower(compiled, options)
+    _warn_if_below_target(compiled, options)
     if adapted:
         adopt_compressed_bases(work)
         return whole
@@ -229,6 +230,31 @@ def recordable_inputs(example_inputs: Any) -> tuple[tuple, dict] | None:
     def copy_of(v):
         return v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
     return tuple(copy_of(a) for a in args), {k: copy_of(v) for k, v in kwargs.items()}
+
+
+def _warn_if_below_target(compiled: nn.Module, options: CompileOptions) -> None:
+    """A model clearly smaller than asked for (below ``target_ratio``'s band) is said so:
+    which layers speed capped, or that the layouts' bounds stop the ranks, and the fix."""
+    program = compiled.program
+    band = (1 - tuning.UNIFORM_RANK_SLACK) * options.target_ratio
+    ratio = program.num_params() / max(program.original_params, 1)
+    if ratio >= band:
+        return
+    capped = program.speed_capped
+    if capped:
+        name, (cap, allowed) = next(iter(capped.items()))
+        layers = "1 layer" if len(capped) == 1 else f"{len(capped)} layers"
+        why = (f"prefer='speed' capped the ranks of {layers} where larger networks are estimated slower than "
+               f"their dense layers on this device ({name!r}: rank {cap}, the budget allows {allowed}). "
+               "prefer='size' spends the budget on ranks (compile(..., prefer='size')), or a larger batch "
+               "(batch_sizes=) makes larger ranks pay")
+    else:
+        why = ("the networks reached their rank bounds (a network stays smaller than its dense weight, at most "
+               "tuning.MAX_LAYER_RATIO of it): more cores per network (linear_cores=, embedding_cores=) or "
+               "compressing fewer layers (exclude_modules=) gets closer to the target")
+    warnings.warn(BelowTargetWarning(
+        f"tncompile.compile: the model keeps {ratio:.4g} of its parameters, target_ratio={options.target_ratio:g} "
+        f"asked for at most that and at least {band:.4g}: {why}. compiled.report() notes each layer."), stacklevel=3)
 
 
 def _warn_if_slower(compiled: nn.Module, options: CompileOptions) -> None:

@@ -5,7 +5,7 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "SlowerThanDenseWarning",
+__all__ = ["TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "SlowerThanDenseWarning", "BelowTargetWarning",
            "is_int", "is_real", "check_int", "check_float"]
 
 
@@ -94,6 +94,13 @@ class ModelMismatchError(ModelFileError):
     another class or configuration, a layer missing or of another kind or shape where the
     file's layer table has a compressed one, or state the file does not hold. The message
     names the first difference."""
+
+
+class BelowTargetWarning(UserWarning):
+    """``compile`` returned a model clearly smaller than ``target_ratio`` asked for (below
+    its band, ``target_ratio * (1 - tuning.UNIFORM_RANK_SLACK)``): ``prefer="speed"``
+    capped ranks where larger networks are estimated slower, or the layouts' rank bounds
+    stop the networks short. The message names why and how to get the target."""
 
 
 class SlowerThanDenseWarning(UserWarning):

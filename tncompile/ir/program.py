@@ -206,6 +206,7 @@ class Program:
         self.calibration = None
         self.calibration_summary: dict[str, dict[str, float]] = {}
         self.speed_estimates: dict = {}
+        self.speed_capped: dict[str, tuple[int, int]] = {}  # prefer="speed": layer -> (rank cap, budget's rank)
         self.pipeline: list[str] = []
         self.example_inputs: tuple | None = None
         self.decisions = None

@@ -241,6 +241,7 @@ class AssignRanks(Pass):
             mod = owners.pop(n)
             program.graph_module.set_submodule(n, mod.dense)
             base += mod.layout.dense_params
+        program.speed_capped = {}
         for n, cap in speed_caps.items():
             if n in owners:
                 if n in absorbed or cap == 0:
@@ -248,6 +249,10 @@ class AssignRanks(Pass):
                         program.notes[n] = ("slower than dense in time at every rank, kept as TT to reach "
                                             "target_ratio (a higher target_ratio keeps it dense)")
                     cap = macs_cap(n)
+                if max(cap, 1) < min(budget_rank, caps[n]):  # the budget allows more than speed does
+                    program.speed_capped[n] = (max(cap, 1), min(budget_rank, caps[n]))
+                    program.notes.setdefault(n, f"rank capped at {max(cap, 1)} for speed (the budget allows "
+                                                f"{min(budget_rank, caps[n])}; prefer='size' spends it)")
                 caps[n] = min(caps[n], max(cap, 1))
         return base, absorbed
 
