@@ -442,3 +442,17 @@ def test_a_compressed_folder_refuses_to_load_without_tncompile(bert_folder):
     assert run.returncode == 0, run.stderr[-2000:]
     lines = [line for line in run.stdout.splitlines() if line.strip()]
     assert len(lines) == 3 and all("pip install tncompile, then import tncompile" in line for line in lines), lines
+
+
+def test_a_folder_loaded_onto_another_class_names_the_saved_one(bert_folder):
+    folder, _ = bert_folder
+    with pytest.raises(ModelFileError, match="saved from a compressed BertForSequenceClassification.*GPT2Model"):
+        tncompile.load(folder, model=transformers.GPT2Model)
+
+
+def test_a_class_given_for_a_model_file_says_to_pass_an_instance(tmp_path):
+    from tncompile.zoo import SixEncoder, small_encoder
+    compiled = tncompile.compile(small_encoder(max_len=16), target_ratio=0.3)
+    tncompile.save(compiled, tmp_path / "m.tnc")
+    with pytest.raises(TypeError, match="model is a class; pass an instance"):
+        tncompile.load(tmp_path / "m.tnc", model=SixEncoder)

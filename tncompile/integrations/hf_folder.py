@@ -229,6 +229,9 @@ def model_from_config(folder: Path, cls: type, saved: SavedModel) -> nn.Module:
     (nothing allocated): its parameter count must be the saved model's, and its size within
     :data:`DENSE_PER_FILE_BYTE` times the file's."""
     where = f"{folder / 'config.json'}"
+    if cls.__name__ != saved.model_class:  # before building anything from the config
+        raise ModelMismatchError(f"{folder} was saved from a compressed {saved.model_class}, the class given is "
+                                 f"{cls.__name__}: tncompile.load(folder, model={saved.model_class})")
     config_class = getattr(cls, "config_class", None)
     if config_class is None or not hasattr(config_class, "from_dict"):
         raise TypeError(f"tncompile.load({str(folder)!r}, model={cls.__name__}): {cls.__name__} has no config_class "
@@ -250,8 +253,8 @@ def model_from_config(folder: Path, cls: type, saved: SavedModel) -> nn.Module:
     nbytes = sum(t.numel() * t.element_size() for t in {id(t): t for t in shape_only.state_dict().values()}.values())
     del shape_only
     if params != saved.original_params:
-        raise ModelMismatchError(f"{where}: builds a {cls.__name__} of {params:,} parameters; the saved model had "
-                                 f"{saved.original_params:,}")
+        raise ModelMismatchError(f"{where}: builds a {cls.__name__} of {params:,} parameters; the saved "
+                                 f"{saved.model_class} had {saved.original_params:,}")
     limit = max(DENSE_FLOOR_BYTES, DENSE_PER_FILE_BYTE * sum(spec.nbytes for spec in saved.file.specs.values()))
     if nbytes > limit:
         raise ModelFileError(f"{where}: builds a dense {cls.__name__} of {nbytes:,} bytes, more than {limit:,} for "
