@@ -27,6 +27,10 @@ OP_OVERHEAD = 400_000.0
 EXACT_SEARCH_MAX_TENSORS = 12
 HYPER_REPEATS = 32
 
+#: A compile stage (calibration, sensitivity, decomposition, planning, the passes) shows a
+#: progress bar once it has run this many seconds (``passes/infra/progress.py``).
+PROGRESS_DELAY = 2.0
+
 # ---------------------------------------------------------------- compile: what to compress
 #: Layers with fewer weights than this stay dense (``tensorize``).
 MIN_LAYER_PARAMS = 4096

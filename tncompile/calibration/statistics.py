@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..frontend.layers import is_embedding, is_embedding_bag, is_linear
 from ..frontend.tracing import call_model
+from ..passes.infra.progress import progress as progress_bar
 
 __all__ = ["CalibrationStats", "InputMoment", "collect_statistics"]
 
@@ -260,8 +260,8 @@ def collect_statistics(model: nn.Module, calibration: Iterable, *, progress: boo
     try:
         total = len(calibration) if hasattr(calibration, "__len__") else None
         with torch.set_grad_enabled(sensitivity):
-            for inputs in tqdm(calibration, total=total, desc="calibration", disable=not progress or None,
-                               leave=False):
+            for inputs in progress_bar(calibration, "calibration (layer statistics)", total=total,
+                                        enabled=progress):
                 try:
                     output = call_model(model, inputs)
                     if sensitivity:

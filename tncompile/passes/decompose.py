@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import torch
-from tqdm.auto import tqdm
 
 from ..calibration.layer_fit import fit_linear_cores, fit_table_cores
 from ..ir.program import Program
+from .infra.progress import progress
 from ..runtime.layers.module_kinds import linear_weight_of
 from ..runtime.layers.experts import TTExperts
 from ..runtime.layers.embedding_bag import TTMEmbeddingBag
@@ -49,8 +49,7 @@ class Decompose(Pass):
         built: dict[str, torch.nn.Module] = {}
         owners = [(n, m) for n, m in pending.items() if m.tied_to is None]
         stats = None if replay else getattr(program, "calibration", None)
-        for name, mod in tqdm(owners, desc="decompose" if stats is None else "decompose + calibrated fit",
-                              disable=None, leave=False):
+        for name, mod in progress(owners, "decomposition (TT-SVD)" if stats is None else "decomposition + calibrated fit"):
             if mod.kind == "embedding_bag":
                 new = TTMEmbeddingBag.from_embedding_bag(mod.dense, rank=None, layout=mod.layout,
                                                          init=init, generator=gen)

@@ -4,9 +4,9 @@ from __future__ import annotations
 from math import prod
 
 from torch import fx
-from tqdm.auto import tqdm
 
 from ..ir.program import Program
+from .infra.progress import progress
 from ..formats.layout import TTLayout
 from ..runtime.layers.experts import experts_rows
 from ..runtime.kernels.plans import bucket_of
@@ -82,7 +82,7 @@ class PlanContractions(Pass):
                 if key not in seen:
                     seen.add(key)
                     work.append((mod, bucket_of(r)))
-        for mod, bucket in tqdm(work, desc="plan", disable=None, leave=False):
+        for mod, bucket in progress(work, "contraction planning"):
             if bucket not in mod.plans:
                 mod.plan_bucket(bucket)
         return program

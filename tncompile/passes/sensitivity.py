@@ -4,11 +4,11 @@ from __future__ import annotations
 import warnings
 
 import torch
-from tqdm.auto import tqdm
 
 from ..calibration.allocation import allocate_by_sensitivity, candidate_ranks, error_curve
 from ..calibration.layer_fit import moment_root, weighted_table
 from ..ir.program import Program
+from .infra.progress import progress
 from ..runtime.layers.module_kinds import linear_weight_of
 from .infra.pending import PendingLayer
 
@@ -43,7 +43,7 @@ def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dic
     roots: dict[int, torch.Tensor] = {}
     curves, weights = {}, {}
     free = [n for n in owners if n not in fixed]
-    for name in tqdm(free, desc="sensitivity", disable=None, leave=False):
+    for name in progress(free, "sensitivity (rank allocation)"):
         mod = owners[name]
         table = mod.kind in ("embedding", "embedding_bag")
         # a table tied to a head moves the outputs through both

@@ -14,10 +14,10 @@ from pathlib import Path
 from time import perf_counter
 from typing import Callable, Iterable, Iterator
 
-from tqdm.auto import tqdm
 
 from ...errors import PassError, TNCompileError
 from ...ir.program import PassRecord, Program
+from .progress import progress as progress_bar
 from ...runtime.kernels.executor import generated_code_dump
 
 __all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes",
@@ -204,7 +204,7 @@ class Pipeline:
             out.mkdir(parents=True, exist_ok=True)
             if not program.history:
                 _write_dump(program, out, "00-trace")
-        passes = tqdm(self.passes, desc="tncompile passes", disable=None if progress else True, leave=False)
+        passes = progress_bar(self.passes, "passes", enabled=progress)
         for p in passes:
             start = perf_counter()
             p.matches.clear()
