@@ -523,3 +523,15 @@ def test_param_groups_step_tensors_together_with_the_plain_loops_results():
     for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
         assert torch.equal(p, q), name
         torch.testing.assert_close(r, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_controller_takes_what_accelerate_and_torch_compile_hand_the_user():
+    """Issue 52: accelerate's AcceleratedOptimizer and torch.compile's OptimizedModule are
+    unwrapped: a cut slices the optimizer inside."""
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    compiled = tncompile.compile(mlp((64, 128, 64, 10)), target_ratio=0.4, prefer="size")
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, opt = accelerator.prepare(compiled, torch.optim.AdamW(compiled.parameters(), lr=1e-3))
+    ctl = tncompile.RankController(torch.compile(model), opt, target_ratio=0.2)
+    assert ctl.optimizer is opt.optimizer and ctl.compiled is compiled

@@ -54,7 +54,7 @@ from .distributed import (active_group, broadcast_from_rank0, check_same_everywh
                           unwrap)
 from .sharding import gathered, is_shard, summed_over_shards, whole
 from .schedules import SCHEDULES as SCHEDULE_CLASSES
-from .truncation import Cut, check_optimizer, remap_optimizer
+from .truncation import Cut, check_optimizer, remap_optimizer, unwrap_optimizer
 from ..errors import check_float, check_int
 from ..result.model_api import is_compressed
 
@@ -276,6 +276,7 @@ class RankController:
             raise ValueError(f"RankController: target_ratio must be in (0, {start:.6g}), the ratio the "
                              f"model was compiled at; got {target_ratio!r}. Rank adaptation only shrinks "
                              f"the model: compile at a larger ratio or aim lower.")
+        optimizer = unwrap_optimizer(optimizer)  # accelerate's AcceleratedOptimizer: the optimizer inside
         check_optimizer(optimizer, optimizer_state)
         self.optimizer = optimizer
         self.target_ratio = float(target_ratio)

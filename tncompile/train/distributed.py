@@ -43,11 +43,16 @@ class RankMismatchError(RuntimeError):
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The compiled model inside a :class:`DistributedModel`, a DDP or a
-    ``DataParallel`` wrapper (any depth); ``model`` itself otherwise."""
-    while isinstance(model, (DistributedModel, nn.parallel.DistributedDataParallel, nn.DataParallel)):
-        model = model.module
-    return model
+    """The compiled model inside a :class:`DistributedModel`, a DDP or a ``DataParallel``
+    wrapper, or what ``torch.compile`` returned (any depth, as accelerate's ``prepare``
+    hands them); ``model`` itself otherwise."""
+    while True:
+        if isinstance(model, (DistributedModel, nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
 
 
 def is_ddp(model: nn.Module) -> bool:

@@ -9,7 +9,7 @@ layer again. This module slices the optimizer's per-parameter state to match.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -28,6 +28,15 @@ ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = tuple(
      "Rprop", "ASGD") if hasattr(torch.optim, name))
 
 OPTIMIZER_STATE_MODES = ("slice", "reset")
+
+
+def unwrap_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside what a training library wraps it in (accelerate's
+    ``AcceleratedOptimizer``, any depth: its ``.optimizer``), whose state a cut slices."""
+    while (optimizer is not None and not isinstance(optimizer, ELEMENTWISE_OPTIMIZERS)
+           and isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer)):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer | None, mode: str) -> None:
