@@ -471,8 +471,8 @@ def test_lbfgs_with_reset_trains_cut_cores():
 @pytest.mark.parametrize("mode", ["graph", "swap"])
 def test_load_state_dict_of_a_cut_model_adopts_its_ranks(mode):
     """A state saved after cuts loads into a model at the compiled ranks (what a plain
-    Trainer's resume does): the layers are cut to the state's ranks first. Ranks that would
-    have to grow are refused, naming the layer and tncompile.load."""
+    Trainer's resume does): the layers are cut to the state's ranks first; a state of larger
+    ranks grows them; ranks beyond the layout's bounds are refused, naming the layer."""
     from tncompile.passes import Pipeline, Replan, TruncateRanks
     torch.manual_seed(0)
     dense = mlp((64, 128, 64, 10))
@@ -492,9 +492,26 @@ def test_load_state_dict_of_a_cut_model_adopts_its_ranks(mode):
     cut.eval(), fresh.eval()
     with torch.no_grad():
         torch.testing.assert_close(fresh(x), cut(x), rtol=0, atol=0)
+    # issue 52: the best checkpoint predates the cut -- a state of larger ranks grows the layer to them
+    best = tncompile.compile(dense, target_ratio=0.4, prefer="size", **kwargs)
+    with torch.no_grad():
+        for p in best.parameters():
+            p.add_(0.01 * torch.randn_like(p))
     grown = copy.deepcopy(fresh)
-    with pytest.raises(ValueError, match=f"{name}.*cannot grow.*tncompile.load"):
-        grown.load_state_dict(tncompile.compile(dense, target_ratio=0.4, prefer="size", **kwargs).state_dict())
+    grown.load_state_dict(best.state_dict())
+    assert grown.tensorized_modules()[name].layout.ranks == best.tensorized_modules()[name].layout.ranks
+    best.eval(), grown.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(grown(x), best(x), rtol=0, atol=0)
+    opt = torch.optim.AdamW(grown.parameters(), lr=1e-3)  # trains at the grown ranks
+    grown.train()
+    grown(x).sum().backward()
+    opt.step()
+    state = best.state_dict()
+    gate = next(k for k in state if k.endswith("gates.0"))
+    state[gate] = torch.ones(10**4)
+    with pytest.raises(ValueError, match="outside what its layout allows"):
+        copy.deepcopy(fresh).load_state_dict(state)
 
 
 def test_param_groups_step_tensors_together_with_the_plain_loops_results():

@@ -65,24 +65,27 @@ class CompressedModelAPI:
         """``nn.Module.load_state_dict``, and a state saved after rank cuts loads too.
 
         Where ``state_dict``'s rank gates of a layer are shorter than the layer's, the layer is
-        first cut to those ranks (its leading ones kept, then overwritten by the loaded values)
-        -- what a plain ``transformers.Trainer`` needs to resume from, or load the best of, the
-        checkpoints of a rank-adaptive run. Cutting replaces the layer's parameter objects:
-        build the optimizer and ``RankController`` after loading (Trainer does). The traced
-        inputs a ``save_pretrained`` folder holds beside the weights are not state and are
-        skipped. Larger ranks than the model's cannot be grown into: ``ValueError`` naming
-        the layer (load such a checkpoint with ``tncompile.load`` or ``from_pretrained``)."""
+        first cut to those ranks; where they are longer (a best checkpoint saved before a later
+        cut), the layer grows to them, within its layout's bounds -- then the loaded values
+        overwrite it. That is what a plain ``transformers.Trainer`` needs to resume from, or
+        load the best of, the checkpoints of a rank-adaptive run. Resizing replaces the layer's
+        parameter objects: build the optimizer and ``RankController`` after loading (Trainer
+        does). The traced inputs a ``save_pretrained`` folder holds beside the weights are
+        not state and are skipped. Ranks outside the layout's bounds: ``ValueError`` naming
+        the layer."""
         state_dict = {k: v for k, v in state_dict.items() if not k.startswith(EXAMPLE_PREFIX)}
         keep = saved_ranks(self, state_dict)
-        if keep:
-            Pipeline([TruncateRanks({name: [torch.arange(r) for r in ranks] for name, ranks in keep.items()}),
+        if keep:  # each bond to the saved rank: its leading ranks kept, or (growing) the last repeated
+            layers = self.tensorized_modules()
+            Pipeline([TruncateRanks({name: [torch.arange(r).clamp(max=have - 1) for r, have in
+                                            zip(ranks, layers[name].layout.ranks)] for name, ranks in keep.items()}),
                       Replan()]).run(self.program, progress=False)
         return super().load_state_dict(state_dict, strict, assign)
 
 
 def saved_ranks(model: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """``layer -> ranks`` of each compressed layer whose gates in ``state_dict`` are shorter
-    than its own (the ranks a rank-adaptive run had cut it to)."""
+    """``layer -> ranks`` of each compressed layer whose gates in ``state_dict`` differ in
+    length from its own (the ranks a rank-adaptive run had cut it to, or had before a cut)."""
     names = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
     keep = {}
     for layer, m in model.tensorized_modules().items():
@@ -92,10 +95,10 @@ def saved_ranks(model: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, tu
         ranks = tuple(int(g.shape[-1]) for g in gates)
         if ranks == tuple(m.layout.ranks):
             continue
-        if any(r < 1 or r > have for r, have in zip(ranks, m.layout.ranks)):
-            raise ValueError(f"load_state_dict: {layer!r} has ranks {ranks} in the state, {tuple(m.layout.ranks)} "
-                             "in the model, which cannot grow to them; load the saved model with tncompile.load "
-                             "(or from_pretrained, for a save_pretrained folder): it rebuilds the saved ranks")
+        bounds = m.layout.rank_bounds()
+        if len(ranks) != len(bounds) or any(not 1 <= r <= b for r, b in zip(ranks, bounds)):
+            raise ValueError(f"load_state_dict: {layer!r} has ranks {ranks} in the state, outside what its layout "
+                             f"allows ({tuple(bounds)}): the state is of another model")
         keep[layer] = ranks
     return keep
 
