@@ -20,7 +20,12 @@ def full_ranks(program):
     return program
 
 
+def full_rank_pipeline() -> list:
+    """The default pipeline with the full-rank pass in place of assign_ranks."""
+    return ["canonicalize", "follow_device", "tensorize", FunctionPass(full_ranks, "full_ranks"), "decompose",
+            "plan_contractions", "fuse_feed_forward", "lower_dropout", "fuse_attention", "fuse_siblings"]
+
+
 def compile_full_rank(model, example_inputs, **kw):
-    passes = ["canonicalize", "follow_device", "tensorize", FunctionPass(full_ranks, "full_ranks"), "decompose",
-              "plan_contractions", "fuse_feed_forward", "lower_dropout", "fuse_attention", "fuse_siblings"]
-    return tncompile.compile(model, target_ratio=1.0, example_inputs=example_inputs, passes=passes, **kw)
+    return tncompile.compile(model, target_ratio=1.0, example_inputs=example_inputs, passes=full_rank_pipeline(),
+                             **kw)

@@ -324,7 +324,7 @@ CASES: list[tuple[str, Callable[[Env], Any], type, str]] = [
     ("save-extra-code", lambda e: tncompile.save(e.compiled, e.tmp / "o.tnc", extra={"f": print}), TypeError,
      r"cannot save the training state\['extra'\]\['f'\].*data only"),
     ("load-missing", lambda e: tncompile.load(e.tmp / "missing.tnc"), FileNotFoundError, "tncompile.load: no file"),
-    ("load-directory", lambda e: tncompile.load(e.tmp), IsADirectoryError, "is a directory"),
+    ("load-directory", lambda e: tncompile.load(e.tmp), tncompile.ModelFileError, "is a directory without a config.json"),
     ("load-random-bytes", lambda e: tncompile.load(_file("rand.tnc", os.urandom(1000))(e)), ValueError,
      "is not a tncompile file"),
     ("load-empty-file", lambda e: tncompile.load(_file("empty.tnc", b"")(e)), ValueError, "is not a tncompile file"),

@@ -109,7 +109,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
     def boom(tensor):
         raise OSError(errno.ENOSPC, "No space left on device")  # the disk fills half way
 
-    monkeypatch.setattr(tncompile.serialization.container, "_raw", boom)
+    monkeypatch.setattr(tncompile.serialization.container, "raw_bytes", boom)
     with pytest.raises(OSError, match=r"cannot write .*m\.tnc: No space left") as info:
         tncompile.save(compiled, path)
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(path)

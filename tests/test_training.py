@@ -124,7 +124,7 @@ def test_checkpoint_carries_truncated_shapes_and_save_is_atomic(tmp_path, monkey
     def crash(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(tncompile.serialization.container, "_raw", crash)
+    monkeypatch.setattr(tncompile.serialization.container, "raw_bytes", crash)
     with pytest.raises(RuntimeError, match="disk full"):
         tncompile.save(compiled, path, optimizer=opt, controller=ctl)
     assert path.read_bytes() == before

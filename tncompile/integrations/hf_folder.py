@@ -135,7 +135,8 @@ def _config_data(folder: Path) -> dict:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise ModelFileError(f"{folder}: no config.json (not a folder a model's save_pretrained wrote)") from None
+        raise ModelFileError(f"{folder} is a directory without a config.json: give the file tncompile.save wrote, "
+                             "or a folder a compressed model's save_pretrained wrote") from None
     except OSError as e:
         raise ModelFileError(f"{path}: cannot be opened ({e.strerror or e})") from e
     try:

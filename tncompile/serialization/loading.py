@@ -78,6 +78,7 @@ def load(path: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | t
         else:
             with read_model_file(path) as saved:
                 if model is None:
+                    saved.verify()  # a damaged file says so first
                     raise ModelFileError(f"tncompile.load({str(path)!r}): a model file holds tensors and a table of "
                                          f"its compressed layers, not the program: pass the dense model it was saved "
                                          f"from (a {saved.model_class}), e.g. tncompile.load(path, "

@@ -439,18 +439,30 @@ def _pipeline_names(data: Any, where: str) -> list[str]:
 
 
 def _pipeline(names_: list[str], given: Pipeline | Sequence[Pass | str] | None, where: str) -> Pipeline:
-    """The caller's pipeline (what they gave ``compile``), which the file's pass names must match."""
+    """The caller's pipeline (what they gave ``compile``), which the file's pass names must match;
+    without one, the default pipeline, of which the file may leave passes out (a model compiled
+    with ``passes=[...]`` of tncompile's own, loaded by ``from_pretrained``) but never add or
+    move one."""
     try:
         pipeline = pipeline_of(given)
     except (TypeError, ValueError) as e:
         raise type(e)(f"tncompile.load(passes=...): {e}") from e
-    if [normalize_name(n) for n in names_] != [normalize_name(n) for n in pipeline.names]:
+    saved = [normalize_name(n) for n in names_]
+    if given is None and _in_order(saved, [normalize_name(n) for n in pipeline.names]):
+        return Pipeline(saved)  # tncompile's own passes, in their order, some left out (compile(passes=[...]))
+    if saved != [normalize_name(n) for n in pipeline.names]:
         custom = [n for n in names_ if normalize_name(n) not in BUILTIN_PASSES]
         fix = ("pass the pipeline you compiled with: passes=default_pipeline().insert_after(..., YourPass()) as "
                f"given to compile (the file ran {custom})" if custom else "pass the passes= you compiled with")
         raise ModelMismatchError(f"{where} was compiled with the passes {names_}; the passes given run "
                                  f"{pipeline.names}: {fix}. The file only confirms the pipeline, never chooses it")
     return pipeline
+
+
+def _in_order(names_: list[str], default: list[str]) -> bool:
+    """``names_`` is ``default`` with some passes left out (same order, nothing added)."""
+    rest = iter(default)
+    return all(any(n == d for d in rest) for n in names_)
 
 
 def _options(data: Any, where: str) -> CompileOptions:

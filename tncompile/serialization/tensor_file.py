@@ -142,8 +142,8 @@ def open_tensor_file(path: Path, refuse: Callable[[bytes], str | None] | None = 
 
 def _bad_length(path: Path, size: int, length: int) -> str:
     if length > MAX_HEADER_BYTES:
-        return (f"{path}: a header of {length:,} bytes (at most {MAX_HEADER_BYTES:,}): not a tncompile file, or "
-                "a crafted one")
+        return (f"{path} is not a tncompile file (a header of {length:,} bytes, at most {MAX_HEADER_BYTES:,}: "
+                "another format, or a crafted file)")
     if length >= 2 and size < 8 + length:
         return (f"{path} is a truncated tncompile file ({size:,} bytes, shorter than its own header): an "
                 "interrupted copy or save; copy or save it again")
@@ -181,7 +181,11 @@ def _parse_header(path: Path, raw: bytes, data_start: int, size: int) -> tuple[d
         if begin != at:
             raise ModelFileError(f"{path}: its tensors' data overlap or leave a gap (offset {begin:,}, expected {at:,})")
         at = end
-    if data_start + at != size:
-        raise ModelFileError(f"{path}: its tensors' data end at byte {data_start + at:,}, the file at {size:,} "
-                             "(truncated by an interrupted copy or save, or padded): copy or save it again")
+    if data_start + at > size:
+        raise ModelFileError(f"{path} is not a readable tncompile file (truncated by an interrupted copy or save: "
+                             f"its tensors' data end at byte {data_start + at:,}, the file at {size:,}): copy or "
+                             "save it again")
+    if data_start + at < size:
+        raise ModelFileError(f"{path} is not a readable tncompile file ({size - data_start - at:,} bytes after its "
+                             "tensors' data): copy or save it again")
     return metadata, specs
