@@ -19,14 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 import tncompile
-from tncompile import ModelFileError, ModelMismatchError
-from tncompile.serialization.container import digest
+from tncompile import ModelFileError
 from tncompile.serialization.tensor_file import MAX_HEADER_BYTES, MAX_TENSORS, open_tensor_file
 from tncompile.zoo import mlp, small_encoder
+
+from test_file_attacks import _parts, _reseal  # a crafted file: edited and resealed
 
 
 def _dense():
@@ -55,21 +54,6 @@ def encoder_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("encoder") / "enc.tnc"
     tncompile.save(compiled, path)
     return path
-
-
-def _parts(path: Path):
-    with safe_open(str(path), framework="pt") as f:
-        meta = dict(f.metadata())
-    return meta, json.loads(meta["manifest"]), load_file(path)
-
-
-def _reseal(path: Path, dst: Path, edit) -> Path:
-    meta, manifest, tensors = _parts(path)
-    edit(manifest, tensors)
-    meta["manifest"] = json.dumps(manifest)
-    meta["sha256"] = digest(tensors, meta["manifest"])
-    save_file(tensors, dst, metadata=meta)
-    return dst
 
 
 def _run_bounded(code: str, timeout: float = 120) -> dict:
@@ -233,30 +217,24 @@ def _first_step_counter(manifest) -> dict:
     return manifest["training"]["optimizer"]["state"]["state"]
 
 
-def test_optimizer_state_shared_between_parameters_is_refused(checkpoint, tmp_path):
-    """Two parameters sharing one step counter: every number genuine, another run resumed."""
-    def share(m, t):
-        items = _first_step_counter(m)["$items"]
-        items[1][1]["step"] = items[0][1]["step"]
-        t.pop(next(iter(v for k, v in items[1][1].items() if k == "exp_avg"))["$tensor"], None)  # keep the count
+def _point(entry: int, key: str, at) -> callable:
+    """An edit pointing parameter ``entry``'s optimizer state ``key`` at the tensor ``at(manifest)``
+    names (the tensor it named dropped, so only the pointing is wrong)."""
     def edit(m, t):
         items = _first_step_counter(m)["$items"]
-        dropped = items[1][1]["step"]["$tensor"]
-        items[1][1]["step"] = items[0][1]["step"]
-        t.pop(dropped)
-    bad = _reseal(checkpoint, tmp_path / "shared.tnc", edit)
-    with pytest.raises(ModelFileError, match="named twice"):
-        tncompile.load(bad, model=_dense())
+        t.pop(items[entry][1][key]["$tensor"])
+        items[entry][1][key] = at(m)
+    return edit
 
 
-def test_a_training_tensor_cannot_name_a_model_tensor(checkpoint, tmp_path):
-    def edit(m, t):
-        items = _first_step_counter(m)["$items"]
-        dropped = items[0][1]["exp_avg"]["$tensor"]
-        items[0][1]["exp_avg"] = {"$tensor": m["state"]["names"][0]}
-        t.pop(dropped)
-    bad = _reseal(checkpoint, tmp_path / "aliased.tnc", edit)
-    with pytest.raises(ModelFileError, match="not one of tncompile/training"):
+@pytest.mark.parametrize("name,edit,says", [
+    # two parameters sharing one step counter: every number genuine, another run resumed
+    ("shared", _point(1, "step", lambda m: _first_step_counter(m)["$items"][0][1]["step"]), "named twice"),
+    ("aliased", _point(0, "exp_avg", lambda m: {"$tensor": m["state"]["names"][0]}), "not one of tncompile/training"),
+])
+def test_optimizer_state_shares_no_tensor(checkpoint, tmp_path, name, edit, says):
+    bad = _reseal(checkpoint, tmp_path / f"{name}.tnc", edit)
+    with pytest.raises(ModelFileError, match=says):
         tncompile.load(bad, model=_dense())
 
 

@@ -3,7 +3,6 @@ model's ``save_pretrained`` wrote, rebuilt onto the user's dense model."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
