@@ -456,3 +456,24 @@ def test_a_class_given_for_a_model_file_says_to_pass_an_instance(tmp_path):
     tncompile.save(compiled, tmp_path / "m.tnc")
     with pytest.raises(TypeError, match="model is a class; pass an instance"):
         tncompile.load(tmp_path / "m.tnc", model=SixEncoder)
+
+
+def test_reloading_adapters_without_drawing_from_the_random_stream(bert_folder, tmp_path):
+    """The adapter load path: PEFT initializes adapters at random before loading them (for every
+    model); with low_cpu_mem_usage=True it builds them empty, so the reload leaves the caller's
+    stream as it was -- and loads the same adapters."""
+    peft = pytest.importorskip("peft")
+    from tncompile.integrations.peft_lora import tt_lora
+    base = transformers.BertForSequenceClassification.from_pretrained(bert_folder[0])
+    lora = peft.get_peft_model(base, tt_lora(peft.LoraConfig(target_modules=["query", "value"], r=4,
+                                                             init_lora_weights=False)))
+    lora.save_pretrained(tmp_path / "adapters")
+    again = transformers.BertForSequenceClassification.from_pretrained(bert_folder[0])
+    torch.manual_seed(3)
+    before = torch.get_rng_state().clone()
+    reloaded = peft.PeftModel.from_pretrained(
+        again, tmp_path / "adapters", config=tt_lora(peft.LoraConfig.from_pretrained(tmp_path / "adapters")),
+        low_cpu_mem_usage=True)
+    assert torch.equal(torch.get_rng_state(), before)
+    ids = torch.randint(0, 120, (2, 16))
+    torch.testing.assert_close(_logits(reloaded, ids), _logits(lora, ids), rtol=0, atol=0)
