@@ -105,10 +105,10 @@ def test_an_inexact_merge_warns_and_a_calibrated_one_fits_the_outputs():
     want = _logits(pm, ids)
     plain_copy, calibrated_copy, exact_copy = copy.deepcopy(pm), copy.deepcopy(pm), copy.deepcopy(pm)
     with pytest.warns(RuntimeWarning, match="not exact"):
-        plain, plain_results = merge_and_unload(plain_copy)
+        plain, plain_results = merge_and_unload(plain_copy, exact=False)
     assert not all(r.exact for r in plain_results) and all(r.output_error is None for r in plain_results)
     with pytest.warns(RuntimeWarning, match="not exact"):
-        calibrated, results = merge_and_unload(calibrated_copy, calibration=[{"input_ids": ids}])
+        calibrated, results = merge_and_unload(calibrated_copy, calibration=[{"input_ids": ids}], exact=False)
     assert all(r.output_error is not None for r in results if not r.exact)
     assert [r.ranks_after for r in results] == [r.ranks_after for r in plain_results]
     plain_gap = (_logits(plain, ids) - want).abs().max()
@@ -201,3 +201,28 @@ c = tncompile.compile(adapted, target_ratio=0.5, example_inputs={{"input_ids": t
 print(type(c.base_model.model.encoder.layer[0].attention.self.query).__name__)"""
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "TTLoraLinear", run.stderr[-2000:]
+
+
+def test_peft_s_ordinary_calls_work_on_a_compressed_model(tmp_path):
+    """Issue 52: get_peft_model with a plain LoraConfig (no tt_lora), PeftModel.from_pretrained
+    without config=, and PEFT's own merge_and_unload with every linear targeted: the merged
+    model gives the adapted model's logits (exact merges), not a 1% refit."""
+    c = _compressed()
+    c.save_pretrained(tmp_path / "base")
+    targets = ["query", "key", "value", "dense"]
+    pm = peft.get_peft_model(c, peft.LoraConfig(target_modules=targets, r=4, lora_alpha=8, init_lora_weights=False))
+    wrapped = [m for m in pm.modules() if isinstance(m, TTLoraLinear)]
+    assert len(wrapped) == sum(isinstance(m, TTLinear) for m in c.modules() if not isinstance(m, TTLoraLinear)) > 4
+    ids, _ = _task(8, seed=1)
+    want = _logits(pm.eval(), ids)
+    pm.save_pretrained(tmp_path / "adapters")
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "base")
+    again = peft.PeftModel.from_pretrained(base, tmp_path / "adapters")
+    torch.testing.assert_close(_logits(again.eval(), ids), want, rtol=0, atol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # exact: no refit warning
+        merged = again.merge_and_unload()
+    assert not any(isinstance(m, TTLoraLinear) for m in merged.modules())
+    torch.testing.assert_close(_logits(merged, ids), want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(tncompile.ModelFileError, match="regular expression"):  # configs are checked on the way
+        peft.get_peft_model(_compressed(), peft.LoraConfig(target_modules=["query", "(a+)+$"], r=4))

@@ -1,26 +1,29 @@
 """PEFT LoRA on compressed layers: QLoRA's recipe with a tensor train in place of 4-bit.
 
-PEFT wraps the layer kinds it knows; a :class:`~tncompile.runtime.TTLinear` is registered
-with its custom-module mechanism by :func:`tt_lora`, after which ``get_peft_model``,
-training, ``save_pretrained`` of the adapters and ``PeftModel.from_pretrained`` work as for
-any model::
+PEFT's ordinary calls work on a compressed model: with PEFT imported, tncompile registers
+how PEFT wraps a :class:`~tncompile.runtime.TTLinear` (:func:`register_with_peft`, as the
+HF quantizer registers with transformers), so ``get_peft_model``, training,
+``save_pretrained`` of the adapters, ``PeftModel.from_pretrained`` and ``merge_and_unload``
+need nothing more::
 
-    peft_model = peft.get_peft_model(compressed, tt_lora(peft.LoraConfig(target_modules=["query", "value"])))
+    peft_model = peft.get_peft_model(compressed, peft.LoraConfig(target_modules=["query", "value"]))
     ...train...; peft_model.save_pretrained("adapters")
-    again = peft.PeftModel.from_pretrained(compressed_again, "adapters",
-                                           config=tt_lora(peft.LoraConfig.from_pretrained("adapters")))
+    again = peft.PeftModel.from_pretrained(compressed_again, "adapters")
+    merged = again.merge_and_unload()          # exact: the same outputs
+
+Every config that reaches a TT layer goes through :func:`tt_lora` first (module names plain,
+ranks bounded; calling it yourself checks a config before PEFT matches any name).
 
 :class:`TTLoraLinear` is PEFT's LoRA ``Linear`` around the network: ``y = TT(x) + s B A x``.
-Merging (``merge_adapter``, ``merge_and_unload``) folds ``s B A`` into the network. The
-ranks that hold ``W + s B A`` exactly are measured (each bond's unfolding rank: the bond
-between input and output cores grows by at most ``r``, the adapter's rank; bonds inside
-one side may grow to their bounds). If those cost no more parameters than the layer's
-ranks grown by ``r``, the merge is exact at them -- the adapter becomes extra rank.
-Otherwise it is a refit at the grown ranks: to the matrix (TT-SVD), or, with calibration
-inputs (:func:`merge_and_unload`), to the layer's outputs on them
-(:func:`tncompile.calibration.layer_fit.fit_linear_cores`); ``exact=True`` merges exactly
-at any size. Each merge's :class:`MergeResult` says which happened and the error; an
-inexact merge warns.
+Merging (``merge_adapter``, ``merge_and_unload``) folds ``s B A`` into the network
+**exactly**: at the ranks that hold ``W + s B A`` (each bond's unfolding rank: the bond
+between input and output cores grows by at most ``r``, the adapter's rank; bonds inside one
+side may grow to their bounds) -- the adapter becomes extra rank, and the layer may grow.
+tncompile's :func:`merge_and_unload` with ``exact=False`` keeps each layer within its ranks
+grown by ``r`` instead: exact where that holds the matrix, else a refit at the grown ranks
+-- to the matrix (TT-SVD), or, with calibration inputs, to the layer's outputs on them
+(:func:`tncompile.calibration.layer_fit.fit_linear_cores`). Each merge's
+:class:`MergeResult` says which happened and the error; an inexact merge warns.
 ``unmerge`` restores the network exactly as it was.
 
 The other way round works too: ``tncompile.compile(peft_model, ...)`` compresses the layers
@@ -47,7 +50,7 @@ from ..passes.replan import replan_module
 from ..runtime import TTLinear
 from ..swap.adapters import register_adapter_wrapper
 
-__all__ = ["tt_lora", "TTLoraLinear", "MergeResult", "merge_and_unload", "EXACT"]
+__all__ = ["tt_lora", "TTLoraLinear", "MergeResult", "merge_and_unload", "register_with_peft", "EXACT"]
 
 #: relative error of the merged matrix below which a merge counts as exact
 EXACT = 1e-6
@@ -145,7 +148,7 @@ class TTLoraLinear(LoraLinear):
         super().__init__(base_layer, adapter_name, config=config, **kwargs)
         self.merge_results: list[MergeResult] = []
         self.calibration_moment: torch.Tensor | None = None  # set by merge_and_unload(calibration=...)
-        self.merge_exactly = False  # set by merge_and_unload(exact=True)
+        self.merge_exactly = True  # merge_and_unload(exact=False) refits at ranks + r instead
         self._before_merge: dict[str, tuple] = {}
 
     def _get_in_out_features(self, module: torch.nn.Module) -> tuple[int, int]:
@@ -242,7 +245,7 @@ def _fold(layer: TTLinear, delta: torch.Tensor, lora_rank: int, name: str, momen
 
 
 def merge_and_unload(peft_model: torch.nn.Module, calibration: Iterable[Any] | None = None, *,
-                     exact: bool = False) -> tuple[torch.nn.Module, list[MergeResult]]:
+                     exact: bool = True) -> tuple[torch.nn.Module, list[MergeResult]]:
     """``peft_model.merge_and_unload()`` that also says how each TT layer merged.
 
     Parameters
@@ -252,8 +255,11 @@ def merge_and_unload(peft_model: torch.nn.Module, calibration: Iterable[Any] | N
         ones, or single tensors): a merge that is not exact fits the layer's outputs on
         them instead of its matrix.
     exact : bool
-        Merge every adapter exactly, at whatever ranks that takes (within the layout's
-        bounds; the model may grow).
+        ``True`` (the default, and what PEFT's own ``merge_and_unload`` does): merge every
+        adapter exactly, at whatever ranks that takes (within the layout's bounds; the model
+        may grow). ``False``: keep each layer within its ranks grown by the adapter's rank,
+        refitting where the exact merge would cost more (to ``calibration``'s outputs when
+        given), and warn with the error.
 
     Returns
     -------
@@ -269,7 +275,7 @@ def merge_and_unload(peft_model: torch.nn.Module, calibration: Iterable[Any] | N
         peft_model.merge_adapter()
     finally:
         for m in wrapped:
-            m.calibration_moment, m.merge_exactly = None, False
+            m.calibration_moment, m.merge_exactly = None, True
     results = [r for m in wrapped for r in m.merge_results]
     return peft_model.unload(), results
 
@@ -315,7 +321,27 @@ def _adopt(wrapper: LoraLinear) -> None:
     wrapper.__class__ = TTLoraLinear
     wrapper.fan_in_fan_out = False
     wrapper.merge_results, wrapper.calibration_moment = [], None
-    wrapper.merge_exactly, wrapper._before_merge = False, {}
+    wrapper.merge_exactly, wrapper._before_merge = True, {}
+
+
+def register_with_peft() -> None:
+    """PEFT's ordinary calls on a compressed model -- ``get_peft_model(model, LoraConfig(...))``,
+    ``PeftModel.from_pretrained(model, folder)`` -- wrap its TT linears without ``tt_lora``:
+    where PEFT makes a LoRA layer for a target whose base is a :class:`TTLinear`, the config
+    is checked (:func:`tt_lora`) and the TT layer registered on it first. Configs of other
+    models are untouched. Called once, when PEFT imports its LoRA model (:mod:`.plugins`)."""
+    from peft.tuners.lora.model import LoraModel  # here: called inside peft's own import
+    create = LoraModel.__dict__["_create_new_module"].__func__
+    if getattr(create, "_tncompile", False):
+        return
+
+    def create_new_module(lora_config, adapter_name, target, **kwargs):
+        base = target.get_base_layer() if hasattr(target, "get_base_layer") else target
+        if isinstance(base, TTLinear) and TTLinear not in (lora_config._custom_modules or {}):
+            tt_lora(lora_config)
+        return create(lora_config, adapter_name, target, **kwargs)
+    create_new_module._tncompile = True
+    LoraModel._create_new_module = staticmethod(create_new_module)
 
 
 # tncompile.compile of a model carrying LoRA adapters keeps them over the compressed layers

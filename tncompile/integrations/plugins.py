@@ -26,7 +26,8 @@ __all__ = ["PLUGINS", "register_when_imported"]
 #: ``module:function``, called)
 PLUGINS = {"transformers.configuration_utils": "tncompile.integrations.hf_config:install",
            "transformers.quantizers.auto": "tncompile.integrations.hf_quantizer",
-           "peft.tuners.lora.layer": "tncompile.integrations.peft_lora"}
+           "peft.tuners.lora.layer": "tncompile.integrations.peft_lora",
+           "peft.tuners.lora.model": "tncompile.integrations.peft_lora:register_with_peft"}
 
 
 class _Loader(importlib.abc.Loader):

@@ -251,8 +251,9 @@ class AssignRanks(Pass):
                     cap = macs_cap(n)
                 if max(cap, 1) < min(budget_rank, caps[n]):  # the budget allows more than speed does
                     program.speed_capped[n] = (max(cap, 1), min(budget_rank, caps[n]))
-                    program.notes.setdefault(n, f"rank capped at {max(cap, 1)} for speed (the budget allows "
-                                                f"{min(budget_rank, caps[n])}; prefer='size' spends it)")
+                    if n not in absorbed:  # (an absorbed layer's note says it is slower, and absorbed)
+                        program.notes.setdefault(n, f"rank capped at {max(cap, 1)} for speed (the budget allows "
+                                                    f"{min(budget_rank, caps[n])}; prefer='size' spends it)")
                 caps[n] = min(caps[n], max(cap, 1))
         return base, absorbed
 
