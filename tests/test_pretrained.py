@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tncompile
+from tncompile import tuning
 from tncompile.calibration import collect_statistics, fit_linear_cores, fit_table_cores
 from tncompile.formats.decompose import tt_from_linear_weight, tt_to_dense, ttm_from_embedding_weight, ttm_to_dense
 from tncompile.formats.layout import TTLayout, TTMLayout
@@ -72,21 +73,27 @@ def state_of(model):
 
 
 # ---------------------------------------------------------------- statistics
-def test_statistics_are_the_inputs_second_moments_and_row_counts(pretrained):
+def test_statistics_are_the_inputs_second_moments_and_row_counts(pretrained, monkeypatch):
     model, calib, _ = pretrained
     before = state_of(model)
+    held = collect_statistics(model, calib, progress=False)  # every 5th sample held out from the fit
+    monkeypatch.setattr(tuning, "CALIBRATION_HOLD_OUT", 0)
     stats = collect_statistics(model, calib, progress=False)
     xs = [model.emb(x).reshape(-1, 48).double() for x in calib]
     x = torch.cat(xs)
     # one batch's products in float32, summed in float64
     torch.testing.assert_close(stats.moment_of(model.fc1.weight), x.t() @ x / x.shape[0], rtol=1e-5, atol=1e-5)
+    fit, out = held.moments[id(model.fc1.weight)], held.moments[id(model.fc1.weight)]
+    assert fit.rows + out.held_rows == x.shape[0] and 0 < out.held_rows < fit.rows
+    torch.testing.assert_close((fit.total + out.held_total) / x.shape[0], x.t() @ x / x.shape[0], rtol=1e-5, atol=1e-5)
     counts = torch.bincount(torch.cat([c.reshape(-1) for c in calib]), minlength=VOCAB)
     assert torch.equal(stats.counts_of(model.emb.weight), counts)
     assert stats.batches == len(calib) and not model.training
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_layers_fed_the_same_tensor_share_one_moment_until_their_inputs_differ():
+def test_layers_fed_the_same_tensor_share_one_moment_until_their_inputs_differ(monkeypatch):
+    monkeypatch.setattr(tuning, "CALIBRATION_HOLD_OUT", 0)  # every row into the moment
     class QKV(nn.Module):
         def __init__(self):
             super().__init__()

@@ -8,7 +8,7 @@ See ARCHITECTURE.md.
 from . import calibration, distributed, formats, ir, passes, planning, runtime, train, tuning
 from .api import compile
 from .result.compiled import CompiledModel
-from .errors import (BelowTargetWarning, ModelFileError, ModelMismatchError, PassError, SlowerThanDenseWarning, TNCompileError,
+from .errors import (BelowTargetWarning, CalibrationWarning, ModelFileError, ModelMismatchError, PassError, SlowerThanDenseWarning, TNCompileError,
                      TraceError)
 from .passes import FunctionPass, Pass, Pipeline, default_pipeline, register_pass
 from .result.report import Report
@@ -22,5 +22,5 @@ __version__ = "0.1.0"
 
 __all__ = ["compile", "save", "load", "resume", "fit", "History", "Distill", "freeze_gates", "compress_pretrained", "Pass", "FunctionPass", "Pipeline", "register_pass",
            "default_pipeline", "RankController", "RankEvent", "param_groups", "TrainStep", "dry_run", "CompiledModel", "Report",
-           "TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "SlowerThanDenseWarning", "BelowTargetWarning", "calibration", "distributed", "formats", "ir", "passes", "planning", "runtime", "train",
+           "TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "SlowerThanDenseWarning", "BelowTargetWarning", "CalibrationWarning", "calibration", "distributed", "formats", "ir", "passes", "planning", "runtime", "train",
            "tuning", "__version__"]

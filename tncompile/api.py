@@ -12,7 +12,7 @@ from torch import nn
 from . import tuning
 from .calibration import collect_statistics
 from .result.compiled import CompiledModel
-from .errors import BelowTargetWarning, SlowerThanDenseWarning
+from .errors import BelowTargetWarning, CalibrationWarning, SlowerThanDenseWarning
 from .ir.decisions import CompileDecisions
 from .ir.program import Program, count_params
 from .frontend.layers import is_compressible
@@ -163,6 +163,7 @@ def compile(
         _put_layers_into(model, compiled.program)
     _warn_if_slower(compiled, options)
     _warn_if_below_target(compiled, options)
+    _warn_if_calibration_is_thin(compiled.program)
     if adapted:
         adopt_compressed_bases(work)
         return whole
@@ -230,6 +231,37 @@ def recordable_inputs(example_inputs: Any) -> tuple[tuple, dict] | None:
     def copy_of(v):
         return v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
     return tuple(copy_of(a) for a in args), {k: copy_of(v) for k, v in kwargs.items()}
+
+
+def _warn_if_calibration_is_thin(program: Program) -> None:
+    """Networks fit to too few calibration rows (or fitting those much better than held-out
+    ones) are said so, with how many rows to give."""
+    thin, loose = [], []
+    for name, summary in program.calibration_summary.items():
+        rows, features = summary.get("rows"), summary.get("features")
+        if rows is not None and rows < tuning.CALIBRATION_ROWS_PER_FEATURE * features:
+            thin.append((name, rows, features))
+        held, fit = summary.get("held_out_error"), summary.get("fit_error")
+        if held is not None and fit is not None and held > 2 * fit + 1e-3:
+            loose.append((name, fit, held))
+    if not thin and not loose:
+        return
+    parts = []
+    if thin:
+        name, rows, features = max(thin, key=lambda t: t[2] / max(t[1], 1))
+        parts.append(f"{len(thin)} layer(s) saw fewer rows than {tuning.CALIBRATION_ROWS_PER_FEATURE}x their input "
+                     f"features ({name!r}: {rows:,} rows for {features:,} features), so their fit is poorly "
+                     "determined")
+    if loose:
+        name, fit, held = max(loose, key=lambda t: t[2] / max(t[1], 1e-12))
+        parts.append(f"{len(loose)} layer(s) fit their calibration rows much better than held-out ones ({name!r}: "
+                     f"output error {fit:.3g} on the rows fit, {held:.3g} held out)")
+    need = max(tuning.CALIBRATION_ROWS_PER_FEATURE * s.get("features", 0) for s in program.calibration_summary.values())
+    warnings.warn(CalibrationWarning(
+        f"tncompile.compile(calibration=...): {'; '.join(parts)}. The networks then match the calibration inputs, "
+        f"not new ones: give at least {need:,} rows (samples x positions, e.g. tokens) per layer -- more batches "
+        "of the data the model will see -- or compile without calibration (TT-SVD of the weights). "
+        "compiled.report() shows each layer's held-out error."), stacklevel=3)
 
 
 def _warn_if_below_target(compiled: nn.Module, options: CompileOptions) -> None:

@@ -5,7 +5,7 @@ import math
 import numbers
 from typing import Any
 
-__all__ = ["TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "SlowerThanDenseWarning", "BelowTargetWarning",
+__all__ = ["TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "SlowerThanDenseWarning", "BelowTargetWarning", "CalibrationWarning",
            "is_int", "is_real", "check_int", "check_float"]
 
 
@@ -94,6 +94,14 @@ class ModelMismatchError(ModelFileError):
     another class or configuration, a layer missing or of another kind or shape where the
     file's layer table has a compressed one, or state the file does not hold. The message
     names the first difference."""
+
+
+class CalibrationWarning(UserWarning):
+    """``compile(calibration=...)`` fit networks to too little data: a layer saw fewer rows
+    than ``tuning.CALIBRATION_ROWS_PER_FEATURE`` times its input features, or the fit's
+    error on held-out calibration rows is over twice its error on the rows it was fit to.
+    The fit then matches the calibration inputs, not new ones; the message says how many
+    rows to give."""
 
 
 class BelowTargetWarning(UserWarning):

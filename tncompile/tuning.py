@@ -30,6 +30,14 @@ HYPER_REPEATS = 32
 #: A compile stage (calibration, sensitivity, decomposition, planning, the passes) shows a
 #: progress bar once it has run this many seconds (``passes/infra/progress.py``).
 PROGRESS_DELAY = 2.0
+#: ``compile(calibration=...)`` holds out every this-many-th sample of each batch (or every
+#: this-many-th batch, when a batch has fewer samples) from the fit, to report the fitted
+#: networks' error on inputs they were not fit to (the report's held-out column).
+CALIBRATION_HOLD_OUT = 5
+#: A calibrated fit whose layer saw fewer rows than this many times its input features (the
+#: input moment is then poorly determined: a fit matches those inputs, not new ones), or
+#: whose held-out error is over twice its fit error, is warned about (CalibrationWarning).
+CALIBRATION_ROWS_PER_FEATURE = 2
 
 # ---------------------------------------------------------------- compile: what to compress
 #: Layers with fewer weights than this stay dense (``tensorize``).

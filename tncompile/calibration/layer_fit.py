@@ -25,7 +25,7 @@ from math import prod
 
 import torch
 
-from ..formats.decompose import tt_factors, tt_from_linear_weight, ttm_from_embedding_weight, ttm_to_dense
+from ..formats.decompose import tt_factors, tt_from_linear_weight, tt_to_dense, ttm_from_embedding_weight, ttm_to_dense
 from ..formats.layout import TTLayout, TTMLayout
 from ..runtime.kernels.traced_lookup import half_tables, split_ids
 
@@ -52,6 +52,16 @@ class FitResult:
     cores: list[torch.Tensor]
     svd_error: float
     fit_error: float
+
+
+def output_error(weight: torch.Tensor, cores: list[torch.Tensor], layout: TTLayout, moment: torch.Tensor) -> float:
+    """``tr(dW C dW^T) / tr(W C W^T)``: the network's relative output error on inputs of
+    second moment ``C`` (``dW = TT(cores) - weight``), float64."""
+    w = weight.detach().to(torch.float64)
+    c = moment.to(device=w.device, dtype=torch.float64)
+    delta = tt_to_dense([k.detach().to(torch.float64) for k in cores], layout) - w
+    base = ((w @ c) * w).sum().clamp_min(torch.finfo(torch.float64).tiny)
+    return float(((delta @ c) * delta).sum() / base)
 
 
 def _normalized_moment(moment: torch.Tensor, ridge: float) -> torch.Tensor:

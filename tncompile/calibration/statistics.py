@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import tuning
 from ..frontend.layers import is_embedding, is_embedding_bag, is_linear
 from ..frontend.tracing import call_model
 from ..passes.infra.progress import progress as progress_bar
@@ -36,17 +37,27 @@ __all__ = ["CalibrationStats", "InputMoment", "collect_statistics"]
 
 @dataclass
 class InputMoment:
-    """Running ``sum x x^T`` (float64) over the rows a linear layer saw."""
+    """Running ``sum x x^T`` (float64) over the rows a linear layer saw: those the fit uses
+    (``total``, ``rows``) and those held out to judge it (``held_total``, ``held_rows``:
+    every ``tuning.CALIBRATION_HOLD_OUT``-th sample of a batch, or of the batches when a
+    batch has fewer samples)."""
 
     total: torch.Tensor
     rows: int = 0
+    held_total: torch.Tensor | None = None
+    held_rows: int = 0
 
     def second_moment(self) -> torch.Tensor:
         """``C = X^T X / rows``, shape ``(in, in)``, float64."""
         return self.total / max(self.rows, 1)
 
+    def held_out_moment(self) -> torch.Tensor | None:
+        """``C`` of the held-out rows, or ``None`` when none were held out."""
+        return None if self.held_total is None or self.held_rows == 0 else self.held_total / self.held_rows
+
     def copy(self) -> "InputMoment":
-        return InputMoment(self.total.clone(), self.rows)
+        return InputMoment(self.total.clone(), self.rows,
+                           None if self.held_total is None else self.held_total.clone(), self.held_rows)
 
 
 @dataclass
@@ -80,6 +91,16 @@ class CalibrationStats:
         m = self.moments.get(id(weight))
         return None if m is None or m.rows == 0 else m.second_moment()
 
+    def held_out_moment_of(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """``C`` of the rows held out from the fit, or ``None`` (none held out, never ran)."""
+        m = self.moments.get(id(weight))
+        return None if m is None else m.held_out_moment()
+
+    def rows_of(self, weight: torch.Tensor) -> int:
+        """Rows (samples times positions) the fit of the layer holding ``weight`` saw."""
+        m = self.moments.get(id(weight))
+        return 0 if m is None else m.rows
+
     def counts_of(self, weight: torch.Tensor) -> torch.Tensor | None:
         """Lookups per row of the table ``weight``, or ``None`` if it never ran."""
         return self.counts.get(id(weight))
@@ -104,7 +125,7 @@ class _Recorder:
 
     def __init__(self, stats: CalibrationStats):
         self.stats = stats
-        self.grams: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}  # id(x) -> (x, x^T x, rows)
+        self.grams: dict[int, tuple] = {}  # id(x) -> (x, fit x^T x, rows, held-out x^T x, rows)
         self.seen: dict[int, list[int]] = defaultdict(list)                  # id(weight) -> [id(x), ...]
         self.outputs: list[tuple[tuple[str, int], torch.Tensor]] = []         # (role, id(weight)), output
         self.signs = torch.Generator().manual_seed(0)                         # Hutchinson vectors
@@ -147,13 +168,24 @@ class _Recorder:
             if not isinstance(x, torch.Tensor) or not x.is_floating_point():
                 return
             if id(x) not in self.grams:
-                flat = x.detach().reshape(-1, x.shape[-1])
-                # float32 products of one batch, summed in float64 across batches
-                gram = (flat.t() @ flat).to(torch.float64) if flat.dtype in (torch.float32, torch.float64) \
-                    else (flat.float().t() @ flat.float()).double()
-                self.grams[id(x)] = (x, gram, flat.shape[0])
+                held = self._held_out_samples(x)
+                fit, out = (x.detach(), None) if held is None else (x.detach()[~held], x.detach()[held])
+                self.grams[id(x)] = (x, *_gram(fit), *(_gram(out) if out is not None else (None, 0)))
             self.seen[id(weight)].append(id(x))
         return hook
+
+    def _held_out_samples(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Which samples (leading dim) of ``x`` are held out: every HOLD_OUT-th of the batch,
+        or the whole batch every HOLD_OUT-th batch when it has fewer samples."""
+        every = tuning.CALIBRATION_HOLD_OUT
+        if x.dim() < 2 or every < 2:
+            return None
+        n = x.shape[0]
+        if n >= every:
+            return torch.arange(n, device=x.device) % every == every - 1
+        if self.stats.batches % every == every - 1:
+            return torch.ones(n, dtype=torch.bool, device=x.device)
+        return None
 
     def lookup_hook(self, weight: torch.Tensor, num_rows: int):
         def hook(module, args):
@@ -177,20 +209,38 @@ class _Recorder:
         for (moment_id, xs), keys in groups.items():
             first = moments.get(keys[0])
             if first is None:
-                any_gram = self.grams[xs[0]][1]
-                moment = InputMoment(torch.zeros_like(any_gram))
+                features = self.grams[xs[0]][0].shape[-1]
+                moment = InputMoment(torch.zeros(features, features, dtype=torch.float64,
+                                                  device=self.grams[xs[0]][0].device))
             elif users[moment_id] == set(keys):
                 moment = first
             else:  # the layers sharing this sum were fed differently this time
                 moment = first.copy()
             for x_id in xs:
-                moment.total += self.grams[x_id][1]
-                moment.rows += self.grams[x_id][2]
+                _, gram, rows, held_gram, held_rows = self.grams[x_id]
+                if gram is not None:
+                    moment.total += gram
+                    moment.rows += rows
+                if held_gram is not None:
+                    moment.held_total = held_gram.clone() if moment.held_total is None \
+                        else moment.held_total + held_gram
+                    moment.held_rows += held_rows
             for key in keys:
                 moments[key] = moment
         self.grams.clear()
         self.seen.clear()
         self.stats.batches += 1
+
+
+def _gram(x: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """``(x^T x in float64, rows)`` of ``x``'s rows (float32 products of one batch, summed
+    in float64 across batches); ``(None, 0)`` without rows."""
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.shape[0] == 0:
+        return None, 0
+    gram = (flat.t() @ flat).to(torch.float64) if flat.dtype in (torch.float32, torch.float64) \
+        else (flat.float().t() @ flat.float()).double()
+    return gram, flat.shape[0]
 
 
 def _floating_tensors(output: Any, depth: int = 0) -> list[torch.Tensor]:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..calibration.layer_fit import fit_linear_cores, fit_table_cores
+from ..calibration.layer_fit import fit_linear_cores, fit_table_cores, output_error
 from ..ir.program import Program
 from .infra.progress import progress
 from ..runtime.layers.module_kinds import linear_weight_of
@@ -98,7 +98,13 @@ def _fit_to_calibration(program: Program, name: str, pending: PendingLayer, laye
         moment = stats.moment_of(pending.dense.weight)
         if moment is None:
             return
-        result = fit_linear_cores(linear_weight_of(pending.dense), layer.layout, moment)
+        weight = linear_weight_of(pending.dense)
+        result = fit_linear_cores(weight, layer.layout, moment)
+        held = stats.held_out_moment_of(pending.dense.weight)
+        summary = program.calibration_summary.setdefault(name, {})
+        summary.update(rows=stats.rows_of(pending.dense.weight), features=int(weight.shape[1]))
+        if held is not None:  # the fit judged on rows it was not fit to
+            summary.update(held_out_error=output_error(weight, result.cores, layer.layout, held))
     else:  # experts: TT-SVD only
         return
     dtype = layer.cores[0].dtype

@@ -101,7 +101,8 @@ class Report:
             out.extend(self.measured.lines())
         if calibrated:
             out.append("calib. error: relative output error on the calibration data -- est.: rank allocation's "
-                       "estimate at the chosen rank; TT-SVD's -> after the calibrated fit")
+                       "estimate at the chosen rank; TT-SVD's -> after the calibrated fit (on the rows it was fit "
+                       "to); held-out: the fit on calibration rows held out from it (what new inputs see)")
         return "\n".join(out)
 
     def _repr_pretty_(self, p, cycle):  # IPython
@@ -209,6 +210,8 @@ def _calibration_cell(errors: dict | None) -> str:
         parts.append(f"est. {errors['estimated_error']:.3g}")
     if "svd_error" in errors:
         parts.append(f"{errors['svd_error']:.3g}->{errors['fit_error']:.3g}")
+    if "held_out_error" in errors:
+        parts.append(f"held-out {errors['held_out_error']:.3g}")
     return ", ".join(parts)
 
 
