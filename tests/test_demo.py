@@ -37,10 +37,14 @@ def test_demo_quick_run_shows_report_speed_accuracy_plot_and_next_step(tmp_path)
     out = run.stdout
     assert "44.9x smaller" in out and "total:" in out                       # the report
     assert "x faster" in out and "dense" in out                              # the step against dense
-    assert "| step | dense | compressed |" in out and "4. next:" in out
+    assert "| step | dense | compressed |" in out and "5. next:" in out
+    assert "is within the noise" in out or "is beyond the noise" in out     # accuracy with its band
+    assert "rank adaptation: ratio" in out and "the same outputs" in out    # ranks cut; saved and loaded
+    assert "s of CPU time" in out
     result = json.loads((tmp_path / "demo.json").read_text())
-    assert result["accuracy"][-1]["step"] == 20 and 0 <= result["accuracy"][-1]["compressed"] <= 1
-    assert result["step_seconds"]["dense"] > 0 and result["ratio"] <= 0.11
+    assert result["accuracy"][-1]["step"] == 60 and 0 <= result["accuracy"][-1]["compressed"] <= 1
+    assert len(result["step_seconds"]["dense"]) == 3 and result["ratio"] <= 0.11
+    assert result["ratio_after_adaptation"] < result["ratio"] and result["loaded_same_outputs"]
     assert (tmp_path / "demo.png").read_bytes()[:4] == b"\x89PNG"
 
 
