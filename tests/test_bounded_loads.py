@@ -25,7 +25,7 @@ from tncompile import ModelFileError
 from tncompile.serialization.tensor_file import MAX_HEADER_BYTES, MAX_TENSORS, open_tensor_file
 from tncompile.zoo import mlp, small_encoder
 
-from test_file_attacks import _parts, _reseal  # a crafted file: edited and resealed
+from test_file_attacks import _parts, _reseal, base  # noqa: F401 -- base is a fixture; _reseal edits and reseals
 
 
 def _dense():
@@ -33,17 +33,9 @@ def _dense():
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    torch.manual_seed(0)
-    compiled = tncompile.compile(_dense(), target_ratio=0.4, prefer="size")
-    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
-    ctl = tncompile.RankController(compiled, opt, target_ratio=0.3)
-    compiled(torch.randn(4, 64)).sum().backward()
-    opt.step()
-    ctl.step()
-    path = tmp_path_factory.mktemp("bounded") / "ckpt.tnc"
-    tncompile.save(compiled, path, optimizer=opt, controller=ctl)
-    return path
+def checkpoint(base):
+    """test_file_attacks' checkpoint: a graph-mode model with optimizer, controller and extra."""
+    return base[0]
 
 
 @pytest.fixture(scope="module")
