@@ -189,6 +189,30 @@ def ops_as_on_cuda(put=setattr) -> None:
     put(merge_factors, "_finish_torch", counted(merge_factors._finish_torch))
 
 
+def _count_model(name: str, batch: int) -> list[dict]:
+    """Each variant's counts of one model, then after cutting every layer's ranks."""
+    rows = []
+    dense, make_compiled, loss_of = MODELS[name](batch)
+    compiled = make_compiled()
+    for variant, (group, whole, decided_by) in VARIANTS.items():
+        with tuning.override(GROUP_FACTORS=group, WHOLE_MATRICES=whole, TRITON_KERNELS="Triton" in variant,
+                             DEVICE_SPEED=H100 if decided_by == "H100" else REFERENCE):  # decided at each forward
+            got = count_ops(dense if variant == "dense" else compiled, loss_of)
+        rows.append({"model": name, "variant": variant, **got})
+        print(f"{name:12s} {variant:30s} {got['dispatched']:6d} dispatched  {got['kernel_like']:6d} kernel-like",
+              flush=True)
+    ranks = cut_every_layer(compiled)
+    for variant, (group, pad_limit) in AFTER_CUTS.items():
+        with tuning.override(GROUP_FACTORS=group, FACTOR_PAD_LIMIT=pad_limit):
+            got = count_ops(compiled, loss_of)
+            got["batched_merges"] = count_batches(compiled, loss_of) if group else 0
+        rows.append({"model": name, "variant": variant, "distinct_ranks": len(set(ranks)), **got})
+        print(f"{name:12s} {variant:30s} {got['dispatched']:6d} dispatched  {got['kernel_like']:6d} kernel-like"
+              f"  ({got['batched_merges']} batched merges; {len(set(ranks))} distinct ranks in "
+              f"{len(ranks)} layers)", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--model", choices=[*MODELS, "both"], default="both")
@@ -197,32 +221,10 @@ def main() -> None:
     ops_as_on_cuda()
     # ranks planned for the reference CPU and thin products unless a variant says otherwise:
     # counts that do not depend on the host's measured speed
-    tuning.DEVICE_SPEED, tuning.WHOLE_MATRICES = REFERENCE, False
     rows = []
-    for name in (MODELS if args.model == "both" else [args.model]):
-        dense, make_compiled, loss_of = MODELS[name](args.batch)
-        compiled = make_compiled()
-        for variant, (group, whole, decided_by) in VARIANTS.items():
-            tuning.GROUP_FACTORS, tuning.WHOLE_MATRICES = group, whole
-            tuning.DEVICE_SPEED = H100 if decided_by == "H100" else REFERENCE  # decided at each forward
-            tuning.TRITON_KERNELS = "Triton" in variant
-            got = count_ops(dense if variant == "dense" else compiled, loss_of)
-            rows.append({"model": name, "variant": variant, **got})
-            print(f"{name:12s} {variant:30s} {got['dispatched']:6d} dispatched  {got['kernel_like']:6d} kernel-like",
-                  flush=True)
-        tuning.GROUP_FACTORS, tuning.DEVICE_SPEED, tuning.TRITON_KERNELS = True, REFERENCE, False
-        ranks = cut_every_layer(compiled)
-        limit = tuning.FACTOR_PAD_LIMIT
-        for variant, (group, pad_limit) in AFTER_CUTS.items():
-            tuning.GROUP_FACTORS, tuning.FACTOR_PAD_LIMIT = group, pad_limit
-            got = count_ops(compiled, loss_of)
-            got["batched_merges"] = count_batches(compiled, loss_of) if group else 0
-            rows.append({"model": name, "variant": variant, "distinct_ranks": len(set(ranks)), **got})
-            print(f"{name:12s} {variant:30s} {got['dispatched']:6d} dispatched  {got['kernel_like']:6d} kernel-like"
-                  f"  ({got['batched_merges']} batched merges; {len(set(ranks))} distinct ranks in "
-                  f"{len(ranks)} layers)", flush=True)
-        tuning.GROUP_FACTORS, tuning.FACTOR_PAD_LIMIT = True, limit
-    tuning.DEVICE_SPEED, tuning.WHOLE_MATRICES = None, True
+    with tuning.override(DEVICE_SPEED=REFERENCE, WHOLE_MATRICES=False):
+        for name in (MODELS if args.model == "both" else [args.model]):
+            rows += _count_model(name, args.batch)
     path = write_json("dispatch.json", {"benchmark": "dispatch", "batch": args.batch, "native_kernels": False,
                                         "ops": "as on CUDA: GEMMs as torch.mm, padded batches by index",
                                         "rows": rows, **machine()})

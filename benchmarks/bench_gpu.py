@@ -251,11 +251,8 @@ def time_paths(work: Workload, paths: list[str], reps: int, emit) -> None:
 def _with_triton_kernels(step: Callable[[], None]) -> Callable[[], None]:
     """``step`` with ``tuning.TRITON_KERNELS`` on for its call (a captured step captures them)."""
     def call() -> None:
-        tuning.TRITON_KERNELS = True
-        try:
+        with tuning.override(TRITON_KERNELS=True):
             step()
-        finally:
-            tuning.TRITON_KERNELS = False
     return call
 
 

@@ -164,26 +164,25 @@ def main() -> None:
         torch.manual_seed(0)
         x, y, build = MODELS[args.model](batch, device)
         for name, (compiled, batched, whole, cut) in VARIANTS.items():
-            tuning.GROUP_FACTORS, tuning.WHOLE_MATRICES = batched, whole  # before compile: ranks see it too
-            torch.manual_seed(0)
-            model, loss_fn = build(compiled)
-            if cut:
-                cut_every_layer(model)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            step = TrainStep(model, opt, loss_fn, cuda_graph=False)
-            wall_ms = timed_ms(step, x, y, args.steps)
-            result = profile_step(step, x, y, args.steps)
-            captured = TrainStep(model, opt, loss_fn, cuda_graph=True)
-            captured_ms = timed_ms(captured, x, y, args.steps)  # the first steps warm up and capture
-            rows.append({"batch": batch, "model": name, "wall_ms_per_step": round(wall_ms, 3),
-                         "captured_ms_per_step": round(captured_ms, 3), **result})
-            kinds = ", ".join(f"{k} {v['kernels']:.0f}/{v['ms']:.2f} ms" for k, v in result["by_kind"].items())
-            print(f"batch {batch:4d} {name:30s} {result['kernels_per_step']:7.0f} kernels  "
-                  f"{result['gpu_ms_per_step']:7.2f} ms of kernels, {wall_ms:7.2f} ms eager, "
-                  f"{captured_ms:7.2f} ms captured per step  ({kinds})", flush=True)
-            del model, opt, step, captured
-            torch.cuda.empty_cache()
-        tuning.GROUP_FACTORS, tuning.WHOLE_MATRICES = True, True
+            with tuning.override(GROUP_FACTORS=batched, WHOLE_MATRICES=whole):  # before compile: ranks see it too
+                torch.manual_seed(0)
+                model, loss_fn = build(compiled)
+                if cut:
+                    cut_every_layer(model)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                step = TrainStep(model, opt, loss_fn, cuda_graph=False)
+                wall_ms = timed_ms(step, x, y, args.steps)
+                result = profile_step(step, x, y, args.steps)
+                captured = TrainStep(model, opt, loss_fn, cuda_graph=True)
+                captured_ms = timed_ms(captured, x, y, args.steps)  # the first steps warm up and capture
+                rows.append({"batch": batch, "model": name, "wall_ms_per_step": round(wall_ms, 3),
+                             "captured_ms_per_step": round(captured_ms, 3), **result})
+                kinds = ", ".join(f"{k} {v['kernels']:.0f}/{v['ms']:.2f} ms" for k, v in result["by_kind"].items())
+                print(f"batch {batch:4d} {name:30s} {result['kernels_per_step']:7.0f} kernels  "
+                      f"{result['gpu_ms_per_step']:7.2f} ms of kernels, {wall_ms:7.2f} ms eager, "
+                      f"{captured_ms:7.2f} ms captured per step  ({kinds})", flush=True)
+                del model, opt, step, captured
+                torch.cuda.empty_cache()
     suffix = "" if args.model == "six-encoder" else "_" + args.model.replace("-", "_")
     path = write_json(f"gpu_kernels{suffix}.json", {"benchmark": "gpu_kernels", "model": args.model,
                                                     "gpu": torch.cuda.get_device_name(), "rows": rows,

@@ -68,6 +68,10 @@ class Env:
         opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
         return compiled, opt, tncompile.RankController(compiled, opt, target_ratio=0.2)
 
+    def swapped(self):
+        """A swap-mode result: the user's class with its layers replaced."""
+        return tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3, mode="swap", example_inputs=(torch.randn(2, 64),))
+
     def saved(self) -> Path:
         path = self.tmp / "good.tnc"
         if not path.exists():
@@ -153,7 +157,9 @@ CASES: list[tuple[str, Callable[[Env], Any], type, str]] = [
     # ---------------------------------------------------------------- what is compiled
     ("model-not-a-module", lambda e: tncompile.compile(lambda x: x, 0.3), TypeError, "expects an nn.Module"),
     ("model-already-compiled", lambda e: tncompile.compile(e.compiled, 0.1), TypeError,
-     "already a CompiledModel; compile the original"),
+     "already compressed by tncompile \\(CompiledModel\\); compile the original"),
+    ("model-already-swapped", lambda e: tncompile.compile(e.swapped(), 0.1), TypeError,
+     "already compressed by tncompile \\(Sequential\\); compile the original"),
     ("model-single-linear", lambda e: tncompile.compile(nn.Linear(512, 512), 0.1), TypeError,
      r"single Linear.*TTLinear\.from_linear.*nn\.Sequential"),
     ("model-single-embedding", lambda e: tncompile.compile(nn.Embedding(5000, 64), 0.1), TypeError,

@@ -12,6 +12,7 @@ from torch import nn
 from . import tuning
 from .calibration import collect_statistics
 from .result.compiled import CompiledModel
+from .result.model_api import is_compressed
 from .errors import BelowTargetWarning, CalibrationWarning, SlowerThanDenseWarning
 from .ir.decisions import CompileDecisions
 from .ir.program import Program, count_params
@@ -392,10 +393,10 @@ def _check_adapted(model: nn.Module, mode: str) -> str:
 
 def _check_model(model: Any) -> None:
     """What ``compile`` cannot take as a model, with the fix."""
-    if isinstance(model, CompiledModel):
-        raise TypeError("model is already a CompiledModel; compile the original dense model again "
-                        "(or compiled.to_dense()) to compress it to another target_ratio, or shrink it "
-                        "further by training with tncompile.RankController")
+    if is_compressed(model):  # either mode: a CompiledModel, or a model whose layers were swapped
+        raise TypeError(f"model is already compressed by tncompile ({type(model).__name__}); compile the original "
+                        "dense model again (or compiled.to_dense()) to compress it to another target_ratio, or "
+                        "shrink it further by training with tncompile.RankController")
     if not isinstance(model, nn.Module):
         raise TypeError(f"tncompile.compile expects an nn.Module, got {type(model).__name__}")
     if is_compressible(model):

@@ -6,12 +6,18 @@ changes speed or size, not results. They were measured on the 2-core x86 CPUs
 this project is developed on; the benchmark named beside each re-measures it.
 
 Readers look them up at call time (``tuning.CHAIN_ROWS``), so a value set here
--- ``tncompile.tuning.CHAIN_ROWS = 8`` -- applies from the next call on.
+-- ``tncompile.tuning.CHAIN_ROWS = 8`` -- applies from the next call on. For a while
+only, scope it: ``with tuning.override(TRITON_KERNELS=True, CHAIN_ROWS=8): ...`` puts
+every value back on the way out, whatever happens inside (tinygrad's ``Context``).
 
 This module sits below every other part of the package (it imports nothing
 from tncompile), so the runtime and the compile-time planner can both read it.
 """
 from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any, Iterator
 
 # ---------------------------------------------------------------- planning: cost model
 #: Multiply-add equivalents of writing one element (forward and backward) in the
@@ -197,3 +203,27 @@ GEMM_ROW_PADDING_MIN_KN = 1 << 20
 #: Thin outputs are padded to a multiple of 8 columns (16 below 16) for matrices
 #: of at least this many rows and contracted size (``gemm_columns.json``: 1.1-2.0x).
 GEMM_COLUMN_PADDING_MIN = 256
+
+
+# ---------------------------------------------------------------- scoped values
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Set tuned values for the body, then put the previous ones back (also on an error).
+
+    ``with tuning.override(GROUP_FACTORS=False, WHOLE_MATRICES=False): compile(...)``.
+    A name that is not one of this module's values is a ``KeyError`` naming the known ones
+    like it; nested overrides restore in order."""
+    module = sys.modules[__name__]
+    unknown = [name for name in values if not (name.isupper() and hasattr(module, name))]
+    if unknown:
+        close = sorted(n for n in dir(module) if n.isupper() and n.split("_")[0] == unknown[0].split("_")[0])
+        raise KeyError(f"tuning.override: {unknown[0]!r} is not a tuned value of tncompile.tuning"
+                       + (f" (like it: {close[:6]})" if close else ""))
+    previous = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in previous.items():
+            setattr(module, name, value)
