@@ -33,6 +33,8 @@ class LayerRow:
     time_now: float | None = None  # relative output errors on calibration data (compile(calibration=...))
     #: measured forward + backward on the layer's input in the model (``report(inputs)``)
     measured: LayerTime | None = None
+    #: the way its last eager call ran (:class:`~tncompile.runtime.layers.linear_ways.LinearWay`)
+    ran_as: str = ""
 
     @property
     def ratio(self) -> float:
@@ -64,13 +66,14 @@ class Report:
 
     def __str__(self) -> str:
         calibrated = any(r.calibration for r in self.rows)
+        ran = any(r.ran_as for r in self.rows)
         timed = any(r.time_now is not None for r in self.rows)
         measured = self.measured is not None
         wall = measured and self.measured.shows_wall
         head = ("layer", "format", "modes", "ranks", "dense", "compiled", "ratio", "flops/tok",
                 *(("step/tok (est.)",) if timed else ()),
                 *(("host (dense)",) if measured else ()), *(("wall (dense)",) if wall else ()),
-                *(("calib. error",) if calibrated else ()), "note")
+                *(("calib. error",) if calibrated else ()), *(("ran as",) if ran else ()), "note")
         body = []
         for r in self.rows:
             flops = (f"{fmt_count(r.flops_dense)}->{fmt_count(r.flops_now)}"
@@ -78,11 +81,12 @@ class Report:
                      (f"lookup {fmt_count(r.flops_now)}" if r.flops_now else ""))
             extra = ((f"{_ns(r.time_dense)}->{_ns(r.time_now)}" if r.time_now is not None else "",) if timed else ()) + \
                 (time_cells(r.measured, wall) if measured else ()) + \
-                ((_calibration_cell(r.calibration),) if calibrated else ())
+                ((_calibration_cell(r.calibration),) if calibrated else ()) + ((r.ran_as,) if ran else ())
             body.append((r.name, r.format, r.modes, ranks_str(r.ranks) if r.ranks else "",
                          f"{r.dense_params:,}", f"{r.params:,}", f"{r.ratio:.2%}", flops, *extra, r.note))
         body.append(("(rest: norms, biases, dense layers)", "", "", "", "", f"{self.other_params:,}", "", "",
-                     *(("",) if timed else ()), *(("",) * (measured + wall)), *(("",) if calibrated else ()), ""))
+                     *(("",) if timed else ()), *(("",) * (measured + wall)), *(("",) if calibrated else ()),
+                     *(("",) if ran else ()), ""))
         widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
 
         def line(cells):
@@ -92,6 +96,9 @@ class Report:
         out = [line(head), sep, *map(line, body), sep,
                f"total: {self.original_params:,} -> {self.params:,} params  "
                f"ratio {self.ratio:.4f}  ({self.original_params / max(self.params, 1):.1f}x smaller)"]
+        if ran:
+            out.append("ran as: how each TT linear's last eager call ran (tncompile.runtime.layers.linear_ways."
+                       "choose(layer, x) says it for any input)")
         if timed:
             out.append(f"step/tok (est.): a training step's time per row, dense -> network, on {self.speed_device} "
                        "at the rows each layer was planned for")
@@ -244,7 +251,8 @@ def build_report(program) -> Report:
                                      ("shares cores with its embedding" if "tied" in info["format"] else ""),
                                      program.notes.get(node.target, "")])),
                                  calibration=dict(getattr(program, "calibration_summary", {}).get(node.target, {}))
-                                 or None, **dict(zip(("time_dense", "time_now"),
+                                 or None, ran_as=getattr(getattr(mod, "ran_as", None), "value", ""),
+                                 **dict(zip(("time_dense", "time_now"),
                                                      _step_times_per_row(program, node.target, mod.layout,
                                                                          sharing)))))
         elif node.target in program.notes and hasattr(mod, "dense_params"):  # collapsed by rank adaptation

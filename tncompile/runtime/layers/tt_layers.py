@@ -27,6 +27,7 @@ from .module_kinds import linear_weight_of
 from ..kernels.cpu_allocator import _state as _ALLOCATOR_STATE
 from ..kernels.cpu_allocator import ensure_retained
 from .derived import advance_weights_epoch, kept
+from .linear_ways import LinearWay, choice_cache, choose, choose_rows, record
 from ..kernels.executor import autocast_state, contract, is_merge_first, same_autocast, thin_pair
 from .factor_groups import whole_matrices_faster
 from ..kernels.gated_cores import gate_cores
@@ -149,17 +150,6 @@ def check_input_dtype(module: nn.Module, x: torch.Tensor) -> None:
 def _require_int_ids(ids: torch.Tensor) -> None:
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
         raise TypeError(f"TTMEmbedding expects integer ids, got {ids.dtype}")
-
-
-def choice_cache(module: nn.Module, name: str) -> dict:
-    """``module``'s dict of cached kernel choices named ``name`` (made on first use). Read
-    with ``getattr`` and stored as an attribute: torch 2.11's Dynamo cannot trace
-    ``module.__dict__.setdefault``, and these lookups run inside ``torch.compile``."""
-    cache = getattr(module, name, None)
-    if cache is None:
-        cache = {}
-        setattr(module, name, cache)
-    return cache
 
 
 def _drop_boundary(cores: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -421,15 +411,13 @@ class TTLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        if exporting():
+        way = choose(self, x) if isinstance(x, torch.Tensor) else None  # (a bad input fails below, named)
+        if way is LinearWay.EXPORTED:
             return self._exported_forward(x)
-        if self.merge_in_inference and not torch.is_grad_enabled() and not torch.compiler.is_compiling() \
-                and isinstance(x, torch.Tensor) and x.shape[-1:] == (lay.in_features,):
-            rows = x.numel() // max(lay.in_features, 1)
-            factors = self.inference_factors()
-            if rows and self._through_factors_at(rows, factors):
-                check_input_dtype(self, x)
-                return _through_factors(x, factors, self.bias)
+        if way is LinearWay.INFERENCE_FACTORS:
+            check_input_dtype(self, x)
+            record(self, way)
+            return _through_factors(x, self.inference_factors(), self.bias)
         return _apply_matrix(self, x, self.bias, lay.in_features, lay.in_modes, lay.out_features,
                              lay.padded_out, self._contract_rows)
 
@@ -488,24 +476,30 @@ class TTLinear(TNModule):
         """``h (rows, *in_modes)`` through the network: at a few rows one native
         chain call each way (:mod:`.tt_chain`), otherwise the planned order."""
         rows = h.shape[0]
-        if tuning.TRITON_KERNELS and runs_triton(h):
+        way = choose_rows(self, h, rows, settle_merged=False)
+        if way is LinearWay.TRITON_PAIR:
+            record(self, way)
             return _triton_pair(h.reshape(rows, -1), self.merged_factors(), bias)
-        ops = chain_kernels(h, self.layout, self.plan_for, rows, choice_cache(self, "_chain_choice"))
-        if ops is not None:
+        if way is LinearWay.NATIVE_CHAIN:
+            record(self, way)
+            ops = chain_kernels(h, self.layout, self.plan_for, rows, choice_cache(self, "_chain_choice"))
             return tt_chain(ops, len(self.layout.in_modes), h, bias, list(self.cores._parameters.values()),
                             list(self.gates._parameters.values()))
         plan = self.plan_for(rows)
-        peers = self.__dict__.get("_factor_peers")
-        if peers is not None and self._runs_as_pair(plan):
+        if way in (LinearWay.WHOLE_MATRIX, LinearWay.THIN_PAIR):
             # merged with the other layers of this layout: two thin products, or one through
             # the whole matrix where that is estimated faster (whichever the batch was made as)
             device = h.device
-            got = peers.factors(self, whole=lambda: self._runs_whole(plan, device), strict=False)
+            got = self.__dict__["_factor_peers"].factors(self, whole=lambda: self._runs_whole(plan, device),
+                                                          strict=False)
             if got is not None and len(got) == 1:
+                record(self, LinearWay.WHOLE_MATRIX)
                 h, w = h.reshape(rows, got[0].shape[0]), got[0]
                 return torch.addmm(bias, h, w) if bias is not None else torch.mm(h, w)
+            record(self, LinearWay.THIN_PAIR)
             a, b = got if got is not None else tt_factors(self.scaled_cores(), len(self.layout.in_modes))
             return thin_pair(h.reshape(rows, a.shape[0]), a, b, bias)
+        record(self, way)
         return contract(plan, [h, *_drop_boundary(self.scaled_cores())], bias)
 
     def _runs_whole(self, plan: ContractionPlan, device: torch.device) -> bool:
