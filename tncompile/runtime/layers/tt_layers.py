@@ -811,11 +811,6 @@ class TTMTiedLinear(TNModule):
         the network costs ~11x a dense head per row)."""
         return tied_merge_macs(self.layout, rows) < self.plan_for(rows).fwd_flops
 
-    def merged_weight(self) -> torch.Tensor:
-        """The table ``[out_features, embedding_dim]`` merged from the cores (a view of
-        :meth:`merged_weight_t`'s cache)."""
-        return self.merged_weight_t().t()
-
     def merged_weight_t(self) -> torch.Tensor:
         """The table transposed, ``[embedding_dim, out_features]`` and contiguous, merged from
         the cores and kept (not saved) until a core or gate may have changed
