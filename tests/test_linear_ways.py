@@ -75,3 +75,41 @@ def test_the_report_says_how_each_layer_ran():
     assert "ran as" in text
     for name, layer in compiled.tensorized_modules().items():
         assert layer.ran_as.value in text
+
+
+# ----------------------------------------------------------------- TTM lookups
+def _embedding(row_modes: int = 2):
+    from tncompile.formats import TTMLayout
+    from tncompile.runtime import TTMEmbedding
+    torch.manual_seed(0)
+    return TTMEmbedding(TTMLayout.for_shape(300, 24, row_modes, ranks=4))
+
+
+@pytest.mark.parametrize("cores,triton", [(1, False), (2, False), (2, True)])
+def test_the_lookup_chosen_is_the_lookup_run(cores, triton):
+    from tncompile.runtime.layers import lookup_ways
+    from tncompile.runtime.layers.lookup_ways import LookupWay
+    emb = _embedding(cores)
+    ids = torch.randint(0, 300, (4, 7))
+    with tuning.override(TRITON_KERNELS=triton):
+        predicted = lookup_ways.choose(emb, ids)
+        emb(ids).sum().backward()
+    assert emb.ran_as is predicted
+    expected = LookupWay.ONE_TABLE if cores == 1 else \
+        LookupWay.TRITON_LOOKUP if triton and runs_triton(emb.cores[0]) else LookupWay.GATHERED_PRODUCT
+    assert predicted is expected
+
+
+def test_an_exported_lookup_is_its_own_way(monkeypatch):
+    from tncompile.runtime.layers import lookup_ways
+    from tncompile.runtime.layers.lookup_ways import LookupWay
+    emb = _embedding(2).eval()
+    seen = []
+    real = emb._exported_forward
+
+    def spy(ids):
+        seen.append(lookup_ways.choose(emb, ids))
+        return real(ids)
+    monkeypatch.setattr(emb, "_exported_forward", spy)
+    torch.export.export(emb, (torch.randint(0, 300, (2, 5)),))
+    assert seen == [LookupWay.EXPORTED]

@@ -73,7 +73,7 @@ def choice_cache(module: torch.nn.Module, name: str) -> dict:
     return cache
 
 
-def record(layer, way: LinearWay) -> None:
+def record(layer, way: enum.Enum) -> None:
     """Note on ``layer`` the way its call ran (eager calls only: a traced graph is code
     run later, and an attribute write there is a side effect the tracer would replay)."""
     if not torch.compiler.is_compiling():

@@ -27,6 +27,7 @@ from .module_kinds import linear_weight_of
 from ..kernels.cpu_allocator import _state as _ALLOCATOR_STATE
 from ..kernels.cpu_allocator import ensure_retained
 from .derived import advance_weights_epoch, kept
+from . import lookup_ways
 from .linear_ways import LinearWay, choice_cache, choose, choose_rows, record
 from ..kernels.executor import autocast_state, contract, is_merge_first, same_autocast, thin_pair
 from .factor_groups import whole_matrices_faster
@@ -40,7 +41,7 @@ from .tied_head import best_split, half_table_head, head_halves
 from ..kernels.tt_chain import chain_kernels, tt_chain
 from ..triton import runs_triton, thin_pair_train
 from ..triton.thin_pair import activate, activation_code
-from ..triton.merge_factors import merge_backward, merge_forward, merge_plan, plan_of, supports
+from ..triton.merge_factors import merge_backward, merge_forward, merge_plan, plan_of
 from ..triton.ttm_lookup import lookup_table, ttm_gather, ttm_scatter_
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMTiedLinear", "TNModule", "linear_weight_of", "tied_merge_macs"]
@@ -645,11 +646,13 @@ class TTMEmbedding(TNModule):
         flat = ids.reshape(-1).long()
         lookup, inverse = distinct_ids(flat)
         rows = lookup.shape[0]
-        split = self.plan_for(rows).split if len(lay.row_modes) > 1 else 0
-        triton = tuning.TRITON_KERNELS and split and runs_triton(self.cores[0]) and supports(split, len(lay.row_modes))
+        split = lookup_ways.choose_split_at(self, rows)
+        way = lookup_ways.choose_split(self, split)  # the eager ways (lookup_ways.choose: export, traced too)
+        record(self, way)
+        triton = way is lookup_ways.LookupWay.TRITON_LOOKUP
         if triton:  # padding positions send no gradient inside the kernel
             out = TritonLookup.apply(self, lookup, split, *self.network_tensors())
-        elif len(lay.row_modes) == 1:
+        elif way is lookup_ways.LookupWay.ONE_TABLE:
             table = self.scaled_cores()[0].reshape(lay.row_modes[0], lay.col_modes[0])
             out = table.index_select(0, lookup)
         else:
