@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["write_atomically", "raw_bytes", "encode_container", "digest", "STALE_SECONDS", "TEMPORARY",
+__all__ = ["write_atomically", "raw_bytes", "encode_container", "digest", "digest_entry", "STALE_SECONDS", "TEMPORARY",
            "SAFETENSORS_DTYPES"]
 
 #: the dtypes a file may hold, by their safetensors codes
@@ -44,6 +44,11 @@ TEMPORARY = re.compile(r"^\.tnc-[0-9a-f]{16}\.tmp$")
 
 
 # ----------------------------------------------------------------- checksum
+def digest_entry(name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    """What the checksum hashes of a tensor before its bytes (its name, dtype and shape)."""
+    return f"{name}:{dtype}:{shape};".encode()
+
+
 def digest(tensors: dict[str, torch.Tensor], manifest: str | None = None) -> str:
     """SHA-256 over the manifest (when given), then every tensor's name, dtype, shape and
     bytes, in name order: what proves a file undamaged (not benign: anyone can reseal)."""
@@ -52,7 +57,7 @@ def digest(tensors: dict[str, torch.Tensor], manifest: str | None = None) -> str
         h.update(manifest.encode() + b"\0")
     for key in sorted(tensors):
         t = tensors[key].detach().to("cpu").contiguous()
-        h.update(f"{key}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(digest_entry(key, t.dtype, tuple(t.shape)))
         h.update(t.reshape(-1).view(torch.uint8).numpy())  # the bytes, not copied
     return h.hexdigest()
 

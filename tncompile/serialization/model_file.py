@@ -25,7 +25,7 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -43,7 +43,6 @@ from ..runtime.layers.module_kinds import is_sharded
 from ..swap.swapped import is_swapped, user_class
 from ..train.checkpoint import check_training_state, training_state
 from . import plain
-from .caller_state import caller_state_kept
 from .container import digest, encode_container, write_atomically
 from .fields import boolean, choice, exact_keys, integer, module_path, names, number
 from .layer_table import decisions_from_rows, decisions_of, table_rows
@@ -233,10 +232,8 @@ class SavedModel:
         """The training state, its tensors read (call after the model's state was checked)."""
         if self._training is None:
             return None
-        names_: set[str] = set()
-        tensors = _Reader(self.file)
-        return check_training_state(plain.decode(self._training, tensors, f"{self.path}: training", names_,
-                                                 _TRAINING), str(self.path), values=True)
+        return check_training_state(plain.decode(self._training, _Reader(self.file), f"{self.path}: training",
+                                                 prefix=_TRAINING), str(self.path), values=True)
 
     def close(self) -> None:
         self.file.close()
@@ -248,18 +245,25 @@ class SavedModel:
         self.close()
 
 
-class _Reader(dict):
+class _Reader(Mapping):
     """The file's tensors as ``plain.decode`` looks them up: each read when asked for."""
 
     def __init__(self, file: TensorFile):
-        super().__init__()
         self.file = file
 
-    def __contains__(self, name) -> bool:
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.file.specs:
+            raise KeyError(name)
+        return self.file.read(name)
+
+    def __contains__(self, name) -> bool:  # from the header: nothing read
         return name in self.file.specs
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self.file.read(name)
+    def __iter__(self):
+        return iter(self.file.specs)
+
+    def __len__(self) -> int:
+        return len(self.file.specs)
 
 
 def read_model_file(path: Path) -> SavedModel:
@@ -336,7 +340,8 @@ def rebuild_saved(saved: SavedModel, dense: nn.Module, passes: Pipeline | Sequen
     file's recorded pass names must be exactly its names, in its order -- the file only
     confirms where the caller's passes run. The file's example inputs are traced on fake
     tensors (shapes only, nothing allocated); ``example_inputs`` the caller gives are
-    trusted and may run for real."""
+    trusted and may run for real. Callers run it inside :func:`.caller_state.caller_state_kept`
+    (``load``, the HF quantizer): building and tracing leave no global state behind."""
     where = str(saved.path)
     if type(dense).__name__ != saved.model_class:
         raise ModelMismatchError(f"{where} was saved from a {saved.model_class}, the model given is a "
@@ -354,9 +359,8 @@ def rebuild_saved(saved: SavedModel, dense: nn.Module, passes: Pipeline | Sequen
         args, kwargs = saved.example_inputs
         example = kwargs if kwargs else args
     try:
-        with caller_state_kept():
-            compiled = rebuild(dense, saved.decisions, saved.options, pipeline, saved.mode, example,
-                               trusted_inputs=example_inputs is not None)
+        compiled = rebuild(dense, saved.decisions, saved.options, pipeline, saved.mode, example,
+                           trusted_inputs=example_inputs is not None)
     except ModelFileError as e:
         raise type(e)(f"{where}: {e}") from e
     except PassError as e:

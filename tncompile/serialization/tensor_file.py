@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from ..errors import ModelFileError
-from .container import SAFETENSORS_DTYPES, raw_bytes
+from .container import SAFETENSORS_DTYPES, digest_entry, raw_bytes
 
 __all__ = ["TensorSpec", "TensorFile", "open_tensor_file", "MAX_HEADER_BYTES", "MAX_TENSORS", "MAX_DIMS"]
 
@@ -79,7 +79,7 @@ class TensorFile:
         try:
             for name in sorted(self.specs):
                 spec = self.specs[name]
-                h.update(f"{name}:{spec.dtype}:{spec.shape};".encode())
+                h.update(digest_entry(name, spec.dtype, spec.shape))
                 for start in range(0, spec.nbytes, len(buffer)):
                     size = min(len(buffer), spec.nbytes - start)
                     got = os.preadv(self._fd, [memoryview(buffer)[:size]], spec.offset + start)

@@ -18,7 +18,7 @@ from ..kernels.tracing import exporting
 from ..kernels.tt_chain import chain_kernels
 from ..triton import runs_triton
 
-__all__ = ["LinearWay", "choose", "choose_rows", "record", "choice_cache"]
+__all__ = ["LinearWay", "choose", "choose_call", "choose_rows", "record", "choice_cache"]
 
 
 class LinearWay(str, enum.Enum):
@@ -35,6 +35,12 @@ class LinearWay(str, enum.Enum):
 
 def choose(layer, x: torch.Tensor) -> LinearWay:
     """The way ``layer`` runs on ``x (..., in_features)`` in the current context."""
+    return choose_call(layer, x) or choose_rows(layer, x, x.numel() // max(layer.layout.in_features, 1))
+
+
+def choose_call(layer, x: torch.Tensor) -> LinearWay | None:
+    """The way of the whole call where one applies before the rows are contracted (export,
+    an inference merge), else ``None``: the layer contracts the rows (:func:`choose_rows`)."""
     if exporting():
         return LinearWay.EXPORTED
     lay = layer.layout
@@ -43,7 +49,7 @@ def choose(layer, x: torch.Tensor) -> LinearWay:
             and x.shape[-1:] == (lay.in_features,) and rows \
             and layer._through_factors_at(rows, layer.inference_factors()):
         return LinearWay.INFERENCE_FACTORS
-    return choose_rows(layer, x, rows)
+    return None
 
 
 def choose_rows(layer, like: torch.Tensor, rows: int, settle_merged: bool = True) -> LinearWay:

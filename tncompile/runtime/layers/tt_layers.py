@@ -28,7 +28,7 @@ from ..kernels.cpu_allocator import _state as _ALLOCATOR_STATE
 from ..kernels.cpu_allocator import ensure_retained
 from .derived import advance_weights_epoch, kept
 from . import lookup_ways
-from .linear_ways import LinearWay, choice_cache, choose, choose_rows, record
+from .linear_ways import LinearWay, choice_cache, choose_call, choose_rows, record
 from ..kernels.executor import autocast_state, contract, is_merge_first, same_autocast, thin_pair
 from .factor_groups import whole_matrices_faster
 from ..kernels.gated_cores import gate_cores
@@ -412,7 +412,7 @@ class TTLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        way = choose(self, x) if isinstance(x, torch.Tensor) else None  # (a bad input fails below, named)
+        way = choose_call(self, x) if isinstance(x, torch.Tensor) else None  # (a bad input fails below, named)
         if way is LinearWay.EXPORTED:
             return self._exported_forward(x)
         if way is LinearWay.INFERENCE_FACTORS:
