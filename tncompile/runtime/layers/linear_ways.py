@@ -18,7 +18,7 @@ from ..kernels.tracing import exporting
 from ..kernels.tt_chain import chain_kernels
 from ..triton import runs_triton
 
-__all__ = ["LinearWay", "choose", "choose_call", "choose_rows", "record", "choice_cache"]
+__all__ = ["LinearWay", "choose", "choose_call", "choose_rows", "decide_call", "decide_rows", "record", "choice_cache"]
 
 
 class LinearWay(str, enum.Enum):
@@ -41,15 +41,7 @@ def choose(layer, x: torch.Tensor) -> LinearWay:
 def choose_call(layer, x: torch.Tensor) -> LinearWay | None:
     """The way of the whole call where one applies before the rows are contracted (export,
     an inference merge), else ``None``: the layer contracts the rows (:func:`choose_rows`)."""
-    if exporting():
-        return LinearWay.EXPORTED
-    lay = layer.layout
-    rows = x.numel() // max(lay.in_features, 1)
-    if layer.merge_in_inference and not torch.is_grad_enabled() and not torch.compiler.is_compiling() \
-            and x.shape[-1:] == (lay.in_features,) and rows \
-            and layer._through_factors_at(rows, layer.inference_factors()):
-        return LinearWay.INFERENCE_FACTORS
-    return None
+    return decide_call(layer, x)[0]
 
 
 def choose_rows(layer, like: torch.Tensor, rows: int, settle_merged: bool = True) -> LinearWay:
@@ -57,15 +49,35 @@ def choose_rows(layer, like: torch.Tensor, rows: int, settle_merged: bool = True
     through its network, once neither export nor an inference merge applies. A layer merged
     with its layout's peers runs as the batch was made (a whole matrix or a thin pair:
     estimated here when ``settle_merged``; the running layer leaves it to the batch)."""
+    return decide_rows(layer, like, rows, settle_merged)[0]
+
+
+def decide_call(layer, x: torch.Tensor):
+    """:func:`choose_call`'s way, with what running it takes: the inference factors."""
+    if exporting():
+        return LinearWay.EXPORTED, None
+    lay = layer.layout
+    rows = x.numel() // max(lay.in_features, 1)
+    if layer.merge_in_inference and not torch.is_grad_enabled() and not torch.compiler.is_compiling() \
+            and x.shape[-1:] == (lay.in_features,) and rows:
+        factors = layer.inference_factors()
+        if layer._through_factors_at(rows, factors):
+            return LinearWay.INFERENCE_FACTORS, factors
+    return None, None
+
+
+def decide_rows(layer, like: torch.Tensor, rows: int, settle_merged: bool = True):
+    """:func:`choose_rows`'s way, with what running it takes: the native chain's ops."""
     if tuning.TRITON_KERNELS and runs_triton(like):
-        return LinearWay.TRITON_PAIR
-    if chain_kernels(like, layer.layout, layer.plan_for, rows, choice_cache(layer, "_chain_choice")) is not None:
-        return LinearWay.NATIVE_CHAIN
+        return LinearWay.TRITON_PAIR, None
+    ops = chain_kernels(like, layer.layout, layer.plan_for, rows, choice_cache(layer, "_chain_choice"))
+    if ops is not None:
+        return LinearWay.NATIVE_CHAIN, ops
     plan = layer.plan_for(rows)
     if layer.__dict__.get("_factor_peers") is not None and layer._runs_as_pair(plan):
-        return LinearWay.WHOLE_MATRIX if settle_merged and layer._runs_whole(plan, like.device) \
-            else LinearWay.THIN_PAIR
-    return LinearWay.PLANNED
+        whole = settle_merged and layer._runs_whole(plan, like.device)
+        return (LinearWay.WHOLE_MATRIX if whole else LinearWay.THIN_PAIR), None
+    return LinearWay.PLANNED, None
 
 
 def choice_cache(module: torch.nn.Module, name: str) -> dict:

@@ -28,7 +28,7 @@ from ..kernels.cpu_allocator import _state as _ALLOCATOR_STATE
 from ..kernels.cpu_allocator import ensure_retained
 from .derived import advance_weights_epoch, kept
 from . import lookup_ways
-from .linear_ways import LinearWay, choice_cache, choose_call, choose_rows, record
+from .linear_ways import LinearWay, choice_cache, decide_call, decide_rows, record
 from ..kernels.executor import autocast_state, contract, is_merge_first, same_autocast, thin_pair
 from .factor_groups import whole_matrices_faster
 from ..kernels.gated_cores import gate_cores
@@ -38,7 +38,7 @@ from ..kernels.tracing import exporting
 from ..kernels.traced_lookup import (check_ids, distinct_ids, gathered_product, gathered_product_backward, half_tables,
                             split_ids, ttm_lookup)
 from .tied_head import best_split, half_table_head, head_halves
-from ..kernels.tt_chain import chain_kernels, tt_chain
+from ..kernels.tt_chain import tt_chain
 from ..triton import runs_triton, thin_pair_train
 from ..triton.thin_pair import activate, activation_code
 from ..triton.merge_factors import merge_backward, merge_forward, merge_plan, plan_of
@@ -412,13 +412,13 @@ class TTLinear(TNModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lay = self.layout
-        way = choose_call(self, x) if isinstance(x, torch.Tensor) else None  # (a bad input fails below, named)
+        way, factors = decide_call(self, x) if isinstance(x, torch.Tensor) else (None, None)  # (bad input: below)
         if way is LinearWay.EXPORTED:
             return self._exported_forward(x)
         if way is LinearWay.INFERENCE_FACTORS:
             check_input_dtype(self, x)
             record(self, way)
-            return _through_factors(x, self.inference_factors(), self.bias)
+            return _through_factors(x, factors, self.bias)
         return _apply_matrix(self, x, self.bias, lay.in_features, lay.in_modes, lay.out_features,
                              lay.padded_out, self._contract_rows)
 
@@ -477,13 +477,12 @@ class TTLinear(TNModule):
         """``h (rows, *in_modes)`` through the network: at a few rows one native
         chain call each way (:mod:`.tt_chain`), otherwise the planned order."""
         rows = h.shape[0]
-        way = choose_rows(self, h, rows, settle_merged=False)
+        way, ops = decide_rows(self, h, rows, settle_merged=False)
         if way is LinearWay.TRITON_PAIR:
             record(self, way)
             return _triton_pair(h.reshape(rows, -1), self.merged_factors(), bias)
         if way is LinearWay.NATIVE_CHAIN:
             record(self, way)
-            ops = chain_kernels(h, self.layout, self.plan_for, rows, choice_cache(self, "_chain_choice"))
             return tt_chain(ops, len(self.layout.in_modes), h, bias, list(self.cores._parameters.values()),
                             list(self.gates._parameters.values()))
         plan = self.plan_for(rows)
