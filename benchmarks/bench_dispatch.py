@@ -164,20 +164,21 @@ def ops_as_on_cuda(put=setattr) -> None:
     Triton ops called where ``tuning.TRITON_KERNELS`` asks for them (their PyTorch fallback
     runs inside them; each merge launch is counted). ``put(module, name, value)`` patches
     (``monkeypatch.setattr`` in a test, to undo it)."""
-    from tncompile.runtime.kernels import executor, gemms, traced_contract  # noqa: PLC0415
-    from tncompile.runtime.layers import factor_groups, tt_layers
+    from tncompile.runtime.kernels import executor, gemms  # noqa: PLC0415
+    from tncompile.runtime.kernels import factor_batch
+    from tncompile.runtime.ways import linear as linear_way, lookup as lookup_way, merge as merge_way
     from tncompile.runtime.triton import merge_factors, ttm_lookup
     thin_pair = importlib.import_module("tncompile.runtime.triton.thin_pair")  # the module (the package exports the op)
 
-    for module in (executor, gemms, traced_contract):  # each holds its own name of gemm_for
+    for module in (executor, gemms):  # each holds its own name of gemm_for
         put(module, "gemm_for", lambda t: torch.mm)
     put(gemms, "cpu_gemm", torch.mm)
-    put(factor_groups, "_by_index", lambda device: True)
-    put(tt_layers, "distinct_ids", lambda flat: (flat, None))
-    check = tt_layers.check_ids
-    put(tt_layers, "check_ids", lambda ids, num, who="TTMEmbedding", host_read=True: check(ids, num, who, False))
-    put(tt_layers, "runs_triton", lambda x: True)
-    put(factor_groups, "runs_triton", lambda x: True)
+    put(factor_batch, "_by_index", lambda device: True)
+    put(lookup_way, "distinct_ids", lambda flat: (flat, None))
+    check = lookup_way.check_ids
+    put(lookup_way, "check_ids", lambda ids, num, who="TTMEmbedding", host_read=True: check(ids, num, who, False))
+    for module in (linear_way, lookup_way, merge_way):
+        put(module, "runs_triton", lambda x: True)
     for module, name in ((thin_pair, "runs_triton"), (merge_factors, "_runs_triton"), (ttm_lookup, "_runs_triton")):
         put(module, name, lambda x: False)   # inside the ops: their PyTorch form, even under the interpreter
     for module in (thin_pair, merge_factors, ttm_lookup):   # through the dispatcher, where the profiler sees them

@@ -25,7 +25,7 @@ from unittest import mock
 
 import torch
 
-from tncompile.runtime.layers import tt_layers
+from tncompile.runtime.layers import tied_linear, tt_linear, ttm_embedding
 
 from bench_decode import _gpt2, compressed_gpt2s, decode_arguments, time_decoding
 
@@ -52,10 +52,18 @@ def _by_bits(module, slot, tensors, make, key=()):
     return value
 
 
+def _patched(kept):
+    """Every layer module's ``kept`` replaced by ``kept``."""
+    stack = contextlib.ExitStack()
+    for module in (tt_linear, ttm_embedding, tied_linear):
+        stack.enter_context(mock.patch.object(module, "kept", kept))
+    return stack
+
+
 CHECKS = {
     "events": contextlib.nullcontext,
-    "bits": lambda: mock.patch.object(tt_layers, "kept", _by_bits),
-    "recompute": lambda: mock.patch.object(tt_layers, "kept", _recomputed),
+    "bits": lambda: _patched(_by_bits),
+    "recompute": lambda: _patched(_recomputed),
 }
 
 

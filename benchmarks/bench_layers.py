@@ -35,7 +35,7 @@ from tncompile.runtime import TTLinear, TTMEmbedding
 from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
 from tncompile.runtime.kernels.executor import contract
 from tncompile.runtime.native import native_kernels, native_ops, native_status
-from tncompile.runtime.layers.tt_layers import _drop_boundary
+from tncompile.runtime.ways.rows import drop_boundary as _drop_boundary
 
 SHAPES = [(768, 768), (768, 3072), (3072, 768)]
 TOKENS = [1, 32, 512, 4096]

@@ -170,25 +170,49 @@ def test_the_circle_check_finds_a_late_import(tmp_path):
     """The checker itself: a function-level import back into a module that imports it is a circle."""
     import networkx as nx
     graph = import_graph()
-    graph.add_edge("tncompile.runtime.kernels.plans", "tncompile.runtime.layers.tt_layers")  # what a late import would add
+    graph.add_edge("tncompile.runtime.kernels.plans", "tncompile.runtime.layers.tn_module")  # what a late import would add
     assert any(len(c) > 1 for c in nx.strongly_connected_components(graph))
 
 
-#: inside the runtime, folders import downward only: fused blocks use layers, layers use kernels
-RUNTIME_ORDER = {"native": 0, "triton": 0, "kernels": 1, "layers": 2, "fused": 3}
+#: inside the runtime, folders import downward only: fused blocks use layers, layers call their
+#: ops' ways, ways run kernels (and the Triton backend's ops), kernels call native code
+RUNTIME_ORDER = {"native": 0, "kernels": 1, "triton": 2, "ways": 3, "layers": 4, "fused": 5}
+
+#: what a layer module may not read: the tracer's, autograd's and capture's state, the tuned
+#: switches, which backend runs -- the choice of how a call runs is its op's in runtime/ways/
+CONTEXT_READS = {"is_compiling", "exporting", "is_exporting", "is_grad_enabled", "is_current_stream_capturing",
+                 "runs_triton", "kernels_for", "traceable_kernels", "tuning"}
 
 
-@pytest.mark.parametrize("path", [p for p in sources() if module_name(p).split(".")[2:3] in
-                                  ([k] for k in RUNTIME_ORDER)], ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_runtime_folders_import_downward(path):
-    module = module_name(path)
-    own = RUNTIME_ORDER[module.split(".")[2]]
+def context_reads(path: Path, module: str | None = None) -> list[str]:
+    """Each read of :data:`CONTEXT_READS` in ``path``'s code (names and attributes; an import
+    of ``tuning`` or of anything from a Triton or native module counts)."""
+    found = []
+    module = module or module_name(path)
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            for target in imported(module, path, node):
-                parts = target.split(".")
-                if parts[:2] == ["tncompile", "runtime"] and len(parts) > 2 and parts[2] in RUNTIME_ORDER:
-                    assert RUNTIME_ORDER[parts[2]] <= own, f"{module} imports {target} (runtime/README.md)"
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+        if name in CONTEXT_READS:
+            found.append(f"line {node.lineno}: {name}")
+        for target in imported(module, path, node):
+            if target == "tncompile.tuning" or target.startswith(("tncompile.runtime.triton", "tncompile.runtime.native")):
+                found.append(f"line {node.lineno}: imports {target}")
+    return found
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "runtime" / "layers").glob("*.py")),
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_layer_modules_read_no_context(path):
+    """Issue 54: a layer holds parameters and calls its op's way; only ``runtime/ways/``
+    reads export, compile, grad or capture state, the tuned switches and the backends."""
+    assert not context_reads(path), f"{path.name} reads context: {context_reads(path)}"
+
+
+def test_the_context_check_finds_a_read(tmp_path):
+    """The checker itself: a read of the compile state and an import of tuning are found."""
+    fake = tmp_path / "fake.py"
+    fake.write_text("import torch\nfrom ... import tuning\nif torch.compiler.is_compiling():\n    pass\n")
+    found = context_reads(fake, "tncompile.runtime.layers.fake")
+    assert found == ["line 2: imports tncompile.tuning", "line 3: is_compiling"], found
 
 
 MAX_FUNCTION_LINES = 80

@@ -626,10 +626,14 @@ def _one_process_reference(setup=None, seeds=None):
 
 
 def _single_threaded(fn):
+    """``fn()`` as a worker runs it: one thread (a GEMM's sums depend on how its threads split
+    it), and each layer's way the prior's (a process of several times nothing:
+    runtime/ways/measured.py)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers: a GEMM's sums depend on how its threads split it
+    torch.set_num_threads(1)
     try:
-        return fn()
+        with tncompile.tuning.override(MEASURE_WAYS=False):
+            return fn()
     finally:
         torch.set_num_threads(threads)
 

@@ -8,7 +8,7 @@ import tncompile
 from tncompile.formats.layout import TTLayout
 from tncompile.passes import cut_ranks, replan_module
 from tncompile.runtime.layers.experts import ExpertLinear, TTExperts
-from tncompile.runtime.layers.grouped import grouped_mm
+from tncompile.runtime.kernels.grouped import grouped_mm
 from tncompile.ir.modules import module_at
 
 

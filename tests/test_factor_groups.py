@@ -21,6 +21,7 @@ from tncompile.runtime.kernels import executor
 from tncompile.runtime.kernels.executor import is_merge_first
 from tncompile.runtime.layers.factor_groups import BatchedFactors, FactorBatch, peers_of
 from tncompile.runtime.layers.factor_links import link_factor_groups
+from tncompile.runtime.ways.linear import _runs_whole
 
 f64 = torch.float64
 
@@ -84,12 +85,20 @@ def _mixed(in_modes, out_modes, rank_sets, seed=1):
     return [_networks(1, in_modes, out_modes, ranks, seed=seed + i)[0] for i, ranks in enumerate(rank_sets)]
 
 
+@pytest.fixture(autouse=True)
+def prior_ways(monkeypatch):
+    """These tests check how layers batch their merges where the cost model's prior runs
+    them from merged factors (plans that merge cores first); which way is measured fastest
+    is tests/test_measured_ways.py's."""
+    monkeypatch.setattr(tuning, "MEASURE_WAYS", False)
+
+
 @pytest.fixture(params=["copies", "index"])
 def packing(request, monkeypatch):
     """Both ways padded batches pack and unpack: one copy per tensor (the CPU's) and
     index scatters and gathers (an accelerator's), forced here on the CPU."""
-    from tncompile.runtime.layers import factor_groups  # noqa: PLC0415
-    monkeypatch.setattr(factor_groups, "_by_index", lambda device: request.param == "index")
+    from tncompile.runtime.kernels import factor_batch  # noqa: PLC0415
+    monkeypatch.setattr(factor_batch, "_by_index", lambda device: request.param == "index")
     return request.param
 
 
@@ -468,8 +477,8 @@ def test_padded_batches_capture_safely_and_keep_no_fake_tensors(monkeypatch, bat
     _dry_run_padded_stack()
     assert batches and set(batches) == {4}  # the dry run batched them (padded) in its fake copies
 
-    from tncompile.runtime.layers import factor_groups  # noqa: PLC0415
-    monkeypatch.setattr(factor_groups, "_by_index", lambda device: True)  # the accelerators' way: cached indexes
+    from tncompile.runtime.kernels import factor_batch  # noqa: PLC0415
+    monkeypatch.setattr(factor_batch, "_by_index", lambda device: True)  # the accelerators' way: cached indexes
     layers = _mixed((2, 3), (3, 2), [(2, 3, 2), (3, 1, 2), (1, 3, 3)])
     batch = FactorBatch.of(layers)
     mode = FakeTensorMode()
@@ -691,9 +700,9 @@ def test_no_whole_matrices_while_a_cuda_graph_is_captured(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    assert layer._runs_whole(plan, cuda)
+    assert _runs_whole(layer, plan, cuda)
     capturing[0] = True
-    assert not layer._runs_whole(plan, cuda)
+    assert not _runs_whole(layer, plan, cuda)
     capturing[0] = False
     monkeypatch.setattr(tuning, "WHOLE_MATRICES", False)
-    assert not layer._runs_whole(plan, cuda)
+    assert not _runs_whole(layer, plan, cuda)

@@ -9,8 +9,8 @@ import torch
 import tncompile
 from tncompile import tuning
 from tncompile.runtime import TTLinear
-from tncompile.runtime.layers import linear_ways
-from tncompile.runtime.layers.linear_ways import LinearWay, choose
+from tncompile.runtime.ways import linear as linear_ways
+from tncompile.runtime.ways.linear import LinearWay, choose
 from tncompile.runtime.triton import runs_triton
 from tncompile.zoo import mlp
 
@@ -34,19 +34,19 @@ def _inputs_of(model, x):
 
 
 @pytest.mark.parametrize("rows", [1, 4, 512])
-@pytest.mark.parametrize("context", ["train", "no-grad", "no-groups", "triton"])
+@pytest.mark.parametrize("context", ["train", "prior", "no-grad", "no-groups", "triton"])
 def test_the_way_chosen_is_the_way_run(rows, context):
     compiled = _compiled()
     x = torch.randn(rows, 64)
-    settings = {"GROUP_FACTORS": False} if context == "no-groups" else \
-        {"TRITON_KERNELS": True} if context == "triton" else {}
+    settings = {"GROUP_FACTORS": False, "MEASURE_WAYS": False} if context == "no-groups" else \
+        {"TRITON_KERNELS": True} if context == "triton" else {"MEASURE_WAYS": False} if context == "prior" else {}
     with tuning.override(**settings), torch.set_grad_enabled(context != "no-grad"):
         inputs = _inputs_of(compiled, x)
         predicted = {m: choose(m, h) for m, h in inputs.items()}
         compiled(x)
     assert inputs and all(m.ran_as is predicted[m] for m in inputs), {m.ran_as: predicted[m] for m in inputs}
     ways = set(predicted.values())
-    if context == "no-groups":
+    if context == "no-groups":  # the prior merges factors only with a layer's peers
         assert not ways & {LinearWay.WHOLE_MATRIX, LinearWay.THIN_PAIR}
     if context == "triton":
         assert ways == ({LinearWay.TRITON_PAIR} if runs_triton(x) else ways - {LinearWay.TRITON_PAIR})
@@ -62,7 +62,7 @@ def test_torch_export_is_its_own_way(monkeypatch):
     def spy(layer, x):
         chosen.append(real(layer, x)[0])
         return real(layer, x)
-    monkeypatch.setattr("tncompile.runtime.layers.tt_layers.decide_call", spy)
+    monkeypatch.setattr("tncompile.runtime.ways.linear.decide_call", spy)
     torch.export.export(compiled, (torch.randn(4, 64),))
     assert chosen and set(chosen) == {LinearWay.EXPORTED}
 
@@ -87,8 +87,8 @@ def _embedding(row_modes: int = 2):
 
 @pytest.mark.parametrize("cores,triton", [(1, False), (2, False), (2, True)])
 def test_the_lookup_chosen_is_the_lookup_run(cores, triton):
-    from tncompile.runtime.layers import lookup_ways
-    from tncompile.runtime.layers.lookup_ways import LookupWay
+    from tncompile.runtime.ways import lookup as lookup_ways
+    from tncompile.runtime.ways.lookup import LookupWay
     emb = _embedding(cores)
     ids = torch.randint(0, 300, (4, 7))
     with tuning.override(TRITON_KERNELS=triton):
@@ -101,15 +101,15 @@ def test_the_lookup_chosen_is_the_lookup_run(cores, triton):
 
 
 def test_an_exported_lookup_is_its_own_way(monkeypatch):
-    from tncompile.runtime.layers import lookup_ways
-    from tncompile.runtime.layers.lookup_ways import LookupWay
+    from tncompile.runtime.ways import lookup as lookup_ways
+    from tncompile.runtime.ways.lookup import LookupWay
     emb = _embedding(2).eval()
     seen = []
-    real = emb._exported_forward
+    real = lookup_ways._exported
 
-    def spy(ids):
-        seen.append(lookup_ways.choose(emb, ids))
-        return real(ids)
-    monkeypatch.setattr(emb, "_exported_forward", spy)
+    def spy(layer, ids):
+        seen.append(lookup_ways.choose(layer, ids))
+        return real(layer, ids)
+    monkeypatch.setattr(lookup_ways, "_exported", spy)
     torch.export.export(emb, (torch.randint(0, 300, (2, 5)),))
     assert seen == [LookupWay.EXPORTED]

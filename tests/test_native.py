@@ -12,7 +12,7 @@ from torch import nn
 from tncompile import tuning
 from tncompile.runtime import TTMEmbedding, TTMTiedLinear
 from tncompile.runtime.kernels import traced_lookup
-from tncompile.runtime.layers.tt_layers import _GatheredProduct
+from tncompile.runtime.ways.lookup import GatheredProduct as _GatheredProduct
 
 f64 = torch.float64
 

@@ -68,30 +68,6 @@ def test_runs_on_fake_tensors(name, bias):
     assert out.shape == expected.shape and out.dtype == expected.dtype
 
 
-@pytest.mark.parametrize("rows, bias", [(20, True), (3, False), (300, True)])
-def test_planned_contraction_as_one_op(rows, bias):
-    """tncompile::traced_contract: opcheck, and the same values and gradients as the layer."""
-    from torch import nn
-
-    from tncompile.runtime import TTLinear
-    from tncompile.runtime.kernels.traced_contract import register, traced_contract
-    from tncompile.runtime.layers.tt_layers import _drop_boundary
-    layer = TTLinear.from_linear(nn.Linear(48, 60, bias=bias).double(), rank=4)
-    lay = layer.layout
-    x = torch.randn(rows, 48, dtype=f64)
-    h = F.pad(x, (0, lay.padded_in - 48)).reshape(rows, *lay.in_modes).requires_grad_()
-    cores = [c.detach().requires_grad_() for c in _drop_boundary(layer.scaled_cores())]
-    b = layer.bias.detach().requires_grad_() if bias else None
-    key = register(layer.plan_for(rows))._traced_key
-    torch.library.opcheck(torch.ops.tncompile.traced_contract.default, ([h, *cores], b, key))
-    out = traced_contract([h, *cores], b, key)[0]
-    torch.testing.assert_close(out.reshape(rows, -1)[:, :60], layer(x))
-    # 300 rows: 14,400 inputs; fast mode checks the Jacobian along random directions (a full
-    # numerical Jacobian took a minute on 2 cores)
-    assert torch.autograd.gradcheck(lambda h, *c: traced_contract([h, *c], b, key)[0], (h, *cores),
-                                    fast_mode=rows > 50)
-
-
 def _attention_args(dtype, mask=True, grad=True, keep_probs=True, empty_rows_zero=False):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 3, n, e, generator=g, dtype=dtype).requires_grad_(grad)

@@ -24,15 +24,12 @@ def _six():
                              example_inputs=(ids,)), {"ids": ids}, (lambda out: out)
 
 
-@pytest.mark.parametrize("build, one_op", [(_six, False), (_bert, False), (_bert, True)],
-                         ids=["six-encoder", "bert", "bert-contraction-as-one-op"])
-def test_no_graph_breaks_and_same_gradients(build, one_op, monkeypatch):
-    monkeypatch.setattr(tncompile.tuning, "TRACE_CONTRACTION_AS_ONE_OP", one_op)
+@pytest.mark.parametrize("build", [_six, _bert], ids=["six-encoder", "bert"])
+def test_no_graph_breaks_and_same_gradients(build):
     torch.manual_seed(0)
     compiled, inputs, logits = build()
     explained = torch._dynamo.explain(compiled)(**inputs)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
-    assert ("traced_contract" in explained.graphs[0].code) == one_op
     torch._dynamo.reset()
     traced = torch.compile(compiled, fullgraph=True, backend="aot_eager")  # forward and backward graphs
     loss_t = F.cross_entropy(logits(traced(**inputs)), torch.tensor([0, 1]))

@@ -246,7 +246,7 @@ def _name(activation: torch.nn.Module) -> str:
 def _merge_case(n, in_modes, out_modes, ranks_of, device, dtype, equal):
     """``n`` networks' cores and gates, stacked as factor_groups stacks them, the plan, and
     each network's factors and gradients by ``tt_factors`` under autograd."""
-    from tncompile.runtime.layers.factor_groups import FactorBatch
+    from tncompile.runtime.kernels.factor_batch import FactorBatch
     modes = [*in_modes, *out_modes]
     d = len(modes)
     nets = []
@@ -273,7 +273,7 @@ def test_the_batched_merge_is_tt_factors_of_the_gated_cores(device, in_modes, ou
     (stacked network after network) or not (zero-padded, stacked position after position),
     sides of one core (its factor a gated copy) included."""
     from tncompile.formats.decompose import tt_factors
-    from tncompile.runtime.layers.factor_groups import TritonFactors
+    from tncompile.runtime.triton.batched_factors import TritonFactors
     torch.manual_seed(6)
     bonds = len(in_modes) + len(out_modes) - 1
     batch, nets = _merge_case(3, in_modes, out_modes,
@@ -301,7 +301,7 @@ def test_batches_of_different_layouts_merge_together_in_one_launch_per_step(devi
     3 backward and the gates' finish), every network's factors and gradients those of
     ``tt_factors``; a batch none of whose factors is used gets no gradient."""
     from tncompile.formats.decompose import tt_factors
-    from tncompile.runtime.layers.factor_groups import TritonFactors
+    from tncompile.runtime.triton.batched_factors import TritonFactors, merge_key
     from tncompile.runtime.triton import merge_factors
     torch.manual_seed(9)
     cases = [(((4, 5, 3), (3, 4, 6)), True, lambda m: [3, 4, 5, 4, 3]),
@@ -315,7 +315,7 @@ def test_batches_of_different_layouts_merge_together_in_one_launch_per_step(devi
     launches = []
     real = merge_factors._launch_tasks
     monkeypatch.setattr(merge_factors, "_launch_tasks", lambda rows, *a: launches.append(len(rows)) or real(rows, *a))
-    plans = [merge_factors.plan_of(b.merge[0]) for b in batches]
+    plans = [merge_factors.plan_of(merge_key(b)) for b in batches]
     out = TritonFactors.apply(batches, *tensors)
     assert len(launches) == max(len(p.forward) for p in plans) == 3 < sum(len(p.forward) for p in plans)
     start, used, want_out = 0, [], []
@@ -344,7 +344,7 @@ def test_batches_of_different_layouts_merge_together_in_one_launch_per_step(devi
 def test_an_unused_factor_gives_its_cores_no_gradient(device):
     """As the PyTorch merge: a network whose B went unused gets None for its output cores and
     gates, not zeros; a network whose factors both went unused gets None throughout."""
-    from tncompile.runtime.layers.factor_groups import TritonFactors
+    from tncompile.runtime.triton.batched_factors import TritonFactors
     torch.manual_seed(7)
     batch, nets = _merge_case(2, (4, 5), (3, 4), lambda m: [3, 4, 3], device, torch.float64, True)
     tensors = [t for cores, gates in nets for t in (*cores, *gates)]
@@ -364,7 +364,7 @@ def test_tt_layers_train_the_same_on_the_triton_kernels(device, monkeypatch):
     import warnings
     import tncompile
     from tncompile import tuning
-    from tncompile.runtime.layers import factor_groups
+    from tncompile.runtime.triton import batched_factors as factor_groups
     from tncompile.passes import replan_module
     from tncompile.passes.truncate_ranks import cut_ranks
     from tncompile.zoo import mlp
@@ -410,7 +410,7 @@ def test_ttm_lookups_on_the_triton_kernels_are_the_table_rows(device, padding_id
     row's positions sending none."""
     from tncompile import tuning
     from tncompile.runtime import TTMEmbedding
-    from tncompile.runtime.layers import tt_layers
+    from tncompile.runtime.triton import lookup_function as tt_layers
     torch.manual_seed(9)
     layer = TTMEmbedding.from_embedding(torch.nn.Embedding(1000, 48, padding_idx=padding_idx), rank=6,
                                         num_cores=cores).to(device).double()
@@ -483,7 +483,8 @@ def test_a_dry_run_on_the_triton_kernels_captures_and_leaves_no_fake_state(monke
     import torch.nn.functional as F
     import tncompile
     from tncompile import tuning
-    from tncompile.runtime.layers import factor_groups, tt_layers
+    from tncompile.runtime.triton import batched_factors as factor_groups
+    from tncompile.runtime.triton import lookup_function as tt_layers
     from tncompile.train import dry_run
     torch.manual_seed(11)
     ids, y = torch.randint(0, 1000, (3, 10)), torch.randint(0, 5, (3,))

@@ -9,6 +9,8 @@ import cotengra as ctg
 from tncompile.formats import TTLayout, TTMLayout
 from tncompile.ir import TensorNetwork
 from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
+from tncompile.runtime.ways.linear import through_factors_at
+from tncompile.runtime.ways.tied_head import _half_table_rows
 
 f64 = torch.float64
 
@@ -218,7 +220,7 @@ def test_tt_linear_inference_multiplies_by_merged_factors_and_follows_updates(ra
         torch.testing.assert_close(tt(x), F.linear(x, tt.weight(), tt.bias))
         a, b = tt.inference_factors()
         factor_macs = a.numel() + (b.numel() if b is not None else 0)
-        merges = tt._through_factors_at(28, (a, b))
+        merges = through_factors_at(tt, 28, (a, b))
         assert tt.inference_macs(28) == (28 * factor_macs if merges else tt.plan_for(28).fwd_flops)
         tt.merge_in_inference = False
         torch.testing.assert_close(tt(x), F.linear(x, tt.weight(), tt.bias))
@@ -278,12 +280,12 @@ def test_tied_head_half_tables_are_the_table_at_every_split_and_follow_updates()
         head.bias.normal_()
         x = torch.randn(3, 11, dtype=f64)
         for split in (1, 2):
-            torch.testing.assert_close(head._half_table_rows(x, split), x @ emb.weight().t() + head.bias)
+            torch.testing.assert_close(_half_table_rows(head, x, split), x @ emb.weight().t() + head.bias)
         kept = head.__dict__["_halves"][1][0]
-        head._half_table_rows(x, 2)
+        _half_table_rows(head, x, 2)
         assert head.__dict__["_halves"][1][0] is kept                       # reused
         emb.gates[1].mul_(0.5)                                               # a gate changes in place
-        torch.testing.assert_close(head._half_table_rows(x, 2), x @ emb.weight().t() + head.bias)
+        torch.testing.assert_close(_half_table_rows(head, x, 2), x @ emb.weight().t() + head.bias)
         assert head.__dict__["_halves"][1][0] is not kept
     assert "_halves" in TTMTiedLinear.transient_state
 
@@ -294,7 +296,7 @@ def test_tied_head_reads_half_tables_over_few_rows_and_the_merged_table_over_man
     past ~10 rows the merged table wins. The forward takes whichever form is chosen and both
     give the table's product."""
     from tncompile import tuning
-    from tncompile.runtime.layers.tied_head import best_split, half_product_macs
+    from tncompile.runtime.ways.tied_head import best_split, half_product_macs
     gpt2 = TTMLayout(ranks=(112, 124, 64), num_embeddings=50257, embedding_dim=768,
                      row_modes=(14, 15, 15, 16), col_modes=(8, 6, 4, 4))
     assert half_product_macs(gpt2, 2, 1) == 210 * 124 * 16 * (48 + 240)

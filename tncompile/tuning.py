@@ -16,6 +16,7 @@ from tncompile), so the runtime and the compile-time planner can both read it.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Any, Iterator
 
@@ -165,12 +166,15 @@ DEDUP_BELOW = 0.8
 #: ... and only for batches of at least this many ids (``torch.unique`` costs more below).
 DEDUP_MIN_IDS = 64
 
-#: Under torch.compile, trace each planned TT contraction as one opaque custom op
-#: (tncompile::traced_contract) instead of its ~10 steps. Off by default: on a 2-layer
-#: BERT (bench_compile_time, rank gates and TTM lookups already one op each) it cut the
-#: first compiled call from 1.25-1.51x to 1.04-1.15x dense's, but later calls took
-#: 11.8-12.6 ms instead of 6.7-9.3 (a Python call and saved intermediates per layer).
-TRACE_CONTRACTION_AS_ONE_OP = False
+# ---------------------------------------------------------------- runtime: measured ways
+#: Choose among a layer's correct ways by timing them, once per shape, bucket of rows,
+#: dtype and device (runtime/ways/measured.py); off: the cost model's prior alone.
+MEASURE_WAYS = True
+#: Timed runs per candidate (after one warm-up); the fastest run counts.
+MEASURE_REPEATS = 3
+#: A folder for the measured winners (one JSON file per torch and tncompile version),
+#: read by later processes; ``None``: this process only. Env: ``TNCOMPILE_WAY_CACHE``.
+WAY_CACHE_DIR = os.environ.get("TNCOMPILE_WAY_CACHE") or None
 
 # ---------------------------------------------------------------- runtime: CPU GEMM layouts
 #: Multiply-adds below which a GEMM is all call overhead: no layout tricks.

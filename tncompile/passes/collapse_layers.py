@@ -14,7 +14,7 @@ from ..ir.program import Program
 from ..runtime.layers.collapsed import CollapsedLayer
 from ..runtime.layers.embedding_bag import TTMEmbeddingBag
 from ..runtime.layers.experts import TTExperts
-from ..runtime.layers.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
+from ..runtime.layers import TTLinear, TTMEmbedding, TTMTiedLinear
 from .infra.base import Pass, register_pass
 from .truncate_ranks import require_layers
 

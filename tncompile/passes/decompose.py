@@ -9,7 +9,7 @@ from .infra.progress import progress
 from ..runtime.layers.module_kinds import linear_weight_of
 from ..runtime.layers.experts import TTExperts
 from ..runtime.layers.embedding_bag import TTMEmbeddingBag
-from ..runtime.layers.tt_layers import TTLinear, TTMEmbedding, TTMTiedLinear
+from ..runtime.layers import TTLinear, TTMEmbedding, TTMTiedLinear
 from .infra.base import Pass, register_pass
 from .infra.pending import PendingLayer
 

@@ -18,7 +18,7 @@ before.
 from __future__ import annotations
 
 from ..runtime.fused.feed_forward import tt_feed_forward
-from ..runtime.layers.tt_layers import TTLinear
+from ..runtime.layers import TTLinear
 from .canonicalize import activation_of
 from .infra.base import register_pass
 from .infra.rule_pass import RulePass

@@ -23,7 +23,7 @@ from torch import fx
 from ..ir.program import Program
 from ..runtime.layers.module_kinds import runs_as
 from ..runtime.fused.siblings import tt_siblings
-from ..runtime.layers.tt_layers import TTLinear
+from ..runtime.layers import TTLinear
 from .infra.base import Pass, register_pass
 from .infra.rule_pass import require_canonical
 

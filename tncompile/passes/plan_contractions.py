@@ -10,7 +10,7 @@ from .infra.progress import progress
 from ..formats.layout import TTLayout
 from ..runtime.layers.experts import experts_rows
 from ..runtime.kernels.plans import bucket_of
-from ..runtime.layers.tt_layers import TNModule, TTMEmbedding
+from ..runtime.layers import TNModule, TTMEmbedding
 from .infra.base import Pass, register_pass
 
 __all__ = ["PlanContractions"]

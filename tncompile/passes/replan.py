@@ -12,7 +12,7 @@ from __future__ import annotations
 from ..formats.indices import planner_problem
 from ..ir.program import Program
 from ..runtime.kernels.plans import ContractionPlan, LookupPlan
-from ..runtime.layers.tt_layers import TNModule
+from ..runtime.layers import TNModule
 from .infra.base import Pass, register_pass
 
 __all__ = ["Replan", "plan_fits", "replan_module"]

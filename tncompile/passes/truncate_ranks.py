@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..ir.program import Program
-from ..runtime.layers.tt_layers import TNModule
+from ..runtime.layers import TNModule
 from .infra.base import Pass, register_pass
 
 __all__ = ["Cut", "cut_ranks", "TruncateRanks", "require_layers"]

@@ -8,7 +8,7 @@ from torch import nn
 from .. import tuning
 from ..formats.indices import BATCH, planner_problem
 from ..runtime.kernels.plans import ContractionPlan
-from ..runtime.layers.tt_layers import TTMTiedLinear, tied_merge_macs
+from ..runtime.layers import TTMTiedLinear, tied_merge_macs
 from .contraction import plan_contraction
 from .lookup import per_id_macs, plan_lookup
 

@@ -49,9 +49,10 @@ from .. import tuning
 from ..formats.indices import BATCH, planner_problem
 from ..formats.layout import TTLayout, TTMLayout
 from ..runtime.kernels.executor import is_merge_first
-from ..runtime.layers.factor_groups import FactorBatch, register_whole_rule
+from ..runtime.kernels.factor_batch import FactorBatch
+from ..runtime.ways.linear import register_whole_rule
 from ..runtime.kernels.plans import ContractionPlan, LookupPlan
-from ..runtime.layers.tt_layers import TTLinear
+from ..runtime.layers import TTLinear
 from .contraction import fixed_order_plan, plan_contraction
 from .lookup import plan_lookup
 from ..errors import check_float

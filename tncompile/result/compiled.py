@@ -11,7 +11,7 @@ from ..ir.program import Program, module_at
 from .model_api import CompressedModelAPI
 from ..runtime.layers.factor_links import link_factor_groups
 from ..runtime.fused.graph_functions import keep_functions_when_pickled
-from ..runtime.layers.tt_layers import TNModule, TTMTiedLinear
+from ..runtime.layers import TNModule, TTMTiedLinear
 
 __all__ = ["CompiledModel"]
 

@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from ..frontend.tracing import call_model
 from ..runtime.layers.factor_groups import merge_unit, peers_of
-from ..runtime.layers.tt_layers import TNModule, TTLinear, TTMEmbedding
+from ..runtime.layers import TNModule, TTLinear, TTMEmbedding
 
 __all__ = ["LayerTime", "MeasuredSummary", "measure_layer_times", "summarize", "time_cells"]
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..ir.program import Program
 from ..passes import Pipeline, Replan, TruncateRanks
-from ..runtime.layers.tt_layers import TNModule
+from ..runtime.layers import TNModule
 from .host_time import measure_layer_times, summarize
 from .report import Report, build_report
 

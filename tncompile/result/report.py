@@ -33,7 +33,7 @@ class LayerRow:
     time_now: float | None = None  # relative output errors on calibration data (compile(calibration=...))
     #: measured forward + backward on the layer's input in the model (``report(inputs)``)
     measured: LayerTime | None = None
-    #: the way its last eager call ran (:class:`~tncompile.runtime.layers.linear_ways.LinearWay`)
+    #: the way its last eager call ran (:class:`~tncompile.runtime.ways.linear.LinearWay`)
     ran_as: str = ""
 
     @property
@@ -98,7 +98,7 @@ class Report:
                f"ratio {self.ratio:.4f}  ({self.original_params / max(self.params, 1):.1f}x smaller)"]
         if ran:
             out.append("ran as: how each TT linear and TTM embedding's last eager call ran (tncompile.runtime.layers: "
-                       "linear_ways.choose(layer, x), lookup_ways.choose(layer, ids) say it for any input)")
+                       "ways.linear.choose(layer, x), ways.lookup.choose(layer, ids) say it for any input)")
         if timed:
             out.append(f"step/tok (est.): a training step's time per row, dense -> network, on {self.speed_device} "
                        "at the rows each layer was planned for")

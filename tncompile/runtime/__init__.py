@@ -8,7 +8,7 @@ buckets nobody planned yet.
 from .layers.collapsed import CollapsedLayer
 from .kernels.plans import ContractionPlan, LookupPlan, Step, bucket_of
 from .layers.embedding_bag import TTMEmbeddingBag
-from .layers.tt_layers import TNModule, TTLinear, TTMEmbedding, TTMTiedLinear, tied_merge_macs
+from .layers import TNModule, TTLinear, TTMEmbedding, TTMTiedLinear, tied_merge_macs
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMEmbeddingBag", "TTMTiedLinear", "tied_merge_macs", "TNModule", "CollapsedLayer",
            "ContractionPlan", "LookupPlan", "Step", "bucket_of"]

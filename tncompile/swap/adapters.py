@@ -15,7 +15,7 @@ from typing import Callable
 
 from torch import nn
 
-from ..runtime.layers.tt_layers import TNModule
+from ..runtime.layers import TNModule
 
 __all__ = ["ADAPTER_PARTS", "register_adapter_wrapper", "adapted_model", "adapter_wrappers", "adapter_exclusion",
            "check_adapter_wrappers", "adopt_compressed_bases"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..runtime.layers.tt_layers import TNModule
+from ..runtime.layers import TNModule
 
 __all__ = ["NETWORK", "NetworkWeight", "is_stand_in", "network_of", "put_stand_in", "restore_subclass"]
 

@@ -42,7 +42,7 @@ from ..frontend.layers import is_compressible, kind_of
 from ..result.model_api import CompressedModelAPI
 from ..runtime.layers.factor_links import link_factor_groups
 from ..runtime.layers.module_kinds import replaces_forward
-from ..runtime.layers.tt_layers import TNModule, TTMTiedLinear
+from ..runtime.layers import TNModule, TTMTiedLinear
 from .lowering import register_for, restore_lowerings
 from .experts import put_experts, restore_dense_experts
 from .subclass import is_stand_in, network_of, put_stand_in, restore_subclass

@@ -14,7 +14,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..errors import check_int, is_int
-from ..runtime.layers.tt_layers import TNModule
+from ..runtime.layers import TNModule
 from .controller import RankController
 from .distill import Distill, Teacher, distill_loss
 from .distributed import DistributedModel, rank, save_on_rank0, unwrap

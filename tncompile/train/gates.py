@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..runtime.layers.tt_layers import TNModule
+from ..runtime.layers import TNModule
 
 __all__ = ["freeze_gates"]
 

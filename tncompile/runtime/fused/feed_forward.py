@@ -31,7 +31,9 @@ from ..layers.module_kinds import runs_as, runs_hooks
 from ..native import kernels_for, traceable_kernels
 from ..kernels.plans import bucket_of
 from ..kernels.tracing import exporting
-from ..layers.tt_layers import TTLinear, choice_cache, first_cpu_use
+from ..layers.tt_linear import TTLinear
+from ..ways.linear import choice_cache
+from ..ways.rows import first_cpu_use
 
 __all__ = ["ACTIVATIONS", "tt_feed_forward", "fused_macs", "uses_fused_kernel"]
 

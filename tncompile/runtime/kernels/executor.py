@@ -14,12 +14,10 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ... import tuning
 from .gemms import (GENERATED_CODE_NAMESPACE, column_sums, expand_grads, finish, gemm_bias, gemm_for,
                     grad_with_bias, pairwise)
 from .plan_program import program_for
 from .plans import ContractionPlan
-from .traced_contract import traced_contract
 
 __all__ = ["contract", "PlannedContraction", "pairwise", "generated_code", "generated_code_dump", "is_merge_first",
            "thin_pair"]
@@ -225,15 +223,10 @@ def contract(plan: ContractionPlan, operands: Sequence[torch.Tensor],
     flattened output (inside the last GEMM when the plan allows).
 
     Under ``torch.compile`` the steps run as plain ops (autograd derives the
-    same reverse-mode backward) so the compiler can trace them, or, with
-    ``tuning.TRACE_CONTRACTION_AS_ONE_OP``, as one opaque custom op each way
-    (:mod:`.traced_contract`).
+    same reverse-mode backward) so the compiler can trace them.
     """
     if not torch.compiler.is_compiling():
         return PlannedContraction.apply(plan, bias, *operands)
-    if plan.sizes is not None and tuning.TRACE_CONTRACTION_AS_ONE_OP:  # one opaque op each way
-        # a plan fetched while tracing (TNModule.plan_for) carries its registry key
-        return traced_contract(list(operands), bias, plan._traced_key)[0]
     fused = bias if bias is not None and fuses_bias(plan) else None
     out = finish(plan, _forward(plan, list(operands), fused)[-1])
     if bias is not None and fused is None:

@@ -1,7 +1,7 @@
 """The rank gates multiplied into their cores, as one custom op for tracers.
 
 A TT layer's forward starts by scaling each core's right bond by its gate,
-``core * gate`` (:meth:`~tncompile.runtime.layers.tt_layers.TNModule.scaled_cores`).
+``core * gate`` (:meth:`~tncompile.runtime.TNModule.scaled_cores`).
 Eagerly that is one cheap elementwise op per core. Traced by ``torch.compile``
 each product, and each of its two gradients, is an inductor kernel of its own
 to generate and compile (about 0.6 s apiece with a C++ compiler on CPU):

@@ -1,6 +1,6 @@
 """A TTM embedding lookup as one ``torch.library`` custom op, for tracers.
 
-Eagerly, :class:`~tncompile.runtime.layers.tt_layers.TTMEmbedding` checks the ids
+Eagerly, :class:`~tncompile.runtime.TTMEmbedding` checks the ids
 on the host, looks up only the distinct ones and runs the native gathered
 product. Traced by ``torch.compile``, the same lookup reached inductor as a
 device-side id assert, the split of each id into two digits, the half tables'

@@ -22,7 +22,7 @@ from ... import tuning
 from ...formats.layout import TTLayout
 from ..native import kernels_for
 
-__all__ = ["chain_kernels", "chain_macs", "tt_chain"]
+__all__ = ["chain_available", "chain_kernels", "chain_macs", "tt_chain"]
 
 
 def chain_macs(layout: TTLayout, rows: int) -> int:
@@ -52,6 +52,12 @@ def chain_kernels(x: torch.Tensor, layout: TTLayout, plan_for, rows: int, cache:
         cheap = cache[key] = chain_macs(layout, rows) <= (tuning.CHAIN_FLOP_SLACK * plan_for(rows).fwd_flops
                                                            + tuning.CHAIN_FLOP_FLOOR)
     return kernels_for(x) if cheap else None
+
+
+def chain_available(x: torch.Tensor, rows: int):
+    """The native ops when a chain call can run ``rows`` rows of ``x`` at all (few rows,
+    native kernels for ``x``), whatever it costs, else ``None``."""
+    return kernels_for(x) if 1 <= rows <= tuning.CHAIN_ROWS else None
 
 
 def tt_chain(ops, n_in: int, x: torch.Tensor, bias: torch.Tensor | None, cores: list[torch.Tensor],

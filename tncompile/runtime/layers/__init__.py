@@ -2,7 +2,10 @@
 experts, and the state derived from their parameters (merged factors, batched merges)."""
 from .collapsed import CollapsedLayer
 from .embedding_bag import TTMEmbeddingBag
-from .tt_layers import TNModule, TTLinear, TTMEmbedding, TTMTiedLinear, tied_merge_macs
+from .tn_module import TNModule
+from .tt_linear import TTLinear
+from .ttm_embedding import TTMEmbedding
+from .tied_linear import TTMTiedLinear, tied_merge_macs
 
 __all__ = ["TNModule", "TTLinear", "TTMEmbedding", "TTMEmbeddingBag", "TTMTiedLinear", "CollapsedLayer",
            "tied_merge_macs"]

@@ -1,6 +1,6 @@
 """``TTMEmbeddingBag``: ``nn.EmbeddingBag`` with its table stored as a TTM network.
 
-A bag lookup is the TTM lookup of every id (:class:`~.tt_layers.TTMEmbedding`,
+A bag lookup is the TTM lookup of every id (:class:`~.ttm_embedding.TTMEmbedding`,
 so repeated ids are gathered once and the same kernels run) followed by a
 reduction of each bag's rows: a sum (``index_add``), a mean (the sum over the
 bag's count) or a max (``scatter_reduce``). Bags are given as in
@@ -17,7 +17,9 @@ from torch import Tensor, nn
 
 from ...formats.decompose import random_cores, ttm_from_embedding_weight
 from ...formats.layout import TTMLayout
-from .tt_layers import TTMEmbedding, _check_init, _resolve_layout
+from ..ways.network import checks_on_host
+from .tn_module import check_init as _check_init, resolve_layout as _resolve_layout
+from .ttm_embedding import TTMEmbedding
 
 __all__ = ["TTMEmbeddingBag", "BAG_MODES"]
 
@@ -26,7 +28,7 @@ def _check_offsets(offsets: Tensor, length: int) -> None:
     """nn.EmbeddingBag's checks of ``offsets`` on the CPU (it checks them there too; on a GPU,
     under ``torch.compile`` or CUDA-graph capture they are trusted, as its CUDA kernel does):
     the first is 0, they never decrease, and none is past the input's end."""
-    if offsets.device.type != "cpu" or offsets.numel() == 0 or torch.compiler.is_compiling():
+    if offsets.numel() == 0 or not checks_on_host(offsets):
         return
     if int(offsets[0]) != 0:
         raise ValueError(f"TTMEmbeddingBag: offsets[0] must be 0 (the first bag starts at the first id), "

@@ -18,9 +18,9 @@ from torch import Tensor, nn
 
 from ...formats.decompose import random_cores, tt_from_linear_weight, tt_to_dense
 from ...formats.layout import TTLayout
-from ..kernels.executor import contract
-from .grouped import group_bounds, grouped_mm
-from .tt_layers import INITS, TNModule, _apply_matrix, _drop_boundary, check_input_dtype
+from ..kernels.grouped import grouped_mm
+from ..ways import experts as experts_way
+from .tn_module import INITS, TNModule
 
 __all__ = ["ExpertLinear", "TTExperts", "experts_rows"]
 
@@ -141,31 +141,7 @@ class TTExperts(TNModule):
         return weight.transpose(-2, -1) if self.transposed_storage else weight
 
     def forward(self, x: Tensor, offs: Tensor) -> Tensor:
-        if x.dim() != 2 or x.shape[-1] != self.in_features:
-            raise ValueError(f"TTExperts expected x of shape (rows, {self.in_features}), got {tuple(x.shape)}")
-        check_input_dtype(self, x)
-        if x.device.type != "cpu" or torch.compiler.is_compiling():
-            return grouped_mm(x, self.weight().transpose(-2, -1), offs)
-        return self._per_expert(x, offs)
-
-    def _per_expert(self, x: Tensor, offs: Tensor) -> Tensor:
-        """Each expert's rows through its own network (planned per row count)."""
-        lay = self.layout
-        per_expert = [c.unbind(0) for c in self.scaled_cores()]
-        pieces, done = [], 0
-        for e, (start, end) in enumerate(group_bounds(offs)):
-            if end <= start:
-                continue
-            cores = _drop_boundary([c[e] for c in per_expert])
-
-            def contract_rows(h, bias, cores=cores):
-                return contract(self.plan_for(h.shape[0]), [h, *cores], bias)
-            pieces.append(_apply_matrix(self, x[start:end], None, lay.in_features, lay.in_modes,
-                                        lay.out_features, lay.padded_out, contract_rows))
-            done = end
-        if done < x.shape[0] or not pieces:  # rows past the last expert's block (none in a plain MoE block)
-            pieces.append(x.new_zeros(x.shape[0] - done, self.out_features))
-        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        return experts_way.run(self, x, offs)
 
     def to_dense_module(self) -> ExpertLinear:
         with torch.no_grad():

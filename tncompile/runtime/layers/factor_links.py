@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from .factor_groups import FactorPeers
-from .tt_layers import TTLinear
+from .tt_linear import TTLinear
 
 __all__ = ["link_factor_groups"]
 

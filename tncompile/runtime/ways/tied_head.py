@@ -1,4 +1,8 @@
-"""A tied output head over a few rows, without reading the whole merged table.
+"""How a tied output head runs a call: its ways, the choice, and the half-table product
+that serves a few rows without reading the whole merged table.
+
+:class:`TiedHeadWay` names the ways; :func:`run` is :class:`~tncompile.runtime.TTMTiedLinear`'s
+forward. Below, the half-table product.
 
 A head tied to a TTM embedding computes ``logits = x @ E.T`` with ``E`` the
 ``(vocab, dim)`` table of the network. In inference :class:`.TTMTiedLinear`
@@ -25,15 +29,99 @@ whole decode).
 """
 from __future__ import annotations
 
+import enum
 import math
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ... import tuning
 from ...formats.layout import TTMLayout
+from ..kernels.executor import contract
+from ..kernels.tracing import exporting
 from ..kernels.traced_lookup import half_tables
+from .linear import record
+from .network import keeps_merged_forms
+from .rows import apply_matrix, check_input_dtype, drop_boundary
 
-__all__ = ["best_split", "half_product_macs", "merged_head_cost", "head_halves", "half_table_head"]
+__all__ = ["TiedHeadWay", "choose", "run", "best_split", "half_product_macs", "merged_head_cost", "head_halves",
+           "half_table_head", "tied_merge_macs"]
+
+
+class TiedHeadWay(str, enum.Enum):
+    """One way a tied head runs a call (its ``value`` is what the report prints)."""
+
+    EXPORTED = "exported"                 # torch.export / ONNX: the table merged in the graph, one linear
+    HALF_TABLES = "half tables"           # no autograd, a few rows: two GEMMs through the kept half tables
+    KEPT_TABLE = "kept table"             # no autograd: the kept merged table, transposed
+    MERGED_TABLE = "merged table"         # differentiable, many rows: the table merged once per call
+    PLANNED = "planned contraction"       # the planned order over the cores, per row
+
+
+def choose(layer, x: Tensor) -> TiedHeadWay:
+    """The way ``layer`` runs ``x (..., embedding_dim)`` in the current context."""
+    return _decide(layer, x)[0]
+
+
+def _decide(layer, x: Tensor):
+    lay = layer.layout
+    rows = x.numel() // max(lay.embedding_dim, 1)
+    if exporting():
+        return TiedHeadWay.EXPORTED, None
+    if layer.merge_in_inference and keeps_merged_forms():
+        split = best_split(lay, rows) if rows else None
+        return (TiedHeadWay.KEPT_TABLE, None) if split is None else (TiedHeadWay.HALF_TABLES, split)
+    if rows and layer.merges_at(rows):
+        return TiedHeadWay.MERGED_TABLE, None
+    return TiedHeadWay.PLANNED, None
+
+
+def run(layer, x: Tensor) -> Tensor:
+    """``layer``'s forward, ``x (..., embedding_dim) -> (..., num_embeddings)``, the way
+    :func:`choose` says."""
+    way, split = _decide(layer, x)
+    if way is TiedHeadWay.EXPORTED:  # the table merged in the graph (an ONNX runtime folds it)
+        return F.linear(x, layer.embedding.weight()[: layer.out_features], layer.bias)
+    lay = layer.layout
+    if way is TiedHeadWay.PLANNED:
+        def contract_rows(h, bias):
+            return contract(layer.plan_for(h.shape[0]), [h, *drop_boundary(layer.embedding.scaled_cores())], bias)
+        out = apply_matrix(layer, x, layer.bias, lay.embedding_dim, lay.col_modes, lay.num_embeddings,
+                           lay.padded_rows, contract_rows)
+        record(layer, way)
+        return out
+    check_input_dtype(layer, x)
+    record(layer, way)
+    if way is TiedHeadWay.MERGED_TABLE:  # a vocabulary-wide output: merging once beats contracting per row
+        return F.linear(x, layer.embedding.weight()[: layer.out_features], layer.bias)
+    rows = x.reshape(-1, lay.embedding_dim)  # 2-D: a strided 3-D x would turn matmul into a bmm
+    if way is TiedHeadWay.HALF_TABLES:  # a few rows (decoding): two half tables, not the whole table read
+        y = _half_table_rows(layer, rows, split)
+    else:
+        table_t = layer.merged_weight_t()  # (dim, vocab) row-major: x @ table_t streams it in order
+        y = torch.addmm(layer.bias, rows, table_t) if layer.bias is not None else rows @ table_t
+    return y.reshape(*x.shape[:-1], layer.out_features)
+
+
+def _half_table_rows(layer, rows: Tensor, split: int) -> Tensor:
+    """``rows (B, embedding_dim)`` through the half tables split before core ``split``,
+    kept by the layer (``layer.kept_head_halves``): ``(B, vocab)``."""
+    lay = layer.layout
+    left, right_t = layer.kept_head_halves(split)
+    if lay.padded_cols != lay.embedding_dim:
+        rows = F.pad(rows, (0, lay.padded_cols - lay.embedding_dim))
+    y = half_table_head(rows, left, right_t, math.prod(lay.col_modes[:split]))
+    if lay.padded_rows != layer.out_features:
+        y = y[:, : layer.out_features]
+    return y + layer.bias if layer.bias is not None else y
+
+
+def tied_merge_macs(layout: TTMLayout, rows: int) -> int:
+    """Multiply-adds of a tied head over ``rows`` rows through the merged table: merging
+    (about ``V·D·r``, ``r`` the largest rank) plus the dense product ``rows·V·D``."""
+    table = layout.num_embeddings * layout.embedding_dim
+    return table * (rows + max(layout.ranks or (1,)))
 
 _KERNELS = 4  # two GEMMs, the input's and the middle product's permuted copies
 

@@ -1,0 +1,147 @@
+"""Issue 54: among a TT linear's row ways that all apply, the one measured fastest on this
+device runs -- timed once per shape, bucket of rows, dtype and device, then kept in memory
+and, where ``tuning.WAY_CACHE_DIR`` is set, on disk; a hostile cache file is refused."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import tncompile
+from tncompile import tuning
+from tncompile.runtime import TTLinear
+from tncompile.runtime.ways import linear as linear_ways, measured
+from tncompile.runtime.ways.linear import LinearWay, choose
+from tncompile.zoo import mlp
+
+
+@pytest.fixture(autouse=True)
+def fresh_winners():
+    measured.forget()
+    yield
+    measured.forget()
+
+
+def _layer(seed=0):
+    torch.manual_seed(seed)
+    return TTLinear.from_linear(nn.Linear(96, 192), rank=6)
+
+
+def _timed_as(monkeypatch, seconds: dict[str, float]) -> None:
+    """Each candidate way's timing as given (the fastest named wins)."""
+    monkeypatch.setattr(linear_ways, "_timer", lambda *args: (lambda way: seconds[way]))
+
+
+@pytest.mark.parametrize("fastest", [LinearWay.PLANNED, LinearWay.THIN_PAIR, LinearWay.WHOLE_MATRIX])
+def test_the_fastest_measured_way_runs_and_is_what_choose_says(fastest, monkeypatch):
+    layer = _layer()
+    x = torch.randn(64, 96)
+    seconds = {w.value: (0.001 if w is fastest else 0.01) for w in LinearWay}
+    _timed_as(monkeypatch, seconds)
+    assert choose(layer, x) is fastest
+    y = layer(x)
+    assert layer.ran_as is fastest
+    torch.testing.assert_close(y, nn.functional.linear(x, layer.weight(), layer.bias), rtol=1e-4, atol=1e-5)
+
+
+def test_a_shape_is_measured_once_and_a_second_compile_measures_nothing():
+    x = torch.randn(200, 32)
+
+    def step(model):
+        model(x).square().mean().backward()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = tncompile.compile(mlp((32, 64, 64, 8)), target_ratio=0.5)
+        step(first)
+        shapes = measured.stats()["measured"]
+        assert shapes >= 1
+        step(first)
+        assert measured.stats()["measured"] == shapes          # the same calls: nothing new to time
+        second = tncompile.compile(mlp((32, 64, 64, 8)), target_ratio=0.5)
+        step(second)
+    assert measured.stats()["measured"] == shapes              # the same shapes: known
+    ran = {m.ran_as for m in second.modules() if isinstance(m, TTLinear)}
+    assert ran <= {LinearWay.PLANNED, LinearWay.THIN_PAIR, LinearWay.WHOLE_MATRIX, LinearWay.NATIVE_CHAIN}
+
+
+def test_measuring_leaves_no_gradient_and_no_side_effect():
+    layer = _layer()
+    x = torch.randn(64, 96, requires_grad=True)
+    y = layer(x)
+    assert measured.stats()["measured"] == 1
+    assert all(p.grad is None for p in layer.parameters()) and x.grad is None
+    y.sum().backward()
+    reference = _layer()
+    x2 = x.detach().clone().requires_grad_()
+    nn.functional.linear(x2, reference.weight(), reference.bias).sum().backward()
+    for p, q in zip(layer.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("context", ["no-grad", "deterministic", "switched off", "compiled"])
+def test_nothing_is_measured_where_the_choice_must_not_depend_on_timing(context):
+    layer = _layer()
+    layer.merge_in_inference = False
+    x = torch.randn(64, 96)
+    if context == "no-grad":
+        with torch.no_grad():
+            layer(x)
+    elif context == "deterministic":
+        before = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            layer(x)
+        finally:
+            torch.use_deterministic_algorithms(before)
+    elif context == "switched off":
+        with tuning.override(MEASURE_WAYS=False):
+            layer(x)
+    else:
+        torch._dynamo.reset()
+        torch.compile(layer, backend="eager", fullgraph=True)(x)
+    assert measured.stats()["measured"] == 0
+
+
+def test_the_disk_cache_serves_a_later_process(tmp_path):
+    with tuning.override(WAY_CACHE_DIR=str(tmp_path)):
+        layer = _layer()
+        layer(torch.randn(64, 96))
+        way = layer.ran_as
+        assert measured.stats()["measured"] == 1
+        files = list(tmp_path.glob("ways-*.json"))
+        assert len(files) == 1 and torch.__version__.replace("/", "_") in files[0].name
+        saved = json.loads(files[0].read_text())
+        assert way.value in saved["winners"].values()
+        measured.forget()                                   # a new process: memory empty
+        again = _layer(1)
+        again(torch.randn(64, 96))
+        assert measured.stats() == {"measured": 0, "hits": 1} and again.ran_as is way
+
+
+@pytest.mark.parametrize("content", [
+    "not json",
+    json.dumps({"format": 1, "winners": {"k": "__import__('os').system('x')"}}),
+    json.dumps({"format": 1, "winners": {"k" * 600: "thin pair"}}),
+    json.dumps({"format": 2, "winners": {}}),
+    json.dumps([1, 2, 3]),
+])
+def test_a_hostile_cache_file_is_refused_whole(tmp_path, content):
+    with tuning.override(WAY_CACHE_DIR=str(tmp_path)):
+        path = measured.cache_file()
+        path.write_text(content)
+        with pytest.warns(UserWarning, match="ignoring the measured-ways cache"):
+            _layer()(torch.randn(64, 96))
+        assert measured.stats()["measured"] == 1            # measured afresh, nothing taken from the file
+
+
+def test_an_oversized_cache_file_is_refused_before_it_is_read(tmp_path):
+    with tuning.override(WAY_CACHE_DIR=str(tmp_path)):
+        path = measured.cache_file()
+        with open(path, "wb") as f:
+            f.truncate(measured.MAX_FILE_BYTES + 1)
+        with pytest.warns(UserWarning, match="larger than"):
+            _layer()(torch.randn(64, 96))

@@ -1,0 +1,173 @@
+"""How a TTM embedding looks up a call's ids: its ways, as data, the one function that
+chooses, and the runners.
+
+A :class:`~tncompile.runtime.TTMEmbedding` returns the rows of its table one of
+:class:`LookupWay`'s ways, all equal in value. :func:`choose` is the decision for ids in
+the current context; :func:`run` is the layer's forward: it runs what the decision says
+and records it (``layer.ran_as``, the last eager call's way), which the report prints
+beside the TT linears' ways (:mod:`.linear`).
+"""
+from __future__ import annotations
+
+import enum
+import math
+
+import torch
+
+from ... import tuning
+from ..kernels.executor import autocast_state, same_autocast
+from ..kernels.tracing import exporting
+from ..kernels.traced_lookup import (check_ids, distinct_ids, gathered_product, gathered_product_backward, half_tables,
+                                     split_ids, ttm_lookup)
+from ..triton import runs_triton
+from ..triton.lookup_function import TritonLookup
+from ..triton.merge_factors import supports
+from .linear import record
+from .network import keeps_merged_forms
+from .rows import first_cpu_use
+
+__all__ = ["LookupWay", "choose", "choose_split", "choose_split_at", "run", "check_layer_ids", "GatheredProduct",
+           "require_int_ids"]
+
+
+class LookupWay(str, enum.Enum):
+    """One way a TTM embedding looks up ids (its ``value`` is what the report prints)."""
+
+    EXPORTED = "exported"                  # torch.export / ONNX: half tables merged in the graph, gathers + bmm
+    TRACED = "traced lookup"               # under torch.compile: the lookup as one opaque op each way
+    TRITON_LOOKUP = "triton lookup"        # tncompile's Triton gather from the two half tables
+    ONE_TABLE = "one table"                # a single core: the table itself, indexed
+    GATHERED_PRODUCT = "gathered product"  # the two half tables, rows gathered and multiplied per id
+
+
+def choose(layer, ids: torch.Tensor) -> LookupWay:
+    """The way ``layer`` looks up ``ids`` in the current context (reads the distinct ids:
+    a host sync, as the lookup itself)."""
+    if exporting():
+        return LookupWay.EXPORTED
+    if torch.compiler.is_compiling() and len(layer.layout.row_modes) > 1:
+        return LookupWay.TRACED
+    rows = int(torch.unique(ids.reshape(-1)).numel())
+    return choose_split(layer, choose_split_at(layer, rows))
+
+
+def choose_split_at(layer, rows: int) -> int:
+    """Where the network is split into two half tables for ``rows`` distinct ids (its
+    plan's split; 0: a single core)."""
+    return layer.plan_for(rows).split if len(layer.layout.row_modes) > 1 else 0
+
+
+def choose_split(layer, split: int) -> LookupWay:
+    """The way of an eager lookup split at ``split`` (:func:`choose_split_at`)."""
+    if tuning.TRITON_KERNELS and split and runs_triton(layer.cores[0]) \
+            and supports(split, len(layer.layout.row_modes)):
+        return LookupWay.TRITON_LOOKUP
+    return LookupWay.ONE_TABLE if len(layer.layout.row_modes) == 1 else LookupWay.GATHERED_PRODUCT
+
+
+def require_int_ids(ids: torch.Tensor) -> None:
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"TTMEmbedding expects integer ids, got {ids.dtype}")
+
+
+def check_layer_ids(layer, ids: torch.Tensor) -> None:
+    """Ids must be integers in ``[0, num_embeddings)`` (:func:`.traced_lookup.check_ids`:
+    a host read on CPU, a device-side assert elsewhere and while traced)."""
+    require_int_ids(ids)
+    check_ids(ids, layer.num_embeddings, host_read=not torch.compiler.is_compiling())
+
+
+def half_tables_of(layer, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``L[M_L, N_L, r]`` and ``R[M_R, r, N_R]``: merged now in a differentiable or traced
+    call, else the layer's kept pair (``layer.kept_half_tables``)."""
+    if keeps_merged_forms():
+        return layer.kept_half_tables(split)
+    return half_tables(layer.scaled_cores(), split)
+
+
+class GatheredProduct(torch.autograd.Function):
+    """``out[t] = L[i[t]] @ R[j[t]]`` with a backward that scatters into ``L`` and ``R``
+    (:func:`.traced_lookup.gathered_product`: one native kernel each way on CPU).
+
+    Shapes: ``L (M_L, N_L, r)``, ``R (M_R, r, N_R)``, ``i, j (T,)`` -> ``(T, N_L, N_R)``.
+    """
+
+    @staticmethod
+    def forward(ctx, left, right, i, j):
+        ctx.save_for_backward(left, right, i, j)
+        ctx.autocast = autocast_state(left.device.type)
+        return gathered_product(left, right, i, j)
+
+    @staticmethod
+    def backward(ctx, grad):
+        left, right, i, j = ctx.saved_tensors
+        with same_autocast(ctx.autocast):
+            g_left, g_right = gathered_product_backward(grad, left, right, i, j, ctx.needs_input_grad[0],
+                                                        ctx.needs_input_grad[1])
+        return g_left, g_right, None, None
+
+
+def run(layer, ids: torch.Tensor) -> torch.Tensor:
+    """``layer``'s lookup: integer ``ids (...)`` -> ``(..., embedding_dim)``, the way
+    :func:`choose` says."""
+    lay = layer.layout
+    if exporting():
+        return _exported(layer, ids)
+    if torch.compiler.is_compiling() and len(lay.row_modes) > 1:
+        return _traced(layer, ids)
+    layer._check_ids(ids)
+    first_cpu_use(ids)
+    flat = ids.reshape(-1).long()
+    lookup, inverse = distinct_ids(flat)
+    rows = lookup.shape[0]
+    split = choose_split_at(layer, rows)
+    way = choose_split(layer, split)
+    record(layer, way)
+    triton = way is LookupWay.TRITON_LOOKUP
+    if triton:  # padding positions send no gradient inside the kernel
+        out = TritonLookup.apply(layer, lookup, split, *layer.network_tensors())
+    elif way is LookupWay.ONE_TABLE:
+        table = layer.scaled_cores()[0].reshape(lay.row_modes[0], lay.col_modes[0])
+        out = table.index_select(0, lookup)
+    else:
+        left, right = half_tables_of(layer, split)
+        i_left, i_right = split_ids(lookup, math.prod(lay.row_modes[split:]))
+        out = GatheredProduct.apply(left, right, i_left, i_right).reshape(rows, lay.padded_cols)
+    if lay.padded_cols != lay.embedding_dim:
+        out = out[:, : lay.embedding_dim]
+    if inverse is not None:
+        out = out.index_select(0, inverse)
+    if layer.padding_idx is not None and not triton:  # the row's value, no gradient from these positions
+        out = torch.where((flat == layer.padding_idx).unsqueeze(-1), out.detach(), out)
+    return out.reshape(*ids.shape, lay.embedding_dim)
+
+
+def _exported(layer, ids: torch.Tensor) -> torch.Tensor:
+    """Under ``torch.export`` (and ONNX's exporter): the two half tables merged in the
+    graph at the network's narrowest bond, then two gathers and a ``bmm`` per id --
+    core ATen ops only, for any number of ids. Ids are not range-checked here (an
+    exported program has no host reads); the padding row is the row stored."""
+    require_int_ids(ids)
+    lay = layer.layout
+    flat = ids.reshape(-1).long()
+    cores = layer.scaled_cores()
+    if len(lay.row_modes) == 1:
+        out = cores[0].reshape(lay.row_modes[0], lay.col_modes[0]).index_select(0, flat)
+    else:
+        split = 1 + min(range(len(lay.ranks)), key=lambda k: lay.ranks[k])
+        left, right = half_tables(cores, split)
+        i_left, i_right = split_ids(flat, math.prod(lay.row_modes[split:]))
+        out = torch.bmm(left.index_select(0, i_left), right.index_select(0, i_right))
+        out = out.reshape(flat.shape[0], lay.padded_cols)
+    return out[:, : lay.embedding_dim].reshape(*ids.shape, lay.embedding_dim)
+
+
+def _traced(layer, ids: torch.Tensor) -> torch.Tensor:
+    """Under ``torch.compile``: the whole lookup as one opaque op each way
+    (``tncompile::ttm_lookup``, :mod:`.traced_lookup`), not ~8 inductor kernels."""
+    require_int_ids(ids)  # the range is checked inside the op, on real data
+    flat = ids.reshape(-1).long()
+    split = layer.plan_for(flat.shape[0]).split
+    out = ttm_lookup(flat, list(layer.cores._parameters.values()), list(layer.gates._parameters.values()), split,
+                     layer.num_embeddings, layer.embedding_dim, layer.padding_idx)[0]
+    return out.reshape(*ids.shape, layer.embedding_dim)

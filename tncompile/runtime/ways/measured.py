@@ -1,0 +1,209 @@
+"""The choice among ways that are all correct, measured on the device in use.
+
+The first time a layer's shape meets a bucket of rows in a differentiable eager call,
+each candidate way is timed forward and backward on that call's input (a detached copy;
+the gradients are returned by ``torch.autograd.grad``, never accumulated into ``.grad``),
+and the fastest is kept for every later call of the same shape: in this process, and,
+where ``tuning.WAY_CACHE_DIR`` names a folder, on disk for the next one -- keyed by the
+device, torch and tncompile versions, as inductor's autotuning cache is. Under
+``torch.compile``, ``torch.export``, a CUDA-graph capture, activation checkpointing or
+fake tensors nothing is measured: a known winner is used, else the cost model's prior.
+Under ``torch.use_deterministic_algorithms(True)`` the prior alone decides, so two runs
+take the same ways. In a process of several (``torch.distributed``) nothing is timed either
+(replicas must compute alike): winners come from the disk cache, else the prior. Timing
+draws its inputs from a generator of its own: the caller's random stream never moves.
+
+A cache file is data read from outside: it is refused whole (:class:`UserWarning`, then
+ignored) unless it is a JSON object of at most :data:`MAX_FILE_BYTES`, with at most
+:data:`MAX_ENTRIES` string keys of at most 512 characters whose values are way names the
+caller knows; nothing in it is ever run.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from ... import tuning
+from ..kernels.tracing import exporting
+
+__all__ = ["applies", "may_measure", "register_ways", "winner", "time_call", "record_winner", "stats", "forget", "cache_file", "MAX_ENTRIES", "MAX_FILE_BYTES"]
+
+MAX_FILE_BYTES = 4 << 20
+MAX_ENTRIES = 100_000
+_FORMAT = 1
+
+_WINNERS: dict[str, str] = {}           # key -> way value, this process
+_LOADED: set[str] = set()               # cache files read into _WINNERS
+_STATS = {"measured": 0, "hits": 0}
+_KNOWN: set[str] = set()                # every way a cache file may name (registered by the ops)
+
+
+def register_ways(values: Iterable[str]) -> None:
+    """Add the names of an op's measurable ways: what a cache file may hold."""
+    _KNOWN.update(values)
+
+
+def stats() -> dict[str, int]:
+    """How many shapes were measured in this process and how many calls found a winner."""
+    return dict(_STATS)
+
+
+def forget() -> None:
+    """Drop every winner known in memory (a disk cache is read again on next use)."""
+    _WINNERS.clear()
+    _LOADED.clear()
+    _STATS.update(measured=0, hits=0)
+
+
+def _saved_tensor_hooks_active() -> bool:
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooked = True if top is None else top(False) is not None
+    return hooked or torch._C._current_graph_task_id() != -1
+
+
+def applies(like: torch.Tensor) -> bool:
+    """Whether a call on tensors like ``like`` may use the measured choice: switched on,
+    differentiable, eager (not traced nor exported), on a real tensor, and not under
+    ``torch.use_deterministic_algorithms`` (a timing may differ between runs; the prior
+    does not)."""
+    return tuning.MEASURE_WAYS and torch.is_grad_enabled() and not torch.compiler.is_compiling() \
+        and not exporting() and like.device.type in ("cpu", "cuda") and type(like) is torch.Tensor \
+        and not torch.are_deterministic_algorithms_enabled()
+
+
+def may_measure(like: torch.Tensor) -> bool:
+    """Whether timing may run now: not inside a CUDA-graph capture or under saved-tensor
+    hooks (activation checkpointing must record the same ops when it recomputes)."""
+    if like.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return not _saved_tensor_hooks_active() and not _several_processes()
+
+
+def _several_processes() -> bool:
+    """Whether this process is one of several (``torch.distributed``): each would time for
+    itself and might choose differently, so replicas would no longer compute bit for bit
+    alike; they use known winners (a disk cache filled by one process) or the prior."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def device_name(device: torch.device) -> str:
+    """The device as the cache knows it: the GPU's name, or the CPU's model and threads."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}:{torch.get_num_threads()}t"
+
+
+def key_of(op: str, shape: tuple, like: torch.Tensor, rows: int, candidates: Iterable[str]) -> str:
+    """The cache's key: the op, its shape, the rows' bucket, the dtype (autocast's where on),
+    the device and the candidates compared."""
+    device = like.device
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else like.dtype
+    return "|".join((op, repr(shape), str(rows), str(dtype), device_name(device), ",".join(candidates)))
+
+
+def cache_file() -> Path | None:
+    """The disk cache of this device and versions, where ``tuning.WAY_CACHE_DIR`` is set."""
+    folder = tuning.WAY_CACHE_DIR
+    if not folder:
+        return None
+    version = _package_version()
+    tag = f"torch{torch.__version__}-tncompile{version}".replace("/", "_").replace(" ", "_")
+    return Path(folder) / f"ways-{tag}.json"
+
+
+def _package_version() -> str:
+    try:
+        from importlib.metadata import version  # noqa: PLC0415
+        return version("tncompile")
+    except Exception:  # noqa: BLE001 -- run from a source tree
+        return "source"
+
+
+def _read_disk(path: Path) -> None:
+    if str(path) in _LOADED:
+        return
+    _LOADED.add(str(path))
+    try:
+        if not path.is_file():
+            return
+        if path.stat().st_size > MAX_FILE_BYTES:
+            raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
+        data = json.loads(path.read_bytes())
+        if not isinstance(data, dict) or data.get("format") != _FORMAT or not isinstance(data.get("winners"), dict):
+            raise ValueError("not a tncompile ways cache")
+        winners = data["winners"]
+        if len(winners) > MAX_ENTRIES:
+            raise ValueError(f"more than {MAX_ENTRIES} entries")
+        for key, way in winners.items():
+            if not isinstance(key, str) or len(key) > 512 or not isinstance(way, str) or way not in _KNOWN:
+                raise ValueError(f"entry {str(key)[:80]!r} is not a known way")
+    except (OSError, ValueError) as err:
+        warnings.warn(f"tncompile: ignoring the measured-ways cache {path}: {err}", UserWarning, stacklevel=4)
+        return
+    for key, way in winners.items():
+        _WINNERS.setdefault(key, way)
+
+
+def _write_disk(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = json.dumps({"format": _FORMAT, "winners": _WINNERS}, sort_keys=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ways-")
+        with os.fdopen(fd, "w") as f:
+            f.write(payload)
+        os.replace(tmp, path)
+    except OSError as err:
+        warnings.warn(f"tncompile: could not write the measured-ways cache {path}: {err}", UserWarning, stacklevel=4)
+
+
+def winner(key: str, candidates: tuple[str, ...], time_way: Callable[[str], float], like: torch.Tensor) -> str | None:
+    """The fastest of ``candidates`` for ``key``: known (memory, then disk), or measured
+    now with ``time_way(way) -> seconds`` where timing may run; else ``None``."""
+    got = _WINNERS.get(key)
+    path = cache_file()
+    if got is None and path is not None:
+        _read_disk(path)
+        got = _WINNERS.get(key)
+    if got is not None:
+        _STATS["hits"] += 1
+        return got
+    if len(candidates) == 1:
+        return candidates[0]
+    if not may_measure(like):
+        return None
+    times = {way: time_way(way) for way in candidates}
+    got = min(candidates, key=times.__getitem__)
+    record_winner(key, got)
+    _STATS["measured"] += 1
+    return got
+
+
+def record_winner(key: str, way: str) -> None:
+    """Keep ``way`` as ``key``'s winner (and write the disk cache where one is set)."""
+    _WINNERS[key] = way
+    path = cache_file()
+    if path is not None:
+        _write_disk(path)
+
+
+def time_call(fn: Callable[[], None], device: torch.device) -> float:
+    """Seconds of ``fn``'s fastest run of ``tuning.MEASURE_REPEATS`` after one warm-up."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(max(1, tuning.MEASURE_REPEATS)):
+        start = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    return best
