@@ -145,3 +145,41 @@ def test_an_oversized_cache_file_is_refused_before_it_is_read(tmp_path):
             f.truncate(measured.MAX_FILE_BYTES + 1)
         with pytest.warns(UserWarning, match="larger than"):
             _layer()(torch.randn(64, 96))
+
+
+def test_a_checkpoint_carries_the_winners_and_resume_takes_them(tmp_path, monkeypatch):
+    """A resumed run continues bit for bit: it takes the ways the saved run took, measured
+    on another process or machine, over any of its own; ``restore_rng=False`` keeps its own."""
+    x = torch.randn(200, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = tncompile.compile(mlp((32, 64, 64, 8)), target_ratio=0.5)
+        compiled(x).sum().backward()
+        layers = [m for m in compiled.modules() if isinstance(m, TTLinear)]
+        taken = {id(m): m.ran_as for m in layers}
+        saved = measured.snapshot()
+        assert saved
+        opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+        tncompile.save(compiled, tmp_path / "ckpt.tnc", optimizer=opt)
+        # a new process whose own timing would choose otherwise
+        measured.forget()
+        other = {k: (LinearWay.PLANNED.value if v != LinearWay.PLANNED.value else LinearWay.THIN_PAIR.value)
+                 for k, v in saved.items()}
+        measured.install(other)
+        loaded = tncompile.load(tmp_path / "ckpt.tnc", model=mlp((32, 64, 64, 8)))
+        opt2 = torch.optim.SGD(loaded.parameters(), lr=0.1)
+        tncompile.resume(loaded, opt2)
+        loaded(x).sum().backward()
+    assert measured.snapshot() == saved and measured.stats()["measured"] == 0
+    again = [m for m in loaded.modules() if isinstance(m, TTLinear)]
+    assert [m.ran_as for m in again] == [taken[id(m)] for m in layers]
+
+
+def test_a_checkpoint_naming_an_unknown_way_is_refused(tmp_path):
+    from tncompile.errors import ModelFileError
+    from tncompile.train.checkpoint import check_training_state
+    state = {"extra": None, "optimizer": None, "controller": None, "rng": None, "ways": {"k": "rm -rf"}}
+    with pytest.raises(ModelFileError, match="measured ways"):
+        check_training_state(state, "ckpt")
+    state["ways"] = None
+    assert check_training_state(state, "ckpt") is state

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..result.model_api import is_compressed
+from ..runtime.ways import measured
 from ..errors import ModelFileError, is_int
 
 __all__ = ["resume", "training_state", "check_training_state", "param_names"]
@@ -18,8 +19,10 @@ __all__ = ["resume", "training_state", "check_training_state", "param_names"]
 
 def training_state(compiled: nn.Module, optimizer: torch.optim.Optimizer | None, controller, extra: Any,
                    rng: bool) -> dict[str, Any] | None:
-    """``{"extra", "optimizer", "controller", "rng"}`` as plain data and tensors (``None`` when
-    there is nothing to keep); the optimizer's state is keyed by parameter name."""
+    """``{"extra", "optimizer", "controller", "rng", "ways"}`` as plain data and tensors (``None``
+    when there is nothing to keep); the optimizer's state is keyed by parameter name; with
+    ``rng``, ``ways`` holds the measured ways' winners (:mod:`~tncompile.runtime.ways.measured`),
+    so a resumed run takes the ways this one took and continues bit for bit."""
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"tncompile.save: optimizer must be a torch.optim.Optimizer, got "
                         f"{type(optimizer).__name__} {optimizer!r}")
@@ -27,13 +30,14 @@ def training_state(compiled: nn.Module, optimizer: torch.optim.Optimizer | None,
         raise TypeError(f"tncompile.save: controller must be a RankController, got {type(controller).__name__}")
     if optimizer is None and controller is None and extra is None and not rng:
         return None
-    state: dict[str, Any] = {"extra": extra, "optimizer": None, "controller": None, "rng": None}
+    state: dict[str, Any] = {"extra": extra, "optimizer": None, "controller": None, "rng": None, "ways": None}
     if optimizer is not None:
         state["optimizer"] = {"class": type(optimizer).__name__, "names": param_names(compiled, optimizer),
                               "state": optimizer.state_dict()}
     if controller is not None:
         state["controller"] = controller.state_dict()
     if rng:
+        state["ways"] = measured.snapshot()
         state["rng"] = {"cpu": torch.get_rng_state(),
                         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None}
     return state
@@ -45,8 +49,13 @@ def check_training_state(state: Any, where: str, values: bool = False) -> dict[s
     controller's by its ``load_state_dict``); else ``ModelFileError``. Its tensors may be
     specs (dtype and shape) or, with ``values``, the tensors, whose random states are then
     checked to be ones a generator takes."""
-    if not isinstance(state, dict) or set(state) != {"extra", "optimizer", "controller", "rng"}:
-        raise ModelFileError(f"{where}: the training state must hold extra, optimizer, controller and rng")
+    if not isinstance(state, dict) or set(state) not in (_KEYS, _KEYS | {"ways"}):
+        raise ModelFileError(f"{where}: the training state must hold extra, optimizer, controller, rng and ways")
+    try:
+        if state.get("ways") is not None:
+            measured.check_winners(state["ways"])
+    except ValueError as e:
+        raise ModelFileError(f"{where}: the measured ways: {e}") from e
     opt = state["optimizer"]
     if opt is not None and not (isinstance(opt, dict) and set(opt) == {"class", "names", "state"}
                                 and isinstance(opt["class"], str) and isinstance(opt["state"], dict)
@@ -75,6 +84,9 @@ def check_training_state(state: Any, where: str, values: bool = False) -> dict[s
             except RuntimeError as e:
                 raise ModelFileError(f"{where}: a saved random state is not one a generator takes ({e})") from e
     return state
+
+
+_KEYS = {"extra", "optimizer", "controller", "rng"}   # a checkpoint written before "ways" lacks it
 
 
 def _generator_state(t: Any) -> bool:
@@ -142,6 +154,8 @@ def resume(compiled: nn.Module, optimizer: torch.optim.Optimizer | None = None, 
             controller.load_state_dict(state["controller"])
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ModelFileError(f"the checkpoint's controller state is malformed ({e})") from e
+    if restore_rng and state.get("ways"):
+        measured.install(state["ways"])   # the ways the saved run took: the same arithmetic from here
     if restore_rng and state["rng"] is not None:
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] is not None and torch.cuda.is_available():

@@ -111,7 +111,7 @@ def _measured_way(layer, like: torch.Tensor, rows: int, native) -> LinearWay | N
     needs_grad = any(p.requires_grad for p in layer.network_tensors())
     cache = choice_cache(layer, "_measured_choice")
     local = (bucket_of(rows), lay.ranks, like.dtype, like.device, torch.is_autocast_enabled(like.device.type),
-             needs_grad, native is not None, tuning.MEASURE_WAYS)
+             needs_grad, native is not None, tuning.MEASURE_WAYS, measured.generation())
     got = cache.get(local)
     if got is not None:
         return got

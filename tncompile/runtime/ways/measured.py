@@ -34,7 +34,7 @@ import torch
 from ... import tuning
 from ..kernels.tracing import exporting
 
-__all__ = ["applies", "may_measure", "register_ways", "winner", "time_call", "record_winner", "stats", "forget", "cache_file", "MAX_ENTRIES", "MAX_FILE_BYTES"]
+__all__ = ["applies", "may_measure", "snapshot", "install", "check_winners", "register_ways", "winner", "time_call", "record_winner", "stats", "forget", "cache_file", "MAX_ENTRIES", "MAX_FILE_BYTES"]
 
 MAX_FILE_BYTES = 4 << 20
 MAX_ENTRIES = 100_000
@@ -43,6 +43,7 @@ _FORMAT = 1
 _WINNERS: dict[str, str] = {}           # key -> way value, this process
 _LOADED: set[str] = set()               # cache files read into _WINNERS
 _STATS = {"measured": 0, "hits": 0}
+_GENERATION = [0]
 _KNOWN: set[str] = set()                # every way a cache file may name (registered by the ops)
 
 
@@ -60,6 +61,7 @@ def forget() -> None:
     """Drop every winner known in memory (a disk cache is read again on next use)."""
     _WINNERS.clear()
     _LOADED.clear()
+    _GENERATION[0] += 1
     _STATS.update(measured=0, hits=0)
 
 
@@ -140,17 +142,44 @@ def _read_disk(path: Path) -> None:
         data = json.loads(path.read_bytes())
         if not isinstance(data, dict) or data.get("format") != _FORMAT or not isinstance(data.get("winners"), dict):
             raise ValueError("not a tncompile ways cache")
-        winners = data["winners"]
-        if len(winners) > MAX_ENTRIES:
-            raise ValueError(f"more than {MAX_ENTRIES} entries")
-        for key, way in winners.items():
-            if not isinstance(key, str) or len(key) > 512 or not isinstance(way, str) or way not in _KNOWN:
-                raise ValueError(f"entry {str(key)[:80]!r} is not a known way")
+        winners = check_winners(data["winners"])
     except (OSError, ValueError) as err:
         warnings.warn(f"tncompile: ignoring the measured-ways cache {path}: {err}", UserWarning, stacklevel=4)
         return
     for key, way in winners.items():
         _WINNERS.setdefault(key, way)
+
+
+def check_winners(winners) -> dict[str, str]:
+    """``winners`` if it is a dict of at most :data:`MAX_ENTRIES` string keys of at most 512
+    characters, each naming a way tncompile knows; else ``ValueError``."""
+    if not isinstance(winners, dict):
+        raise ValueError("the winners must be a dict of way names")
+    if len(winners) > MAX_ENTRIES:
+        raise ValueError(f"more than {MAX_ENTRIES} entries")
+    for key, way in winners.items():
+        if not isinstance(key, str) or len(key) > 512 or not isinstance(way, str) or way not in _KNOWN:
+            raise ValueError(f"entry {str(key)[:80]!r} is not a known way")
+    return winners
+
+
+def snapshot() -> dict[str, str]:
+    """The winners this process knows (what a checkpoint keeps, so a resumed run takes the
+    same ways and continues bit for bit)."""
+    return dict(_WINNERS)
+
+
+def install(winners: dict[str, str]) -> None:
+    """Take ``winners`` (checked: :func:`check_winners`) over any known for the same keys,
+    and forget every layer's cached choice made from others (``layer._measured_choice`` is
+    keyed by the settings below; a new generation starts them afresh)."""
+    _WINNERS.update(check_winners(winners))
+    _GENERATION[0] += 1
+
+
+def generation() -> int:
+    """Moves whenever winners are installed from outside: layers' cached choices key on it."""
+    return _GENERATION[0]
 
 
 def _write_disk(path: Path) -> None:
