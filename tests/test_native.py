@@ -236,6 +236,7 @@ def test_tt_linear_chain_at_few_rows_matches_planned_and_dense(ops, monkeypatch,
 
     monkeypatch.setattr(tt_chain, "kernels_for", lambda t: Spy())
     monkeypatch.setattr(tuning, "CHAIN_FLOP_FLOOR", 1 << 40)  # these small layers: always the chain
+    monkeypatch.setattr(tuning, "MEASURE_WAYS", False)  # ... by the prior (not whichever is timed faster)
 
     def run(chain: bool):
         monkeypatch.setattr(tuning, "CHAIN_ROWS", 2 if chain else 0)
@@ -265,6 +266,7 @@ def test_chain_only_for_few_rows_and_rejects_bad_cores(ops, monkeypatch):
     layer = TTLinear(TTLayout.for_shape(24, 24, 2).with_ranks(3))
     calls = []
     monkeypatch.setattr(tt_chain, "kernels_for", lambda t: calls.append(t.shape) or ops)
+    monkeypatch.setattr(tuning, "MEASURE_WAYS", False)  # the prior's choice: the chain at one row
     layer(torch.randn(tuning.CHAIN_ROWS + 1, 24))
     assert calls == []
     layer(torch.randn(1, 24))

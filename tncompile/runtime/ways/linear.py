@@ -92,29 +92,30 @@ def decide_rows(layer, like: torch.Tensor, rows: int, settle_merged: bool = True
     then kept); where nothing may be measured and nothing is known, the cost model's prior."""
     if tuning.TRITON_KERNELS and runs_triton(like):
         return LinearWay.TRITON_PAIR, None
+    if rows and measured.applies(like):
+        cache = choice_cache(layer, "_measured_choice")
+        first = next(iter(layer.cores._parameters.values()))
+        local = (rows, layer.layout.ranks, like.dtype, like.device, torch.is_autocast_enabled(like.device.type),
+                 first.requires_grad, measured.generation(), tuning.CHAIN_ROWS)
+        won = cache.get(local)
+        if won is not None:
+            return won, (chain_available(like, rows) if won is LinearWay.NATIVE_CHAIN else None)
+        won, native = _measured_way(layer, like, rows, first.requires_grad)
+        if won is not None:
+            cache[local] = won
+            return won, (native if won is LinearWay.NATIVE_CHAIN else None)
     ops = chain_kernels(like, layer.layout, layer.plan_for, rows, choice_cache(layer, "_chain_choice"))
     plan = layer.plan_for(rows)
     grouped = layer.__dict__.get("_factor_peers") is not None and tuning.GROUP_FACTORS \
         and not torch.compiler.is_compiling()
-    if rows and measured.applies(like):
-        native = ops if ops is not None else chain_available(like, rows)
-        won = _measured_way(layer, like, rows, native)
-        if won is not None:
-            return won, (native if won is LinearWay.NATIVE_CHAIN else None)
     return _prior(layer, like, plan, ops, grouped, settle_merged)
 
 
-def _measured_way(layer, like: torch.Tensor, rows: int, native) -> LinearWay | None:
-    """The measured winner among the row ways for ``rows`` rows (cached per layer: a dict
-    lookup after the first call), or ``None`` where none is known and none may be timed."""
+def _measured_way(layer, like: torch.Tensor, rows: int, needs_grad: bool):
+    """The measured winner among the row ways that apply for ``rows`` rows (``None`` where
+    none is known and none may be timed), and the native chain's ops where it applies."""
     lay = layer.layout
-    needs_grad = any(p.requires_grad for p in layer.network_tensors())
-    cache = choice_cache(layer, "_measured_choice")
-    local = (bucket_of(rows), lay.ranks, like.dtype, like.device, torch.is_autocast_enabled(like.device.type),
-             needs_grad, native is not None, tuning.MEASURE_WAYS, measured.generation())
-    got = cache.get(local)
-    if got is not None:
-        return got
+    native = chain_available(like, rows)
     padded_in, padded_out = math.prod(lay.in_modes), math.prod(lay.out_modes)
     ways = [LinearWay.PLANNED, LinearWay.THIN_PAIR]
     if padded_in * padded_out <= rows * (padded_in + padded_out):  # W holds no more than the rows in and out
@@ -125,10 +126,7 @@ def _measured_way(layer, like: torch.Tensor, rows: int, native) -> LinearWay | N
     shape = (tuple(lay.in_modes), tuple(lay.out_modes), tuple(lay.ranks), layer.bias is not None, needs_grad)
     key = measured.key_of("tt_linear", shape, like, bucket_of(rows), candidates)
     won = measured.winner(key, candidates, _timer(layer, like, rows, native, needs_grad), like)
-    if won is None:
-        return None
-    got = cache[local] = LinearWay(won)
-    return got
+    return (None if won is None else LinearWay(won)), native
 
 
 def _timer(layer, like: torch.Tensor, rows: int, native, needs_grad: bool):
