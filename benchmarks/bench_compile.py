@@ -13,7 +13,7 @@ import time
 import torch
 
 import tncompile
-from tncompile.zoo import six_encoder
+from tncompile.testing import six_encoder
 
 from common import machine, parser, write_json
 

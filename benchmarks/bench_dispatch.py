@@ -41,7 +41,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import tncompile  # noqa: E402
 from tncompile import tuning  # noqa: E402
 from tncompile.planning import REFERENCE, DeviceSpeed  # noqa: E402
-from tncompile.zoo import six_encoder  # noqa: E402
+from tncompile.testing import six_encoder  # noqa: E402
 
 from common import cut_every_layer, machine, parser, write_json  # noqa: E402
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 import tncompile
 from tncompile.distributed import DistributedModel, shard
-from tncompile.zoo import six_encoder, small_encoder
+from tncompile.testing import six_encoder, small_encoder
 
 from common import machine, parser, write_json
 

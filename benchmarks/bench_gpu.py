@@ -67,7 +67,7 @@ from tncompile import tuning
 from tncompile.train import TrainStep
 from tncompile.runtime import TTLinear
 from tncompile.runtime.triton import runs_triton, thin_pair_train
-from tncompile.zoo import six_encoder
+from tncompile.testing import six_encoder
 
 from common import RESULTS, galore_optimizer, interleaved_ms, machine, parser
 

@@ -35,7 +35,7 @@ from torch.profiler import ProfilerActivity, profile
 import tncompile
 from tncompile import tuning
 from tncompile.train import TrainStep
-from tncompile.zoo import six_encoder
+from tncompile.testing import six_encoder
 
 from common import cut_every_layer, machine, parser, write_json
 

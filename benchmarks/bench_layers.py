@@ -144,7 +144,7 @@ def bench_six_encoder(batch: int, reps: int) -> dict:
     its fusion differ from dense), and without ``fuse_siblings`` (what one pass
     over the q/k/v projections' shared input gains)."""
     import tncompile
-    from tncompile.zoo import six_encoder
+    from tncompile.testing import six_encoder
     torch.manual_seed(0)
     dense = six_encoder()
     example = (torch.randint(1, 30522, (2, 128)),)

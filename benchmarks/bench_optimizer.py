@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 import tncompile
-from tncompile.zoo import six_encoder
+from tncompile.testing import six_encoder
 
 from common import interleaved_ms, machine, parser, write_json
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 import tncompile
 from tncompile.train import TrainStep
 from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
-from tncompile.zoo import six_encoder
+from tncompile.testing import six_encoder
 
 from common import galore_optimizer, machine, parser, write_json
 

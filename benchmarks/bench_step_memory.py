@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 import tncompile
 from tncompile.runtime.kernels.cpu_allocator import release_freed_memory, retain_freed_memory
-from tncompile.zoo import six_encoder
+from tncompile.testing import six_encoder
 
 from common import machine, parser, write_json
 

@@ -31,7 +31,7 @@ import tncompile
 from tncompile.runtime import TTLinear
 from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
 from tncompile.train import TrainStep
-from tncompile.zoo import six_encoder
+from tncompile.testing import six_encoder
 
 from common import interleaved_ms, machine, parser, write_json
 

@@ -17,7 +17,7 @@ import torch
 
 import tncompile
 from tncompile.passes import PendingLayer
-from tncompile.zoo import small_encoder
+from tncompile.testing import small_encoder
 
 
 class EveryOtherBlock(tncompile.Pass):

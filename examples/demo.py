@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 import tncompile
 from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
-from tncompile.zoo import six_encoder, small_encoder
+from tncompile.testing import six_encoder, small_encoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paths import DATA_ENV, data_dir, out_dir  # noqa: E402

@@ -36,7 +36,7 @@ from tqdm.auto import tqdm
 
 import tncompile
 from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
-from tncompile.zoo import SixEncoder
+from tncompile.testing import SixEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paths import DATA_ENV, data_dir, out_dir  # noqa: E402

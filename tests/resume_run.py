@@ -11,7 +11,7 @@ import sys
 import torch
 
 import tncompile
-from tncompile.zoo import small_encoder
+from tncompile.testing import small_encoder
 
 EARLY, LATE, SAVE_AT = 5, 6, 6
 

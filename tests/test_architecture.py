@@ -19,7 +19,7 @@ LAYERS = [
     ("compile", ("tncompile.frontend", "tncompile.options", "tncompile.passes", "tncompile.calibration")),
     ("product", ("tncompile.result", "tncompile.swap", "tncompile.api")),
     ("train", ("tncompile.train", "tncompile.distributed", "tncompile.integrations", "tncompile.serialization")),
-    ("entry", ("tncompile", "tncompile.cli", "tncompile.__main__", "tncompile.zoo")),
+    ("entry", ("tncompile", "tncompile.cli", "tncompile.__main__", "tncompile.testing")),
 ]
 
 
@@ -127,7 +127,7 @@ def test_sources_compile_without_warnings():
 
 
 #: the modules at the package's top (issue 43): everything else lives in a stage's folder
-TOP_LEVEL = {"__init__", "__main__", "api", "cli", "distributed", "errors", "options", "tuning", "zoo"}
+TOP_LEVEL = {"__init__", "__main__", "api", "cli", "distributed", "errors", "options", "tuning"}
 
 
 def test_the_top_level_holds_at_most_ten_modules():
@@ -275,10 +275,14 @@ def test_serialization_reads_in_one_sitting():
     brought it to ~840, hence under 900; what bounds a hostile file before it costs -- the
     reader of the safetensors bytes (``tensor_file``: safetensors' own parser can be neither
     bounded before it parses nor read lazily through one open handle) and the caller-state
-    guard -- is counted apart, under 200."""
+    guard -- is counted apart, under 200, and so is a checkpoint's training state with
+    ``resume`` (``checkpoint``, moved from ``train/`` by issue 54), under 200."""
     bounds = {"tensor_file.py", "caller_state.py"}
+    apart = bounds | {"checkpoint.py"}
     files = list((PACKAGE / "serialization").glob("*.py"))
-    total = sum(code_lines(p) for p in files if p.name not in bounds)
+    total = sum(code_lines(p) for p in files if p.name not in apart)
     guard = sum(code_lines(p) for p in files if p.name in bounds)
+    training = code_lines(PACKAGE / "serialization" / "checkpoint.py")
     assert 300 < total < 900, f"serialization/ is {total} lines of code"  # 300: the count itself works
     assert 100 < guard < 200, f"the bounded reader and the state guard are {guard} lines of code"
+    assert 50 < training < 200, f"the training state and resume are {training} lines of code"

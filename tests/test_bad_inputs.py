@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tncompile
-from tncompile.zoo import mlp
+from tncompile.testing import mlp
 
 
 class EmbedThenLinear(nn.Module):

@@ -23,7 +23,7 @@ import torch
 import tncompile
 from tncompile import ModelFileError
 from tncompile.serialization.tensor_file import MAX_HEADER_BYTES, MAX_TENSORS, open_tensor_file
-from tncompile.zoo import mlp, small_encoder
+from tncompile.testing import mlp, small_encoder
 
 from test_file_attacks import _parts, _reseal, base  # noqa: F401 -- base is a fixture; _reseal edits and reseals
 
@@ -53,7 +53,7 @@ def _run_bounded(code: str, timeout: float = 120) -> dict:
     peak resident memory over what the interpreter had before the code's ``LOAD`` part."""
     script = textwrap.dedent("""
         import json, resource, sys, time
-        import torch, tncompile, tncompile.zoo
+        import torch, tncompile, tncompile.testing
         def peak_mb():
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     """) + textwrap.dedent(code)
@@ -84,7 +84,7 @@ def test_an_empty_example_input_with_a_huge_dimension_is_refused(checkpoint, tmp
     bad = _reseal(checkpoint, tmp_path / "bad.tnc", lambda m, t: (
         t.update({"tncompile/example.0": torch.zeros(0, 2**31)}),
         m.update(example_inputs={"$tuple": [{"$tuple": [{"$tensor": "tncompile/example.0"}]}, {}]})))
-    report = _run_bounded(_refusal_report(bad, "tncompile.zoo.mlp((64, 128, 64, 10))"))
+    report = _run_bounded(_refusal_report(bad, "tncompile.testing.mlp((64, 128, 64, 10))"))
     assert report["refused"] and "pass example_inputs=" in report["refused"], report
     assert report["seconds"] < 5 and report["grew_mb"] < 200, report
 
@@ -94,7 +94,7 @@ def test_example_inputs_at_the_bound_are_traced_on_fake_tensors(encoder_file, tm
     inputs are traced on fake tensors, so the model loads in a few hundred MB at most."""
     ids = torch.randint(1, 1000, (128, 512))
     big = _reseal(encoder_file, tmp_path / "big.tnc", lambda m, t: t.update({"tncompile/example.0": ids}))
-    report = _run_bounded(_refusal_report(big, "tncompile.zoo.small_encoder(max_len=512)"))
+    report = _run_bounded(_refusal_report(big, "tncompile.testing.small_encoder(max_len=512)"))
     assert report["refused"] is None, report
     assert report["grew_mb"] < 400 and report["seconds"] < 30, report
     loaded = tncompile.load(big, model=small_encoder(max_len=512))
@@ -146,7 +146,7 @@ def test_a_header_of_many_empty_tensors_is_refused_before_it_is_parsed(tmp_path)
         entries = ",".join(f'"t{i}":{{"dtype":"F32","shape":[0],"data_offsets":[0,0]}}' for i in range(count))
         header = ('{"__metadata__":{"format":"tncompile","version":"3"},' + entries + "}").encode()
         (tmp_path / name).write_bytes(struct.pack("<Q", len(header)) + header)
-        report = _run_bounded(_refusal_report(tmp_path / name, "tncompile.zoo.mlp((64, 128, 64, 10))"))
+        report = _run_bounded(_refusal_report(tmp_path / name, "tncompile.testing.mlp((64, 128, 64, 10))"))
         assert report["refused"] and ("tensors" in report["refused"] or "header of" in report["refused"]), report
         assert report["seconds"] < 3 and report["grew_mb"] < 100, report
     assert len(header) > MAX_HEADER_BYTES
@@ -186,7 +186,7 @@ def test_a_sparse_gigabyte_file_costs_no_memory_before_it_is_refused(checkpoint,
     dense_weight = next(n for n in manifest["state"]["names"] if n.endswith("bias"))
     claimed = _sparse_file(tmp_path / "claimed.tnc", manifest, {**specs, dense_weight: ("F32", [2**28])}, seal=True)
     for path, says in ((unnamed, "in no part of the manifest"), (claimed, "in the file")):
-        report = _run_bounded(_refusal_report(path, "tncompile.zoo.mlp((64, 128, 64, 10))"))
+        report = _run_bounded(_refusal_report(path, "tncompile.testing.mlp((64, 128, 64, 10))"))
         assert report["refused"] and says in report["refused"], report
         assert report["grew_mb"] < 200 and report["seconds"] < 3, report  # refused before it is hashed
 
@@ -194,7 +194,7 @@ def test_a_sparse_gigabyte_file_costs_no_memory_before_it_is_refused(checkpoint,
 def test_a_fifo_as_the_model_file_is_refused_without_blocking(tmp_path):
     fifo = tmp_path / "model.tnc"
     os.mkfifo(fifo)
-    report = _run_bounded(_refusal_report(fifo, "tncompile.zoo.mlp((64, 128, 64, 10))"), timeout=60)
+    report = _run_bounded(_refusal_report(fifo, "tncompile.testing.mlp((64, 128, 64, 10))"), timeout=60)
     assert report["refused"] and "not a regular file" in report["refused"], report
 
 

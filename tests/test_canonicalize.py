@@ -9,7 +9,7 @@ import tncompile
 from tncompile.ir import InputSpec, Program
 from tncompile.passes import Canonicalize, Pat, Pipeline, Rule, apply_rules
 from tncompile.runtime.fused.dropout import FastDropout, dropout
-from tncompile.zoo import mlp, small_encoder
+from tncompile.testing import mlp, small_encoder
 
 aten = torch.ops.aten
 

@@ -8,7 +8,7 @@ from torch import nn
 
 import tncompile
 from tncompile.runtime import TTLinear, TTMEmbedding
-from tncompile.zoo import mlp, small_encoder, six_encoder
+from tncompile.testing import mlp, small_encoder, six_encoder
 
 
 def _snapshot(model):

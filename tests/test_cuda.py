@@ -19,7 +19,7 @@ from tncompile.formats import TTLayout, TTMLayout
 from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
 from tncompile.runtime.fused.attention import FusedAttention
 from tncompile.train import TrainStep
-from tncompile.zoo import SixEncoder, mlp, small_encoder
+from tncompile.testing import SixEncoder, mlp, small_encoder
 
 pytestmark = pytest.mark.cuda
 f64 = torch.float64

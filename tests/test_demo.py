@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import tncompile
-from tncompile.zoo import small_encoder
+from tncompile.testing import small_encoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 demo = pytest.importorskip("demo")

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 import tncompile
 from tncompile.distributed import DistributedModel, RankMismatchError
-from tncompile.zoo import mlp, small_encoder
+from tncompile.testing import mlp, small_encoder
 
 WORLD = 2
 STEPS = 24
@@ -144,7 +144,7 @@ def _every_runtime_path(rank: int, out: Path) -> dict:
     """The six-encoder (TTM lookups, fused feed-forward blocks over 256 rows, native
     dropout, planned executor) and an MLP over 4 rows (the native chain): replicas
     identical at every step through cuts and the stage switch."""
-    from tncompile.zoo import small_encoder
+    from tncompile.testing import small_encoder
     torch.manual_seed(0)
     encoder = tncompile.compile(small_encoder(max_len=64), target_ratio=0.3, init="random")
     tiny = tncompile.compile(mlp((64, 256, 256, 10)), target_ratio=0.3)
@@ -180,7 +180,7 @@ def _cut_run(rank: int, model: str, wrap) -> dict:
     """Train with rank cuts through ``wrap(compiled)``; the full weights after every step."""
     from torch.distributed.tensor import DTensor
 
-    from tncompile.zoo import small_encoder
+    from tncompile.testing import small_encoder
     if model == "mlp":
         compiled, opt, ctl = _setup()
         batches = _batches(rank)
@@ -436,7 +436,7 @@ def _fsdp2_kept_forms(rank: int, out: Path) -> dict:
     after each update of its shards its outputs without autograd (merged forms kept by the
     layers, made from the gathered tensors) equal its outputs with autograd (contracted afresh)."""
     from tncompile.distributed import shard
-    from tncompile.zoo import small_encoder
+    from tncompile.testing import small_encoder
     torch.manual_seed(0)
     compiled = tncompile.compile(small_encoder(max_len=16), target_ratio=0.3)
     shard(compiled, units="blocks")

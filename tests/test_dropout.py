@@ -10,7 +10,7 @@ import tncompile
 from tncompile.runtime.fused import dropout as dropout_mod
 from tncompile.runtime.fused.dropout import FastDropout, dropout
 from tncompile.runtime.native import native_kernels
-from tncompile.zoo import small_encoder
+from tncompile.testing import small_encoder
 
 
 @pytest.fixture

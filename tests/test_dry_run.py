@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import tncompile
 from tncompile.runtime import TTMEmbedding
 from tncompile.train import CaptureError, dry_run
-from tncompile.zoo import six_encoder, small_encoder
+from tncompile.testing import six_encoder, small_encoder
 
 pytestmark = pytest.mark.filterwarnings("ignore:User provided device_type of 'cuda'")
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import tncompile
-from tncompile.zoo import mlp, small_encoder
+from tncompile.testing import mlp, small_encoder
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from torch import nn
 
 import tncompile
 from tncompile.runtime import TTLinear, TTMEmbedding, TTMEmbeddingBag, TTMTiedLinear
-from tncompile.zoo import mlp
+from tncompile.testing import mlp
 
 transformers = pytest.importorskip("transformers")
 BATCH = torch.export.Dim("batch", min=1, max=64)

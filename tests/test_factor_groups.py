@@ -11,7 +11,7 @@ from torch.profiler import ProfilerActivity, profile
 import tncompile
 from tncompile import tuning
 from tncompile.formats import TTLayout
-from tncompile.formats.decompose import tt_factors
+from tncompile.formats.factorization import tt_factors
 from tncompile.formats.indices import BATCH, planner_problem
 from tncompile.passes import replan_module
 from tncompile.passes.truncate_ranks import cut_ranks

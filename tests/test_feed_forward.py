@@ -12,7 +12,7 @@ from tncompile.runtime import TTLinear
 from tncompile.runtime.fused import feed_forward
 from tncompile.runtime.fused.feed_forward import ACTIVATIONS, tt_feed_forward, uses_fused_kernel
 from tncompile.runtime.native import native_kernels
-from tncompile.zoo import small_encoder
+from tncompile.testing import small_encoder
 
 f64 = torch.float64
 

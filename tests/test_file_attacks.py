@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 import tncompile
 from tncompile import ModelFileError, ModelMismatchError
 from tncompile.serialization.container import digest
-from tncompile.zoo import mlp
+from tncompile.testing import mlp
 
 transformers = pytest.importorskip("transformers")
 

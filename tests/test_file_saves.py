@@ -14,7 +14,7 @@ import torch
 
 import tncompile
 from tncompile.serialization import container
-from tncompile.zoo import mlp
+from tncompile.testing import mlp
 
 _HOLD_LOCK = """
 import fcntl, os, sys, time

@@ -107,7 +107,7 @@ def test_random_init_matches_dense_variance(layout, var):
 
 
 def test_randomized_truncation_close_to_exact_and_rng_untouched(monkeypatch):
-    import tncompile.formats.decompose as dec
+    import tncompile.formats.factorization as dec
     w = torch.randn(256, 48, dtype=torch.float64) @ torch.randn(48, 512, dtype=torch.float64)
     lay = TTLayout.for_shape(512, 256, 2).with_ranks(6)  # bond bound 512: randomized path
     state = torch.random.get_rng_state()

@@ -9,7 +9,7 @@ from torch import nn
 import tncompile
 from tncompile.runtime.fused.attention import FusedAttention
 from tncompile.runtime.fused.dropout import FastDropout
-from tncompile.zoo import SixEncoder
+from tncompile.testing import SixEncoder
 
 f64 = torch.float64
 

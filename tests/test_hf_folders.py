@@ -451,7 +451,7 @@ def test_a_folder_loaded_onto_another_class_names_the_saved_one(bert_folder):
 
 
 def test_a_class_given_for_a_model_file_says_to_pass_an_instance(tmp_path):
-    from tncompile.zoo import SixEncoder, small_encoder
+    from tncompile.testing import SixEncoder, small_encoder
     compiled = tncompile.compile(small_encoder(max_len=16), target_ratio=0.3)
     tncompile.save(compiled, tmp_path / "m.tnc")
     with pytest.raises(TypeError, match="model is a class; pass an instance"):

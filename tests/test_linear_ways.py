@@ -12,7 +12,7 @@ from tncompile.runtime import TTLinear
 from tncompile.runtime.ways import linear as linear_ways
 from tncompile.runtime.ways.linear import LinearWay, choose
 from tncompile.runtime.triton import runs_triton
-from tncompile.zoo import mlp
+from tncompile.testing import mlp
 
 
 def _compiled():

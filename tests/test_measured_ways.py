@@ -15,7 +15,7 @@ from tncompile import tuning
 from tncompile.runtime import TTLinear
 from tncompile.runtime.ways import linear as linear_ways, measured
 from tncompile.runtime.ways.linear import LinearWay, choose
-from tncompile.zoo import mlp
+from tncompile.testing import mlp
 
 
 @pytest.fixture(autouse=True)
@@ -177,7 +177,7 @@ def test_a_checkpoint_carries_the_winners_and_resume_takes_them(tmp_path, monkey
 
 def test_a_checkpoint_naming_an_unknown_way_is_refused(tmp_path):
     from tncompile.errors import ModelFileError
-    from tncompile.train.checkpoint import check_training_state
+    from tncompile.serialization.checkpoint import check_training_state
     state = {"extra": None, "optimizer": None, "controller": None, "rng": None, "ways": {"k": "rm -rf"}}
     with pytest.raises(ModelFileError, match="measured ways"):
         check_training_state(state, "ckpt")

@@ -8,7 +8,7 @@ import torch
 
 import tncompile
 from tncompile.passes import get_pass, registered_passes
-from tncompile.zoo import mlp, small_encoder
+from tncompile.testing import mlp, small_encoder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,19 +111,19 @@ def test_custom_pass_example_keeps_odd_blocks_dense(tmp_path):
 
 
 def test_cli_inspect(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "tncompile", "inspect", "tncompile.zoo:small_encoder",
+    r = subprocess.run([sys.executable, "-m", "tncompile", "inspect", "tncompile.testing:small_encoder",
                         "--target-ratio", "0.2", "--dump-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "total:" in r.stdout and "# tncompile program" in r.stdout
     assert (tmp_path / "05-decompose.txt").exists()
-    code = subprocess.run([sys.executable, "-m", "tncompile", "inspect", "tncompile.zoo:mlp",
+    code = subprocess.run([sys.executable, "-m", "tncompile", "inspect", "tncompile.testing:mlp",
                            "--target-ratio", "0.3", "--batch-sizes", "1", "64", "--code"],
                           capture_output=True, text=True, timeout=300)
     assert code.returncode == 0, code.stderr
     assert "rows <= 1," in code.stdout and "rows <= 64," in code.stdout
     assert "def forward(ops, bias, mm):" in code.stdout
-    bad = subprocess.run([sys.executable, "-m", "tncompile", "inspect", "tncompile.zoo:mlp",
+    bad = subprocess.run([sys.executable, "-m", "tncompile", "inspect", "tncompile.testing:mlp",
                           "--target-ratio", "0.000001"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "smallest possible ratio" in bad.stderr
     worse = subprocess.run([sys.executable, "-m", "tncompile", "inspect", "nomodule"],

@@ -11,7 +11,7 @@ from tncompile.runtime.kernels.plans import bucket_of
 from tncompile import tuning
 from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
 from tncompile.runtime.kernels.executor import contract
-from tncompile.zoo import small_encoder
+from tncompile.testing import small_encoder
 
 f64 = torch.float64
 

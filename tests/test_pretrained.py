@@ -15,7 +15,7 @@ from torch import nn
 import tncompile
 from tncompile import tuning
 from tncompile.calibration import collect_statistics, fit_linear_cores, fit_table_cores
-from tncompile.formats.decompose import tt_from_linear_weight, tt_to_dense, ttm_from_embedding_weight, ttm_to_dense
+from tncompile.formats.factorization import tt_from_linear_weight, tt_to_dense, ttm_from_embedding_weight, ttm_to_dense
 from tncompile.formats.layout import TTLayout, TTMLayout
 
 VOCAB, SEQ = 400, 16

@@ -7,7 +7,7 @@ import torch
 
 import tncompile
 from tncompile import tuning
-from tncompile.zoo import mlp
+from tncompile.testing import mlp
 
 
 def _compile_with_calibration():

@@ -8,7 +8,7 @@ from torch import nn
 
 import tncompile
 from tncompile.runtime import CollapsedLayer, TTLinear, TTMTiedLinear
-from tncompile.zoo import mlp, small_encoder
+from tncompile.testing import mlp, small_encoder
 
 f64 = torch.float64
 

@@ -16,7 +16,7 @@ from tncompile.errors import ModelFileError, ModelMismatchError
 from tncompile.passes import CollapseLayers, Pipeline, Replan, TruncateRanks
 from tncompile.runtime import CollapsedLayer
 from tncompile.serialization.layer_table import decisions_of
-from tncompile.zoo import mlp, small_encoder
+from tncompile.testing import mlp, small_encoder
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 import tncompile
 from tncompile import ModelFileError, ModelMismatchError
-from tncompile.zoo import mlp, small_encoder
+from tncompile.testing import mlp, small_encoder
 
 transformers = pytest.importorskip("transformers")
 FIXTURES = Path(__file__).parent / "fixtures"

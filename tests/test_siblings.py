@@ -9,7 +9,7 @@ from tncompile.formats import TTLayout
 from tncompile.runtime import TTLinear
 from tncompile.runtime.fused import siblings
 from tncompile.runtime.fused.siblings import sibling_kernels, tt_siblings
-from tncompile.zoo import small_encoder
+from tncompile.testing import small_encoder
 
 f64 = torch.float64
 

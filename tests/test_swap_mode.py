@@ -12,7 +12,7 @@ from torch import nn
 import tncompile
 from tncompile.runtime import TTLinear, TTMEmbedding, TTMTiedLinear
 from tncompile.runtime.layers.experts import TTExperts
-from tncompile.zoo import mlp
+from tncompile.testing import mlp
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,7 +12,7 @@ from torch import nn
 
 import tncompile
 from tncompile import BelowTargetWarning
-from tncompile.zoo import mlp, small_encoder
+from tncompile.testing import mlp, small_encoder
 
 MODELS = {
     "wide-ff": lambda: nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)),

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import tncompile
-from tncompile.zoo import six_encoder, small_encoder
+from tncompile.testing import six_encoder, small_encoder
 
 
 def _bert():

@@ -10,7 +10,7 @@ import tncompile
 from tncompile.train import TrainStep
 from tncompile.train.capture_cache import CaptureCache
 from tncompile.train.train_step import make_capturable
-from tncompile.zoo import small_encoder
+from tncompile.testing import small_encoder
 
 
 def _batches(n=20, batch=8, seed=3, device="cpu"):
@@ -84,7 +84,7 @@ def test_bf16_autocast_keeps_fp32_master_weights():
 
 
 def test_torch_compile_eager_path_matches_eager():
-    from tncompile.zoo import mlp
+    from tncompile.testing import mlp
     x, y = torch.randn(16, 64), torch.randint(0, 10, (16,))
     losses = {}
     for use_compile in (False, True):

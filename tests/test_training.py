@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tncompile
-from tncompile.zoo import small_encoder
+from tncompile.testing import small_encoder
 
 HERE = Path(__file__).parent
 
@@ -148,7 +148,7 @@ def test_resume_errors_are_clear(tmp_path):
 
 def _nan_batch_run(nonfinite: str):
     """fit over 6 float batches, the 4th holding a NaN input."""
-    from tncompile.zoo import mlp
+    from tncompile.testing import mlp
     torch.manual_seed(0)
     compiled = tncompile.compile(mlp((64, 128, 10)), target_ratio=0.3, init="random")
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)

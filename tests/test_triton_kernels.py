@@ -272,7 +272,7 @@ def test_the_batched_merge_is_tt_factors_of_the_gated_cores(device, in_modes, ou
     launches: against ``tt_factors`` of its own gated cores under autograd, ranks equal
     (stacked network after network) or not (zero-padded, stacked position after position),
     sides of one core (its factor a gated copy) included."""
-    from tncompile.formats.decompose import tt_factors
+    from tncompile.formats.factorization import tt_factors
     from tncompile.runtime.triton.batched_factors import TritonFactors
     torch.manual_seed(6)
     bonds = len(in_modes) + len(out_modes) - 1
@@ -300,7 +300,7 @@ def test_batches_of_different_layouts_merge_together_in_one_launch_per_step(devi
     joint plan: as many launches as the deepest batch needs (here 2 + 4 cores: 3 forward,
     3 backward and the gates' finish), every network's factors and gradients those of
     ``tt_factors``; a batch none of whose factors is used gets no gradient."""
-    from tncompile.formats.decompose import tt_factors
+    from tncompile.formats.factorization import tt_factors
     from tncompile.runtime.triton.batched_factors import TritonFactors, merge_key
     from tncompile.runtime.triton import merge_factors
     torch.manual_seed(9)
@@ -367,7 +367,7 @@ def test_tt_layers_train_the_same_on_the_triton_kernels(device, monkeypatch):
     from tncompile.runtime.triton import batched_factors as factor_groups
     from tncompile.passes import replan_module
     from tncompile.passes.truncate_ranks import cut_ranks
-    from tncompile.zoo import mlp
+    from tncompile.testing import mlp
     torch.manual_seed(8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", tncompile.SlowerThanDenseWarning)

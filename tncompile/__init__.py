@@ -13,7 +13,8 @@ from .errors import (BelowTargetWarning, CalibrationWarning, ModelFileError, Mod
 from .passes import FunctionPass, Pass, Pipeline, default_pipeline, register_pass
 from .result.report import Report
 from .serialization import load, save
-from .train import Distill, History, resume, RankController, RankEvent, TrainStep, dry_run, fit, freeze_gates, param_groups
+from .serialization import resume
+from .train import Distill, History, RankController, RankEvent, TrainStep, dry_run, fit, freeze_gates, param_groups
 from .integrations.pretrained import compress_pretrained
 from .integrations import hf_folder  # save_pretrained folders: the writer and load's reader
 from .integrations import plugins  # transformers' from_pretrained of compressed folders, PEFT adapters

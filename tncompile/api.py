@@ -22,7 +22,7 @@ from .options import CompileOptions, check_target_ratio
 from .passes import CollapseLayers, Pass, Pipeline, default_pipeline
 from .swap.swapped import MIXIN_NAMES, Resync, subclass_of, swap_into, swappable_layers, unswappable_layers
 from .swap.lowering import lower_into
-from .swap.experts import expert_weights
+from .swap.expert_params import expert_weights
 from .passes.infra.selection import entries
 from .swap.adapters import (adapted_model, adapter_exclusion, adapter_wrappers, adopt_compressed_bases,
                             check_adapter_wrappers)

@@ -17,7 +17,7 @@ __all__ = ["main"]
 def _load_factory(spec: str):
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise SystemExit(f"error: expected <module>:<factory>, e.g. tncompile.zoo:six_encoder; got {spec!r}")
+        raise SystemExit(f"error: expected <module>:<factory>, e.g. tncompile.testing:six_encoder; got {spec!r}")
     sys.path.insert(0, ".")
     try:
         module = importlib.import_module(module_name)
@@ -52,7 +52,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tncompile", description="Compile a model into tensor-train form and show what came out.",
-        epilog="example: tncompile inspect tncompile.zoo:six_encoder --target-ratio 0.05 --batch-sizes 32",
+        epilog="example: tncompile inspect tncompile.testing:six_encoder --target-ratio 0.05 --batch-sizes 32",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     ins = sub.add_parser("inspect", help="compile a model and print its report and final IR")

@@ -25,7 +25,7 @@ from math import prod
 
 import torch
 
-from ..formats.decompose import tt_factors, tt_from_linear_weight, tt_to_dense, ttm_from_embedding_weight, ttm_to_dense
+from ..formats.factorization import tt_factors, tt_from_linear_weight, tt_to_dense, ttm_from_embedding_weight, ttm_to_dense
 from ..formats.layout import TTLayout, TTMLayout
 from ..runtime.kernels.traced_lookup import half_tables, split_ids
 

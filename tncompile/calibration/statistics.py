@@ -29,7 +29,7 @@ from torch import nn
 
 from .. import tuning
 from ..frontend.layers import is_embedding, is_embedding_bag, is_linear
-from ..frontend.tracing import call_model
+from ..ir.calls import call_model
 from ..passes.infra.progress import progress as progress_bar
 
 __all__ = ["CalibrationStats", "InputMoment", "collect_statistics"]

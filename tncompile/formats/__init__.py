@@ -2,7 +2,7 @@
 from .factorize import balanced_factors, factorize
 from .layout import Layout, TTLayout, TTMLayout, normalize_ranks
 from .indices import BATCH, network_indices, planner_problem
-from .decompose import (random_cores, tt_from_linear_weight, tt_svd, tt_to_dense,
+from .factorization import (random_cores, tt_from_linear_weight, tt_svd, tt_to_dense,
                         ttm_from_embedding_weight, ttm_to_dense)
 
 __all__ = ["factorize", "balanced_factors", "Layout", "TTLayout", "TTMLayout", "normalize_ranks",

@@ -17,7 +17,6 @@ from __future__ import annotations
 import inspect
 import operator
 import warnings
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -36,7 +35,7 @@ from ..runtime.fused.attention import NestedPadding, SelfAttention
 from ..runtime.layers.experts import ExpertLinear
 from ..runtime.layers.module_kinds import embedding_on, linear_on, replaces_forward
 
-__all__ = ["trace", "split_example_inputs", "call_model"]
+__all__ = ["trace", "split_example_inputs"]
 
 
 class LeafTracer(fx.Tracer):
@@ -90,16 +89,6 @@ def split_example_inputs(example_inputs: Any) -> tuple[tuple, dict] | None:
         return (example_inputs,), {}
     raise TypeError("example_inputs must be a tuple of positional inputs, a dict of keyword "
                     f"inputs or a single tensor, got {type(example_inputs).__name__}")
-
-
-def call_model(model: nn.Module, inputs: Any) -> Any:
-    """``model(inputs)`` for a tensor, ``model(*inputs)`` for a tuple or list,
-    ``model(**inputs)`` for a mapping (a dict, a tokenizer's ``BatchEncoding``)."""
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
 
 
 def trace(model: nn.Module, example_inputs: Any = None, run_real: bool = True) -> tuple[fx.GraphModule, InputSpec]:

@@ -35,7 +35,7 @@ from ..serialization import load
 from .hf_folder import is_model_folder
 from ..swap.swapped import is_swapped, user_class
 from ..train.controller import RankController
-from ..train.distributed import unwrap
+from ..train.ddp import unwrap
 from ..errors import check_float
 from ..result.model_api import is_compressed
 

@@ -45,7 +45,7 @@ from peft.tuners.tuners_utils import check_adapters_to_merge
 
 from ..calibration.layer_fit import fit_linear_cores
 from ..errors import ModelFileError, check_int
-from ..formats.decompose import linear_unfolding_ranks, tt_from_linear_weight, tt_to_dense
+from ..formats.factorization import linear_unfolding_ranks, tt_from_linear_weight, tt_to_dense
 from ..passes.replan import replan_module
 from ..runtime import TTLinear
 from ..swap.adapters import register_adapter_wrapper

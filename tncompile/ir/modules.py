@@ -16,7 +16,7 @@ def module_at(root: nn.Module, target: str) -> nn.Module | None:
     """The submodule at dotted path ``target``, or ``None`` when the path is
     missing or names a parameter, buffer or other attribute. Walks ``_modules``
     (not attributes: a swap-mode experts owner shadows its network's name with a
-    property returning the rebuilt tensor, :mod:`tncompile.swap.experts`)."""
+    property returning the rebuilt tensor, :mod:`tncompile.swap.expert_params`)."""
     mod = root
     for part in target.split(".") if target else ():
         mod = mod._modules.get(part) if isinstance(mod, nn.Module) else None

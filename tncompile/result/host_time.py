@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..frontend.tracing import call_model
+from ..ir.calls import call_model
 from ..runtime.layers.factor_groups import merge_unit, peers_of
 from ..runtime.layers import TNModule, TTLinear, TTMEmbedding
 

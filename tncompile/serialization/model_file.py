@@ -1,5 +1,5 @@
 """``tncompile.save`` / ``load``: a compressed model as tensors and a table of data (``resume``,
-which restores a checkpoint's training state, is :mod:`tncompile.train.checkpoint`).
+which restores a checkpoint's training state, is :mod:`.checkpoint`).
 
 Format 3 is a safetensors file. Its tensors are the compressed model's ``state_dict``
 (standard names; a tensor two names share is stored once) and, in a checkpoint, the
@@ -41,7 +41,7 @@ from ..passes import BUILTIN_PASSES, Pass, Pipeline
 from ..passes.infra.base import normalize_name
 from ..runtime.layers.module_kinds import is_sharded
 from ..swap.swapped import is_swapped, user_class
-from ..train.checkpoint import check_training_state, training_state
+from .checkpoint import check_training_state, training_state
 from . import plain
 from .container import digest, encode_container, write_atomically
 from .fields import boolean, choice, exact_keys, integer, module_path, names, number

@@ -21,7 +21,7 @@ they take a compiled model. It pickles and deep-copies as that subclass, and
 ``isinstance(swapped, type(model))`` holds.
 
 Fused mixture-of-experts parameters are swapped through the module that owns
-them (:mod:`tncompile.swap.experts`); layer subclasses with a forward of their own
+them (:mod:`tncompile.swap.expert_params`); layer subclasses with a forward of their own
 keep it, the network running under it (:mod:`tncompile.swap.subclass`).
 
 The program and the model share the layer objects. Every pipeline run on the
@@ -44,7 +44,7 @@ from ..runtime.layers.factor_links import link_factor_groups
 from ..runtime.layers.module_kinds import replaces_forward
 from ..runtime.layers import TNModule, TTMTiedLinear
 from .lowering import register_for, restore_lowerings
-from .experts import put_experts, restore_dense_experts
+from .expert_params import put_experts, restore_dense_experts
 from .subclass import is_stand_in, network_of, put_stand_in, restore_subclass
 
 __all__ = ["SwapMixin", "swap_into", "swappable_layers", "unswappable_layers", "replaces_forward", "is_swapped",
@@ -208,7 +208,7 @@ class Resync:
 
 def swap_into(model: nn.Module, program: Program) -> None:
     """Set every swapped path of ``model`` to the program's module at that path (a fused
-    experts parameter: :func:`~tncompile.swap.experts.put_experts`)."""
+    experts parameter: :func:`~tncompile.swap.expert_params.put_experts`)."""
     for path, kind in program.swap_layers.items():
         mod = module_at(program.graph_module, path)
         current = module_at(model, path)

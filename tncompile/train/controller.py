@@ -50,7 +50,7 @@ from torch import nn
 
 from ..passes import CollapseLayers, Pipeline, Replan, TruncateRanks
 from ..runtime.layers import TNModule, TTMTiedLinear
-from .distributed import (active_group, broadcast_from_rank0, check_same_everywhere, mean_over_processes,
+from .ddp import (active_group, broadcast_from_rank0, check_same_everywhere, mean_over_processes,
                           unwrap)
 from .sharding import gathered, is_shard, summed_over_shards, whole
 from .schedules import SCHEDULES as SCHEDULE_CLASSES

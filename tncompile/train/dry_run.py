@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_map
 
 from ..runtime.native import loader as native
 from ..runtime.triton import DEVICE_OPS
-from .distributed import DDP_WARMUP_STEPS, is_ddp, unwrap
+from .ddp import DDP_WARMUP_STEPS, is_ddp, unwrap
 from .train_step import TrainStep, make_capturable
 
 __all__ = ["dry_run", "DryRunReport", "Hazard", "CaptureError"]

@@ -17,7 +17,7 @@ from ..errors import check_int, is_int
 from ..runtime.layers import TNModule
 from .controller import RankController
 from .distill import Distill, Teacher, distill_loss
-from .distributed import DistributedModel, rank, save_on_rank0, unwrap
+from .ddp import DistributedModel, rank, save_on_rank0, unwrap
 from .sharding import is_sharded
 from .history import History
 from .train_step import TrainStep

@@ -29,9 +29,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..frontend.tracing import call_model
+from ..ir.calls import call_model
 from ..runtime.layers.derived import advance_weights_epoch
-from .distributed import DDP_WARMUP_STEPS, check_controller_group, is_ddp, unwrap
+from .ddp import DDP_WARMUP_STEPS, check_controller_group, is_ddp, unwrap
 from .capture_cache import CaptureCache
 from .sharding import is_sharded
 from .step_guard import StepGuard

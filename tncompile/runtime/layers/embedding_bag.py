@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from ...formats.decompose import random_cores, ttm_from_embedding_weight
+from ...formats.factorization import random_cores, ttm_from_embedding_weight
 from ...formats.layout import TTMLayout
 from ..ways.network import checks_on_host
 from .tn_module import check_init as _check_init, resolve_layout as _resolve_layout

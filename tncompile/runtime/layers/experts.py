@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from ...formats.decompose import random_cores, tt_from_linear_weight, tt_to_dense
+from ...formats.factorization import random_cores, tt_from_linear_weight, tt_to_dense
 from ...formats.layout import TTLayout
 from ..kernels.grouped import grouped_mm
 from ..ways import experts as experts_way

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ...formats.decompose import random_cores, tt_factors, tt_from_linear_weight, tt_to_dense
+from ...formats.factorization import random_cores, tt_factors, tt_from_linear_weight, tt_to_dense
 from ...formats.layout import TTLayout
 from ..ways import linear as linear_way
 from .derived import kept

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ...formats.decompose import random_cores, ttm_from_embedding_weight, ttm_to_dense
+from ...formats.factorization import random_cores, ttm_from_embedding_weight, ttm_to_dense
 from ...formats.layout import TTMLayout
 from ..kernels.plans import LookupPlan, get_planner
 from ..kernels.traced_lookup import half_tables

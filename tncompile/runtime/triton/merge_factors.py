@@ -2,7 +2,7 @@
 
 A TT linear runs ``x A B``: ``A (M, R)`` merges its input cores, ``B (R, N)`` its output
 cores, each core but the last scaled along its right bond by its rank gate
-(:func:`~tncompile.formats.decompose.tt_factors`). The layers of a model that share their
+(:func:`~tncompile.formats.factorization.tt_factors`). The layers of a model that share their
 modes merge together (:mod:`tncompile.runtime.layers.factor_groups`); through PyTorch ops a
 batch costs ~20 kernels forward and ~30 backward (a stack per core and gate, a product per
 gate, a batched product per core, sums). Here it costs 3 forward and 4 backward for

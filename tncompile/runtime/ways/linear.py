@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ... import tuning
-from ...formats.decompose import tt_factors
+from ...formats.factorization import tt_factors
 from ..kernels.executor import contract, is_merge_first, thin_pair
 from ..kernels.tracing import exporting
 from ..kernels.plans import bucket_of
@@ -93,14 +93,16 @@ def decide_rows(layer, like: torch.Tensor, rows: int, settle_merged: bool = True
     if tuning.TRITON_KERNELS and runs_triton(like):
         return LinearWay.TRITON_PAIR, None
     if rows and measured.applies(like):
-        cache = choice_cache(layer, "_measured_choice")
-        first = next(iter(layer.cores._parameters.values()))
+        cache = layer.__dict__.get("_measured_choice")
+        if cache is None:
+            cache = choice_cache(layer, "_measured_choice")
+        # a dict lookup per call (hot at one row): the settings a winner depends on, read directly
         local = (rows, layer.layout.ranks, like.dtype, like.device, torch.is_autocast_enabled(like.device.type),
-                 first.requires_grad, measured.generation(), tuning.CHAIN_ROWS)
+                 measured.GENERATION[0], tuning.CHAIN_ROWS)
         won = cache.get(local)
         if won is not None:
             return won, (chain_available(like, rows) if won is LinearWay.NATIVE_CHAIN else None)
-        won, native = _measured_way(layer, like, rows, first.requires_grad)
+        won, native = _measured_way(layer, like, rows, any(p.requires_grad for p in layer.network_tensors()))
         if won is not None:
             cache[local] = won
             return won, (native if won is LinearWay.NATIVE_CHAIN else None)

@@ -43,7 +43,7 @@ _FORMAT = 1
 _WINNERS: dict[str, str] = {}           # key -> way value, this process
 _LOADED: set[str] = set()               # cache files read into _WINNERS
 _STATS = {"measured": 0, "hits": 0}
-_GENERATION = [0]
+GENERATION = [0]                        # moves when winners are installed or forgotten
 _KNOWN: set[str] = set()                # every way a cache file may name (registered by the ops)
 
 
@@ -61,7 +61,7 @@ def forget() -> None:
     """Drop every winner known in memory (a disk cache is read again on next use)."""
     _WINNERS.clear()
     _LOADED.clear()
-    _GENERATION[0] += 1
+    GENERATION[0] += 1
     _STATS.update(measured=0, hits=0)
 
 
@@ -76,9 +76,9 @@ def applies(like: torch.Tensor) -> bool:
     differentiable, eager (not traced nor exported), on a real tensor, and not under
     ``torch.use_deterministic_algorithms`` (a timing may differ between runs; the prior
     does not)."""
-    return tuning.MEASURE_WAYS and torch.is_grad_enabled() and not torch.compiler.is_compiling() \
-        and not exporting() and like.device.type in ("cpu", "cuda") and type(like) is torch.Tensor \
-        and not torch.are_deterministic_algorithms_enabled()
+    return tuning.MEASURE_WAYS and torch.is_grad_enabled() and type(like) is torch.Tensor \
+        and not torch.compiler.is_compiling() and not torch.are_deterministic_algorithms_enabled() \
+        and like.device.type in ("cpu", "cuda") and not exporting()
 
 
 def may_measure(like: torch.Tensor) -> bool:
@@ -174,12 +174,12 @@ def install(winners: dict[str, str]) -> None:
     and forget every layer's cached choice made from others (``layer._measured_choice`` is
     keyed by the settings below; a new generation starts them afresh)."""
     _WINNERS.update(check_winners(winners))
-    _GENERATION[0] += 1
+    GENERATION[0] += 1
 
 
 def generation() -> int:
     """Moves whenever winners are installed from outside: layers' cached choices key on it."""
-    return _GENERATION[0]
+    return GENERATION[0]
 
 
 def _write_disk(path: Path) -> None:
