@@ -221,9 +221,11 @@ def main() -> None:
     args = ap.parse_args()
     ops_as_on_cuda()
     # ranks planned for the reference CPU and thin products unless a variant says otherwise:
-    # counts that do not depend on the host's measured speed
+    # counts that do not depend on the host's measured speed -- nor on its timing of the ways
+    # (runtime/ways/measured.py: on a GPU the ways are timed there; this host's timings of
+    # ops forced to run as on CUDA would choose for neither), so the cost model's prior runs
     rows = []
-    with tuning.override(DEVICE_SPEED=REFERENCE, WHOLE_MATRICES=False):
+    with tuning.override(DEVICE_SPEED=REFERENCE, WHOLE_MATRICES=False, MEASURE_WAYS=False):
         for name in (MODELS if args.model == "both" else [args.model]):
             rows += _count_model(name, args.batch)
     path = write_json("dispatch.json", {"benchmark": "dispatch", "batch": args.batch, "native_kernels": False,

@@ -1,6 +1,6 @@
 """Is this checkout slower than an earlier commit? An A/B of two source trees.
 
-    python benchmarks/bench_versions.py [--base REV] [--rounds 3]
+    python benchmarks/bench_versions.py [--base REV] [--rounds 3] [--six-encoder]
 
 Checks ``REV`` (default ``HEAD~1``) out into a temporary git worktree, then
 alternates processes in ABBA order -- base, this, this, base, base, ... -- each
@@ -11,7 +11,9 @@ extension directory. Reports per point the median and the best over rounds of
 each tree and their ratios (this / base: above 1 is slower), and whether one
 step makes the same Python and C calls in both trees (a deterministic check:
 timings on a shared machine are noisy, call counts are not). Writes
-``benchmarks/results/versions.json``.
+``benchmarks/results/versions.json``. With ``--six-encoder``, each process also times the
+paper's six-encoder compiled training step (32 x 128, AdamW, ratio 1/44.9; median of 7 after
+4 warm-up steps).
 """
 from __future__ import annotations
 
@@ -67,17 +69,52 @@ print(json.dumps(out))
 """
 
 
-def run_tree(tree: Path, ext_dir: Path) -> dict[str, dict]:
+SIX_ENCODER = r"""
+import json, statistics, sys, time, warnings
+import torch
+from torch import nn
+warnings.simplefilter("ignore")
+import tncompile
+try:
+    from tncompile.testing import six_encoder
+except ImportError:  # a tree from before the reference models moved
+    from tncompile.zoo import six_encoder
+torch.manual_seed(0)
+compiled = tncompile.compile(six_encoder(), target_ratio=1 / 44.9, init="random", batch_sizes=[32],
+                             example_inputs=(torch.randint(1, 30522, (2, 128)),))
+x, y = torch.randint(1, 30522, (32, 128)), torch.randint(0, 3, (32,))
+opt = torch.optim.AdamW(compiled.parameters(), lr=1e-4)
+def step():
+    loss = nn.functional.cross_entropy(compiled(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+for _ in range(4):
+    step()
+times = []
+for _ in range(7):
+    start = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - start)
+print(json.dumps({"six-encoder step 32x128": {"ms": statistics.median(times) * 1e3, "calls": {}}}))
+"""
+
+
+def run_tree(tree: Path, ext_dir: Path, six_encoder: bool = False) -> dict[str, dict]:
     env = dict(os.environ, PYTHONPATH=str(tree), TORCH_EXTENSIONS_DIR=str(ext_dir))
-    done = subprocess.run([sys.executable, "-c", TIMER, json.dumps(POINTS)], env=env, capture_output=True,
-                          text=True, check=True, cwd=tempfile.gettempdir())
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = {}
+    for code in (TIMER, SIX_ENCODER) if six_encoder else (TIMER,):
+        done = subprocess.run([sys.executable, "-c", code, json.dumps(POINTS)], env=env, capture_output=True,
+                              text=True, check=True, cwd=tempfile.gettempdir())
+        out.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    return out
 
 
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--base", default="HEAD~1", help="the commit to compare against")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--six-encoder", action="store_true", help="also time the six-encoder's training step")
     args = ap.parse_args()
     base_rev = subprocess.run(["git", "rev-parse", args.base], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -89,7 +126,7 @@ def main() -> None:
             runs: dict[str, list[dict[str, float]]] = {"base": [], "this": []}
             for k in range(args.rounds):
                 for name in (["base", "this"] if k % 2 == 0 else ["this", "base"]):
-                    runs[name].append(run_tree(trees[name], Path(tmp) / f"ext-{name}"))
+                    runs[name].append(run_tree(trees[name], Path(tmp) / f"ext-{name}", args.six_encoder))
                     print(f"round {k + 1}/{args.rounds} {name} done", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_tree)], cwd=ROOT, check=False)
