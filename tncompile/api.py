@@ -20,8 +20,7 @@ from .frontend.layers import is_compressible
 from .frontend.tracing import split_example_inputs, trace
 from .options import CompileOptions, check_target_ratio
 from .passes import CollapseLayers, Pass, Pipeline, default_pipeline
-from .swap.swapped import MIXIN_NAMES, Resync, subclass_of, swap_into, swappable_layers, unswappable_layers
-from .swap.lowering import lower_into
+from .swap.swapped import MIXIN_NAMES, attach, swappable_layers, unswappable_layers
 from .swap.expert_params import expert_weights
 from .passes.infra.selection import entries
 from .swap.adapters import (adapted_model, adapter_exclusion, adapter_wrappers, adopt_compressed_bases,
@@ -202,12 +201,7 @@ def _build(work: nn.Module, original_params: int, options: CompileOptions, pipel
         program.swap_skipped = unswappable_layers(work)
     program = _run_pipeline(pipeline, program, stats)
     if mode == "swap":
-        work.__class__ = subclass_of(type(work))
-        work.__dict__["_tncompile_program"] = program
-        swap_into(work, program)
-        lower_into(work, program)
-        program.listeners.append(Resync(work))
-        return work
+        return attach(work, program)
     return CompiledModel(program)
 
 
@@ -423,7 +417,7 @@ def _check_dump_dir(dump_dir: Any) -> None:
 
 def _put_layers_into(model: nn.Module, program: Program) -> None:
     """Graph mode's ``inplace=True``: the compiled layers also into the user's own module tree
-    (swap mode's :func:`~tncompile.swap.swapped.swap_into` makes the user's model the result)."""
+    (swap mode's :func:`~tncompile.swap.swapped.attach` makes the user's model the result)."""
     for node, mod in program.modules():
         try:
             current = model.get_submodule(node.target)

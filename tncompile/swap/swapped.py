@@ -37,17 +37,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..ir.program import Program, module_at
+from ..ir.program import Program
 from ..frontend.layers import is_compressible, kind_of
 from ..result.model_api import CompressedModelAPI
-from ..runtime.layers.factor_links import link_factor_groups
 from ..runtime.layers.module_kinds import replaces_forward
-from ..runtime.layers import TNModule, TTMTiedLinear
-from .lowering import register_for, restore_lowerings
-from .expert_params import put_experts, restore_dense_experts
-from .subclass import is_stand_in, network_of, put_stand_in, restore_subclass
+from .kinds import put_all, restore_all
+from .lowering import lower_into, register_for, restore_lowerings
 
-__all__ = ["SwapMixin", "swap_into", "swappable_layers", "unswappable_layers", "replaces_forward", "is_swapped",
+__all__ = ["SwapMixin", "attach", "swappable_layers", "unswappable_layers", "replaces_forward", "is_swapped",
            "user_class", "Resync", "MIXIN_NAMES", "register_folder_writer"]
 
 # what the mixin adds; a model class that has any of these already cannot take it
@@ -123,29 +120,7 @@ class SwapMixin(CompressedModelAPI):
         dense.__class__ = user_class(self)
         dense.__dict__.pop("_tncompile_program", None)
         dense.__dict__.pop("_factor_peers", None)
-        kinds = self.program.swap_layers
-        restore_dense_experts(dense, [path for path, kind in kinds.items() if kind == "experts"])
-        rebuilt: dict[int, nn.Module] = {}
-        for path, kind in kinds.items():  # the user's own subclasses, their weights rebuilt
-            stand_in = module_at(dense, path)
-            network = network_of(stand_in)
-            if network is not None and not isinstance(network, TTMTiedLinear):
-                layer = _dense_of(network, kind)
-                rebuilt[id(network)] = restore_subclass(stand_in, layer.weight, getattr(layer, "bias", None))
-        layers = {path: dense.get_submodule(path) for path, kind in kinds.items() if kind != "experts"}
-        for path, layer in layers.items():
-            if isinstance(layer, TNModule) and not isinstance(layer, TTMTiedLinear):
-                if id(layer) not in rebuilt:
-                    rebuilt[id(layer)] = _dense_of(layer, kinds[path])
-                dense.set_submodule(path, rebuilt[id(layer)])
-        for path, layer in layers.items():
-            head = network_of(layer) if is_stand_in(layer) else layer
-            if isinstance(head, TTMTiedLinear):
-                dense_head = head.to_dense_head(rebuilt.get(id(head.embedding)))
-                if head is layer:
-                    dense.set_submodule(path, dense_head)
-                else:  # a head subclass with its own forward, tied to the embedding
-                    restore_subclass(layer, dense_head.weight, dense_head.bias)
+        restore_all(dense, self.program.swap_layers)  # each kind puts itself back (swap/kinds.py)
         restore_lowerings(dense)
         return dense
 
@@ -182,19 +157,6 @@ def subclass_of(base: type) -> type:
     return cls
 
 
-def _dense_of(layer: TNModule, kind: str) -> nn.Module:
-    dense = layer.to_dense_module()
-    if kind != "conv1d":
-        return dense
-    from transformers.pytorch_utils import Conv1D  # noqa: PLC0415 - only a GPT-2-style model gets here
-    conv = Conv1D(dense.out_features, dense.in_features).to(device=dense.weight.device, dtype=dense.weight.dtype)
-    with torch.no_grad():
-        conv.weight.copy_(dense.weight.t())
-        if dense.bias is not None:
-            conv.bias.copy_(dense.bias)
-    return conv
-
-
 class Resync:
     """Run after every pipeline on a swap-mode program: put the program's current layer at each
     swapped path back into the model (a cut or a collapse may have replaced it)."""
@@ -203,22 +165,17 @@ class Resync:
         self.model = model
 
     def __call__(self, program: Program) -> None:
-        swap_into(self.model, program)
+        put_all(self.model, program)
 
 
-def swap_into(model: nn.Module, program: Program) -> None:
-    """Set every swapped path of ``model`` to the program's module at that path (a fused
-    experts parameter: :func:`~tncompile.swap.expert_params.put_experts`)."""
-    for path, kind in program.swap_layers.items():
-        mod = module_at(program.graph_module, path)
-        current = module_at(model, path)
-        if mod is None or current is mod or network_of(current) is mod \
-                or getattr(current, "base_layer", None) is mod:  # an adapter (PEFT LoRA) wraps it
-            continue
-        if kind == "experts":
-            put_experts(model, path, mod)
-        elif is_stand_in(current) or replaces_forward(current):  # the user's subclass runs the network
-            put_stand_in(model, path, current, mod)
-        else:
-            model.set_submodule(path, mod)
-    model.__dict__["_factor_peers"] = link_factor_groups(model)  # one layout's layers merge factors together
+def attach(model: nn.Module, program: Program) -> nn.Module:
+    """Swap mode's result: ``model``, its class made the swap-mode subclass of its own, holding
+    the program's layers (each put by its kind: :mod:`.kinds`) and graph mode's lowerings
+    (:mod:`.lowering`), and kept holding the program's current layers after every later
+    pipeline run (:class:`Resync`)."""
+    model.__class__ = subclass_of(type(model))
+    model.__dict__["_tncompile_program"] = program  # the swap binding lives on the swapped model
+    put_all(model, program)
+    lower_into(model, program)
+    program.listeners.append(Resync(model))
+    return model
