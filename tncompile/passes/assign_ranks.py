@@ -127,7 +127,7 @@ class AssignRanks(Pass):
             ranks = uniform(lo)
         used = total(ranks)
         # leftover budget: one rank step at a time, the most sensitive (else the largest) layers first
-        sensitivity = getattr(program, "calibration_summary", {})
+        sensitivity = program.calibration_summary
         order = sorted((n for n in owners if n not in fixed),
                        key=lambda n: (sensitivity.get(n, {}).get("estimated_error", 0.0),
                                       owners[n].layout.dense_params), reverse=True)

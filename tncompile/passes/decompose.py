@@ -48,7 +48,7 @@ class Decompose(Pass):
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         built: dict[str, torch.nn.Module] = {}
         owners = [(n, m) for n, m in pending.items() if m.tied_to is None]
-        stats = None if replay else getattr(program, "calibration", None)
+        stats = None if replay else program.calibration
         for name, mod in progress(owners, "decomposition (TT-SVD)" if stats is None else "decomposition + calibrated fit"):
             if mod.kind == "embedding_bag":
                 new = TTMEmbeddingBag.from_embedding_bag(mod.dense, rank=None, layout=mod.layout,
@@ -79,7 +79,7 @@ class Decompose(Pass):
             head = TTMTiedLinear(built[mod.tied_to], bias=mod.dense.bias is not None)
             # prefer="speed": inference multiplies by the merged table (a dense head's cost);
             # "size": never hold the merged table
-            head.merge_in_inference = getattr(program.options, "prefer", "speed") == "speed"
+            head.merge_in_inference = program.options.prefer == "speed"
             _share_bias(head, mod.dense)
             gm.set_submodule(name, head)
         return program

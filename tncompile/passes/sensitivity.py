@@ -18,8 +18,8 @@ __all__ = ["by_sensitivity", "uses_sensitivity"]
 def uses_sensitivity(program: Program) -> bool:
     """Whether ``assign_ranks`` allocates by sensitivity: calibration statistics are
     there and ``compile(allocation=...)`` is ``"sensitivity"`` or ``"auto"``."""
-    allocation = getattr(program.options, "allocation", "auto")
-    return getattr(program, "calibration", None) is not None and allocation in ("auto", "sensitivity")
+    allocation = program.options.allocation
+    return program.calibration is not None and allocation in ("auto", "sensitivity")
 
 
 def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dict[str, int],

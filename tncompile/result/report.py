@@ -163,7 +163,7 @@ class SpeedSummary:
 def speed_summary(rows: list[LayerRow], program, params: int) -> SpeedSummary | None:
     """:class:`SpeedSummary` from the timed rows (``time_dense`` / ``time_now`` per row
     times the rows each layer was planned for); ``None`` without timed rows."""
-    est = getattr(program, "speed_estimates", None) or {}
+    est = program.speed_estimates
     planned = _planned_rows(est)
     timed = [r for r in rows if r.time_now is not None and r.name in planned]
     if not timed:
@@ -192,7 +192,7 @@ def _step_times_per_row(program, name: str, layout, sharing: dict) -> tuple[floa
     """Estimated training-step seconds per row (dense, network) of a planned TT linear,
     or per id of a TTM embedding; ``sharing``: TT linears per :func:`merge_family` (they
     merge their cores in one batch, :mod:`tncompile.runtime.layers.factor_groups`)."""
-    est = getattr(program, "speed_estimates", None) or {}
+    est = program.speed_estimates
     fmt = getattr(layout, "format", None)
     rows = _planned_rows(est).get(name)
     if rows is None or fmt not in ("TT", "TTM") or layout.ranks is None:
@@ -250,7 +250,7 @@ def build_report(program) -> Report:
                                      f"same network as {getattr(mod, 'tied_to', None) or shared}" if alias else
                                      ("shares cores with its embedding" if "tied" in info["format"] else ""),
                                      program.notes.get(node.target, "")])),
-                                 calibration=dict(getattr(program, "calibration_summary", {}).get(node.target, {}))
+                                 calibration=dict(program.calibration_summary.get(node.target, {}))
                                  or None, ran_as=getattr(getattr(mod, "ran_as", None), "value", ""),
                                  **dict(zip(("time_dense", "time_now"),
                                                      _step_times_per_row(program, node.target, mod.layout,
@@ -265,7 +265,7 @@ def build_report(program) -> Report:
             rows.append(LayerRow(node.target, "dense", "", None, n, held, note=program.notes[node.target]))
     total = program.num_params()
     in_rows = sum(r.params for r in rows)
-    est = getattr(program, "speed_estimates", None) or {}
+    est = program.speed_estimates
     ids = est.get("ids", {})
     for r in rows:  # the planner notes the linears it judged; lookups are only estimated
         if r.format == "TTM" and r.time_now is not None and r.time_now > r.time_dense and r.name in ids:

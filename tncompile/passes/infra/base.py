@@ -213,7 +213,7 @@ class Pipeline:
                                               program.ratio, dict(p.matches)))
             if out is not None:
                 _write_dump(program, out, f"{len(program.history):02d}-{p.name}")
-        for listener in getattr(program, "listeners", ()):
+        for listener in program.listeners:
             listener(program)
         return program
 
