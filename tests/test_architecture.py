@@ -199,11 +199,13 @@ def context_reads(path: Path, module: str | None = None) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("path", sorted((PACKAGE / "runtime" / "layers").glob("*.py")),
+@pytest.mark.parametrize("path", sorted([*(PACKAGE / "runtime" / "layers").glob("*.py"),
+                                          *(PACKAGE / "runtime" / "fused").glob("*.py")]),
                          ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_layer_modules_read_no_context(path):
-    """Issue 54: a layer holds parameters and calls its op's way; only ``runtime/ways/``
-    reads export, compile, grad or capture state, the tuned switches and the backends."""
+    """Issue 54: a layer (or a fused block) holds parameters and calls its op's way; only
+    ``runtime/ways/`` reads export, compile, grad or capture state, the tuned switches and
+    the backends."""
     assert not context_reads(path), f"{path.name} reads context: {context_reads(path)}"
 
 

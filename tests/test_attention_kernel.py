@@ -7,10 +7,11 @@ import torch
 from torch import nn
 
 from test_dropout import philox4x32_10
-from tncompile.runtime.fused import attention_kernel
+from tncompile.runtime.ways import attention as attention_kernel
 from tncompile.runtime.fused.attention import FusedAttention
-from tncompile.runtime.fused.attention_kernel import native_attention
-from tncompile.runtime.fused.dropout import FastDropout, _seed
+from tncompile.runtime.ways.attention import native_attention
+from tncompile.runtime.fused.dropout import FastDropout
+from tncompile.runtime.ways.dropout import _seed
 
 f64 = torch.float64
 

@@ -276,7 +276,7 @@ def test_lowered_dropout_and_attention_run_pytorchs_kernels_on_cuda():
     gradient, and to_dense() gives back PyTorch's modules."""
     transformers = pytest.importorskip("transformers")
     from tncompile.passes import default_pipeline
-    from tncompile.runtime.fused.attention_kernel import scaled_dot_product_attention
+    from tncompile.runtime.ways.attention import scaled_dot_product_attention
     from tncompile.runtime.fused.dropout import FastDropout
     cfg = transformers.BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=128, max_position_embeddings=32, num_labels=3,

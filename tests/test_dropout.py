@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tncompile
-from tncompile.runtime.fused import dropout as dropout_mod
+from tncompile.runtime.ways import dropout as dropout_mod
 from tncompile.runtime.fused.dropout import FastDropout, dropout
 from tncompile.runtime.native import native_kernels
 from tncompile.testing import small_encoder

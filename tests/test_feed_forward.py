@@ -9,7 +9,7 @@ import tncompile
 from tncompile.formats import TTLayout
 from tncompile import tuning
 from tncompile.runtime import TTLinear
-from tncompile.runtime.fused import feed_forward
+from tncompile.runtime.ways import feed_forward
 from tncompile.runtime.fused.feed_forward import ACTIVATIONS, tt_feed_forward, uses_fused_kernel
 from tncompile.runtime.native import native_kernels
 from tncompile.testing import small_encoder

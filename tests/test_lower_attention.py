@@ -13,7 +13,7 @@ from torch import nn
 
 import tncompile
 from tncompile.passes import default_pipeline
-from tncompile.runtime.fused.attention_kernel import native_attention, scaled_dot_product_attention
+from tncompile.runtime.ways.attention import native_attention, scaled_dot_product_attention
 from tncompile.runtime.fused.dropout import FastDropout
 from tncompile.runtime.native import watch
 

@@ -7,7 +7,7 @@ import tncompile
 from tncompile import tuning
 from tncompile.formats import TTLayout
 from tncompile.runtime import TTLinear
-from tncompile.runtime.fused import siblings
+from tncompile.runtime.ways import siblings
 from tncompile.runtime.fused.siblings import sibling_kernels, tt_siblings
 from tncompile.testing import small_encoder
 

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from ..runtime.fused.attention import FusedAttention, SelfAttention
-from ..runtime.fused.attention_kernel import scaled_dot_product_attention
+from ..runtime.ways.attention import scaled_dot_product_attention
 from ..runtime.fused.dropout import FastDropout, dropout as native_dropout
 from .infra.base import register_pass
 from .infra.rule_pass import RulePass

@@ -8,7 +8,7 @@ Two small rules over the canonical forms (``canonicalize`` runs first):
   state dict is unchanged);
 * ``dropout-function``: a canonical ``F.dropout(x, p=, training=, inplace=False)``
   call (every functional spelling, ``aten.dropout.default`` from
-  ``torch.export`` included) calls :func:`tncompile.runtime.fused.dropout.dropout`;
+  ``torch.export`` included) calls :func:`tncompile.runtime.ways.dropout.dropout`;
 * ``attention-dropout``: the fx frontend's
   :class:`~tncompile.runtime.fused.attention.SelfAttention` (``nn.MultiheadAttention``,
   ``nn.TransformerEncoder``) with dropout gets ``native_dropout=True``: in training on
@@ -17,7 +17,7 @@ Two small rules over the canonical forms (``canonicalize`` runs first):
   ``aten.scaled_dot_product_attention``) with dropout -- its ``dropout_p`` read from
   an :class:`~tncompile.runtime.fused.attention.AttentionDropoutRate` (the frontend's
   train/eval-following rate) or a nonzero number -- calls
-  :func:`tncompile.runtime.fused.attention_kernel.scaled_dot_product_attention` instead:
+  :func:`tncompile.runtime.ways.attention.scaled_dot_product_attention` instead:
   the same function, on the native kernel in training on CPU.
 
 Swap mode makes the same choice in the user's module tree (:mod:`tncompile.swap.lowering`).
@@ -33,7 +33,7 @@ from __future__ import annotations
 from torch import fx, nn
 
 from ..runtime.fused.attention import AttentionDropoutRate, SelfAttention
-from ..runtime.fused.attention_kernel import scaled_dot_product_attention
+from ..runtime.ways.attention import scaled_dot_product_attention
 from ..runtime.fused.dropout import FastDropout, dropout
 from .canonicalize import DROPOUT
 from .infra.base import register_pass

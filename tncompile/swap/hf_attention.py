@@ -7,7 +7,7 @@ the scores, the weights, a Bernoulli mask and the dropped weights written out
 (in a swap-mode all-MiniLM-L6-v2 step at 32x128 the Bernoulli draws alone
 took about a sixth of the step). :data:`NAME` (``"tncompile_sdpa"``) is
 ``"sdpa"`` with one difference: a training call with dropout on CPU runs
-:func:`~tncompile.runtime.fused.attention_kernel.native_attention` (one head's
+:func:`~tncompile.runtime.ways.attention.native_attention` (one head's
 scores in cache, the dropout drawn by the native counter-based generator).
 Every other call -- eval, no dropout, CUDA, a mask that needs a gradient,
 ``output_attentions``, softcapping -- is ``transformers``' own
@@ -25,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from ..runtime.fused.attention_kernel import native_sdpa
+from ..runtime.ways.attention import native_sdpa
 
 __all__ = ["NAME", "register", "attention_forward", "native_call"]
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention_kernel import native_attention
+from ..ways.attention import native_attention, zeroes_padding
 from .dropout import FastDropout
 
 __all__ = ["SelfAttention", "FusedAttention", "NestedPadding", "AttentionDropoutRate", "additive_mask"]
@@ -56,7 +56,7 @@ class SelfAttention(nn.Module):
     native_dropout : bool
         Set by the ``lower_dropout`` pass: in training with dropout on CPU, run
         tncompile's native attention kernel with its counter-based dropout
-        (:func:`~tncompile.runtime.fused.attention_kernel.native_attention`) instead of
+        (:func:`~tncompile.runtime.ways.attention.native_attention`) instead of
         PyTorch's unfused math path and generator.
 
     Shapes
@@ -138,14 +138,9 @@ class NestedPadding(nn.Module):
         self.mask_check = mask_check
 
     def forward(self, out: Tensor, src: Tensor, key_padding_mask: Tensor) -> Tensor:
-        if (self.training or torch.is_grad_enabled() or not torch.backends.mha.get_fastpath_enabled()
-                or src.dim() != 3 or torch.is_autocast_enabled() or src.device.type not in ("cpu", "cuda", "xpu")):
+        if not zeroes_padding(self.training, self.mask_check, src, key_padding_mask):
             return out
-        keep = key_padding_mask.logical_not()
-        if self.mask_check and (torch.compiler.is_compiling()
-                                or not torch._nested_tensor_from_mask_left_aligned(src, keep)):
-            return out
-        return out.masked_fill(keep.logical_not().unsqueeze(-1), 0.0)
+        return out.masked_fill(key_padding_mask.bool().unsqueeze(-1), 0.0)
 
     def extra_repr(self) -> str:
         return f"mask_check={self.mask_check}"
@@ -232,7 +227,7 @@ class FusedAttention(nn.Module):
     def native(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None,
                scale: float = 1.0) -> Tensor | None:
         """tncompile's CPU attention kernel with its dropout
-        (:func:`~tncompile.runtime.fused.attention_kernel.native_attention`), or ``None``
+        (:func:`~tncompile.runtime.ways.attention.native_attention`), or ``None``
         where it does not apply."""
         return native_attention(q, k, v, mask, self._factor(scale), self.dropout_p())
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from .attention_kernel import scaled_dot_product_attention
+from ..ways.attention import scaled_dot_product_attention
 from .dropout import dropout
 from .feed_forward import tt_feed_forward
 from .siblings import tt_siblings

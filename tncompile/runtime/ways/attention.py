@@ -12,9 +12,11 @@ Semantics are ``softmax(scale q k^T + mask)``, dropout on the weights (each
 zeroed independently with probability ``p``, the rest scaled by
 ``1 / (1 - p)``), times ``v``; the masks come from the native counter-based
 generator seeded from PyTorch's default generator, as
-:func:`tncompile.runtime.fused.dropout.dropout`'s do.
+:func:`tncompile.runtime.ways.dropout.dropout`'s do.
 """
 from __future__ import annotations
+
+import enum
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,43 @@ from torch import Tensor
 from .dropout import _seed
 from ..native import kernels_for, traceable_kernels
 
-__all__ = ["native_attention", "native_sdpa", "scaled_dot_product_attention"]
+__all__ = ["AttentionWay", "choose", "native_attention", "native_sdpa", "scaled_dot_product_attention",
+           "zeroes_padding"]
+
+
+class AttentionWay(str, enum.Enum):
+    """One way attention runs (its ``value`` is what a report prints)."""
+
+    PYTORCH = "pytorch"          # the caller's own path (sdpa, or the written steps)
+    TRACED_OP = "traced op"      # torch.compile / export: tncompile::traced_attention, seed drawn in the graph
+    NATIVE = "native"            # eager CPU fp32/fp64: one head's scores in cache, dropout in the sign bits
+
+
+def choose(q: Tensor) -> AttentionWay:
+    """Which kernel :func:`native_attention` would use for ``q`` in the current context
+    (before its shape and mask checks, which may still leave the call to PyTorch)."""
+    return _decide(q)[0]
+
+
+def _decide(q: Tensor):
+    traced = traceable_kernels(q)
+    if traced is not None:
+        return AttentionWay.TRACED_OP, traced
+    ops = kernels_for(q)
+    return (AttentionWay.PYTORCH, None) if ops is None else (AttentionWay.NATIVE, ops)
+
+
+def zeroes_padding(training: bool, mask_check: bool, src: Tensor, key_padding_mask: Tensor) -> bool:
+    """Whether ``nn.TransformerEncoder``'s fast path would run on ``src`` and zero the padded
+    positions of its output (:class:`~tncompile.runtime.fused.attention.NestedPadding`): eval,
+    no autograd, the fast path enabled, no autocast, 3-D input on a device it takes, and
+    (``mask_check``) a left-aligned padding mask, which cannot be checked while traced."""
+    if (training or torch.is_grad_enabled() or not torch.backends.mha.get_fastpath_enabled()
+            or src.dim() != 3 or torch.is_autocast_enabled() or src.device.type not in ("cpu", "cuda", "xpu")):
+        return False
+    keep = key_padding_mask.logical_not()
+    return not mask_check or (not torch.compiler.is_compiling()
+                              and bool(torch._nested_tensor_from_mask_left_aligned(src, keep)))
 
 
 class _NativeAttention(torch.autograd.Function):
@@ -61,10 +99,10 @@ def native_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale
 
     Shapes: -> ``(B, H, L, F)`` (a view of a ``(B, L, H, F)`` tensor).
     """
-    traced = traceable_kernels(q)  # torch.compile / export: one opaque op each way
-    ops = kernels_for(q) if traced is None else None
-    if ops is None and traced is None:
+    way, ops = _decide(q)  # torch.compile / export: one opaque op each way
+    if way is AttentionWay.PYTORCH:
         return None
+    traced = ops if way is AttentionWay.TRACED_OP else None
     if not 3 <= q.dim() <= 4 or not q.dim() == k.dim() == v.dim() or not 0.0 <= p < 1.0:
         return None
     if not (q.dtype == k.dtype == v.dtype) or (k.device, v.device) != (q.device, q.device):
