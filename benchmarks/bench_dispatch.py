@@ -166,7 +166,7 @@ def ops_as_on_cuda(put=setattr) -> None:
     (``monkeypatch.setattr`` in a test, to undo it)."""
     from tncompile.runtime.kernels import executor, gemms  # noqa: PLC0415
     from tncompile.runtime.kernels import factor_batch
-    from tncompile.runtime.ways import linear as linear_way, lookup as lookup_way, merge as merge_way
+    from tncompile.runtime.ways import backends, lookup as lookup_way
     from tncompile.runtime.triton import merge_factors, ttm_lookup
     thin_pair = importlib.import_module("tncompile.runtime.triton.thin_pair")  # the module (the package exports the op)
 
@@ -177,8 +177,7 @@ def ops_as_on_cuda(put=setattr) -> None:
     put(lookup_way, "distinct_ids", lambda flat: (flat, None))
     check = lookup_way.check_ids
     put(lookup_way, "check_ids", lambda ids, num, who="TTMEmbedding", host_read=True: check(ids, num, who, False))
-    for module in (linear_way, lookup_way, merge_way):
-        put(module, "runs_triton", lambda x: True)
+    put(backends.get("triton"), "runs", lambda x: True)  # the ways take the Triton runners as on CUDA
     for module, name in ((thin_pair, "runs_triton"), (merge_factors, "_runs_triton"), (ttm_lookup, "_runs_triton")):
         put(module, name, lambda x: False)   # inside the ops: their PyTorch form, even under the interpreter
     for module in (thin_pair, merge_factors, ttm_lookup):   # through the dispatcher, where the profiler sees them

@@ -108,6 +108,15 @@ def test_design_names_resolve():
     assert tncompile.ir.Program and tncompile.ir.TensorNetwork and tncompile.ir.ContractionPlan
 
 
+def test_ways_import_no_backend():
+    """Issue 54: backends register themselves (``ways/backends.py``); no way imports one."""
+    for path in sorted((PACKAGE / "runtime" / "ways").glob("*.py")):
+        module = module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            for target in imported(module, path, node):
+                assert not target.startswith("tncompile.runtime.triton"), f"{module} imports {target}"
+
+
 def test_layer_table_catches_a_violation(tmp_path):
     """The checker itself: an upward import is found."""
     bad = ast.parse("from ..passes import Pipeline\n")
@@ -175,8 +184,9 @@ def test_the_circle_check_finds_a_late_import(tmp_path):
 
 
 #: inside the runtime, folders import downward only: fused blocks use layers, layers call their
-#: ops' ways, ways run kernels (and the Triton backend's ops), kernels call native code
-RUNTIME_ORDER = {"native": 0, "kernels": 1, "triton": 2, "ways": 3, "layers": 4, "fused": 5}
+#: ops' ways, ways run kernels, kernels call native code; the Triton backend registers its
+#: runners with the ways (ways import nothing of it; layers and fused blocks neither)
+RUNTIME_ORDER = {"native": 0, "kernels": 1, "ways": 2, "triton": 3, "layers": 4, "fused": 5}
 
 #: what a layer module may not read: the tracer's, autograd's and capture's state, the tuned
 #: switches, which backend runs -- the choice of how a call runs is its op's in runtime/ways/

@@ -3,12 +3,14 @@
 It knows nothing of the compiler or of training (it imports neither
 ``tncompile.ir`` / ``passes`` / ``planning`` nor ``tncompile.train``): layers
 run the plans they carry and ask the registered planner (:mod:`.kernels.plans`) for
-buckets nobody planned yet.
+buckets nobody planned yet. Importing it registers the optional Triton backend with the
+ops' ways (:mod:`.triton.backend`; on only under ``tuning.TRITON_KERNELS``).
 """
 from .layers.collapsed import CollapsedLayer
 from .kernels.plans import ContractionPlan, LookupPlan, Step, bucket_of
 from .layers.embedding_bag import TTMEmbeddingBag
 from .layers import TNModule, TTLinear, TTMEmbedding, TTMTiedLinear, tied_merge_macs
+from .triton.backend import TRITON
 
 __all__ = ["TTLinear", "TTMEmbedding", "TTMEmbeddingBag", "TTMTiedLinear", "tied_merge_macs", "TNModule", "CollapsedLayer",
-           "ContractionPlan", "LookupPlan", "Step", "bucket_of"]
+           "ContractionPlan", "LookupPlan", "Step", "bucket_of", "TRITON"]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import enum
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ... import tuning
@@ -36,15 +35,10 @@ from ..kernels.plans import bucket_of
 from ..kernels.tracing import exporting
 from ..native import kernels_for, traceable_kernels
 from .linear import choice_cache
-from .rows import first_cpu_use
+from .rows import ACTIVATIONS, first_cpu_use
 
 __all__ = ["ACTIVATIONS", "FeedForwardWay", "choose", "run", "fused_kernels", "fused_macs"]
 
-ACTIVATIONS = {
-    "gelu": F.gelu,
-    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
-    "relu": F.relu,
-}
 
 
 

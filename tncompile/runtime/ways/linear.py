@@ -23,11 +23,9 @@ from ..kernels.executor import contract, is_merge_first, thin_pair
 from ..kernels.tracing import exporting
 from ..kernels.plans import bucket_of
 from ..kernels.tt_chain import chain_available, chain_kernels, tt_chain
-from ..triton import runs_triton, thin_pair_train
-from ..triton.thin_pair import activate, activation_code
-from . import measured
+from . import backends, measured
 from .network import keeps_merged_forms
-from .rows import apply_matrix, check_input_dtype, drop_boundary, factor_macs, through_factors
+from .rows import ACTIVATIONS, apply_matrix, check_input_dtype, drop_boundary, factor_macs, through_factors
 
 __all__ = ["LinearWay", "choose", "choose_call", "choose_rows", "decide_call", "decide_rows", "run", "run_activated",
            "inference_macs", "record", "choice_cache", "register_whole_rule", "whole_matrices_faster"]
@@ -90,7 +88,7 @@ def decide_rows(layer, like: torch.Tensor, rows: int, settle_merged: bool = True
     In a differentiable eager call, the fastest of the row ways that apply as measured for
     this layer's shape, bucket of rows, dtype and device (:mod:`.measured`: timed once,
     then kept); where nothing may be measured and nothing is known, the cost model's prior."""
-    if tuning.TRITON_KERNELS and runs_triton(like):
+    if backends.active(like, "thin_pair") is not None:
         return LinearWay.TRITON_PAIR, None
     if rows and measured.applies(like):
         cache = layer.__dict__.get("_measured_choice")
@@ -197,13 +195,14 @@ def run(layer, x: torch.Tensor) -> torch.Tensor:
 
 
 def run_activated(layer, x: torch.Tensor, activation: str) -> torch.Tensor:
-    """``act(layer(x))`` for ``activation`` in :data:`~tncompile.runtime.triton.ACTIVATIONS`:
-    on the Triton kernels the thin pair's epilogue (the activation's input is never
+    """``act(layer(x))`` for ``activation`` in :data:`.rows.ACTIVATIONS`: on a registered
+    backend's thin pair (Triton) in its epilogue (the activation's input is never
     written); otherwise the layer, then the activation."""
-    code = activation_code(activation)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; use one of {sorted(ACTIVATIONS)}")
     lay = layer.layout
-    if exporting() or not (tuning.TRITON_KERNELS and runs_triton(x)):
-        return activate(layer(x), code)
+    if exporting() or backends.active(x, "thin_pair") is None:
+        return ACTIVATIONS[activation](layer(x))
     return apply_matrix(layer, x, layer.bias, lay.in_features, lay.in_modes, lay.out_features, lay.padded_out,
                         lambda h, bias: _triton_pair(h.reshape(h.shape[0], -1), layer.merged_factors(), bias,
                                                      activation))
@@ -263,14 +262,9 @@ def _exported(layer, x: torch.Tensor) -> torch.Tensor:
 
 def _triton_pair(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor],
                  bias: torch.Tensor | None, activation: str | None = None) -> torch.Tensor:
-    """``act(x A B + bias)`` through the Triton thin pair (``tuning.TRITON_KERNELS``), in the
-    autocast dtype inside an autocast region (as a linear's GEMMs would run):
-    ``(rows, P_in) -> (rows, P_out)``."""
-    device = x.device.type
-    if device in ("cuda", "cpu") and torch.is_autocast_enabled(device):   # meta (a dry run): no autocast
-        dtype = torch.get_autocast_dtype(device)
-        x, bias = x.to(dtype), None if bias is None else bias.to(dtype)
-    return thin_pair_train(x, factors[0], factors[1], bias, activation)
+    """``act(x A B + bias)`` through the registered backend's thin pair (Triton, under
+    ``tuning.TRITON_KERNELS``): ``(rows, P_in) -> (rows, P_out)``."""
+    return backends.active(x, "thin_pair")(x, factors[0], factors[1], bias, activation)
 
 
 # ---------------------------------------------------------------- the prior's pieces

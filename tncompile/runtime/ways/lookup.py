@@ -14,14 +14,11 @@ import math
 
 import torch
 
-from ... import tuning
 from ..kernels.executor import autocast_state, same_autocast
 from ..kernels.tracing import exporting
 from ..kernels.traced_lookup import (check_ids, distinct_ids, gathered_product, gathered_product_backward, half_tables,
                                      split_ids, ttm_lookup)
-from ..triton import runs_triton
-from ..triton.lookup_function import TritonLookup
-from ..triton.merge_factors import supports
+from . import backends
 from .linear import record
 from .network import keeps_merged_forms
 from .rows import first_cpu_use
@@ -59,8 +56,8 @@ def choose_split_at(layer, rows: int) -> int:
 
 def choose_split(layer, split: int) -> LookupWay:
     """The way of an eager lookup split at ``split`` (:func:`choose_split_at`)."""
-    if tuning.TRITON_KERNELS and split and runs_triton(layer.cores[0]) \
-            and supports(split, len(layer.layout.row_modes)):
+    supports = backends.active(layer.cores[0], "lookup_supports") if split else None
+    if supports is not None and supports(split, len(layer.layout.row_modes)):
         return LookupWay.TRITON_LOOKUP
     return LookupWay.ONE_TABLE if len(layer.layout.row_modes) == 1 else LookupWay.GATHERED_PRODUCT
 
@@ -125,7 +122,7 @@ def run(layer, ids: torch.Tensor) -> torch.Tensor:
     record(layer, way)
     triton = way is LookupWay.TRITON_LOOKUP
     if triton:  # padding positions send no gradient inside the kernel
-        out = TritonLookup.apply(layer, lookup, split, *layer.network_tensors())
+        out = backends.active(layer.cores[0], "lookup")(layer, lookup, split, *layer.network_tensors())
     elif way is LookupWay.ONE_TABLE:
         table = layer.scaled_cores()[0].reshape(lay.row_modes[0], lay.col_modes[0])
         out = table.index_select(0, lookup)

@@ -14,8 +14,7 @@ import torch
 from ... import tuning
 from ..kernels.executor import autocast_state
 from ..kernels.tracing import exporting
-from ..triton import runs_triton
-from ..triton.batched_factors import TritonFactors, merges_on_triton
+from . import backends
 
 __all__ = ["MergeWay", "batches_apply", "triton_merges", "pad_limit", "made_under", "recorded_elsewhere",
            "merge_on_triton"]
@@ -48,7 +47,8 @@ def batches_apply() -> bool:
 
 def triton_merges(batch, like: torch.Tensor) -> bool:
     """Whether ``batch`` merges on the Triton kernels (``tuning.TRITON_KERNELS``)."""
-    return tuning.TRITON_KERNELS and runs_triton(like) and merges_on_triton(batch)
+    supports = backends.active(like, "merge_supports")
+    return supports is not None and supports(batch)
 
 
 def pad_limit(dtypes: set) -> float:
@@ -78,4 +78,4 @@ def way_of(batch, like: torch.Tensor | None) -> MergeWay:
 def merge_on_triton(batches: tuple, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """The factors of ``batches`` (each its members' ``A`` then ``B``) from one Triton merge
     of their ``tensors`` (each batch's members' cores and gates, in order)."""
-    return TritonFactors.apply(batches, *tensors)
+    return backends.active(tensors[0], "merge")(batches, tensors)

@@ -12,7 +12,14 @@ from torch import nn
 from ..kernels.cpu_allocator import _state as _ALLOCATOR_STATE
 from ..kernels.cpu_allocator import ensure_retained
 
-__all__ = ["apply_matrix", "check_input_dtype", "drop_boundary", "factor_macs", "first_cpu_use", "through_factors"]
+__all__ = ["ACTIVATIONS", "apply_matrix", "check_input_dtype", "drop_boundary", "factor_macs", "first_cpu_use", "through_factors"]
+
+#: the activations a fused block or a thin pair's epilogue takes, as PyTorch computes them
+ACTIVATIONS = {
+    "gelu": F.gelu,
+    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+    "relu": F.relu,
+}
 
 
 def first_cpu_use(x: torch.Tensor) -> None:
