@@ -21,6 +21,7 @@ from ... import tuning
 from ...formats.factorization import tt_factors
 from ..kernels.executor import contract, is_merge_first, thin_pair
 from ..kernels.tracing import exporting
+from ..native import native_ops
 from ..kernels.plans import bucket_of
 from ..kernels.tt_chain import chain_available, chain_kernels, tt_chain
 from . import backends, measured
@@ -98,8 +99,8 @@ def decide_rows(layer, like: torch.Tensor, rows: int, settle_merged: bool = True
         local = (rows, layer.layout.ranks, like.dtype, like.device, torch.is_autocast_enabled(like.device.type),
                  measured.GENERATION[0], tuning.CHAIN_ROWS)
         won = cache.get(local)
-        if won is not None:
-            return won, (chain_available(like, rows) if won is LinearWay.NATIVE_CHAIN else None)
+        if won is not None:  # a chain winner had the native ops for this dtype, device and autocast
+            return won, (native_ops() if won is LinearWay.NATIVE_CHAIN else None)
         won, native = _measured_way(layer, like, rows, any(p.requires_grad for p in layer.network_tensors()))
         if won is not None:
             cache[local] = won
