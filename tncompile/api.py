@@ -15,7 +15,7 @@ from .result.compiled import CompiledModel
 from .result.model_api import is_compressed
 from .errors import BelowTargetWarning, CalibrationWarning, SlowerThanDenseWarning
 from .ir.decisions import CompileDecisions
-from .ir.program import Program, count_params
+from .ir.program import CompileContext, Program, count_params
 from .frontend.layers import is_compressible
 from .frontend.tracing import split_example_inputs, trace
 from .options import CompileOptions, check_target_ratio
@@ -195,11 +195,10 @@ def _build(work: nn.Module, original_params: int, options: CompileOptions, pipel
     program.dump_dir = dump_dir  # passes run later (rank adaptation) dump here too
     program.pipeline = pipeline.names
     program.example_inputs = recordable_inputs(example_inputs)
-    program.decisions = decisions
     if mode == "swap":
         program.swap_layers = layers
         program.swap_skipped = unswappable_layers(work)
-    program = _run_pipeline(pipeline, program, stats)
+    program = _run_pipeline(pipeline, program, CompileContext(stats, decisions))
     if mode == "swap":
         return attach(work, program)
     return CompiledModel(program)
@@ -322,21 +321,17 @@ def _check_mode(mode: Any, model: nn.Module) -> str:
     return mode
 
 
-def _run_pipeline(pipeline: Pipeline, program: Program, stats) -> Program:
-    """Run the compile pipeline with the calibration statistics in reach of its
-    passes, then drop them (covariances are large and used only here). Rebuilding a
-    saved model (``program.decisions``): then collapse what rank adaptation collapsed."""
-    program.calibration = stats
-    try:
-        program = pipeline.run(program)
-        collapsed = program.decisions.collapsed if program.decisions is not None else []
-        owners = [p for p in collapsed if program.decisions.layers[p].tied_to is None]  # heads follow
-        if owners:
-            program = Pipeline([CollapseLayers({p: "collapsed by rank adaptation before saving" for p in owners})]
-                               ).run(program, progress=False)
-    finally:
-        program.calibration = None
-        program.decisions = None
+def _run_pipeline(pipeline: Pipeline, program: Program, context: CompileContext) -> Program:
+    """Run the compile pipeline with ``context`` (calibration statistics, a load's decisions)
+    in reach of its passes: gone after (covariances are large and used only here).
+    Rebuilding a saved model: then collapse what rank adaptation collapsed."""
+    program = pipeline.run(program, context=context)
+    decisions = context.decisions
+    owners = [p for p in (decisions.collapsed if decisions is not None else [])
+              if decisions.layers[p].tied_to is None]  # heads follow
+    if owners:
+        program = Pipeline([CollapseLayers({p: "collapsed by rank adaptation before saving" for p in owners})]
+                           ).run(program, progress=False)
     program.compiled_ratio = program.ratio
     return program
 

@@ -5,7 +5,7 @@ plus the per-bucket plans: :class:`ContractionPlan` (TT contractions) and
 produce plans are in :mod:`tncompile.planning`, the rewrites in :mod:`tncompile.passes`."""
 from ..runtime.kernels.plans import ContractionPlan, LookupPlan, Step
 from .network import TensorNetwork
-from .program import InputSpec, PassRecord, Program
+from .program import CompileContext, InputSpec, PassRecord, Program
 
-__all__ = ["Program", "InputSpec", "PassRecord", "TensorNetwork",
+__all__ = ["Program", "CompileContext", "InputSpec", "PassRecord", "TensorNetwork",
            "ContractionPlan", "LookupPlan", "Step"]

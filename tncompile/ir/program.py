@@ -12,7 +12,7 @@ from . import printers
 from .modules import count_params, module_at
 from ..runtime.fused.graph_functions import keep_functions_when_pickled
 
-__all__ = ["Program", "InputSpec", "PassRecord", "count_params", "module_at"]
+__all__ = ["Program", "CompileContext", "InputSpec", "PassRecord", "count_params", "module_at"]
 
 
 def _describe_value(v: Any) -> str:
@@ -135,6 +135,27 @@ class PassRecord:
     matches: dict[str, int] = field(default_factory=dict)  # rewrite rule -> times it matched
 
 
+@dataclass
+class CompileContext:
+    """What one compile hands its passes and no program keeps: given to
+    :meth:`~tncompile.passes.Pipeline.run` and reachable as ``program.context`` while that
+    pipeline runs; an empty context before and after (the statistics are large, the
+    decisions belong to one load).
+
+    Attributes
+    ----------
+    calibration : CalibrationStats or None
+        ``compile(calibration=...)``: what the dense layers did on the calibration inputs
+        (:mod:`tncompile.calibration`).
+    decisions : CompileDecisions or None
+        ``tncompile.load``: the saved model's recorded layers, replayed by ``tensorize``,
+        ``assign_ranks``, ``decompose`` and ``plan_contractions`` (:mod:`.decisions`).
+    """
+
+    calibration: Any = None
+    decisions: Any = None
+
+
 class Program:
     """A model as tncompile sees it.
 
@@ -166,9 +187,9 @@ class Program:
     listeners : list of callables
         Called with the program after every pipeline run on it (swap mode puts the
         program's current layers back into the user's model).
-    calibration : CalibrationStats or None
-        While ``compile(calibration=...)`` runs its pipeline: what the dense layers
-        did on the calibration inputs (:mod:`tncompile.calibration`); dropped after.
+    context : CompileContext
+        What the running compile handed its passes (calibration statistics, a load's
+        decisions); empty outside a compile's pipeline.
     calibration_summary : dict
         ``layer -> {"estimated_error", "svd_error", "fit_error"}``: relative output
         errors on the calibration inputs (rank allocation's estimate at the chosen
@@ -185,9 +206,6 @@ class Program:
     collapsed_layouts, collapsed_ties : dict
         ``path -> layout`` of every layer rank adaptation collapsed (and ``head -> embedding``
         for a collapsed tied head): what rebuilds it from a file.
-    decisions : CompileDecisions or None
-        While ``tncompile.load`` rebuilds a saved model: its recorded layers, replayed by
-        ``tensorize``, ``assign_ranks`` and ``decompose`` (:mod:`.decisions`).
     """
 
     def __init__(self, graph_module: fx.GraphModule, inputs: InputSpec, original_params: int,
@@ -203,13 +221,12 @@ class Program:
         self.swap_layers: dict[str, str] | None = None
         self.swap_skipped: dict[str, str] = {}
         self.listeners: list = []
-        self.calibration = None
+        self.context = CompileContext()
         self.calibration_summary: dict[str, dict[str, float]] = {}
         self.speed_estimates: dict = {}
         self.speed_capped: dict[str, tuple[int, int]] = {}  # prefer="speed": layer -> (rank cap, budget's rank)
         self.pipeline: list[str] = []
         self.example_inputs: tuple | None = None
-        self.decisions = None
         self.collapsed_layouts: dict[str, Any] = {}
         self.collapsed_ties: dict[str, str] = {}
 

@@ -73,7 +73,7 @@ class AssignRanks(Pass):
             raise RuntimeError(f"assign_ranks left layers without ranks: {unsized[:3]}")
 
     def run(self, program: Program) -> Program:
-        if program.decisions is not None:  # tncompile.load: the saved layouts carry their ranks
+        if program.context.decisions is not None:  # tncompile.load: the saved layouts carry their ranks
             return program
         opts = program.options
         owners: dict[str, PendingLayer] = {}

@@ -42,13 +42,13 @@ class Decompose(Pass):
         opts = program.options
         gm = program.graph_module
         pending = _pending(program)
-        replay = program.decisions is not None  # tncompile.load: the cores are loaded next, not fit here
+        replay = program.context.decisions is not None  # tncompile.load: the cores are loaded next, not fit here
         init = "random" if replay else opts.init
         seed = 0 if replay else opts.seed
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         built: dict[str, torch.nn.Module] = {}
         owners = [(n, m) for n, m in pending.items() if m.tied_to is None]
-        stats = None if replay else program.calibration
+        stats = None if replay else program.context.calibration
         for name, mod in progress(owners, "decomposition (TT-SVD)" if stats is None else "decomposition + calibrated fit"):
             if mod.kind == "embedding_bag":
                 new = TTMEmbeddingBag.from_embedding_bag(mod.dense, rank=None, layout=mod.layout,

@@ -57,7 +57,7 @@ class PlanContractions(Pass):
     name = "plan_contractions"
 
     def run(self, program: Program) -> Program:
-        if program.decisions is not None:
+        if program.context.decisions is not None:
             # tncompile.load: a file's layouts and batch sizes would size the search; every
             # bucket is planned on first use instead (as a bucket nobody named is), so
             # loading costs no planning

@@ -19,7 +19,7 @@ def uses_sensitivity(program: Program) -> bool:
     """Whether ``assign_ranks`` allocates by sensitivity: calibration statistics are
     there and ``compile(allocation=...)`` is ``"sensitivity"`` or ``"auto"``."""
     allocation = program.options.allocation
-    return program.calibration is not None and allocation in ("auto", "sensitivity")
+    return program.context.calibration is not None and allocation in ("auto", "sensitivity")
 
 
 def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dict[str, int],
@@ -38,7 +38,7 @@ def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dic
         warnings.warn("rank allocation by sensitivity does not cover mixture-of-experts layers; "
                       "ranks are uniform", stacklevel=2)
         return None
-    stats = program.calibration
+    stats = program.context.calibration
     budget -= sum(owners[n].layout.with_ranks(r).num_params() for n, r in fixed.items())
     roots: dict[int, torch.Tensor] = {}
     curves, weights = {}, {}

@@ -73,7 +73,7 @@ class Tensorize(Pass):
                     name, "not a layer of the model's own module tree (swap mode keeps it dense; "
                     "mode='graph' compresses it)")
                 del modules[name]
-        if program.decisions is not None:
+        if program.context.decisions is not None:
             return self._replay(program, modules)
         selected, excluded = select_modules(modules, opts.target_modules, opts.exclude_modules)
         for name in modules:
@@ -125,7 +125,7 @@ class Tensorize(Pass):
         """``tncompile.load``: the saved layer table's layers and layouts, each checked against
         the user's model (a missing layer, another kind, shape or tie is a
         :class:`~tncompile.errors.ModelMismatchError`); every other layer stays dense."""
-        decided = program.decisions.layers
+        decided = program.context.decisions.layers
         for name, decision in decided.items():
             check_decision(name, decision, modules, decided)
         check_ties(modules, decided)

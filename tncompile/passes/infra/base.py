@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Iterator
 
 
 from ...errors import PassError, TNCompileError
-from ...ir.program import PassRecord, Program
+from ...ir.program import CompileContext, PassRecord, Program
 from .progress import progress as progress_bar
 from ...runtime.kernels.executor import generated_code_dump
 
@@ -186,7 +186,7 @@ class Pipeline:
         return f"Pipeline([{', '.join(self.names)}])"
 
     def run(self, program: Program, dump_dir: str | os.PathLike | None = None,
-            progress: bool = True) -> Program:
+            progress: bool = True, context: CompileContext | None = None) -> Program:
         """Run every pass in order: check its ``requires``, run it, lint the
         graph, check its ``ensures``, record it in ``program.history``, dump.
 
@@ -197,7 +197,21 @@ class Pipeline:
         is the program before any pass), and, once layers are planned, the
         code their plans run as ``NN-<pass>.code.py``. Exceptions name the
         pass that raised.
+
+        ``context`` (a compile's calibration statistics, a load's decisions) is
+        ``program.context`` while the passes run, and gone after.
         """
+        if context is None:
+            return self._run(program, dump_dir, progress)
+        program.context = context
+        result = program
+        try:
+            result = self._run(program, dump_dir, progress)
+            return result
+        finally:
+            program.context = result.context = CompileContext()
+
+    def _run(self, program: Program, dump_dir, progress: bool) -> Program:
         dump_dir = dump_dir if dump_dir is not None else program.dump_dir
         out = Path(dump_dir) if dump_dir is not None else None
         if out is not None:
