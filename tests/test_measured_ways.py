@@ -183,3 +183,19 @@ def test_a_checkpoint_naming_an_unknown_way_is_refused(tmp_path):
         check_training_state(state, "ckpt")
     state["ways"] = None
     assert check_training_state(state, "ckpt") is state
+
+
+def test_where_nothing_may_be_timed_the_prior_runs_and_the_key_is_built_once(monkeypatch):
+    """Inside activation checkpointing nothing is timed (a recomputation must record the same
+    ops); each call asks for a winner again, but builds the shape's key only once."""
+    from torch.utils.checkpoint import checkpoint
+    layer = _layer()
+    built = []
+    real = measured.key_of
+    monkeypatch.setattr(measured, "key_of", lambda *args: built.append(1) or real(*args))
+    x = torch.randn(64, 96, requires_grad=True)
+    for _ in range(3):
+        checkpoint(layer, x, use_reentrant=False).sum().backward()
+    assert measured.stats()["measured"] == 0 and len(built) == 1
+    layer(x)                                                  # outside: timed now, once
+    assert measured.stats()["measured"] == 1

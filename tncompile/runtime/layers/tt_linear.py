@@ -44,6 +44,7 @@ class TTLinear(TNModule):
     """
 
     transient_state = TNModule.transient_state + ("_inference", "_pair_choice", "_whole_choice", "_measured_choice",
+                                                 "_measured_keys",
                                                  "_factor_peers")
     merge_in_inference = True
 

@@ -101,7 +101,7 @@ def decide_rows(layer, like: torch.Tensor, rows: int, settle_merged: bool = True
         won = cache.get(local)
         if won is not None:  # a chain winner had the native ops for this dtype, device and autocast
             return won, (native_ops() if won is LinearWay.NATIVE_CHAIN else None)
-        won, native = _measured_way(layer, like, rows, any(p.requires_grad for p in layer.network_tensors()))
+        won, native = _measured_way(layer, like, rows, local)
         if won is not None:
             cache[local] = won
             return won, (native if won is LinearWay.NATIVE_CHAIN else None)
@@ -112,21 +112,28 @@ def decide_rows(layer, like: torch.Tensor, rows: int, settle_merged: bool = True
     return _prior(layer, like, plan, ops, grouped, settle_merged)
 
 
-def _measured_way(layer, like: torch.Tensor, rows: int, needs_grad: bool):
+def _measured_way(layer, like: torch.Tensor, rows: int, local: tuple):
     """The measured winner among the row ways that apply for ``rows`` rows (``None`` where
-    none is known and none may be timed), and the native chain's ops where it applies."""
-    lay = layer.layout
-    native = chain_available(like, rows)
-    padded_in, padded_out = math.prod(lay.in_modes), math.prod(lay.out_modes)
-    ways = [LinearWay.PLANNED, LinearWay.THIN_PAIR]
-    if padded_in * padded_out <= rows * (padded_in + padded_out):  # W holds no more than the rows in and out
-        ways.append(LinearWay.WHOLE_MATRIX)
-    if native is not None:
-        ways.insert(0, LinearWay.NATIVE_CHAIN)
-    candidates = tuple(w.value for w in ways)
-    shape = (tuple(lay.in_modes), tuple(lay.out_modes), tuple(lay.ranks), layer.bias is not None, needs_grad)
-    key = measured.key_of("tt_linear", shape, like, bucket_of(rows), candidates)
-    won = measured.winner(key, candidates, _timer(layer, like, rows, native, needs_grad), like)
+    none is known and none may be timed now: the prior runs, and the next call asks again,
+    its key kept per ``local`` settings), and the native chain's ops where it applies."""
+    keys = choice_cache(layer, "_measured_keys")
+    got = keys.get(local)
+    if got is None:
+        lay = layer.layout
+        native = chain_available(like, rows)
+        padded_in, padded_out = math.prod(lay.in_modes), math.prod(lay.out_modes)
+        ways = [LinearWay.PLANNED, LinearWay.THIN_PAIR]
+        if padded_in * padded_out <= rows * (padded_in + padded_out):  # W holds no more than the rows in and out
+            ways.append(LinearWay.WHOLE_MATRIX)
+        if native is not None:
+            ways.insert(0, LinearWay.NATIVE_CHAIN)
+        candidates = tuple(w.value for w in ways)
+        needs_grad = any(p.requires_grad for p in layer.network_tensors())
+        shape = (tuple(lay.in_modes), tuple(lay.out_modes), tuple(lay.ranks), layer.bias is not None, needs_grad)
+        got = keys[local] = (measured.key_of("tt_linear", shape, like, bucket_of(rows), candidates), candidates,
+                             native, needs_grad)
+    key, candidates, native, needs_grad = got
+    won = measured.winner(key, candidates, lambda way: _timer(layer, like, rows, native, needs_grad)(way), like)
     return (None if won is None else LinearWay(won)), native
 
 

@@ -20,6 +20,7 @@ caller knows; nothing in it is ever run.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -100,8 +101,18 @@ def _several_processes() -> bool:
 def device_name(device: torch.device) -> str:
     """The device as the cache knows it: the GPU's name, or the CPU's model and threads."""
     if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu:{platform.machine()}:{platform.processor() or 'unknown'}:{torch.get_num_threads()}t"
+        return _gpu_name(device.index if device.index is not None else torch.cuda.current_device())
+    return f"cpu:{_cpu_model()}:{torch.get_num_threads()}t"
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_model() -> str:
+    return f"{platform.machine()}:{platform.processor() or 'unknown'}"
 
 
 def key_of(op: str, shape: tuple, like: torch.Tensor, rows: int, candidates: Iterable[str]) -> str:
