@@ -199,3 +199,14 @@ def test_where_nothing_may_be_timed_the_prior_runs_and_the_key_is_built_once(mon
     assert measured.stats()["measured"] == 0 and len(built) == 1
     layer(x)                                                  # outside: timed now, once
     assert measured.stats()["measured"] == 1
+
+
+def test_a_layer_with_measured_choices_deep_copies_and_pickles():
+    import copy
+    import pickle
+    layer = _layer()
+    layer(torch.randn(2, 96))          # a few rows: the native chain among the candidates
+    layer(torch.randn(64, 96))
+    with torch.enable_grad():
+        copy.deepcopy(layer)
+    pickle.loads(pickle.dumps(layer))

@@ -116,11 +116,11 @@ def _measured_way(layer, like: torch.Tensor, rows: int, local: tuple):
     """The measured winner among the row ways that apply for ``rows`` rows (``None`` where
     none is known and none may be timed now: the prior runs, and the next call asks again,
     its key kept per ``local`` settings), and the native chain's ops where it applies."""
-    keys = choice_cache(layer, "_measured_keys")
+    keys = choice_cache(layer, "_measured_keys")  # plain data only: a layer is deep-copied and pickled
     got = keys.get(local)
+    native = chain_available(like, rows)
     if got is None:
         lay = layer.layout
-        native = chain_available(like, rows)
         padded_in, padded_out = math.prod(lay.in_modes), math.prod(lay.out_modes)
         ways = [LinearWay.PLANNED, LinearWay.THIN_PAIR]
         if padded_in * padded_out <= rows * (padded_in + padded_out):  # W holds no more than the rows in and out
@@ -131,8 +131,8 @@ def _measured_way(layer, like: torch.Tensor, rows: int, local: tuple):
         needs_grad = any(p.requires_grad for p in layer.network_tensors())
         shape = (tuple(lay.in_modes), tuple(lay.out_modes), tuple(lay.ranks), layer.bias is not None, needs_grad)
         got = keys[local] = (measured.key_of("tt_linear", shape, like, bucket_of(rows), candidates), candidates,
-                             native, needs_grad)
-    key, candidates, native, needs_grad = got
+                             needs_grad)
+    key, candidates, needs_grad = got
     won = measured.winner(key, candidates, lambda way: _timer(layer, like, rows, native, needs_grad)(way), like)
     return (None if won is None else LinearWay(won)), native
 
