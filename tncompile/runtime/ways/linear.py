@@ -92,9 +92,7 @@ def decide_rows(layer, like: torch.Tensor, rows: int, settle_merged: bool = True
     if backends.active(like, "thin_pair") is not None:
         return LinearWay.TRITON_PAIR, None
     if rows and measured.applies(like):
-        cache = layer.__dict__.get("_measured_choice")
-        if cache is None:
-            cache = choice_cache(layer, "_measured_choice")
+        cache = choice_cache(layer, "_measured_choice")
         # a dict lookup per call (hot at one row): the settings a winner depends on, read directly
         local = (rows, layer.layout.ranks, like.dtype, like.device, torch.is_autocast_enabled(like.device.type),
                  measured.GENERATION[0], tuning.CHAIN_ROWS)
@@ -133,7 +131,7 @@ def _measured_way(layer, like: torch.Tensor, rows: int, local: tuple):
         got = keys[local] = (measured.key_of("tt_linear", shape, like, bucket_of(rows), candidates), candidates,
                              needs_grad)
     key, candidates, needs_grad = got
-    won = measured.winner(key, candidates, lambda way: _timer(layer, like, rows, native, needs_grad)(way), like)
+    won = measured.winner(key, candidates, lambda: _timer(layer, like, rows, native, needs_grad), like)
     return (None if won is None else LinearWay(won)), native
 
 

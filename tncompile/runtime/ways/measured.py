@@ -34,6 +34,7 @@ import torch
 
 from ... import tuning
 from ..kernels.tracing import exporting
+from .network import recorded_elsewhere
 
 __all__ = ["applies", "may_measure", "snapshot", "install", "check_winners", "register_ways", "winner", "time_call", "record_winner", "stats", "forget", "cache_file", "MAX_ENTRIES", "MAX_FILE_BYTES"]
 
@@ -66,12 +67,6 @@ def forget() -> None:
     _STATS.update(measured=0, hits=0)
 
 
-def _saved_tensor_hooks_active() -> bool:
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    hooked = True if top is None else top(False) is not None
-    return hooked or torch._C._current_graph_task_id() != -1
-
-
 def applies(like: torch.Tensor) -> bool:
     """Whether a call on tensors like ``like`` may use the measured choice: switched on,
     differentiable, eager (not traced nor exported), on a real tensor, and not under
@@ -87,7 +82,7 @@ def may_measure(like: torch.Tensor) -> bool:
     hooks (activation checkpointing must record the same ops when it recomputes)."""
     if like.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
-    return not _saved_tensor_hooks_active() and not _several_processes()
+    return not recorded_elsewhere() and not _several_processes()
 
 
 def _several_processes() -> bool:
@@ -188,11 +183,6 @@ def install(winners: dict[str, str]) -> None:
     GENERATION[0] += 1
 
 
-def generation() -> int:
-    """Moves whenever winners are installed from outside: layers' cached choices key on it."""
-    return GENERATION[0]
-
-
 def _write_disk(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -205,9 +195,11 @@ def _write_disk(path: Path) -> None:
         warnings.warn(f"tncompile: could not write the measured-ways cache {path}: {err}", UserWarning, stacklevel=4)
 
 
-def winner(key: str, candidates: tuple[str, ...], time_way: Callable[[str], float], like: torch.Tensor) -> str | None:
+def winner(key: str, candidates: tuple[str, ...], make_timer: Callable[[], Callable[[str], float]],
+           like: torch.Tensor) -> str | None:
     """The fastest of ``candidates`` for ``key``: known (memory, then disk), or measured
-    now with ``time_way(way) -> seconds`` where timing may run; else ``None``."""
+    now where timing may run, with ``make_timer()``'s ``time_way(way) -> seconds`` (made
+    once, only then); else ``None``."""
     got = _WINNERS.get(key)
     path = cache_file()
     if got is None and path is not None:
@@ -220,6 +212,7 @@ def winner(key: str, candidates: tuple[str, ...], time_way: Callable[[str], floa
         return candidates[0]
     if not may_measure(like):
         return None
+    time_way = make_timer()
     times = {way: time_way(way) for way in candidates}
     got = min(candidates, key=times.__getitem__)
     record_winner(key, got)

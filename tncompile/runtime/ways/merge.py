@@ -15,6 +15,7 @@ from ... import tuning
 from ..kernels.executor import autocast_state
 from ..kernels.tracing import exporting
 from . import backends
+from .network import recorded_elsewhere
 
 __all__ = ["MergeWay", "batches_apply", "triton_merges", "pad_limit", "made_under", "recorded_elsewhere",
            "merge_on_triton"]
@@ -26,15 +27,6 @@ class MergeWay(str, enum.Enum):
     ALONE = "alone"                  # the layer's own chain of small products
     BATCHED = "batched"              # with its layout's peers: stacked, batched products
     TRITON = "triton merge"          # every batch of the model in one Triton launch each way
-
-
-def recorded_elsewhere() -> bool:
-    """Inside activation checkpointing (saved-tensor hooks; its recomputation runs in a
-    backward pass): a checkpointed region must record the same ops when it is run again,
-    so its layers merge their own factors."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    hooked = True if top is None else top(False) is not None
-    return hooked or torch._C._current_graph_task_id() != -1
 
 
 def batches_apply() -> bool:

@@ -13,7 +13,7 @@ from ..kernels.gated_cores import gate_cores
 from ..kernels.plans import bucket_of
 from ..kernels.tracing import exporting
 
-__all__ = ["scaled_cores", "plan_for", "keeps_merged_forms", "checks_on_host"]
+__all__ = ["scaled_cores", "plan_for", "keeps_merged_forms", "checks_on_host", "recorded_elsewhere"]
 
 
 def scaled_cores(cores: list[torch.Tensor], gates: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -48,3 +48,12 @@ def checks_on_host(t: torch.Tensor) -> bool:
     """Whether checks of ``t``'s values may read them on the host: eager CPU tensors only
     (on a GPU, under ``torch.compile`` or capture they are trusted or asserted on device)."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def recorded_elsewhere() -> bool:
+    """Inside activation checkpointing (saved-tensor hooks; its recomputation runs in a
+    backward pass): a checkpointed region must record the same ops when it is run again,
+    so nothing there may depend on what happened before (batched merges, timings)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooked = True if top is None else top(False) is not None
+    return hooked or torch._C._current_graph_task_id() != -1
