@@ -41,9 +41,14 @@ _BACKENDS: dict[str, Backend] = {}
 SWITCHES = {"triton": "TRITON_KERNELS"}
 
 
+#: ``(switch, backend)`` of every registered backend that has a switch
+_SWITCHED: list[tuple[str, Backend]] = []
+
+
 def register(backend: Backend) -> None:
     """Add (or replace) ``backend`` under its name."""
     _BACKENDS[backend.name] = backend
+    _SWITCHED[:] = [(SWITCHES[name], b) for name, b in _BACKENDS.items() if name in SWITCHES]
 
 
 def get(name: str) -> Backend | None:
@@ -57,9 +62,10 @@ def registered() -> list[str]:
 
 def active(like: torch.Tensor, runner: str) -> Callable | None:
     """The runner named ``runner`` of the backend switched on for tensors like ``like``
-    (its ``tuning`` switch set and ``runs(like)``), else ``None``: the default ways run."""
-    for name, backend in _BACKENDS.items():
-        switch = SWITCHES.get(name)
-        if switch is not None and getattr(tuning, switch) and runner in backend.runners and backend.runs(like):
+    (its ``tuning`` switch set and ``runs(like)``), else ``None``: the default ways run.
+    Asked on every call of a TT linear and a lookup: with every switch off, one attribute
+    read per registered backend."""
+    for switch, backend in _SWITCHED:
+        if getattr(tuning, switch) and runner in backend.runners and backend.runs(like):
             return backend.runners[runner]
     return None

@@ -25,7 +25,6 @@ from ..native import native_ops
 from ..kernels.plans import bucket_of
 from ..kernels.tt_chain import chain_available, chain_kernels, tt_chain
 from . import backends, measured
-from .network import keeps_merged_forms
 from .rows import ACTIVATIONS, apply_matrix, check_input_dtype, drop_boundary, factor_macs, through_factors
 
 __all__ = ["LinearWay", "choose", "choose_call", "choose_rows", "decide_call", "decide_rows", "run", "run_activated",
@@ -76,23 +75,27 @@ def decide_call(layer, x: torch.Tensor):
         return LinearWay.EXPORTED, None
     lay = layer.layout
     rows = x.numel() // max(lay.in_features, 1)
-    if layer.merge_in_inference and keeps_merged_forms() and x.shape[-1:] == (lay.in_features,) and rows:
+    if layer.merge_in_inference and not torch.is_grad_enabled() and not torch.compiler.is_compiling() \
+            and x.shape[-1:] == (lay.in_features,) and rows:  # as network.keeps_merged_forms, inlined: every call
         factors = layer.inference_factors()
         if through_factors_at(layer, rows, factors):
             return LinearWay.INFERENCE_FACTORS, factors
     return None, None
 
 
-def decide_rows(layer, like: torch.Tensor, rows: int, settle_merged: bool = True):
+def decide_rows(layer, like: torch.Tensor, rows: int, settle_merged: bool = True, export_checked: bool = False):
     """:func:`choose_rows`'s way, with what running it takes: the native chain's ops.
 
     In a differentiable eager call, the fastest of the row ways that apply as measured for
     this layer's shape, bucket of rows, dtype and device (:mod:`.measured`: timed once,
-    then kept); where nothing may be measured and nothing is known, the cost model's prior."""
+    then kept); where nothing may be measured and nothing is known, the cost model's prior.
+    ``export_checked``: the caller (the layer's forward) knows ``torch.export`` is not tracing."""
     if backends.active(like, "thin_pair") is not None:
         return LinearWay.TRITON_PAIR, None
-    if rows and measured.applies(like):
-        cache = choice_cache(layer, "_measured_choice")
+    if rows and measured.applies(like, export_checked):
+        cache = layer.__dict__.get("_measured_choice")  # the hot path: no getattr fallback once made
+        if cache is None:
+            cache = choice_cache(layer, "_measured_choice")
         # a dict lookup per call (hot at one row): the settings a winner depends on, read directly
         local = (rows, layer.layout.ranks, like.dtype, like.device, torch.is_autocast_enabled(like.device.type),
                  measured.GENERATION[0], tuning.CHAIN_ROWS)
@@ -218,7 +221,7 @@ def contract_rows(layer, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Te
     """``h (rows, *in_modes)`` through ``layer``'s network, the way :func:`decide_rows` says:
     ``(rows, padded_out)``."""
     rows = h.shape[0]
-    way, ops = decide_rows(layer, h, rows)
+    way, ops = decide_rows(layer, h, rows, export_checked=True)  # run() returned before this when exporting
     record(layer, way)
     return run_rows(layer, way, h, bias, ops)
 

@@ -67,14 +67,16 @@ def forget() -> None:
     _STATS.update(measured=0, hits=0)
 
 
-def applies(like: torch.Tensor) -> bool:
+def applies(like: torch.Tensor, export_checked: bool = False) -> bool:
     """Whether a call on tensors like ``like`` may use the measured choice: switched on,
-    differentiable, eager (not traced nor exported), on a real tensor, and not under
+    differentiable, eager (not traced nor exported; ``export_checked``: the caller knows
+    it is not exporting), on a real tensor, and not under
     ``torch.use_deterministic_algorithms`` (a timing may differ between runs; the prior
-    does not)."""
+    does not). Read on every call of a TT linear: the cheapest checks first, the compile
+    check before one Dynamo cannot trace."""
     return tuning.MEASURE_WAYS and torch.is_grad_enabled() and type(like) is torch.Tensor \
-        and not torch.compiler.is_compiling() and not torch.are_deterministic_algorithms_enabled() \
-        and like.device.type in ("cpu", "cuda") and not exporting()
+        and not torch.compiler.is_compiling() and not torch._C._get_deterministic_algorithms() \
+        and like.device.type in ("cpu", "cuda") and (export_checked or not exporting())
 
 
 def may_measure(like: torch.Tensor) -> bool:
