@@ -54,6 +54,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -72,26 +73,42 @@ from tncompile.testing import six_encoder
 from common import RESULTS, galore_optimizer, interleaved_ms, machine, parser
 
 PAPER_RATIO = 1 / 44.9
-PATHS = ("eager", "captured", "bf16", "bf16-captured", "compile", "compile-ro", "trainer", "trainer-compile")
-CUDA_ONLY = {"captured", "bf16-captured", "compile-ro"}
+PATHS = ("eager", "captured", "bf16", "bf16-captured", "compile", "compile-ro", "trainer", "trainer-compile",
+         "amp-eager", "amp-compile", "bf16w-eager", "bf16w-captured", "bf16w-compile")
+CUDA_ONLY = {"captured", "bf16-captured", "compile-ro", "bf16w-captured"}
+#: the wide workload's paths: bf16 autocast and pure bf16 weights, eager / captured first
+LLAMA_FAST = ("amp-eager", "bf16-captured", "bf16w-eager", "bf16w-captured")
+LLAMA_COMPILING = ("amp-compile", "bf16w-compile")
 #: paths also timed with tncompile's Triton kernels (``triton_ms``), every model
 TRITON_PATHS = ("eager", "captured", "bf16", "bf16-captured", "compile", "compile-ro")
 
 
 # ---------------------------------------------------------------- models
-class Workload:
-    """One model at one batch: inputs, targets, loss and a builder (dense or compiled)."""
+#: Llama-style decoders (``LlamaForCausalLM``, SDPA attention, 32k vocabulary, untied head):
+#: name -> (hidden, layers, FFN, heads, sequence). ``llama-tiny`` exercises the script on a CPU.
+LLAMA = {"llama-1b": (2048, 16, 5632, 16, 1024), "llama-350m": (1024, 24, 2816, 16, 1024),
+         "llama-tiny": (128, 2, 344, 4, 64)}
+MODELS = ("six-encoder", "small-bert", "gpt2", *LLAMA)
 
-    def __init__(self, name: str, batch: int, device: torch.device):
+
+class Workload:
+    """One model at one batch (and, for the Llamas, one ratio): inputs, targets, loss and a
+    builder (dense or compiled)."""
+
+    def __init__(self, name: str, batch: int, device: torch.device, ratio: float | None = None):
         self.name, self.batch, self.device = name, batch, device
         g = torch.Generator().manual_seed(0)
         if name == "six-encoder":
-            self.hf = False
+            self.hf, self.ratio = False, PAPER_RATIO
             self.x = torch.randint(1, 30522, (batch, 128), generator=g).to(device)
             self.y = torch.randint(0, 3, (batch,), generator=g).to(device)
             self.loss_fn = F.cross_entropy
+        elif name in LLAMA:
+            self.hf, self.ratio = True, 0.1 if ratio is None else ratio
+            ids = torch.randint(0, 32000, (batch, LLAMA[name][4]), generator=g).to(device)
+            self.x, self.y, self.loss_fn = {"input_ids": ids, "labels": ids}, None, _lm_loss
         else:
-            self.hf = True
+            self.hf, self.ratio = True, 0.3
             ids = torch.randint(0, 1000, (batch, 64), generator=g).to(device)
             self.x = {"input_ids": ids} if name == "small-bert" else {"input_ids": ids, "labels": ids}
             self.y = None
@@ -105,11 +122,29 @@ class Workload:
                 model = tncompile.compile(model, target_ratio=PAPER_RATIO, init="random",
                                           batch_sizes=[self.batch * 128])
             return model.to(self.device).train()
+        if self.name in LLAMA:
+            return self._build_llama(compiled)
         from bench_small_models import FAMILIES  # noqa: PLC0415 - transformers, HF models only
         model = FAMILIES["bert" if self.name == "small-bert" else "gpt2"](64)[1].train().to(self.device)
         if compiled:
             model = tncompile.compile(model, target_ratio=0.3, example_inputs=self.x).train()
         return model
+
+    def _build_llama(self, compiled: bool) -> torch.nn.Module:
+        import transformers  # noqa: PLC0415
+        transformers.logging.set_verbosity_error()
+        hidden, layers, ffn, heads, sequence = LLAMA[self.name]
+        config = transformers.LlamaConfig(
+            vocab_size=32000, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=sequence,
+            attn_implementation="sdpa")
+        with torch.device(self.device):
+            model = transformers.LlamaForCausalLM(config)
+        if compiled:   # a short example: swap mode keeps every batch and length
+            example = self.x["input_ids"][:2, :16].expand(2, 16).contiguous()
+            model = tncompile.compile(model, target_ratio=self.ratio, init="random",
+                                      example_inputs={"input_ids": example, "labels": example})
+        return model.train()
 
     def forward_loss(self, model) -> torch.Tensor:
         out = model(**self.x) if self.hf else model(self.x)
@@ -125,13 +160,17 @@ def _lm_loss(out, _targets):
 
 
 # ---------------------------------------------------------------- paths
-def _plain_loop(work: Workload, model, compile_mode: str | None) -> Callable[[], None]:
-    """forward, loss, backward, AdamW step, zero_grad -- optionally over torch.compile(model)."""
+def _plain_loop(work: Workload, model, compile_mode: str | None, amp: bool = False) -> Callable[[], None]:
+    """forward, loss, backward, AdamW step, zero_grad -- optionally over torch.compile(model),
+    optionally with the forward and loss under bf16 autocast (what a user's own loop does)."""
     run = model if compile_mode is None else torch.compile(model, mode=compile_mode)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    device_type = work.device.type
 
     def step() -> None:
-        work.forward_loss(run).backward()
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
+            loss = work.forward_loss(run)
+        loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
@@ -144,12 +183,15 @@ def _train_step(work: Workload, model, captured: bool, amp: str | None) -> Calla
 
 
 def step_functions(work: Workload, path: str, model) -> Callable[[], None]:
-    if path == "eager":
-        return _plain_loop(work, model, None)
-    if path == "compile":
-        return _plain_loop(work, model, "default")
+    """``path``'s training step over ``model`` (``bf16w-*`` paths expect bf16 weights)."""
+    if path in ("eager", "amp-eager", "bf16w-eager"):
+        return _plain_loop(work, model, None, amp=path == "amp-eager")
+    if path in ("compile", "amp-compile", "bf16w-compile"):
+        return _plain_loop(work, model, "default", amp=path == "amp-compile")
     if path == "compile-ro":
         return _plain_loop(work, model, "reduce-overhead")
+    if path == "bf16w-captured":
+        return _train_step(work, model, captured=True, amp=None)
     return _train_step(work, model, captured=path.endswith("captured"), amp="bf16" if "bf16" in path else None)
 
 
@@ -214,8 +256,15 @@ def time_paths(work: Workload, paths: list[str], reps: int, emit) -> None:
     """Build dense and compiled once, then time each path on the pair (interleaved)."""
     models = {"dense": work.build(False), "compressed": work.build(True)}
     layers = sum(isinstance(m, TTLinear) for m in models["compressed"].modules())
-    for path in paths:
-        row = {"model": work.name, "batch": work.batch, "path": path, "tt_layers": layers}
+    params = {k: sum(p.numel() for p in m.parameters()) for k, m in models.items()}
+    in_bf16 = False
+    for path in sorted(paths, key=lambda p: p.startswith("bf16w")):   # weights become bf16 once, last
+        row = {"model": work.name, "batch": work.batch, "path": path, "ratio": round(work.ratio, 4),
+               "tt_layers": layers, "dense_params": params["dense"], "compressed_params": params["compressed"]}
+        if path.startswith("bf16w") and not in_bf16:
+            for m in models.values():
+                m.to(torch.bfloat16)
+            in_bf16 = True
         if out_of_time():
             emit({**row, "skipped": "budget"})
             continue
@@ -272,23 +321,30 @@ def _triton_variant(work: Workload, path: str, compressed, row: dict) -> dict[st
 
 
 def profile_kernels(work: Workload, emit) -> None:
-    """Kernels per eager step and their summed GPU time (torch.profiler), each model alone;
-    the compressed model also on tncompile's Triton kernels."""
+    """Kernels per eager step and their summed GPU time (torch.profiler), each model alone
+    (the Llamas in bf16 autocast, the others in fp32): by kind, the costliest kernels by name,
+    and each matrix-product op's achieved TFLOP/s against the device's measured bf16 (Llamas)
+    or fp32 GEMM peak. The six-encoder and the small models also run on tncompile's Triton
+    kernels."""
     from bench_gpu_kernels import profile_step  # noqa: PLC0415
-    kinds = ("dense", "compressed", "compressed triton")
+    amp = work.name in LLAMA
+    peak = PEAKS.get("bf16_gemm_tflop_per_s" if amp else "gemm_tflop_per_s")
+    kinds = ("dense", "compressed") if amp else ("dense", "compressed", "compressed triton")
     for kind in kinds:
-        row = {"model": work.name, "batch": work.batch, "path": "kernels", "variant": kind}
+        row = {"model": work.name, "batch": work.batch, "ratio": round(work.ratio, 4), "path": "kernels",
+               "variant": kind, "amp": amp}
         try:
             model = work.build(kind != "dense")
-            step = _plain_loop(work, model, None)
+            step = _plain_loop(work, model, None, amp=amp)
             if kind == "compressed triton":
                 step = _with_triton_kernels(step)
             for _ in range(3):
                 step()
-            result = profile_step(lambda _x, _y: step(), None, None, steps=3)
+            result = profile_step(lambda _x, _y, step=step: step(), None, None, steps=3, peak_tflops=peak)
             row.update(kernels_per_step=result["kernels_per_step"],
-                       gpu_ms_per_step=round(result["gpu_ms_per_step"], 3), by_kind=result["by_kind"])
-            if kind != "dense":   # compiled.report(inputs): each layer's fwd+bwd host time vs a dense one's
+                       gpu_ms_per_step=round(result["gpu_ms_per_step"], 3), by_kind=result["by_kind"],
+                       top=result["top"], matmul_ops=result["matmul_ops"])
+            if kind != "dense" and not amp:   # compiled.report(inputs): a layer's fwd+bwd host time vs dense
                 tuning.TRITON_KERNELS = kind == "compressed triton"
                 try:
                     measured = model.report(work.x, steps=5).measured
@@ -299,48 +355,73 @@ def profile_kernels(work: Workload, emit) -> None:
                                dense_layer_host_us=round(1e6 * measured.dense_host / measured.layers, 1),
                                layer_wall_us=round(1e6 * measured.wall / measured.layers, 1),
                                dense_layer_wall_us=round(1e6 * measured.dense_wall / measured.layers, 1))
+            del model, step
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         emit(row)
-
-
-def peak_memory(work: Workload, emit) -> None:
-    """One model on the device at a time: ``build_peak_mb`` is the peak while building
-    (and compiling) it, ``resident_mb`` what stays allocated after, and ``peak_mb`` the peak
-    over 3 warm-up and 5 timed training steps (optimizer state and a capture included)."""
-    variants = {"dense eager": (False, "eager"), "compressed eager": (True, "eager"),
-                "compressed captured": (True, "captured"), "dense GaLore": (False, "galore")}
-    for name, (compiled, how) in variants.items():
-        row = {"model": work.name, "batch": work.batch, "path": "memory", "variant": name}
-        try:
-            gc.collect()
+        gc.collect()
+        if work.device.type == "cuda":
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            model = work.build(compiled)
-            gc.collect()
-            row.update(build_peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1),
-                       resident_mb=round(torch.cuda.memory_allocated() / 2**20, 1))
-            torch.cuda.reset_peak_memory_stats()
-            if how == "galore":
-                step = TrainStep(model, galore_optimizer(model), work.loss_fn, cuda_graph=False)
-                fn = lambda: step(work.x, work.y)  # noqa: E731
-            else:
-                fn = step_functions(work, how, model)
-            for _ in range(3):
-                fn()
-            times = []
-            for _ in range(5):
-                _sync(work.device)
-                start = time.perf_counter()
-                fn()
-                _sync(work.device)
-                times.append(time.perf_counter() - start)
-            row.update(step_ms=round(1000 * statistics.median(times), 3),
-                       peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1))
-            del model, fn
-        except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
-        emit(row)
+
+
+#: memory variants -> (compiled, step path or "galore" / "galore-amp"): fp32 models, then
+#: the Llamas in bf16 autocast
+MEMORY_VARIANTS = {"dense eager": (False, "eager"), "compressed eager": (True, "eager"),
+                   "compressed captured": (True, "captured"), "dense GaLore": (False, "galore")}
+LLAMA_MEMORY_VARIANTS = {"dense amp-eager": (False, "amp-eager"), "compressed amp-eager": (True, "amp-eager"),
+                         "compressed bf16-captured": (True, "bf16-captured"),
+                         "dense GaLore amp": (False, "galore-amp")}
+
+
+def memory_row(work: Workload, variant: str) -> dict:
+    """One memory row, measured in a process that has done nothing else on the device:
+    ``build_peak_mb`` is the peak while building (and compiling) the model, ``resident_mb``
+    what stays allocated after, and ``peak_mb`` the peak over 3 warm-up and 3 more training
+    steps (optimizer state and a capture included)."""
+    compiled, how = {**MEMORY_VARIANTS, **LLAMA_MEMORY_VARIANTS}[variant]
+    row = {"model": work.name, "batch": work.batch, "ratio": round(work.ratio, 4), "path": "memory",
+           "variant": variant}
+    torch.cuda.reset_peak_memory_stats()
+    model = work.build(compiled)
+    gc.collect()
+    row.update(build_peak_mb=round(torch.cuda.max_memory_allocated() / 2**20, 1),
+               resident_mb=round(torch.cuda.memory_allocated() / 2**20, 1))
+    torch.cuda.reset_peak_memory_stats()
+    if how.startswith("galore"):
+        step = TrainStep(model, galore_optimizer(model), work.loss_fn, cuda_graph=False,
+                         amp="bf16" if how == "galore-amp" else None)
+        fn = lambda: step(work.x, work.y)  # noqa: E731
+    else:
+        fn = step_functions(work, how, model)
+    for _ in range(6):
+        fn()
+    _sync(work.device)
+    row["peak_mb"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    return row
+
+
+def peak_memory(work: Workload, emit, parallel: int = 2) -> None:
+    """Each memory variant in its own fresh process (GPU memory left by earlier jobs must not
+    count), ``parallel`` at a time: a process's allocator counts only its own memory."""
+    variants = LLAMA_MEMORY_VARIANTS if work.name in LLAMA else MEMORY_VARIANTS
+    pending = list(variants)
+    while pending:
+        batch, pending = pending[:parallel], pending[parallel:]
+        procs = {name: subprocess.Popen(
+            [sys.executable, __file__, "--device", str(work.device), "--memory-row", work.name, str(work.batch),
+             str(work.ratio), name], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in batch}
+        for name, proc in procs.items():
+            row = {"model": work.name, "batch": work.batch, "ratio": round(work.ratio, 4), "path": "memory",
+                   "variant": name}
+            try:
+                out, err = proc.communicate(timeout=300)
+                lines = [line for line in out.splitlines() if line.startswith("{")]
+                row = json.loads(lines[-1]) if proc.returncode == 0 and lines else \
+                    {**row, "error": f"exit {proc.returncode}: {err[-400:]}"}
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                row["error"] = "timed out after 300 s"
+            emit(row)
 
 
 def thin_pair_kernel(batch: int, emit) -> None:
@@ -380,10 +461,32 @@ def jobs(models: list[str], batches: list[int], paths: list[str], cuda: bool):
     first = 32 if 32 in batches else order[0]
     out = []
 
-    def timed(model: str, batch: int, chosen: list[str]) -> None:
+    def timed(model: str, batch: int, chosen: list[str], ratio: float | None = None) -> None:
         if chosen:
-            out.append((f"{model} b{batch} {chosen}", lambda emit: time_paths(Workload(model, batch, DEV), chosen,
-                                                                              REPS, emit)))
+            at = "" if ratio is None else f" r{ratio}"
+            out.append((f"{model}{at} b{batch} {chosen}", lambda emit: time_paths(
+                Workload(model, batch, DEV, ratio), chosen, REPS, emit)))
+
+    # the wide workload first: the first Llama named at 0.1 and 0.05, its memory, the others
+    # at 0.1; then their torch.compile paths and a kernel profile
+    llamas = [m for m in models if m in LLAMA]
+    llama_fast = [p for p in LLAMA_FAST if p in paths]
+    llama_compiling = [p for p in LLAMA_COMPILING if p in paths]
+    for i, m in enumerate(llamas):
+        timed(m, LLAMA_BATCH, llama_fast, 0.1)
+        if i == 0 and cuda:   # batch 1 is small: four processes at once
+            for b, parallel in ((1, 4), (LLAMA_BATCH, 2)):
+                out.append((f"{m} memory b{b}", lambda emit, m=m, b=b, parallel=parallel: peak_memory(
+                    Workload(m, b, DEV, 0.1), emit, parallel)))
+        if i == 0:
+            timed(m, LLAMA_BATCH, llama_fast, 0.05)
+    for m in llamas[:1]:
+        if cuda:
+            out.append((f"{m} kernels b{LLAMA_BATCH}",
+                        lambda emit, m=m: profile_kernels(Workload(m, LLAMA_BATCH, DEV, 0.1), emit)))
+        timed(m, LLAMA_BATCH, llama_compiling, 0.1)
+    for m in llamas[1:]:
+        timed(m, LLAMA_BATCH, llama_compiling, 0.1)
     for b in order[:3] if six else []:
         timed("six-encoder", b, fast)
     if six and cuda and 1 in batches:
@@ -408,21 +511,24 @@ def jobs(models: list[str], batches: list[int], paths: list[str], cuda: bool):
 
 
 def markdown_tables(report: dict) -> str:
-    """The run as tables: speed against dense per model x batch x path (compressed / dense ms
-    beneath), then kernels per eager step and batch-1 memory."""
+    """The run as tables: speed against dense per model x ratio x batch x path (compressed /
+    dense ms beneath), then kernels per eager step and memory."""
     timed = [r for r in report["rows"] if r.get("path") in PATHS]
     paths = [p for p in PATHS if any(r["path"] == p for r in timed)]
-    lines = ["| model | batch | " + " | ".join(paths) + " |", "|---|---|" + "---|" * len(paths)]
-    keys = sorted({(r["model"], r["batch"]) for r in timed}, key=lambda k: (k[0] != "six-encoder", k))
-    for model, batch in keys:
+    lines = ["| model | ratio | batch | " + " | ".join(paths) + " |", "|---|---|---|" + "---|" * len(paths)]
+    keys = sorted({(r["model"], r.get("ratio"), r["batch"]) for r in timed},
+                  key=lambda k: (k[0] not in LLAMA, k[0] != "six-encoder", k[0], -(k[1] or 0), k[2]))
+    for model, ratio, batch in keys:
         cells = []
         for path in paths:
-            row = next((r for r in timed if (r["model"], r["batch"], r["path"]) == (model, batch, path)), None)
+            row = next((r for r in timed if (r["model"], r.get("ratio"), r["batch"], r["path"])
+                        == (model, ratio, batch, path)), None)
             if row is None or "speed_vs_dense" not in row:
                 cells.append("" if row is None else ("error" if "error" in row else row.get("skipped", "")))
             else:
                 cells.append(f"**{row['speed_vs_dense']:.2f}x** {row['compressed_ms']:.1f}/{row['dense_ms']:.1f}")
-        lines.append(f"| {model} | {batch} | " + " | ".join(cells) + " |")
+        shown_ratio = "" if ratio is None else f"{ratio:.3g}"
+        lines.append(f"| {model} | {shown_ratio} | {batch} | " + " | ".join(cells) + " |")
     kernels = [r for r in report["rows"] if r.get("path") == "kernels" and "kernels_per_step" in r]
     if kernels:
         lines += ["", "| model | batch | variant | kernels per eager step | GPU ms of kernels |", "|---|---|---|---|---|"]
@@ -430,12 +536,26 @@ def markdown_tables(report: dict) -> str:
                   f"{r['gpu_ms_per_step']:.2f} |" for r in kernels]
     memory = [r for r in report["rows"] if r.get("path") == "memory" and "peak_mb" in r]
     if memory:
-        lines += ["", "| model | batch | variant | step ms | peak MB | resident MB | build peak MB |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['model']} | {r['batch']} | {r['variant']} | {r['step_ms']:.1f} | {r['peak_mb']:.0f} | "
+        lines += ["", "| model | batch | variant | peak MB | resident MB | build peak MB |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {r['model']} | {r['batch']} | {r['variant']} | {r['peak_mb']:.0f} | "
                   f"{r.get('resident_mb', float('nan')):.0f} | {r.get('build_peak_mb', float('nan')):.0f} |"
                   for r in memory]
     return "\n".join(lines)
+
+
+def bf16_gemm_tflops(device: torch.device, n: int = 8192) -> float:
+    """Best of 5 square bf16 ``mm`` of side ``n``, TFLOP/s: the peak bf16 kernels are held to."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    torch.mm(a, b)
+    times = []
+    for _ in range(5):
+        _sync(device)
+        start = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return round(2 * n**3 / min(times) / 1e12, 1)
 
 
 def gpu_facts() -> dict:
@@ -459,16 +579,22 @@ def gpu_facts() -> dict:
 
 DEV = torch.device("cpu")
 REPS = 10
+LLAMA_BATCH = 8
+#: the device's measured GEMM peaks (``gemm_tflop_per_s`` fp32, ``bf16_gemm_tflop_per_s``)
+PEAKS: dict[str, float] = {}
 DEADLINE = float("inf")
 
 
 def main() -> None:
-    global DEV, REPS, DEADLINE
+    global DEV, REPS, DEADLINE, LLAMA_BATCH
     ap = parser(__doc__)
     ap.add_argument("--budget-s", type=float, default=420.0, help="start no job after this many seconds")
     ap.add_argument("--out", type=Path, default=RESULTS / "gpu.json")
-    ap.add_argument("--models", nargs="+", default=["six-encoder", "small-bert", "gpt2"],
-                    choices=["six-encoder", "small-bert", "gpt2"])
+    ap.add_argument("--models", nargs="+", default=["llama-1b", "llama-350m", "six-encoder", "small-bert", "gpt2"],
+                    choices=list(MODELS))
+    ap.add_argument("--llama-batch", type=int, default=8, help="the Llamas' batch (sequences of 1024)")
+    ap.add_argument("--memory-row", nargs=4, default=None, metavar=("MODEL", "BATCH", "RATIO", "VARIANT"),
+                    help="measure one memory row in this fresh process, print it as JSON and stop")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--paths", nargs="+", default=list(PATHS), choices=list(PATHS))
     ap.add_argument("--reps", type=int, default=10)
@@ -482,13 +608,20 @@ def main() -> None:
     if args.table is not None:
         print(markdown_tables(json.loads(args.table.read_text())))
         return
-    DEV, REPS = torch.device(args.device), args.reps
+    DEV, REPS, LLAMA_BATCH = torch.device(args.device), args.reps, args.llama_batch
+    if args.memory_row is not None:
+        model, batch, ratio, variant = args.memory_row
+        print(json.dumps(memory_row(Workload(model, int(batch), DEV, float(ratio)), variant)))
+        return
     cuda = DEV.type == "cuda"
     paths = [p for p in args.paths if cuda or p not in CUDA_ONLY]
     start = time.monotonic()
     DEADLINE = start + args.budget_s
     report = {"benchmark": "gpu", "device": str(DEV), **gpu_facts(), **machine(DEV),
               "budget_s": args.budget_s, "rows": [], "skipped": []}
+    PEAKS["gemm_tflop_per_s"] = report["gemm_gflop_per_s"] / 1e3
+    if cuda:
+        report["bf16_gemm_tflop_per_s"] = PEAKS["bf16_gemm_tflop_per_s"] = bf16_gemm_tflops(DEV)
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def write() -> None:
@@ -497,10 +630,10 @@ def main() -> None:
 
     def emit(row: dict) -> None:
         row["at_s"] = round(time.monotonic() - start, 1)
-        key = [row.get(k) for k in ("model", "batch", "path", "variant")]
-        report["rows"] = [r for r in report["rows"] if [r.get(k) for k in ("model", "batch", "path", "variant")]
-                          != key] + [row]
-        shown = {k: v for k, v in row.items() if k != "by_kind"}
+        key = [row.get(k) for k in ("model", "batch", "ratio", "path", "variant")]
+        report["rows"] = [r for r in report["rows"]
+                          if [r.get(k) for k in ("model", "batch", "ratio", "path", "variant")] != key] + [row]
+        shown = {k: v for k, v in row.items() if k not in ("by_kind", "top", "matmul_ops")}
         print(json.dumps(shown), flush=True)
         write()
 

@@ -44,6 +44,9 @@ SEQ = 128
 
 #: kernel kinds, first match wins: (kind, substrings of the lower-cased kernel name)
 KINDS = (
+    ("triton (tncompile)", ("_thin_pair_kernel", "_gather_kernel", "_scatter_kernel", "_tasks_kernel",
+                            "_finish_kernel")),
+    ("triton (inductor)", ("triton_",)),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("optimizer", ("multi_tensor", "adam", "foreach")),
     ("gemm", ("gemm", "cutlass", "xmma", "cublas", "sm90_", "sm80_", "ampere_", "splitk", "dot_kernel")),
@@ -68,12 +71,22 @@ def _annotation(event) -> bool:
         or event.name.startswith("ProfilerStep")
 
 
-def profile_step(step, x, y, steps: int) -> dict:
-    """Kernel count and GPU time per step, by kind, and the costliest kernels."""
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+def profile_step(step, x, y, steps: int, peak_tflops: float | None = None) -> dict:
+    """Kernel count and GPU time per step, by kind, and the costliest kernels; and per
+    matrix-product op (``aten::mm``, ``addmm``, ``bmm``, ...: the profiler counts their
+    FLOPs) calls, GPU ms and achieved TFLOP/s (its share of ``peak_tflops`` where given)."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_flops=True) as prof:
         for _ in range(steps):
             step(x, y)
         torch.cuda.synchronize()
+    ops = []
+    for avg in prof.key_averages():
+        gpu_us = getattr(avg, "device_time_total", None) or getattr(avg, "cuda_time_total", 0)
+        if avg.flops and gpu_us:
+            tflops = avg.flops / (gpu_us * 1e-6) / 1e12
+            ops.append({"op": avg.key, "calls": avg.count / steps, "ms": round(gpu_us / steps / 1e3, 4),
+                        "tflop_per_s": round(tflops, 2),
+                        **({"of_peak": round(tflops / peak_tflops, 3)} if peak_tflops else {})})
     by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for event in prof.events():
@@ -90,7 +103,8 @@ def profile_step(step, x, y, steps: int) -> dict:
             "by_kind": {k: {"kernels": c / steps, "ms": round(t / steps / 1e3, 4)}
                         for k, (c, t) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
             "top": [{"kernel": n[:120], "kind": kind_of(n), "calls": c / steps, "ms": round(t / steps / 1e3, 4)}
-                    for n, (c, t) in top]}
+                    for n, (c, t) in top],
+            "matmul_ops": sorted(ops, key=lambda r: -r["ms"])}
 
 
 #: dense; compiled with the defaults; compiled with every batch merging into thin factors
