@@ -55,6 +55,7 @@ import os
 import statistics
 import subprocess
 import sys
+from collections import Counter
 import tempfile
 import time
 from pathlib import Path
@@ -285,6 +286,9 @@ def time_paths(work: Workload, paths: list[str], reps: int, emit) -> None:
             if "compressed_host_ms" in row and layers:
                 row["extra_host_ms_per_tt_layer"] = round(
                     (row["compressed_host_ms"] - row["dense_host_ms"]) / layers, 4)
+            ran = Counter(getattr(getattr(m, "ran_as", None), "value", "not run")
+                          for m in models["compressed"].modules() if isinstance(m, TTLinear))
+            row["ran_as"] = dict(ran)   # the way each TT linear's last eager call ran
             if "triton_host_ms" in row and layers:
                 row["triton_extra_host_ms_per_tt_layer"] = round(
                     (row["triton_host_ms"] - row["dense_host_ms"]) / layers, 4)
@@ -450,6 +454,50 @@ def thin_pair_kernel(batch: int, emit) -> None:
               "forward_backward_ms": {k: round(v, 4) for k, v in both.items()}})
 
 
+def linear_ways_at_rows(work: Workload, emit) -> None:
+    """Each distinct TT linear of the compressed model at the workload's rows (the Llamas:
+    bf16 autocast, fp32 rows in, as their norms hand them over): every row way timed alone
+    as the measured choice times it (forward, then the parameters' backward by
+    ``autograd.grad``: ``ways.linear._timer``), against the dense ``nn.Linear`` of its shape
+    timed the same way; and the same layout with its bonds rounded up to a multiple of 16,
+    where the tensor cores' tiles want them (a thin pair's middle bond is a GEMM's K or N)."""
+    from tncompile.runtime.ways import linear as linear_ways  # noqa: PLC0415
+    from tncompile.runtime.ways import measured  # noqa: PLC0415
+    from tncompile.runtime.ways.linear import LinearWay  # noqa: PLC0415
+    amp = work.name in LLAMA
+    rows = work.x["input_ids"].numel() if work.hf else work.x.numel()
+    compiled = work.build(True)
+    seen = set()
+    ways = (LinearWay.PLANNED, LinearWay.THIN_PAIR, LinearWay.WHOLE_MATRIX)
+    for name, layer in compiled.named_modules():
+        lay = getattr(layer, "layout", None)
+        if not isinstance(layer, TTLinear) or (lay.in_modes, lay.out_modes, lay.ranks) in seen:
+            continue
+        seen.add((lay.in_modes, lay.out_modes, lay.ranks))
+        aligned = TTLinear(lay.with_ranks(tuple(-(-r // 16) * 16 for r in lay.ranks)),
+                           bias=layer.bias is not None).to(work.device)
+        row = {"model": work.name, "batch": work.batch, "ratio": round(work.ratio, 4), "path": "linear ways",
+               "variant": name, "rows": rows, "in": lay.in_features, "out": lay.out_features,
+               "ranks": list(lay.ranks), "aligned_ranks": list(aligned.layout.ranks)}
+        try:
+            like = torch.empty(0, device=work.device)
+            dense = torch.nn.Linear(lay.in_features, lay.out_features, bias=layer.bias is not None,
+                                    device=work.device)
+            x = torch.randn(rows, lay.in_features, device=work.device)
+            with torch.autocast(work.device.type, dtype=torch.bfloat16, enabled=amp):
+                for label, tt in (("ms", layer), ("aligned_ms", aligned)):
+                    time_way = linear_ways._timer(tt, like, rows, None, True)
+                    row[label] = {w.value: round(1e3 * time_way(w.value), 4) for w in ways}
+
+                def dense_step() -> None:
+                    out = dense(x)
+                    torch.autograd.grad(out, list(dense.parameters()), torch.ones_like(out))
+                row["dense_ms"] = round(1e3 * measured.time_call(dense_step, work.device), 4)
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
+        emit(row)
+
+
 def jobs(models: list[str], batches: list[int], paths: list[str], cuda: bool):
     """(label, callable(emit)) in priority order: the issue's targets first, torch.compile
     (tens of seconds of compiling per model) after every path that compiles nothing."""
@@ -473,6 +521,9 @@ def jobs(models: list[str], batches: list[int], paths: list[str], cuda: bool):
     llama_fast = [p for p in LLAMA_FAST if p in paths]
     llama_compiling = [p for p in LLAMA_COMPILING if p in paths]
     for i, m in enumerate(llamas):
+        if i == 0:   # what each way of each distinct layer costs at these rows (a few seconds)
+            out.append((f"{m} linear ways b{LLAMA_BATCH}", lambda emit, m=m: linear_ways_at_rows(
+                Workload(m, LLAMA_BATCH, DEV, 0.1), emit)))
         timed(m, LLAMA_BATCH, llama_fast, 0.1)
         if i == 0 and cuda:   # batch 1 is small: four processes at once
             for b, parallel in ((1, 4), (LLAMA_BATCH, 2)):
@@ -656,6 +707,8 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     report["clocks_after"] = gpu_facts().get("nvidia_smi")
+    from tncompile.runtime.ways import measured  # noqa: PLC0415
+    report["measured_winners"] = measured.snapshot()   # what each TT linear shape measured fastest
     write()
     print(f"wrote {args.out} in {time.monotonic() - start:.0f} s; skipped: {report['skipped']}")
 

@@ -47,6 +47,29 @@ def test_the_fastest_measured_way_runs_and_is_what_choose_says(fastest, monkeypa
     torch.testing.assert_close(y, nn.functional.linear(x, layer.weight(), layer.bias), rtol=1e-4, atol=1e-5)
 
 
+def test_whole_matrices_switched_off_are_never_measured_nor_run(monkeypatch):
+    """``tuning.WHOLE_MATRICES = False`` holds against measurement: a whole matrix measured
+    fastest before the switch does not run after it (an H200 run found it running anyway:
+    the switch did not reach the measured choice), and switching back finds it again."""
+    layer = _layer()
+    x = torch.randn(64, 96)
+    timed = []
+
+    def timer(*args):
+        return lambda way: timed.append(way) or {"whole matrix": 0.001}.get(way, 0.01)
+    monkeypatch.setattr(linear_ways, "_timer", timer)
+    layer(x)
+    assert layer.ran_as is LinearWay.WHOLE_MATRIX
+    with tuning.override(WHOLE_MATRICES=False):
+        timed.clear()
+        assert choose(layer, x) is not LinearWay.WHOLE_MATRIX
+        y = layer(x)
+        assert layer.ran_as is not LinearWay.WHOLE_MATRIX and "whole matrix" not in timed and timed
+    torch.testing.assert_close(y, nn.functional.linear(x, layer.weight(), layer.bias), rtol=1e-4, atol=1e-5)
+    layer(x)
+    assert layer.ran_as is LinearWay.WHOLE_MATRIX
+
+
 def test_a_shape_is_measured_once_and_a_second_compile_measures_nothing():
     x = torch.randn(200, 32)
 

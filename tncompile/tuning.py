@@ -134,6 +134,14 @@ FUSE_FLOP_SLACK = 1.25
 #: one shape keep one rank and merge their cores in one batch at run time. 0.1 is the
 #: most ``target_ratio``'s contract allows ("within 10% below").
 UNIFORM_RANK_SLACK = 0.1
+#: Ranks of this many and more are multiples of :data:`RANK_ALIGNMENT` where the budget
+#: allows it within :data:`UNIFORM_RANK_SLACK`: a TT linear's middle bond is the inner size
+#: of the GEMMs its rows go through (``x A``, ``(x A) B``), and a bf16 GEMM whose inner or
+#: outer size is not a multiple of 8 (16 bytes) misses the tensor cores' fast kernels
+#: (an H200 run measured rank-155 layers slower as thin pairs than as whole matrices).
+#: 1 turns alignment off.
+RANK_ALIGNMENT = 8
+ALIGN_RANKS_FROM = 32
 
 # ---------------------------------------------------------------- runtime: merged factors
 #: TT linears of one model that share their modes merge their cores into factors in one

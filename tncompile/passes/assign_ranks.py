@@ -138,6 +138,7 @@ class AssignRanks(Pass):
         alone = [n for n in order if shapes[_shape(owners[n].layout)] == 1]
         used = _grow_layers(alone, ranks, caps, size, used, budget, until=budget)
         used = _grow_layers(order, ranks, caps, size, used, budget, until=(1 - tuning.UNIFORM_RANK_SLACK) * budget)
+        ranks = _aligned(order, owners, ranks, caps, size, base, budget)
         for n, mod in owners.items():
             mod.layout = mod.layout.with_ranks(ranks[n])
             if n in rows and n not in program.notes:
@@ -286,8 +287,28 @@ def _shape(lay) -> tuple:
     return type(lay), lay.row_modes, lay.col_modes
 
 
+def _aligned(order: list[str], owners: dict[str, PendingLayer], ranks: dict[str, int], caps: dict[str, int],
+             size, base: int, budget: float) -> dict[str, int]:
+    """``ranks`` with every rank of at least ``tuning.ALIGN_RANKS_FROM`` (below its cap) a
+    multiple of ``tuning.RANK_ALIGNMENT``: each rounded down, then the leftover budget grown
+    back in whole aligned steps (classes of one layout first, as above). Where that leaves
+    more than ``tuning.UNIFORM_RANK_SLACK`` of the budget unused, the unaligned ``ranks``
+    stand (``target_ratio``'s contract: within 10% below)."""
+    step = tuning.RANK_ALIGNMENT
+    wide = [n for n in order if ranks[n] >= max(tuning.ALIGN_RANKS_FROM, step) and ranks[n] < caps[n]]
+    if step <= 1 or not wide or all(ranks[n] % step == 0 for n in wide):
+        return ranks
+    out = dict(ranks)
+    for n in wide:
+        out[n] -= out[n] % step
+    used = base + sum(size[n](out[n]) for n in owners)
+    used = _grow_classes(wide, owners, out, caps, size, used, budget, step=step)
+    used = _grow_layers(wide, out, caps, size, used, budget, until=(1 - tuning.UNIFORM_RANK_SLACK) * budget, step=step)
+    return out if used >= (1 - tuning.UNIFORM_RANK_SLACK) * budget else ranks
+
+
 def _grow_classes(order: list[str], owners: dict[str, PendingLayer], ranks: dict[str, int], caps: dict[str, int],
-                  size, used: int, budget: float) -> int:
+                  size, used: int, budget: float, step: int = 1) -> int:
     """Leftover budget, one rank step at a time for whole classes of layers -- the same
     modes, rank and cap -- in ``order`` of their first member: layers of one layout keep
     one layout, so they merge their cores in one batch at run time
@@ -297,32 +318,32 @@ def _grow_classes(order: list[str], owners: dict[str, PendingLayer], ranks: dict
         grew = False
         classes: dict[tuple, list[str]] = {}
         for n in order:
-            if ranks[n] < caps[n]:
+            if ranks[n] + step <= caps[n]:
                 classes.setdefault((_shape(owners[n].layout), ranks[n], caps[n]), []).append(n)
         for members in classes.values():
-            delta = sum(size[n](ranks[n] + 1) - size[n](ranks[n]) for n in members)
+            delta = sum(size[n](ranks[n] + step) - size[n](ranks[n]) for n in members)
             if used + delta <= budget:
                 for n in members:
-                    ranks[n] += 1
+                    ranks[n] += step
                 used += delta
                 grew = True
     return used
 
 
 def _grow_layers(names: list[str], ranks: dict[str, int], caps: dict[str, int], size, used: int, budget: float,
-                 until: float) -> int:
-    """One rank step at a time for single layers of ``names``, in order, while the budget
+                 until: float, step: int = 1) -> int:
+    """One rank step (``step`` ranks) at a time for single layers of ``names``, in order, while the budget
     used is below ``until`` (and each step fits the budget). Updates ``ranks``; returns
     the budget used."""
     grew = True
     while grew and used < until:
         grew = False
         for n in names:
-            if ranks[n] >= caps[n] or used >= until:
+            if ranks[n] + step > caps[n] or used >= until:
                 continue
-            delta = size[n](ranks[n] + 1) - size[n](ranks[n])
+            delta = size[n](ranks[n] + step) - size[n](ranks[n])
             if used + delta <= budget:
-                ranks[n] += 1
+                ranks[n] += step
                 used += delta
                 grew = True
     return used

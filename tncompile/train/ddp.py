@@ -32,6 +32,7 @@ from torch import nn
 
 from ..serialization import save
 from .sharding import full_parameters
+from .side_stream import side_stream
 
 __all__ = ["DistributedModel", "RankMismatchError", "unwrap", "is_ddp", "active_group", "world_size", "rank",
            "mean_over_processes", "broadcast_from_rank0", "check_same_everywhere", "save_on_rank0",
@@ -226,7 +227,7 @@ class DistributedModel(nn.Module):
         """The side stream to build DDP on: the one given, else (CUDA parameters) a stream of our own."""
         stream = self.__dict__["build_stream"]
         if stream is None and any(p.is_cuda for p in self.module.parameters()):
-            stream = self.__dict__.setdefault("_own_stream", torch.cuda.Stream())
+            stream = self.__dict__.setdefault("_own_stream", side_stream(next(self.module.parameters()).device))
         return stream
 
     def _build(self) -> None:

@@ -34,6 +34,7 @@ from ..runtime.layers.derived import advance_weights_epoch
 from .ddp import DDP_WARMUP_STEPS, check_controller_group, is_ddp, unwrap
 from .capture_cache import CaptureCache
 from .sharding import is_sharded
+from .side_stream import side_stream
 from .step_guard import StepGuard
 
 __all__ = ["TrainStep", "call_model", "make_capturable"]
@@ -274,7 +275,7 @@ class TrainStep:
 
     def _side_stream(self):
         if self._stream is None:
-            self._stream = torch.cuda.Stream()
+            self._stream = side_stream()
         return self._stream
 
     def _capture(self, leaves: list, spec) -> _Captured:

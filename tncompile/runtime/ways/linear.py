@@ -98,7 +98,7 @@ def decide_rows(layer, like: torch.Tensor, rows: int, settle_merged: bool = True
             cache = choice_cache(layer, "_measured_choice")
         # a dict lookup per call (hot at one row): the settings a winner depends on, read directly
         local = (rows, layer.layout.ranks, like.dtype, like.device, torch.is_autocast_enabled(like.device.type),
-                 measured.GENERATION[0], tuning.CHAIN_ROWS)
+                 measured.GENERATION[0], tuning.CHAIN_ROWS, tuning.WHOLE_MATRICES)
         won = cache.get(local)
         if won is not None:  # a chain winner had the native ops for this dtype, device and autocast
             return won, (native_ops() if won is LinearWay.NATIVE_CHAIN else None)
@@ -124,7 +124,8 @@ def _measured_way(layer, like: torch.Tensor, rows: int, local: tuple):
         lay = layer.layout
         padded_in, padded_out = math.prod(lay.in_modes), math.prod(lay.out_modes)
         ways = [LinearWay.PLANNED, LinearWay.THIN_PAIR]
-        if padded_in * padded_out <= rows * (padded_in + padded_out):  # W holds no more than the rows in and out
+        # W holds no more than the rows in and out, and whole matrices are switched on
+        if tuning.WHOLE_MATRICES and padded_in * padded_out <= rows * (padded_in + padded_out):
             ways.append(LinearWay.WHOLE_MATRIX)
         if native is not None:
             ways.insert(0, LinearWay.NATIVE_CHAIN)

@@ -1,0 +1,26 @@
+"""One side stream per CUDA device for every capture and warm-up tncompile runs.
+
+PyTorch keeps a cuBLAS workspace for every (handle, stream) pair that has run a matrix
+product, allocated through the caching allocator, for the life of the process
+(``torch._C._cuda_clearCublasWorkspaces`` alone frees them). A new stream per
+:class:`~tncompile.train.TrainStep` therefore left memory allocated after its model and
+its step were gone: about 1.17 GB over one benchmark run of many steps on an H100
+(issue 55). One stream per device, shared by every step, bounds that to one workspace.
+The steps order themselves against the caller's stream on entry and exit
+(``wait_stream``), so sharing it adds no ordering of its own.
+"""
+from __future__ import annotations
+
+import torch
+
+_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device | int | None = None) -> "torch.cuda.Stream":
+    """The shared side stream of ``device`` (the current CUDA device by default)."""
+    where = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+    index = torch.cuda.current_device() if where.index is None else where.index
+    stream = _STREAMS.get(index)
+    if stream is None:
+        stream = _STREAMS[index] = torch.cuda.Stream(device=index)
+    return stream
