@@ -22,7 +22,9 @@ its own cores (``tuning.GROUP_FACTORS = False``; see :mod:`tncompile.runtime.lay
 then the same compiled model after rank cuts that leave every TT linear its own ranks
 (each bond cut to a seeded random 60-100% of its rank, as rank-adaptive training leaves
 them): batched with zero-padded cores (the default), batched only where ranks match
-(``tuning.FACTOR_PAD_LIMIT = 1``), and merged per layer. The optimizer is left out (its
+(``tuning.FACTOR_PAD_LIMIT = 1``), and merged per layer. Under bf16 autocast, dense and
+compiled (thin products) also count their casts (``aten::_to_copy``): a compiled layer
+merges its cores in fp32 and casts the merged factors once, so it adds none per core. The optimizer is left out (its
 kernels depend on the device's implementation). Counts are deterministic: no timing, any
 host. Writes ``benchmarks/results/dispatch.json``.
 """
@@ -139,6 +141,7 @@ def count_ops(model: torch.nn.Module, loss_of) -> dict:
         by_op["tncompile merge launches"] = merges
     dispatched = len(top) + len(triton_ops) + sum(e.name in MERGE_OPS for e in prof.events())
     return {"dispatched": dispatched, "kernel_like": len(leaves) + len(triton_ops) + merges,
+            "casts": sum(e.name == "aten::_to_copy" for e in leaves),
             "kernel_like_by_op": dict(by_op.most_common(12)) | {e: by_op[e] for e in TRITON_OPS if by_op[e]}}
 
 
@@ -201,6 +204,14 @@ def _count_model(name: str, batch: int) -> list[dict]:
         rows.append({"model": name, "variant": variant, **got})
         print(f"{name:12s} {variant:30s} {got['dispatched']:6d} dispatched  {got['kernel_like']:6d} kernel-like",
               flush=True)
+    def under_autocast(model):   # the forward and loss in bf16 autocast, the backward after it
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return loss_of(model)
+    for variant, model in (("dense, bf16 autocast", dense), ("compiled, bf16 autocast", compiled)):
+        got = count_ops(model, under_autocast)
+        rows.append({"model": name, "variant": variant, **got})
+        print(f"{name:12s} {variant:30s} {got['dispatched']:6d} dispatched  {got['kernel_like']:6d} kernel-like"
+              f"  {got['casts']:4d} casts", flush=True)
     ranks = cut_every_layer(compiled)
     for variant, (group, pad_limit) in AFTER_CUTS.items():
         with tuning.override(GROUP_FACTORS=group, FACTOR_PAD_LIMIT=pad_limit):

@@ -531,13 +531,12 @@ def test_bf16_autocast_batches_in_the_dtypes_each_layer_would(whole, monkeypatch
     exact = _step(model, x, False, monkeypatch)  # float32 throughout
 
     def close(got, want, truth, name):
-        if not whole:  # the same products in the same dtypes: equal
-            return torch.testing.assert_close(got, want, msg=name)
-
-        def err(t):
-            return ((t - truth).abs().max() / truth.abs().max()).item()
-        # bf16 products of another association (x (A B) against (x A) B): as far from float32
-        assert err(got) <= 1.5 * err(want) + 1e-3, f"{name}: {err(got):.3g} from float32 against {err(want):.3g}"
+        def err(t):   # relative error in norm (a max over elements is one rounding's luck)
+            return ((t.float() - truth).norm() / truth.norm()).item()
+        # the batch merges its cores in fp32 and casts the factors once (issue 55), then bf16
+        # products of another association (x (A B), (x A) B, against the per-layer plan):
+        # as far from float32 as the layers' own bf16 products
+        assert err(got) <= 1.5 * err(want) + 2e-3, f"{name}: {err(got):.3g} from float32 against {err(want):.3g}"
     close(grouped[0], plain[0], exact[0], "output")
     for name in plain[1]:
         assert grouped[1][name].dtype == torch.float32

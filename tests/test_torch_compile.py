@@ -24,7 +24,26 @@ def _six():
                              example_inputs=(ids,)), {"ids": ids}, (lambda out: out)
 
 
-@pytest.mark.parametrize("build", [_six, _bert], ids=["six-encoder", "bert"])
+def _decoder(family):
+    """A small GPT-2 or Llama (SDPA attention) in swap mode, its logits (issue 55: the models
+    users train with ``torch.compile`` compile whole)."""
+    def build():
+        import transformers as tf
+        if family == "gpt2":
+            model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0))
+        else:
+            model = tf.LlamaForCausalLM(tf.LlamaConfig(
+                vocab_size=1000, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, attn_implementation="sdpa"))
+        ids = torch.randint(0, 1000, (2, 16))
+        compiled = tncompile.compile(model.eval(), target_ratio=0.3, example_inputs={"input_ids": ids})
+        return compiled, {"input_ids": ids}, (lambda out: out.logits[:, -1, :2])
+    return build
+
+
+@pytest.mark.parametrize("build", [_six, _bert, _decoder("gpt2"), _decoder("llama")],
+                         ids=["six-encoder", "bert", "gpt2", "llama"])
 def test_no_graph_breaks_and_same_gradients(build):
     torch.manual_seed(0)
     compiled, inputs, logits = build()

@@ -47,6 +47,21 @@ def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
         return device_type, False, torch.float32
 
 
+def without_autocast(device_type: str):
+    """A context with autocast off for ``device_type`` where it is on; else nothing to enter
+    (no ~10 us context, and no autocast for device types it cannot set up: fake CUDA
+    tensors in a dry run on a machine without a GPU)."""
+    _, enabled, _ = autocast_state(device_type)
+    return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
+
+
+def run_dtype(t: torch.Tensor) -> torch.dtype | None:
+    """The dtype products with ``t`` run in under the autocast in force, where that is not
+    ``t``'s own (fp32 tensors under bf16 / fp16 autocast), else ``None``."""
+    _, enabled, dtype = autocast_state(t.device.type)
+    return dtype if enabled and t.dtype == torch.float32 and dtype != torch.float32 else None
+
+
 def same_autocast(state: tuple[str, bool, torch.dtype]):
     """Re-enter in backward the autocast state forward ran under (as
     ``torch.amp.custom_bwd`` does), so saved bf16 and fp32 tensors mix as in forward."""
@@ -190,6 +205,9 @@ class _ThinPair(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None):
         mm = gemm_for(x)
+        cast = run_dtype(x)
+        if cast is not None:  # under autocast: the rows and A cast once, kept so for backward
+            x, a = x.to(cast), a.to(cast)
         t = mm(x, a)
         ctx.has_bias = bias is not None
         ctx.autocast = autocast_state(x.device.type)

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .executor import autocast_state, same_autocast
+from .executor import run_dtype, without_autocast
 
 __all__ = ["BatchedFactors", "FactorBatch", "network_params", "network_grads", "stack_or_zeros"]
 
@@ -222,23 +222,29 @@ class BatchedFactors(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, batch: FactorBatch, whole: bool, *tensors: Tensor):
-        stacked = batch.params.stack(tensors)
-        cores, gates = stacked[:batch.d], stacked[batch.d:]
-        gated = [c * g[:, None, None, :] for c, g in zip(cores, gates)] + [cores[-1]]
-        chain_a, chain_b = _chain_a(gated, batch.n_in), _chain_b(gated, batch.n_in)
+        device_type = tensors[0].device.type
         ctx.set_materialize_grads(False)
-        ctx.autocast = autocast_state(cores[0].device.type)
-        ctx.batch, ctx.whole = batch, whole
-        if whole:  # (n, M, r) @ (n, r, N); the last factors are kept for the product's backward
-            ctx.save_for_backward(*cores, *gates, *gated[:-1], *chain_a[:-1], *chain_b[:-1],
-                                  chain_a[-1], chain_b[-1])
-            return tuple(torch.bmm(chain_a[-1], chain_b[-1]).unbind(0))
-        ctx.save_for_backward(*cores, *gates, *gated[:-1], *chain_a[:-1], *chain_b[:-1])
-        return (*batch.a.split([chain_a[-1]]), *batch.b.split([chain_b[-1]]))
+        ctx.device_type, ctx.batch, ctx.whole = device_type, batch, whole
+        ctx.cast = run_dtype(tensors[0])
+        # the chain in the parameters' dtype (small products: exact, and no cast per step of
+        # it); only its two ends are cast to autocast's dtype, once per batch
+        with without_autocast(device_type):
+            stacked = batch.params.stack(tensors)
+            cores, gates = stacked[:batch.d], stacked[batch.d:]
+            gated = [c * g[:, None, None, :] for c, g in zip(cores, gates)] + [cores[-1]]
+            chain_a, chain_b = _chain_a(gated, batch.n_in), _chain_b(gated, batch.n_in)
+            a_end, b_end = chain_a[-1], chain_b[-1]
+            if ctx.cast is not None:
+                a_end, b_end = a_end.to(ctx.cast), b_end.to(ctx.cast)
+            if whole:  # (n, M, r) @ (n, r, N) in the run dtype; its ends kept for its backward
+                ctx.save_for_backward(*cores, *gates, *gated[:-1], *chain_a[:-1], *chain_b[:-1], a_end, b_end)
+                return tuple(torch.bmm(a_end, b_end).unbind(0))
+            ctx.save_for_backward(*cores, *gates, *gated[:-1], *chain_a[:-1], *chain_b[:-1])
+            return (*batch.a.split([a_end]), *batch.b.split([b_end]))
 
     @staticmethod
     def backward(ctx, *grads):
-        with same_autocast(ctx.autocast):  # the products in the dtypes forward ran them in
+        with without_autocast(ctx.device_type):  # as forward ran: chain in the params' dtype
             return BatchedFactors._backward(ctx, grads)
 
     @staticmethod
@@ -251,18 +257,20 @@ class BatchedFactors(torch.autograd.Function):
         chain_a = saved[3 * d - 2:3 * d - 2 + n_in - 1]    # a_0 .. a_{n_in-2}
         chain_b = saved[3 * d - 2 + n_in - 1:3 * d - 2 + n_in - 1 + d - n_in - 1]  # b before each step
         da = db = None
-        if ctx.whole:  # W = A B for every network: dA = dW B^T, dB = A^T dW, batched
+        dtype = cores[0].dtype
+        if ctx.whole:  # W = A B for every network: dA = dW B^T, dB = A^T dW, batched (run dtype)
             a_last, b_last = saved[-2:]
             if any(g is not None for g in grads):
-                dw = torch.stack([a_last.new_zeros(a_last.shape[1], b_last.shape[2]) if g is None else g
-                                  for g in grads])
-                da, db = torch.bmm(dw, b_last.transpose(1, 2)), torch.bmm(a_last.transpose(1, 2), dw)
+                dw = torch.stack([a_last.new_zeros(a_last.shape[1], b_last.shape[2]) if g is None
+                                  else g.to(a_last.dtype) for g in grads])
+                da = torch.bmm(dw, b_last.transpose(1, 2)).to(dtype)
+                db = torch.bmm(a_last.transpose(1, 2), dw).to(dtype)
             grads = (*grads, *grads)  # a network used both of its factors, or neither
         else:
             if any(g is not None for g in grads[:n]):
-                da = stack_or_zeros(grads[:n], batch.a, gated[0])
+                da = stack_or_zeros(grads[:n], batch.a, next(g for g in grads[:n] if g is not None)).to(dtype)
             if any(g is not None for g in grads[n:]):
-                db = stack_or_zeros(grads[n:], batch.b, gated[0])
+                db = stack_or_zeros(grads[n:], batch.b, next(g for g in grads[n:] if g is not None)).to(dtype)
         d_gated: list[Tensor | None] = [None] * d
         if da is not None:  # A = a_0 . g_1 . .. g_{n_in-1}, left to right
             for k in range(n_in - 1, 0, -1):
@@ -304,9 +312,10 @@ def network_grads(batch: FactorBatch, stacked: Sequence[Tensor | None], grads: S
 
 
 def stack_or_zeros(grads: Sequence[Tensor | None], packing: _Packing, like: Tensor) -> Tensor:
-    """The gradients of one factor stacked as ``packing`` stacks it, zeros for the
-    factors that got none."""
-    parts = [like.new_zeros(member[0]) if g is None else g for g, member in zip(grads, packing.shapes)]
+    """The gradients of one factor stacked as ``packing`` stacks it, in ``like``'s dtype,
+    zeros for the factors that got none."""
+    parts = [like.new_zeros(member[0]) if g is None else g.to(like.dtype) for g, member in zip(grads, packing.shapes)]
     return packing.stack(parts)[0]
+
 
 

@@ -19,7 +19,7 @@ import torch
 
 from ... import tuning
 from ...formats.factorization import tt_factors
-from ..kernels.executor import contract, is_merge_first, thin_pair
+from ..kernels.executor import contract, is_merge_first, run_dtype, thin_pair, without_autocast
 from ..kernels.tracing import exporting
 from ..native import native_ops
 from ..kernels.plans import bucket_of
@@ -246,7 +246,7 @@ def run_rows(layer, way: LinearWay, h: torch.Tensor, bias: torch.Tensor | None, 
         peers = None if alone else layer.__dict__.get("_factor_peers")
         got = peers.factors(layer, whole=whole, strict=False) if peers is not None else None
         if got is None:
-            a, b = tt_factors(layer.scaled_cores(), len(layer.layout.in_modes))
+            a, b = own_factors(layer)
             got = (a @ b,) if whole else (a, b)
         if len(got) == 1:
             if not alone:
@@ -258,6 +258,16 @@ def run_rows(layer, way: LinearWay, h: torch.Tensor, bias: torch.Tensor | None, 
         a, b = got
         return thin_pair(h.reshape(rows, a.shape[0]), a, b, bias)
     return contract(layer.plan_for(rows), [h, *drop_boundary(layer.scaled_cores())], bias)
+
+
+def own_factors(layer) -> tuple[torch.Tensor, torch.Tensor]:
+    """``layer``'s thin factors ``(A, B)`` merged from its own gated cores, in the cores'
+    dtype (small products, exact), then cast once each to autocast's dtype where one is in
+    force -- not each core at each product of the merge, forward and backward."""
+    with without_autocast(layer.cores[0].device.type):
+        a, b = tt_factors(layer.scaled_cores(), len(layer.layout.in_modes))
+    cast = run_dtype(a)
+    return (a, b) if cast is None else (a.to(cast), b.to(cast))
 
 
 def _exported(layer, x: torch.Tensor) -> torch.Tensor:
