@@ -349,11 +349,8 @@ def profile_kernels(work: Workload, emit) -> None:
                        gpu_ms_per_step=round(result["gpu_ms_per_step"], 3), by_kind=result["by_kind"],
                        top=result["top"], matmul_ops=result["matmul_ops"])
             if kind != "dense" and not amp:   # compiled.report(inputs): a layer's fwd+bwd host time vs dense
-                tuning.TRITON_KERNELS = kind == "compressed triton"
-                try:
+                with tuning.override(TRITON_KERNELS=True if kind == "compressed triton" else None):
                     measured = model.report(work.x, steps=5).measured
-                finally:
-                    tuning.TRITON_KERNELS = False
                 if measured is not None:
                     row.update(layer_host_us=round(1e6 * measured.host / measured.layers, 1),
                                dense_layer_host_us=round(1e6 * measured.dense_host / measured.layers, 1),
@@ -468,7 +465,10 @@ def linear_ways_at_rows(work: Workload, emit) -> None:
     rows = work.x["input_ids"].numel() if work.hf else work.x.numel()
     compiled = work.build(True)
     seen = set()
+    from tncompile.runtime.ways import backends  # noqa: PLC0415
     ways = (LinearWay.PLANNED, LinearWay.THIN_PAIR, LinearWay.WHOLE_MATRIX)
+    if backends.candidate(torch.empty(0, device=work.device), "thin_pair") is not None:
+        ways += (LinearWay.TRITON_PAIR,)   # Triton's thin pair, a measured candidate on a GPU
     for name, layer in compiled.named_modules():
         lay = getattr(layer, "layout", None)
         if not isinstance(layer, TTLinear) or (lay.in_modes, lay.out_modes, lay.ranks) in seen:

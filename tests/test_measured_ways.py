@@ -233,3 +233,39 @@ def test_a_layer_with_measured_choices_deep_copies_and_pickles():
     with torch.enable_grad():
         copy.deepcopy(layer)
     pickle.loads(pickle.dumps(layer))
+
+
+def test_a_backends_pair_is_one_more_candidate_and_runs_where_it_wins(monkeypatch):
+    """Issue 55: a backend's thin pair (tncompile's Triton kernel on a GPU) is timed like
+    the default ways where its switch is ``None`` and kept only where it is fastest; where
+    it loses it never runs, and its switch ``False`` takes it out of the choice."""
+    from tncompile.runtime.ways import backends
+    calls = []
+
+    def pair(x, a, b, bias, activation=None):
+        calls.append(tuple(x.shape))
+        y = (x @ a) @ b
+        return y if bias is None else y + bias
+    fake = backends.Backend("fake", lambda like: True, {"thin_pair": pair}, measured_on=("cpu",))
+    monkeypatch.setitem(backends._BACKENDS, "fake", fake)
+    layer, x = _layer(), torch.randn(64, 96)
+    _timed_as(monkeypatch, {w.value: (0.001 if w is LinearWay.TRITON_PAIR else 0.01) for w in LinearWay})
+    assert choose(layer, x) is LinearWay.TRITON_PAIR
+    y = layer(x)
+    assert calls and layer.ran_as is LinearWay.TRITON_PAIR
+    torch.testing.assert_close(y, nn.functional.linear(x, layer.weight(), layer.bias), rtol=1e-4, atol=1e-5)
+    measured.forget()
+    calls.clear()
+    _timed_as(monkeypatch, {w.value: (0.02 if w is LinearWay.TRITON_PAIR else 0.01) for w in LinearWay})
+    layer(x)
+    assert not calls and layer.ran_as is not LinearWay.TRITON_PAIR
+    monkeypatch.setitem(backends.SWITCHES, "fake", "TRITON_KERNELS")
+    with tuning.override(TRITON_KERNELS=False):
+        assert backends.candidate(x, "thin_pair") is None
+
+
+def test_the_triton_pair_is_never_a_candidate_off_a_gpu():
+    """On the CPU (the interpreter included) the measured choice never times Triton."""
+    from tncompile.runtime.ways import backends
+    assert backends.get("triton") is not None and backends.get("triton").measured_on == ("cuda",)
+    assert backends.candidate(torch.randn(4, 4), "thin_pair") is None

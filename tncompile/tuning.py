@@ -164,9 +164,12 @@ WHOLE_MATRICES = True
 #: :func:`tncompile.runtime.triton.thin_pair_train`), each family's merged factors in 3
 #: kernels forward and 4 backward (:mod:`tncompile.runtime.triton.merge_factors`), each TTM
 #: lookup from its merged halves in one launch each way (:mod:`~tncompile.runtime.triton.ttm_lookup`).
-#: On CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (how tests run them). Off until
-#: ``benchmarks/bench_gpu.py`` measures them on a GPU against the cuBLAS path.
-TRITON_KERNELS = False
+#: ``True``: all of that, on CUDA and on the CPU under ``TRITON_INTERPRET=1`` (how tests run
+#: them). ``None`` (the default): on a GPU the Triton thin pair is one more candidate of each
+#: TT linear's measured choice (:mod:`tncompile.runtime.ways.measured`), timed there against
+#: the cuBLAS ways and kept only for the shapes where it wins (an H100 run found it slower on
+#: the six-encoder's). ``False``: never.
+TRITON_KERNELS = None
 
 # ---------------------------------------------------------------- runtime: TTM lookup
 #: Look up only the distinct ids when they are under this share of the batch ...

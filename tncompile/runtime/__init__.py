@@ -4,7 +4,8 @@ It knows nothing of the compiler or of training (it imports neither
 ``tncompile.ir`` / ``passes`` / ``planning`` nor ``tncompile.train``): layers
 run the plans they carry and ask the registered planner (:mod:`.kernels.plans`) for
 buckets nobody planned yet. Importing it registers the optional Triton backend with the
-ops' ways (:mod:`.triton.backend`; on only under ``tuning.TRITON_KERNELS``).
+ops' ways (:mod:`.triton.backend`; all on under ``tuning.TRITON_KERNELS = True``; by default
+its thin pair is a measured candidate on a GPU).
 """
 from .layers.collapsed import CollapsedLayer
 from .kernels.plans import ContractionPlan, LookupPlan, Step, bucket_of

@@ -30,7 +30,7 @@ TRITON = Backend("triton", lambda like: runs_triton(like), {
     "lookup_supports": supports,
     "merge": lambda batches, tensors: TritonFactors.apply(batches, *tensors),
     "merge_supports": merges_on_triton,
-})
+}, measured_on=("cuda",))   # its thin pair a candidate of the measured choice on a GPU (never the interpreter)
 
 
 def register_triton() -> None:

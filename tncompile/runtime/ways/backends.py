@@ -21,14 +21,19 @@ import torch
 
 from ... import tuning
 
-__all__ = ["Backend", "register", "get", "active", "registered"]
+__all__ = ["Backend", "register", "get", "active", "candidate", "runner_for", "registered"]
 
 
 class Backend:
-    """A named set of runners and the test of which tensors it runs."""
+    """A named set of runners and the test of which tensors it runs. ``measured_on``: the
+    device types where its runners are candidates of the measured choice
+    (:mod:`.measured`) while its switch is ``None`` -- timed against the default ways on
+    the device, kept only where they win."""
 
-    def __init__(self, name: str, runs: Callable[[torch.Tensor], bool], runners: dict[str, Callable]):
+    def __init__(self, name: str, runs: Callable[[torch.Tensor], bool], runners: dict[str, Callable],
+                 measured_on: tuple[str, ...] = ()):
         self.name, self.runs, self.runners = name, runs, dict(runners)
+        self.measured_on = tuple(measured_on)
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, runners={sorted(self.runners)})"
@@ -60,12 +65,32 @@ def registered() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def candidate(like: torch.Tensor, runner: str) -> Callable | None:
+    """The runner named ``runner`` of a backend that may be measured for tensors like
+    ``like``: its switch ``None`` (measured: the default) or on, ``like``'s device type in
+    its ``measured_on``, and ``runs(like)``; else ``None``. Asked once per shape, where the
+    measured choice makes its candidates."""
+    for backend in _BACKENDS.values():
+        switch = SWITCHES.get(backend.name)
+        if switch is not None and getattr(tuning, switch) is False:
+            continue
+        if runner in backend.runners and like.device.type in backend.measured_on and backend.runs(like):
+            return backend.runners[runner]
+    return None
+
+
+def runner_for(like: torch.Tensor, runner: str) -> Callable | None:
+    """The runner a way chosen for ``like`` runs: the switched-on backend's, else a
+    measured candidate's (the way was its winner)."""
+    return active(like, runner) or candidate(like, runner)
+
+
 def active(like: torch.Tensor, runner: str) -> Callable | None:
     """The runner named ``runner`` of the backend switched on for tensors like ``like``
     (its ``tuning`` switch set and ``runs(like)``), else ``None``: the default ways run.
     Asked on every call of a TT linear and a lookup: with every switch off, one attribute
     read per registered backend."""
     for switch, backend in _SWITCHED:
-        if getattr(tuning, switch) and runner in backend.runners and backend.runs(like):
+        if getattr(tuning, switch) is True and runner in backend.runners and backend.runs(like):
             return backend.runners[runner]
     return None

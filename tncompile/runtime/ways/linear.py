@@ -124,6 +124,8 @@ def _measured_way(layer, like: torch.Tensor, rows: int, local: tuple):
         lay = layer.layout
         padded_in, padded_out = math.prod(lay.in_modes), math.prod(lay.out_modes)
         ways = [LinearWay.PLANNED, LinearWay.THIN_PAIR]
+        if backends.candidate(like, "thin_pair") is not None:   # a backend's pair, timed like the rest
+            ways.append(LinearWay.TRITON_PAIR)
         # W holds no more than the rows in and out, and whole matrices are switched on
         if tuning.WHOLE_MATRICES and padded_in * padded_out <= rows * (padded_in + padded_out):
             ways.append(LinearWay.WHOLE_MATRIX)
@@ -284,7 +286,7 @@ def _triton_pair(x: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor],
                  bias: torch.Tensor | None, activation: str | None = None) -> torch.Tensor:
     """``act(x A B + bias)`` through the registered backend's thin pair (Triton, under
     ``tuning.TRITON_KERNELS``): ``(rows, P_in) -> (rows, P_out)``."""
-    return backends.active(x, "thin_pair")(x, factors[0], factors[1], bias, activation)
+    return backends.runner_for(x, "thin_pair")(x, factors[0], factors[1], bias, activation)
 
 
 # ---------------------------------------------------------------- the prior's pieces
