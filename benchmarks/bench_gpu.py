@@ -20,6 +20,11 @@ each per round, up to a synchronize):
 ``compile-ro``        the plain loop over ``torch.compile(model, mode="reduce-overhead")``
 ``trainer``           ``transformers.Trainer`` (HF models), time between ``on_step_end`` calls
 ``trainer-compile``   the same with ``TrainingArguments(torch_compile=True)``
+``amp-eager``         the plain loop with forward and loss under bf16 autocast (the Llamas)
+``amp-graphed``       the same loop over ``tncompile.graph_calls(model)``: the model's calls
+                      replayed from CUDA graphs per signature (dense and compressed alike)
+``amp-compile``       the autocast loop over ``torch.compile(model)``
+``bf16w-*``           the model's weights in bf16 (no autocast): eager, captured, compiled
 
 On a GPU, the rows of the first six paths also time ``triton``: the compressed model on
 tncompile's Triton kernels (``tuning.TRITON_KERNELS``: the thin pair per layer with a
@@ -75,10 +80,10 @@ from common import RESULTS, galore_optimizer, interleaved_ms, machine, parser
 
 PAPER_RATIO = 1 / 44.9
 PATHS = ("eager", "captured", "bf16", "bf16-captured", "compile", "compile-ro", "trainer", "trainer-compile",
-         "amp-eager", "amp-compile", "bf16w-eager", "bf16w-captured", "bf16w-compile")
-CUDA_ONLY = {"captured", "bf16-captured", "compile-ro", "bf16w-captured"}
+         "amp-eager", "amp-graphed", "amp-compile", "bf16w-eager", "bf16w-captured", "bf16w-compile")
+CUDA_ONLY = {"captured", "bf16-captured", "compile-ro", "bf16w-captured", "amp-graphed"}
 #: the wide workload's paths: bf16 autocast and pure bf16 weights, eager / captured first
-LLAMA_FAST = ("amp-eager", "bf16-captured", "bf16w-eager", "bf16w-captured")
+LLAMA_FAST = ("amp-eager", "bf16-captured", "amp-graphed", "bf16w-eager", "bf16w-captured")
 LLAMA_COMPILING = ("amp-compile", "bf16w-compile")
 #: paths also timed with tncompile's Triton kernels (``triton_ms``), every model
 TRITON_PATHS = ("eager", "captured", "bf16", "bf16-captured", "compile", "compile-ro")
@@ -138,7 +143,7 @@ class Workload:
         config = transformers.LlamaConfig(
             vocab_size=32000, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
             num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=sequence,
-            attn_implementation="sdpa")
+            attn_implementation="sdpa", use_cache=False)   # training: no KV cache in the outputs
         with torch.device(self.device):
             model = transformers.LlamaForCausalLM(config)
         if compiled:   # a short example: swap mode keeps every batch and length
@@ -187,6 +192,8 @@ def step_functions(work: Workload, path: str, model) -> Callable[[], None]:
     """``path``'s training step over ``model`` (``bf16w-*`` paths expect bf16 weights)."""
     if path in ("eager", "amp-eager", "bf16w-eager"):
         return _plain_loop(work, model, None, amp=path == "amp-eager")
+    if path == "amp-graphed":   # the same plain loop, the model's calls replayed from CUDA graphs
+        return _plain_loop(work, tncompile.graph_calls(model), None, amp=True)
     if path in ("compile", "amp-compile", "bf16w-compile"):
         return _plain_loop(work, model, "default", amp=path == "amp-compile")
     if path == "compile-ro":
@@ -295,6 +302,8 @@ def time_paths(work: Workload, paths: list[str], reps: int, emit) -> None:
         except Exception as e:  # noqa: BLE001 - one failing path must not end the run
             row["error"] = f"{type(e).__name__}: {str(e)[:400]}"
         emit(row)
+        for m in models.values():   # a graphed path's wrapping ends with it
+            tncompile.ungraph_calls(m)
         torch._dynamo.reset()
         gc.collect()
         if work.device.type == "cuda":

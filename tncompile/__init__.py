@@ -14,7 +14,8 @@ from .passes import FunctionPass, Pass, Pipeline, default_pipeline, register_pas
 from .result.report import Report
 from .serialization import load, save
 from .serialization import resume
-from .train import Distill, History, RankController, RankEvent, TrainStep, dry_run, fit, freeze_gates, param_groups
+from .train import (Distill, History, RankController, RankEvent, TrainStep, dry_run, fit, freeze_gates, graph_calls,
+                    param_groups, ungraph_calls)
 from .integrations.pretrained import compress_pretrained
 from .integrations import hf_folder  # save_pretrained folders: the writer and load's reader
 from .integrations import plugins  # transformers' from_pretrained of compressed folders, PEFT adapters
@@ -22,6 +23,6 @@ from .integrations import plugins  # transformers' from_pretrained of compressed
 __version__ = "0.1.0"
 
 __all__ = ["compile", "save", "load", "resume", "fit", "History", "Distill", "freeze_gates", "compress_pretrained", "Pass", "FunctionPass", "Pipeline", "register_pass",
-           "default_pipeline", "RankController", "RankEvent", "param_groups", "TrainStep", "dry_run", "CompiledModel", "Report",
+           "default_pipeline", "RankController", "RankEvent", "param_groups", "TrainStep", "graph_calls", "ungraph_calls", "dry_run", "CompiledModel", "Report",
            "TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "SlowerThanDenseWarning", "BelowTargetWarning", "CalibrationWarning", "calibration", "distributed", "formats", "ir", "passes", "planning", "runtime", "train",
            "tuning", "__version__"]

@@ -10,9 +10,11 @@ from .distill import Distill
 from .gates import freeze_gates
 from .dry_run import CaptureError, DryRunReport, Hazard, dry_run
 from .fit import FitSettings, fit
+from .graphed_calls import graph_calls, ungraph_calls
 from .history import History
 from .train_step import TrainStep, call_model, make_capturable
 from .truncation import Cut, cut_ranks, remap_optimizer
 
 __all__ = ["Distill", "freeze_gates", "dry_run", "DryRunReport", "Hazard", "CaptureError", "RankController", "RankEvent", "param_groups", "TrainStep", "fit", "FitSettings", "History", "CaptureCache",
-           "CacheStats", "Cut", "cut_ranks", "remap_optimizer", "call_model", "make_capturable"]
+           "CacheStats", "Cut", "cut_ranks", "remap_optimizer", "call_model", "make_capturable",
+           "graph_calls", "ungraph_calls"]

@@ -1,0 +1,207 @@
+"""Issue 55: a model's own calls in the user's loop, forward and backward, replayed from
+graphs per input signature (``tncompile.train.graph_calls``). On this CPU-only machine the
+bookkeeping runs on ``EmulatedGraphs`` (a replay re-runs the captured function into the
+static buffers), so what a user relies on is tested here: the same training as eager,
+outputs that stay the caller's, gradients that accumulate, a graph per signature, stale
+graphs dropped, and clean fallbacks. ``tests/test_cuda.py`` runs the CUDA capture."""
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tncompile
+from tncompile.train.graphed_calls import EmulatedGraphs, GraphedCalls, graph_calls, ungraph_calls
+
+
+def _models(compressed=True):
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+    if compressed:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dense = tncompile.compile(dense, target_ratio=0.5, init="random", example_inputs=(torch.randn(8, 32),))
+    twin = copy.deepcopy(dense)
+    return graph_calls(dense, graphs=EmulatedGraphs()), twin
+
+
+def _batches(n=8, rows=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(rows, 32, generator=g), torch.randint(0, 4, (rows,), generator=g)) for _ in range(n)]
+
+
+def _train(model, batches):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in batches:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss)
+    return losses
+
+
+@pytest.mark.parametrize("compressed", [True, False], ids=["compressed", "dense"])
+def test_graphed_calls_train_exactly_as_eager_calls(compressed):
+    model, twin = _models(compressed)
+    batches = _batches()
+    got, want = _train(model, batches), _train(twin, batches)
+    calls = model.__dict__["forward"]
+    assert calls.stats["captures"] == 1 and calls.stats["replays"] == len(batches) - 2   # two warm-up calls
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_outputs_a_caller_keeps_never_change_under_it():
+    model, _ = _models()
+    _train(model, _batches())                                   # captured: later calls replay
+    outputs = []
+    for x, y in _batches(n=3, seed=2):                         # the model's own outputs, kept
+        outputs.append(model(x))
+        F.cross_entropy(outputs[-1], y).backward()
+    kept = [o.detach().clone() for o in outputs]
+    _train(model, _batches(seed=3))
+    assert model.__dict__["forward"].stats["fallbacks"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(outputs, kept))   # replays wrote nothing into them
+
+
+def test_gradients_accumulate_over_micro_batches_as_in_eager():
+    model, twin = _models()
+    batches = _batches(n=4)
+    for m in (model, twin):
+        for x, y in batches[:3]:      # warm up and capture first
+            F.cross_entropy(m(x), y).backward()
+            m.zero_grad(set_to_none=True)
+        for x, y in batches:          # then four micro-batches into one gradient
+            F.cross_entropy(m(x), y).backward()
+    assert model.__dict__["forward"].stats["replays"] >= 4
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_each_signature_and_mode_gets_its_own_graph_and_no_grad_runs_eagerly():
+    model, twin = _models()
+    calls = model.__dict__["forward"]
+    for rows in (16, 16, 16, 24, 24, 24):
+        x = torch.randn(rows, 32)
+        F.cross_entropy(model(x), torch.zeros(rows, dtype=torch.long)).backward()
+    assert calls.stats["captures"] == 2
+    model.eval()
+    for _ in range(3):
+        model(torch.randn(16, 32)).sum().backward()
+    assert calls.stats["captures"] == 3                          # eval mode: a graph of its own
+    with torch.no_grad():
+        before = calls.stats["eager"]
+        out = model(torch.randn(16, 32))
+    assert calls.stats["eager"] == before + 1 and out.grad_fn is None
+
+
+def test_a_replaced_parameter_drops_every_graph_and_training_stays_exact():
+    model, twin = _models()
+    batches = _batches()
+    _train(model, batches[:4])
+    _train(twin, batches[:4])
+    calls = model.__dict__["forward"]
+    live = calls.stats["captures"]
+    for m in (model, twin):
+        first = next(m.parameters())
+        first.data = first.data * 0.5               # new storage: the graphs read the old one
+    got, want = _train(model, batches[4:]), _train(twin, batches[4:])
+    assert calls.cache.stats.invalidations == 1 and calls.stats["captures"] == live + 1
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_second_forward_before_the_backward_runs_eagerly_and_both_gradients_hold():
+    model, twin = _models()
+    batches = _batches(n=5)
+    for m in (model, twin):
+        for x, y in batches[:3]:
+            F.cross_entropy(m(x), y).backward()
+            m.zero_grad(set_to_none=True)
+    calls = model.__dict__["forward"]
+    grads = []
+    for m in (model, twin):
+        first = F.cross_entropy(m(batches[3][0]), batches[3][1])
+        second = F.cross_entropy(m(batches[4][0]), batches[4][1])   # the first's backward is still due
+        (first + second).backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+        m.zero_grad(set_to_none=True)
+    assert calls.stats["fallbacks"] == 1
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+class _WithCache(nn.Module):
+    """Returns a plain object beside its tensor, as HF models return a ``DynamicCache``."""
+
+    class Cache:
+        pass
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return {"out": self.linear(x), "cache": self.Cache()}
+
+
+def test_outputs_that_are_not_tensors_fall_back_with_a_warning_naming_the_fix():
+    model = graph_calls(_WithCache(), graphs=EmulatedGraphs())
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        model(x)["out"].sum().backward()
+    with pytest.warns(UserWarning, match="use_cache=False"):
+        out = model(x)
+    out["out"].sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # warned once: later calls of the signature run eagerly quietly
+        for _ in range(3):
+            model(x)["out"].sum().backward()
+    assert model.__dict__["forward"].stats["captures"] == 0
+
+
+def test_graph_calls_wraps_once_and_ungraph_calls_restores():
+    model, _ = _models()
+    graph_calls(model, graphs=EmulatedGraphs())
+    assert isinstance(model.__dict__["forward"], GraphedCalls)
+    assert not isinstance(model.__dict__["forward"].forward, GraphedCalls)   # not wrapped twice
+    ungraph_calls(model)
+    assert "forward" not in model.__dict__
+    with pytest.raises(TypeError, match="nn.Module"):
+        graph_calls(lambda x: x)
+
+
+def test_a_hugging_face_decoder_trains_from_graphs_with_use_cache_off():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32,
+                                      use_cache=False)
+    ids = torch.randint(0, 100, (2, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tncompile.compile(transformers.LlamaForCausalLM(config), target_ratio=0.5,
+                                  example_inputs={"input_ids": ids, "labels": ids}).train()
+    twin = copy.deepcopy(model)
+    graph_calls(model, graphs=EmulatedGraphs())
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 200, (2, 16), generator=g) for _ in range(6)]
+    losses = {}
+    for name, m in (("graphed", model), ("eager", twin)):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        losses[name] = []
+        for b in batches:
+            loss = m(input_ids=b, labels=b).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses[name].append(loss.item())
+    assert model.__dict__["forward"].stats["replays"] == 4
+    assert losses["graphed"] == pytest.approx(losses["eager"], rel=1e-5)
