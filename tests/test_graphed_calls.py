@@ -205,3 +205,17 @@ def test_a_hugging_face_decoder_trains_from_graphs_with_use_cache_off():
             losses[name].append(loss.item())
     assert model.__dict__["forward"].stats["replays"] == 4
     assert losses["graphed"] == pytest.approx(losses["eager"], rel=1e-5)
+
+
+def test_a_frozen_model_replays_its_forward_alone():
+    """Everything frozen, grad mode on (an evaluation inside a training loop): a forward
+    graph alone, outputs equal to eager and without autograd history."""
+    model, twin = _models()
+    for m in (model, twin):
+        m.requires_grad_(False)
+    x = torch.randn(16, 32)
+    outs = [model(x) for _ in range(4)]
+    assert model.__dict__["forward"].stats["replays"] == 2
+    for out in outs:
+        assert out.grad_fn is None
+        torch.testing.assert_close(out, twin(x), rtol=1e-5, atol=1e-6)

@@ -267,8 +267,9 @@ class GraphedCalls:
             entry.latest = [entry.outputs[i] for i in entry.differentiable]
             entry.grad_outputs = [torch.zeros_like(o) for o in entry.latest]
             diff_inputs = [t for t, w in zip(tensor_inputs, entry.wants_grad) if w]
-            entry.backward_replay, grads = self.graphs.capture(lambda: self._backward(entry, diff_inputs))
-            entry.grads = list(grads)
+            if entry.differentiable:   # else (everything frozen) a forward graph alone
+                entry.backward_replay, grads = self.graphs.capture(lambda: self._backward(entry, diff_inputs))
+                entry.grads = list(grads)
         except Exception as e:  # noqa: BLE001 - any capture failure: this signature stays eager
             self.eager_only.add(key)
             warnings.warn(f"tncompile.graph_calls: a call of {type(model).__name__} runs eagerly, not from a CUDA "
@@ -300,7 +301,12 @@ class GraphedCalls:
                 if isinstance(leaf, torch.Tensor):
                     static.copy_(leaf)
         diff_inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
-        outs = _Replay.apply(entry, *diff_inputs, *entry.params)
+        if entry.differentiable:
+            outs = _Replay.apply(entry, *diff_inputs, *entry.params)
+        else:
+            with torch.no_grad():
+                entry.forward_replay()
+            outs = ()
         self.stats["replays"] += 1
         if outs and outs[0].grad_fn is not None:
             entry.pending = weakref.ref(outs[0].grad_fn)
