@@ -219,3 +219,26 @@ def test_a_frozen_model_replays_its_forward_alone():
     for out in outs:
         assert out.grad_fn is None
         torch.testing.assert_close(out, twin(x), rtol=1e-5, atol=1e-6)
+
+
+def test_no_graph_runs_while_another_signatures_backward_is_due():
+    """Graphs share one memory pool: a replay of signature B between A's forward and
+    backward could overwrite A's saved activations, so B runs eagerly then."""
+    model, twin = _models()
+    a, b = _batches(n=4, rows=16), _batches(n=4, rows=24, seed=5)
+    for m in (model, twin):
+        for (xa, ya), (xb, yb) in zip(a[:3], b[:3]):   # both signatures warmed up and captured
+            F.cross_entropy(m(xa), ya).backward()
+            F.cross_entropy(m(xb), yb).backward()
+            m.zero_grad(set_to_none=True)
+    calls = model.__dict__["forward"]
+    assert calls.stats["captures"] == 2
+    grads = []
+    for m in (model, twin):
+        first = F.cross_entropy(m(a[3][0]), a[3][1])
+        second = F.cross_entropy(m(b[3][0]), b[3][1])   # another signature, A's backward still due
+        (first + second).backward()
+        grads.append([p.grad.clone() for p in m.parameters()])
+    assert calls.stats["fallbacks"] == 1
+    for x, y in zip(*grads):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)

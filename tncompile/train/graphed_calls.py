@@ -138,7 +138,6 @@ class _Entry:
         self.grad_outputs: list[torch.Tensor] = []      # static incoming gradients
         self.grads: list[torch.Tensor | None] = []      # static gradients of inputs, then params
         self.latest: list[torch.Tensor] = []            # outputs whose autograd graph backward runs
-        self.pending: weakref.ref | None = None         # the replayed call whose backward is due
 
 
 class _Replay(torch.autograd.Function):
@@ -146,9 +145,9 @@ class _Replay(torch.autograd.Function):
     incoming gradients into the static ones, replay the backward graph, return copies."""
 
     @staticmethod
-    def forward(ctx, entry: _Entry, *tensors: torch.Tensor):
+    def forward(ctx, calls: "GraphedCalls", entry: _Entry, *tensors: torch.Tensor):
         entry.forward_replay()
-        ctx.entry = entry
+        ctx.calls, ctx.entry = calls, entry
         outs = [o.clone() for o in (entry.outputs[i] for i in entry.differentiable)]
         return tuple(outs)
 
@@ -159,9 +158,9 @@ class _Replay(torch.autograd.Function):
             for buffer, g in zip(entry.grad_outputs, grads):
                 buffer.copy_(g) if g is not None else buffer.zero_()
         entry.backward_replay()
-        entry.pending = None
+        ctx.calls.pending = None
         inputs = [g.clone() if g is not None else None for g in entry.grads]
-        return (None, *inputs)
+        return (None, None, *inputs)
 
 
 class GraphedCalls:
@@ -193,6 +192,10 @@ class GraphedCalls:
         self.eager_only: set[Hashable] = set()
         self.stats = {"replays": 0, "captures": 0, "eager": 0, "fallbacks": 0}
         self._emulated = isinstance(self.graphs, EmulatedGraphs)
+        #: the replayed call whose backward is still due: its saved activations live in the
+        #: graphs' shared pool, where any other replay may write, so until it runs (or its
+        #: outputs are dropped) every call runs eagerly
+        self.pending: weakref.ref | None = None
 
     # ------------------------------------------------------------ the call
     def __call__(self, *args, **kwargs):
@@ -205,12 +208,11 @@ class GraphedCalls:
         if self.cache.check_token(self._state(model)):
             self.graphs.reset()
         decision = self.cache.decide(key)
+        if decision != "eager" and self.pending is not None and self.pending() is not None:
+            self.stats["fallbacks"] += 1     # a replay's backward is still due: no graph may run now
+            return self.forward(*args, **kwargs)
         if decision == "replay":
-            entry = self.cache.get(key)
-            if entry.pending is not None and entry.pending() is not None:
-                self.stats["fallbacks"] += 1     # its last replay's backward is still due
-                return self.forward(*args, **kwargs)
-            return self._replay(entry, leaves)
+            return self._replay(self.cache.get(key), leaves)
         if decision == "eager":
             self.cache.warmed(key)
             self.stats["eager"] += 1
@@ -302,14 +304,14 @@ class GraphedCalls:
                     static.copy_(leaf)
         diff_inputs = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
         if entry.differentiable:
-            outs = _Replay.apply(entry, *diff_inputs, *entry.params)
+            outs = _Replay.apply(self, entry, *diff_inputs, *entry.params)
         else:
             with torch.no_grad():
                 entry.forward_replay()
             outs = ()
         self.stats["replays"] += 1
         if outs and outs[0].grad_fn is not None:
-            entry.pending = weakref.ref(outs[0].grad_fn)
+            self.pending = weakref.ref(outs[0].grad_fn)
         result = list(entry.outputs)
         for i, out in zip(entry.differentiable, outs):
             result[i] = out
