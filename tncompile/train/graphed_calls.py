@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import check_int
 from .capture_cache import CaptureCache
-from .side_stream import side_stream
+from .side_stream import on_side_stream, side_stream
 
 __all__ = ["graph_calls", "ungraph_calls", "GraphedCalls", "CudaGraphs", "EmulatedGraphs"]
 
@@ -69,7 +69,7 @@ class CudaGraphs:
     def warm_context(self):
         """Warm-up calls run on the side stream the captures use (its cuBLAS workspace
         and lazy initializations are made before a capture, where they may not be)."""
-        return _on_side_stream()
+        return on_side_stream()
 
     def reset(self) -> None:
         """A fresh pool for later captures: the dropped graphs' memory goes back with theirs."""
@@ -108,15 +108,6 @@ class EmulatedGraphs:
                 for buffer, value in zip(_tensors(static), _tensors(fresh)):
                     buffer.copy_(value)
         return replay, static
-
-
-@contextlib.contextmanager
-def _on_side_stream():
-    stream = side_stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        yield
-    torch.cuda.current_stream().wait_stream(stream)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -11,6 +11,9 @@ The steps order themselves against the caller's stream on entry and exit
 """
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
 _STREAMS: dict[int, "torch.cuda.Stream"] = {}
@@ -24,3 +27,14 @@ def side_stream(device: torch.device | int | None = None) -> "torch.cuda.Stream"
     if stream is None:
         stream = _STREAMS[index] = torch.cuda.Stream(device=index)
     return stream
+
+
+@contextlib.contextmanager
+def on_side_stream() -> Iterator["torch.cuda.Stream"]:
+    """Run the body on the current device's side stream, ordered after the work queued on
+    the current stream before it and before the work queued there after it."""
+    stream = side_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield stream
+    torch.cuda.current_stream().wait_stream(stream)

@@ -34,7 +34,7 @@ from ..runtime.layers.derived import advance_weights_epoch
 from .ddp import DDP_WARMUP_STEPS, check_controller_group, is_ddp, unwrap
 from .capture_cache import CaptureCache
 from .sharding import is_sharded
-from .side_stream import side_stream
+from .side_stream import on_side_stream, side_stream
 from .step_guard import StepGuard
 
 __all__ = ["TrainStep", "call_model", "make_capturable"]
@@ -162,14 +162,13 @@ class TrainStep:
             raise ValueError("TrainStep: compile=True applies to the eager path; with CUDA graphs the "
                              "captured step already removes the per-op overhead")
         self.wrapper = wrapper
-        self._stream = None
         self._forward = torch.compile(wrapper or compiled) if compile else (wrapper or compiled)
         if self.use_graphs:
             make_capturable(optimizer)
         if wrapper is not None and is_ddp(wrapper):
             warmup_steps = max(warmup_steps, DDP_WARMUP_STEPS)
             if self.use_graphs and hasattr(wrapper, "use_stream"):
-                wrapper.use_stream(self._side_stream())  # DDP built on the stream it is captured on
+                wrapper.use_stream(side_stream())  # DDP built on the stream it is captured on
         self.cache = CaptureCache(max_graphs, warmup_steps)
         self._pool = None
         self._structure = None
@@ -262,21 +261,13 @@ class TrainStep:
         if decision == "replay":
             return self.cache.get(key).run(leaves)
         if decision == "eager":
-            stream = self._side_stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
+            with on_side_stream():
                 losses = self._body(inputs, targets, set_to_none=False)
-            torch.cuda.current_stream().wait_stream(stream)
             self.cache.warmed(key)
             return losses
         captured = self._capture(leaves, spec)
         self.cache.add(key, captured)
         return captured.run(leaves)
-
-    def _side_stream(self):
-        if self._stream is None:
-            self._stream = side_stream()
-        return self._stream
 
     def _capture(self, leaves: list, spec) -> _Captured:
         static_leaves = [t.clone() if isinstance(t, torch.Tensor) else t for t in leaves]
@@ -286,7 +277,7 @@ class TrainStep:
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._side_stream()):
+        with torch.cuda.graph(graph, pool=self._pool, stream=side_stream()):
             losses = self._body(static_inputs, static_targets, set_to_none=False)
         torch.cuda.synchronize()
         return _Captured(graph, static_leaves, losses, torch.cuda.memory_allocated() - before)

@@ -47,18 +47,19 @@ def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
         return device_type, False, torch.float32
 
 
-def without_autocast(device_type: str):
-    """A context with autocast off for ``device_type`` where it is on; else nothing to enter
-    (no ~10 us context, and no autocast for device types it cannot set up: fake CUDA
-    tensors in a dry run on a machine without a GPU)."""
-    _, enabled, _ = autocast_state(device_type)
+def without_autocast(state: tuple[str, bool, torch.dtype]):
+    """A context with autocast off where ``state`` (:func:`autocast_state`) has it on; else
+    nothing to enter (no ~10 us context, and no autocast for device types it cannot set
+    up: fake CUDA tensors in a dry run on a machine without a GPU)."""
+    device_type, enabled, _ = state
     return torch.autocast(device_type, enabled=False) if enabled else contextlib.nullcontext()
 
 
-def run_dtype(t: torch.Tensor) -> torch.dtype | None:
-    """The dtype products with ``t`` run in under the autocast in force, where that is not
-    ``t``'s own (fp32 tensors under bf16 / fp16 autocast), else ``None``."""
-    _, enabled, dtype = autocast_state(t.device.type)
+def run_dtype(t: torch.Tensor, state: tuple[str, bool, torch.dtype] | None = None) -> torch.dtype | None:
+    """The dtype products with ``t`` run in under the autocast in force (``state``, else
+    read now), where that is not ``t``'s own (fp32 tensors under bf16 / fp16 autocast),
+    else ``None``."""
+    _, enabled, dtype = autocast_state(t.device.type) if state is None else state
     return dtype if enabled and t.dtype == torch.float32 and dtype != torch.float32 else None
 
 
@@ -205,12 +206,12 @@ class _ThinPair(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None):
         mm = gemm_for(x)
-        cast = run_dtype(x)
+        ctx.autocast = autocast_state(x.device.type)
+        cast = run_dtype(x, ctx.autocast)
         if cast is not None:  # under autocast: the rows and A cast once, kept so for backward
             x, a = x.to(cast), a.to(cast)
         t = mm(x, a)
         ctx.has_bias = bias is not None
-        ctx.autocast = autocast_state(x.device.type)
         ctx.save_for_backward(x, a, t, b)
         return gemm_bias(t, b, bias) if bias is not None else mm(t, b)
 

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from .executor import run_dtype, without_autocast
+from .executor import autocast_state, run_dtype, without_autocast
 
 __all__ = ["BatchedFactors", "FactorBatch", "network_params", "network_grads", "stack_or_zeros"]
 
@@ -222,13 +222,13 @@ class BatchedFactors(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, batch: FactorBatch, whole: bool, *tensors: Tensor):
-        device_type = tensors[0].device.type
+        state = autocast_state(tensors[0].device.type)
         ctx.set_materialize_grads(False)
-        ctx.device_type, ctx.batch, ctx.whole = device_type, batch, whole
-        ctx.cast = run_dtype(tensors[0])
+        ctx.device_type, ctx.batch, ctx.whole = state[0], batch, whole
+        ctx.cast = run_dtype(tensors[0], state)
         # the chain in the parameters' dtype (small products: exact, and no cast per step of
         # it); only its two ends are cast to autocast's dtype, once per batch
-        with without_autocast(device_type):
+        with without_autocast(state):
             stacked = batch.params.stack(tensors)
             cores, gates = stacked[:batch.d], stacked[batch.d:]
             gated = [c * g[:, None, None, :] for c, g in zip(cores, gates)] + [cores[-1]]
@@ -244,7 +244,7 @@ class BatchedFactors(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        with without_autocast(ctx.device_type):  # as forward ran: chain in the params' dtype
+        with without_autocast(autocast_state(ctx.device_type)):  # as forward ran: chain in the params' dtype
             return BatchedFactors._backward(ctx, grads)
 
     @staticmethod

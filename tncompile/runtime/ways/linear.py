@@ -19,7 +19,7 @@ import torch
 
 from ... import tuning
 from ...formats.factorization import tt_factors
-from ..kernels.executor import contract, is_merge_first, run_dtype, thin_pair, without_autocast
+from ..kernels.executor import autocast_state, contract, is_merge_first, run_dtype, thin_pair, without_autocast
 from ..kernels.tracing import exporting
 from ..native import native_ops
 from ..kernels.plans import bucket_of
@@ -266,9 +266,10 @@ def own_factors(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """``layer``'s thin factors ``(A, B)`` merged from its own gated cores, in the cores'
     dtype (small products, exact), then cast once each to autocast's dtype where one is in
     force -- not each core at each product of the merge, forward and backward."""
-    with without_autocast(layer.cores[0].device.type):
+    state = autocast_state(layer.cores[0].device.type)
+    with without_autocast(state):
         a, b = tt_factors(layer.scaled_cores(), len(layer.layout.in_modes))
-    cast = run_dtype(a)
+    cast = run_dtype(a, state)
     return (a, b) if cast is None else (a.to(cast), b.to(cast))
 
 
