@@ -23,7 +23,8 @@ def full_ranks(program):
 def full_rank_pipeline() -> list:
     """The default pipeline with the full-rank pass in place of assign_ranks."""
     return ["canonicalize", "follow_device", "tensorize", FunctionPass(full_ranks, "full_ranks"), "decompose",
-            "plan_contractions", "fuse_feed_forward", "lower_dropout", "fuse_attention", "fuse_siblings"]
+            "plan_contractions", "fuse_feed_forward", "lower_dropout", "fuse_attention", "fuse_siblings",
+            "measure_ways"]
 
 
 def compile_full_rank(model, example_inputs, **kw):

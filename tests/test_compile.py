@@ -91,7 +91,7 @@ def test_to_dense_matches_and_save_load_identical(tmp_path):
     assert loaded.ratio == compiled.ratio
     assert [r.name for r in loaded.program.history] == ["canonicalize", "follow_device", "tensorize", "assign_ranks", "decompose", "plan_contractions",
                                                           "fuse_feed_forward", "lower_dropout", "fuse_attention",
-                                                          "fuse_siblings"]
+                                                          "fuse_siblings", "measure_ways"]
     # state_dict round trip into a fresh load
     with torch.no_grad():
         for p in compiled.parameters():
@@ -135,7 +135,8 @@ def test_dumps_written_for_every_pass(tmp_path, monkeypatch):
                      "05-decompose.txt", "06-plan_contractions.json", "06-plan_contractions.txt",
                      "07-fuse_feed_forward.json", "07-fuse_feed_forward.txt",
                      "08-lower_dropout.json", "08-lower_dropout.txt", "09-fuse_attention.json",
-                     "09-fuse_attention.txt", "10-fuse_siblings.json", "10-fuse_siblings.txt"]
+                     "09-fuse_attention.txt", "10-fuse_siblings.json", "10-fuse_siblings.txt",
+                     "11-measure_ways.json", "11-measure_ways.txt"]
     text = (tmp_path / "env" / "05-decompose.txt").read_text()
     assert "TT 4x4x4->4x8x4" in text or "TT " in text
     doc = json.loads((tmp_path / "env" / "05-decompose.json").read_text())

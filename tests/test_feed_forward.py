@@ -11,6 +11,14 @@ from tncompile import tuning
 from tncompile.runtime import TTLinear
 from tncompile.runtime.ways import feed_forward
 from tncompile.runtime.fused.feed_forward import ACTIVATIONS, tt_feed_forward, uses_fused_kernel
+
+
+@pytest.fixture(autouse=True)
+def prior_only():
+    """These tests check the fused kernel itself: the cost rule decides where it runs, not
+    a timing (the measured choice between it and the layers: test_measured_blocks.py)."""
+    with tuning.override(MEASURE_WAYS=False):
+        yield
 from tncompile.runtime.native import native_kernels
 from tncompile.testing import small_encoder
 

@@ -17,7 +17,7 @@ def test_default_pipeline_is_named_and_editable():
     pipe = tncompile.default_pipeline()
     assert pipe.names == ["canonicalize", "follow_device", "tensorize", "assign_ranks", "decompose",
                           "plan_contractions", "fuse_feed_forward", "lower_dropout", "fuse_attention",
-                          "fuse_siblings"]
+                          "fuse_siblings", "measure_ways"]
 
     class A(tncompile.Pass):
         name = "a"
@@ -28,15 +28,17 @@ def test_default_pipeline_is_named_and_editable():
     pipe.insert_before("assign-ranks", A()).insert_after("decompose", "tensorize")
     assert pipe.names == ["canonicalize", "follow_device", "tensorize", "a", "assign_ranks", "decompose", "tensorize",
                           "plan_contractions", "fuse_feed_forward", "lower_dropout", "fuse_attention",
-                          "fuse_siblings"]
+                          "fuse_siblings", "measure_ways"]
     pipe.remove("a").replace("decompose", get_pass("decompose")).remove("plan-contractions")
     pipe.remove("fuse-feed-forward").remove("lower_dropout").remove("fuse-attention").remove("fuse_siblings")
+    pipe.remove("measure-ways")
     assert pipe.names == ["canonicalize", "follow_device", "tensorize", "assign_ranks", "decompose", "tensorize"]
     with pytest.raises(ValueError, match="no pass named 'nope'"):
         pipe.remove("nope")
     assert tncompile.default_pipeline().names == ["canonicalize", "follow_device", "tensorize", "assign_ranks",
                                                   "decompose", "plan_contractions", "fuse_feed_forward",
-                                                  "lower_dropout", "fuse_attention", "fuse_siblings"]
+                                                  "lower_dropout", "fuse_attention", "fuse_siblings",
+                                                  "measure_ways"]
 
 
 def test_register_pass_function_and_duplicate():

@@ -115,8 +115,8 @@ def test_compile_batch_sizes_plan_ahead_and_load_plans_on_first_use(tmp_path):
     ff1 = c.model.get_submodule("layers.0.ff1")
     assert set(ff1.plans) == {16, 32, 1024}  # batch 1 x 16, traced 2 x 16, batch 64 x 16
     assert "plan rows<=1024" in c.program.dump()
-    assert [r.name for r in c.program.history][-5:] == ["plan_contractions", "fuse_feed_forward", "lower_dropout",
-                                                        "fuse_attention", "fuse_siblings"]
+    assert [r.name for r in c.program.history][-6:] == ["plan_contractions", "fuse_feed_forward", "lower_dropout",
+                                                        "fuse_attention", "fuse_siblings", "measure_ways"]
     path = tmp_path / "m.tnc"
     tncompile.save(c, path)
     loaded = tncompile.load(path, model=small_encoder().eval())

@@ -14,6 +14,14 @@ from tncompile.testing import small_encoder
 f64 = torch.float64
 
 
+@pytest.fixture(autouse=True)
+def prior_only():
+    """These tests check the fused kernel itself: the cost rule decides where it runs, not
+    a timing (the measured choice between it and the layers: test_measured_blocks.py)."""
+    with tuning.override(MEASURE_WAYS=False):
+        yield
+
+
 @pytest.fixture
 def spy(call_spy):
     """Input shapes of every one-pass sibling call."""

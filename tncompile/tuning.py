@@ -183,6 +183,14 @@ DEDUP_MIN_IDS = 64
 MEASURE_WAYS = True
 #: Timed runs per candidate (after one warm-up); the fastest run counts.
 MEASURE_REPEATS = 3
+#: ``compile(batch_sizes=...)`` times a layer's ways ahead only where the timing's tensors
+#: (input and output rows, and their gradients) take at most this many bytes; larger
+#: batches are timed on first use, on the user's own input.
+MEASURE_AHEAD_BYTES = 256 << 20
+#: A TTM lookup's whole merged table is a candidate way (one product, then an index) only
+#: while the table has at most this many times the rows the call looks up: beyond that,
+#: merging rows nobody asked for costs more than the gathers it saves.
+WHOLE_TABLE_SLACK = 4
 #: A folder for the measured winners (one JSON file per torch and tncompile version),
 #: read by later processes; ``None``: this process only. Env: ``TNCOMPILE_WAY_CACHE``.
 WAY_CACHE_DIR = os.environ.get("TNCOMPILE_WAY_CACHE") or None

@@ -17,6 +17,7 @@ from .fuse_feed_forward import FuseFeedForward
 from .lower_dropout import LowerDropout
 from .fuse_attention import FuseAttention
 from .fuse_siblings import FuseSiblings
+from .measure_ways import MeasureWays
 from .replan import Replan, replan_module
 from .truncate_ranks import Cut, TruncateRanks, cut_ranks
 from .collapse_layers import CollapseLayers
@@ -26,6 +27,6 @@ from .default import BUILTIN_PASSES, default_pipeline
 
 __all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes", "BUILTIN_PASSES",
            "default_pipeline", "Canonicalize", "FollowDevice", "Tensorize", "AssignRanks", "Decompose", "PlanContractions",
-           "FuseFeedForward", "LowerDropout", "FuseAttention", "FuseSiblings", "Replan", "TruncateRanks", "CollapseLayers", "PendingLayer",
+           "FuseFeedForward", "LowerDropout", "FuseAttention", "FuseSiblings", "MeasureWays", "Replan", "TruncateRanks", "CollapseLayers", "PendingLayer",
            "replan_module", "Cut", "cut_ranks",
            "Pat", "Rule", "Match", "apply_rules", "RulePass"]

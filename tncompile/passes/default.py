@@ -7,8 +7,8 @@ its pipeline without the user passing it again.
 from __future__ import annotations
 
 from . import (assign_ranks, canonicalize, collapse_layers, decompose, follow_device, fuse_attention,  # noqa: F401
-               fuse_feed_forward, fuse_siblings, lower_dropout, plan_contractions, replan, tensorize,
-               truncate_ranks)
+               fuse_feed_forward, fuse_siblings, lower_dropout, measure_ways, plan_contractions, replan,
+               tensorize, truncate_ranks)
 from .infra.base import Pipeline, registered_passes
 
 __all__ = ["BUILTIN_PASSES", "default_pipeline"]
@@ -20,8 +20,8 @@ BUILTIN_PASSES = frozenset(registered_passes())
 
 def default_pipeline() -> Pipeline:
     """``canonicalize -> follow_device -> tensorize -> assign_ranks -> decompose ->
-    plan_contractions -> fuse_feed_forward -> lower_dropout -> fuse_attention -> fuse_siblings``, a fresh,
-    editable copy."""
+    plan_contractions -> fuse_feed_forward -> lower_dropout -> fuse_attention -> fuse_siblings ->
+    measure_ways``, a fresh, editable copy."""
     return Pipeline(["canonicalize", "follow_device", "tensorize", "assign_ranks", "decompose",
                      "plan_contractions", "fuse_feed_forward", "lower_dropout", "fuse_attention",
-                     "fuse_siblings"])
+                     "fuse_siblings", "measure_ways"])

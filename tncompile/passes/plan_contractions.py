@@ -13,7 +13,7 @@ from ..runtime.kernels.plans import bucket_of
 from ..runtime.layers import TNModule, TTMEmbedding
 from .infra.base import Pass, register_pass
 
-__all__ = ["PlanContractions"]
+__all__ = ["PlanContractions", "example_rows", "rows_at_batch_sizes"]
 
 
 def example_rows(node: fx.Node, lookup: bool) -> tuple[int, int] | None:
@@ -42,6 +42,17 @@ def example_rows(node: fx.Node, lookup: bool) -> tuple[int, int] | None:
     return dims[0], prod(dims)
 
 
+def rows_at_batch_sizes(node: fx.Node, lookup: bool, batch_sizes: list[int]) -> set[int]:
+    """The rows a layer multiplies at each of ``batch_sizes``: each batch size times the
+    non-batch leading dims it saw when traced (the batch sizes themselves where the trace
+    says nothing)."""
+    example = example_rows(node, lookup)
+    if example is None:
+        return set(batch_sizes)
+    batch, traced = example
+    return {b * (traced // max(batch, 1)) for b in batch_sizes}
+
+
 @register_pass
 class PlanContractions(Pass):
     """Plan every TT network (and every TTM lookup) for the buckets it will see.
@@ -68,14 +79,9 @@ class PlanContractions(Pass):
         for node, mod in program.modules():
             if not isinstance(mod, TNModule):
                 continue
-            example = example_rows(node, lookup=isinstance(mod, TTMEmbedding))
-            rows = set()
-            if example is not None:
-                batch, traced = example
-                rows.add(traced)
-                rows.update(b * (traced // max(batch, 1)) for b in batch_sizes)
-            else:
-                rows.update(batch_sizes)
+            lookup = isinstance(mod, TTMEmbedding)
+            example = example_rows(node, lookup)
+            rows = rows_at_batch_sizes(node, lookup, batch_sizes) | ({example[1]} if example is not None else set())
             copies = mod.layout.copies if isinstance(mod.layout, TTLayout) else 1
             for r in {experts_rows(r, copies) for r in rows}:  # an expert multiplies its share of the rows
                 key = (id(mod), bucket_of(r))

@@ -97,8 +97,9 @@ class Report:
                f"total: {self.original_params:,} -> {self.params:,} params  "
                f"ratio {self.ratio:.4f}  ({self.original_params / max(self.params, 1):.1f}x smaller)"]
         if ran:
-            out.append("ran as: how each TT linear and TTM embedding's last eager call ran (tncompile.runtime.layers: "
-                       "ways.linear.choose(layer, x), ways.lookup.choose(layer, ids) say it for any input)")
+            out.append("ran as: how each TT linear and TTM embedding's last eager call ran, or the fused block it ran in "
+                       "(tncompile.runtime.ways: linear.choose(layer, x), lookup.choose(layer, ids), "
+                       "feed_forward.choose and siblings.choose say it for any input)")
         if timed:
             out.append(f"step/tok (est.): a training step's time per row, dense -> network, on {self.speed_device} "
                        "at the rows each layer was planned for")

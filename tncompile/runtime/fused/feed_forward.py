@@ -10,7 +10,7 @@ from ..layers.tt_linear import TTLinear
 from ..ways import feed_forward as feed_forward_way
 from ..ways.feed_forward import ACTIVATIONS, fused_macs
 
-__all__ = ["ACTIVATIONS", "tt_feed_forward", "fused_macs", "uses_fused_kernel"]
+__all__ = ["ACTIVATIONS", "tt_feed_forward", "fused_macs", "uses_fused_kernel", "feed_forward_way_for"]
 
 
 def _runs_tt(module: nn.Module) -> bool:
@@ -20,6 +20,12 @@ def _runs_tt(module: nn.Module) -> bool:
 def uses_fused_kernel(x: torch.Tensor, first: nn.Module, second: nn.Module):
     """The native ops when :func:`tt_feed_forward` would fuse the block for input ``x``, else ``None``."""
     return feed_forward_way.fused_kernels(x, first, second, _runs_tt(first) and _runs_tt(second))
+
+
+def feed_forward_way_for(x: torch.Tensor, first: nn.Module, second: nn.Module,
+                         activation: str) -> feed_forward_way.FeedForwardWay:
+    """The way :func:`tt_feed_forward` runs the block on ``x`` (measured now where it may be)."""
+    return feed_forward_way.choose(x, first, second, _runs_tt(first) and _runs_tt(second), activation)
 
 
 def tt_feed_forward(x: torch.Tensor, first: nn.Module, second: nn.Module, activation: str) -> torch.Tensor:

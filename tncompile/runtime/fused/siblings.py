@@ -11,7 +11,7 @@ from ..layers.module_kinds import runs_as, runs_hooks
 from ..layers.tt_linear import TTLinear
 from ..ways import siblings as siblings_way
 
-__all__ = ["tt_siblings", "sibling_kernels"]
+__all__ = ["tt_siblings", "sibling_kernels", "siblings_way_for"]
 
 
 def _fusable(layers: Sequence[nn.Module]) -> bool:
@@ -21,6 +21,12 @@ def _fusable(layers: Sequence[nn.Module]) -> bool:
 def sibling_kernels(x: torch.Tensor, layers: Sequence[nn.Module]):
     """The native ops when :func:`tt_siblings` runs ``layers`` through one pass over ``x``, else ``None``."""
     return siblings_way.sibling_kernels(x, layers, _fusable(layers))
+
+
+def siblings_way_for(x: torch.Tensor, layers: Sequence[nn.Module]) -> siblings_way.SiblingsWay:
+    """The way :func:`tt_siblings` runs ``layers`` on ``x`` (measured now where it may be)."""
+    layers = list(layers)
+    return siblings_way.choose(x, layers, _fusable(layers))
 
 
 def tt_siblings(x: torch.Tensor, layers: Sequence[nn.Module]) -> tuple[torch.Tensor, ...]:

@@ -21,6 +21,11 @@ the two layers and the activation one after the other, as the original
 model did -- on the Triton kernels (``tuning.TRITON_KERNELS``) with the
 activation in the first layer's epilogue (:meth:`TTLinear.activated`): two
 launches fewer per step and no ``rows x F`` activation input kept.
+
+Where the fused kernel applies in a differentiable eager call, it is timed against the
+two layers run one by one, once per shape and bucket of rows, and the faster runs
+(:mod:`.measured`); elsewhere the multiply-add rule above is the prior. A fused call
+records its way on both layers (``ran_as``: the report's "ran as" column).
 """
 from __future__ import annotations
 
@@ -34,10 +39,11 @@ from ..kernels.cpu_gemm import cpu_gemm
 from ..kernels.plans import bucket_of
 from ..kernels.tracing import exporting
 from ..native import kernels_for, traceable_kernels
-from .linear import choice_cache
+from . import measured
+from .linear import choice_cache, own_factors, record, run_alone
 from .rows import ACTIVATIONS, first_cpu_use
 
-__all__ = ["ACTIVATIONS", "FeedForwardWay", "choose", "run", "fused_kernels", "fused_macs"]
+__all__ = ["ACTIVATIONS", "FeedForwardWay", "choose", "decide", "run", "fused_kernels", "fused_macs"]
 
 
 
@@ -58,11 +64,57 @@ class FeedForwardWay(str, enum.Enum):
     LAYERS = "layer by layer"        # each layer its own way, the activation between (or in a Triton epilogue)
 
 
-def choose(x: torch.Tensor, first: nn.Module, second: nn.Module, fusable: bool) -> FeedForwardWay:
+#: the ways timed against each other where the fused kernel applies (:mod:`.measured`)
+MEASURED = (FeedForwardWay.FUSED, FeedForwardWay.LAYERS)
+measured.register_ways(w.value for w in MEASURED)
+
+
+def choose(x: torch.Tensor, first: nn.Module, second: nn.Module, fusable: bool,
+           activation: str = "gelu") -> FeedForwardWay:
     """The way :func:`run` takes for ``x`` (``fusable``: both layers TT linears without hooks)."""
-    if fused_kernels(x, first, second, fusable) is None:
-        return FeedForwardWay.LAYERS
-    return FeedForwardWay.TRACED if torch.compiler.is_compiling() else FeedForwardWay.FUSED
+    return decide(x, first, second, fusable, activation)[0]
+
+
+def decide(x: torch.Tensor, first: nn.Module, second: nn.Module, fusable: bool, activation: str):
+    """:func:`choose`'s way and the native ops it runs on (``None``: layer by layer). Where
+    the fused kernel applies in a differentiable eager call, the faster of it and the
+    layers one by one as measured (:mod:`.measured`); else the multiply-add rule."""
+    ops = fused_kernels(x, first, second, fusable)
+    if ops is None:
+        return FeedForwardWay.LAYERS, None
+    if torch.compiler.is_compiling():
+        return FeedForwardWay.TRACED, ops
+    if measured.applies(x, export_checked=True):  # fused_kernels returned None when exporting
+        rows = x.numel() // first.in_features
+        shape = tuple((tuple(m.layout.in_modes), tuple(m.layout.out_modes), tuple(m.layout.ranks), m.bias is not None)
+                      for m in (first, second)) + (activation,)
+        candidates = tuple(w.value for w in MEASURED)
+        won = measured.fastest_of(second, "tt_feed_forward", shape, x, rows, candidates,
+                                  lambda: _timer(x, first, second, activation, ops))
+        if won == FeedForwardWay.LAYERS.value:
+            return FeedForwardWay.LAYERS, None
+    return FeedForwardWay.FUSED, ops
+
+
+def _timer(like: torch.Tensor, first: nn.Module, second: nn.Module, activation: str, ops):
+    """``time_way(way) -> seconds``: the block forward and backward (to its input and
+    parameters, by ``torch.autograd.grad``: nothing accumulates into ``.grad``) over
+    random rows as many as ``like``'s, each layer merging its own factors."""
+    rows = like.numel() // first.in_features
+    generator = torch.Generator(device=like.device).manual_seed(0)
+    h = torch.randn(rows, first.in_features, device=like.device, dtype=like.dtype, generator=generator,
+                    requires_grad=True)
+    inputs = [h, *(p for m in (first, second) for p in m.parameters() if p.requires_grad)]
+
+    def time_way(name: str) -> float:
+        def step() -> None:
+            if name == FeedForwardWay.FUSED.value:
+                out = _fused(ops, activation, h, first, second, own_factors(first), own_factors(second))
+            else:
+                out = run_alone(second, ACTIVATIONS[activation](run_alone(first, h)))
+            torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
+        return measured.time_call(step, like.device)
+    return time_way
 
 
 def fused_kernels(x: torch.Tensor, first: nn.Module, second: nn.Module, fusable: bool):
@@ -97,7 +149,7 @@ def run(x: torch.Tensor, first: nn.Module, second: nn.Module, activation: str, f
     first_cpu_use(x)
     if activation not in ACTIVATIONS:
         raise ValueError(f"tt_feed_forward: unknown activation {activation!r}; use one of {sorted(ACTIVATIONS)}")
-    ops = fused_kernels(x, first, second, fusable)
+    way, ops = decide(x, first, second, fusable, activation)
     if ops is None:
         if first_is_tt:   # the activation in the layer's epilogue on Triton
             return second(first.activated(x, activation))
@@ -108,14 +160,24 @@ def run(x: torch.Tensor, first: nn.Module, second: nn.Module, activation: str, f
     a2, b2 = second.merged_factors()
     hidden = first.out_features
     rows = x.reshape(-1, first.in_features)
-    if torch.compiler.is_compiling():  # the traceable ops: three opaque calls, each with its registered backward
+    if way is FeedForwardWay.TRACED:  # the traceable ops: three opaque calls, each with its registered backward
         t = ops.thin_project(rows.contiguous(), a1[:first.in_features])
         u = ops.ffn(t, b1[:, :hidden], first.bias, a2[:hidden], activation)
         y = ops.thin_expand(u, b2[:, :second.out_features], second.bias)
         return y.reshape(*x.shape[:-1], second.out_features)
-    y = _FusedFeedForward.apply(ops, activation, rows, a1[:first.in_features], b1[:, :hidden], first.bias,
-                                a2[:hidden], b2[:, :second.out_features], second.bias)
+    record(first, way)
+    record(second, way)
+    y = _fused(ops, activation, rows, first, second, (a1, b1), (a2, b2))
     return y.reshape(*x.shape[:-1], second.out_features)
+
+
+def _fused(ops, activation: str, rows: torch.Tensor, first: nn.Module, second: nn.Module, factors1, factors2):
+    """``rows (M, first.in_features)`` through the fused kernel with the two layers' padded
+    factors ``(A, B)``: ``(M, second.out_features)``."""
+    (a1, b1), (a2, b2) = factors1, factors2
+    hidden = first.out_features
+    return _FusedFeedForward.apply(ops, activation, rows, a1[:first.in_features], b1[:, :hidden], first.bias,
+                                   a2[:hidden], b2[:, :second.out_features], second.bias)
 
 
 class _FusedFeedForward(torch.autograd.Function):

@@ -28,6 +28,7 @@ from . import backends, measured
 from .rows import ACTIVATIONS, apply_matrix, check_input_dtype, drop_boundary, factor_macs, through_factors
 
 __all__ = ["LinearWay", "choose", "choose_call", "choose_rows", "decide_call", "decide_rows", "run", "run_activated",
+           "run_alone", "own_factors",
            "inference_macs", "record", "choice_cache", "register_whole_rule", "whole_matrices_faster"]
 
 
@@ -227,6 +228,19 @@ def contract_rows(layer, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Te
     way, ops = decide_rows(layer, h, rows, export_checked=True)  # run() returned before this when exporting
     record(layer, way)
     return run_rows(layer, way, h, bias, ops)
+
+
+def run_alone(layer, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``, ``(..., in_features) -> (..., out_features)``, its rows the way
+    :func:`decide_rows` says, merging its own factors (no peer's batch is touched, nothing
+    is recorded): a block's measurement running its layers one by one (:mod:`.measured`)."""
+    lay = layer.layout
+
+    def rows_alone(h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        way, ops = decide_rows(layer, h, h.shape[0], export_checked=True)
+        return run_rows(layer, way, h, bias, ops, alone=True)
+    return apply_matrix(layer, x, layer.bias, lay.in_features, lay.in_modes, lay.out_features, lay.padded_out,
+                        rows_alone)
 
 
 def run_rows(layer, way: LinearWay, h: torch.Tensor, bias: torch.Tensor | None, ops=None,

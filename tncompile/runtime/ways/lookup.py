@@ -6,6 +6,12 @@ A :class:`~tncompile.runtime.TTMEmbedding` returns the rows of its table one of
 the current context; :func:`run` is the layer's forward: it runs what the decision says
 and records it (``layer.ran_as``, the last eager call's way), which the report prints
 beside the TT linears' ways (:mod:`.linear`).
+
+In a differentiable eager call the ways that all apply -- the gathered product, the whole
+merged table (while it holds at most ``tuning.WHOLE_TABLE_SLACK`` times the rows looked
+up) and, on a GPU, the Triton lookup -- are timed once per shape and bucket of distinct
+ids, and the fastest is kept (:mod:`.measured`); elsewhere the prior decides: the
+gathered product (Triton's where switched on).
 """
 from __future__ import annotations
 
@@ -19,12 +25,14 @@ from ..kernels.tracing import exporting
 from ..kernels.traced_lookup import (check_ids, distinct_ids, gathered_product, gathered_product_backward, half_tables,
                                      split_ids, ttm_lookup)
 from . import backends
+from ... import tuning
+from . import measured
 from .linear import record
 from .network import keeps_merged_forms
 from .rows import first_cpu_use
 
-__all__ = ["LookupWay", "choose", "choose_split", "choose_split_at", "run", "check_layer_ids", "GatheredProduct",
-           "require_int_ids"]
+__all__ = ["LookupWay", "choose", "choose_split", "choose_split_at", "decide", "run", "run_lookup", "whole_table",
+           "check_layer_ids", "GatheredProduct", "require_int_ids"]
 
 
 class LookupWay(str, enum.Enum):
@@ -35,6 +43,12 @@ class LookupWay(str, enum.Enum):
     TRITON_LOOKUP = "triton lookup"        # tncompile's Triton gather from the two half tables
     ONE_TABLE = "one table"                # a single core: the table itself, indexed
     GATHERED_PRODUCT = "gathered product"  # the two half tables, rows gathered and multiplied per id
+    WHOLE_TABLE = "whole table"            # the table merged whole (one product), then indexed
+
+
+#: the ways timed against each other in a differentiable eager call, where they apply
+MEASURED = (LookupWay.GATHERED_PRODUCT, LookupWay.WHOLE_TABLE, LookupWay.TRITON_LOOKUP)
+measured.register_ways(w.value for w in MEASURED)
 
 
 def choose(layer, ids: torch.Tensor) -> LookupWay:
@@ -44,8 +58,9 @@ def choose(layer, ids: torch.Tensor) -> LookupWay:
         return LookupWay.EXPORTED
     if torch.compiler.is_compiling() and len(layer.layout.row_modes) > 1:
         return LookupWay.TRACED
-    rows = int(torch.unique(ids.reshape(-1)).numel())
-    return choose_split(layer, choose_split_at(layer, rows))
+    lookup = distinct_ids(ids.reshape(-1).long())[0]   # as run() looks them up
+    split = choose_split_at(layer, lookup.shape[0])
+    return decide(layer, lookup, split, ids)
 
 
 def choose_split_at(layer, rows: int) -> int:
@@ -60,6 +75,81 @@ def choose_split(layer, split: int) -> LookupWay:
     if supports is not None and supports(split, len(layer.layout.row_modes)):
         return LookupWay.TRITON_LOOKUP
     return LookupWay.ONE_TABLE if len(layer.layout.row_modes) == 1 else LookupWay.GATHERED_PRODUCT
+
+
+def decide(layer, lookup: torch.Tensor, split: int, ids: torch.Tensor) -> LookupWay:
+    """The way an eager lookup of the distinct ids ``lookup (rows,)`` runs, split at
+    ``split``: the measured fastest of the ways that apply where timing is allowed for a
+    call on ``ids`` (:mod:`.measured`), else the prior (:func:`choose_split`)."""
+    prior = choose_split(layer, split)
+    if prior is LookupWay.ONE_TABLE or not measured.applies(ids, export_checked=True):
+        return prior
+    like = layer.cores[0].detach()
+    candidates = _candidates(layer, like, lookup.shape[0], split, prior)
+    if len(candidates) == 1:
+        return prior
+    lay = layer.layout
+    shape = (tuple(lay.row_modes), tuple(lay.col_modes), tuple(lay.ranks), split,
+             any(p.requires_grad for p in layer.network_tensors()))
+    won = measured.fastest_of(layer, "ttm_lookup", shape, like, lookup.shape[0], candidates,
+                              lambda: _timer(layer, lookup, split))
+    return prior if won is None else LookupWay(won)
+
+
+def _candidates(layer, like: torch.Tensor, rows: int, split: int, prior: LookupWay) -> tuple[str, ...]:
+    """The ways timed for a lookup of ``rows`` distinct ids split at ``split``."""
+    if prior is LookupWay.TRITON_LOOKUP:   # switched on: it runs (as the linears' Triton pair)
+        return (prior.value,)
+    ways = [LookupWay.GATHERED_PRODUCT]
+    if math.prod(layer.layout.row_modes) <= tuning.WHOLE_TABLE_SLACK * rows:
+        ways.append(LookupWay.WHOLE_TABLE)
+    supports = backends.candidate(like, "lookup_supports")
+    if supports is not None and backends.candidate(like, "lookup") is not None \
+            and supports(split, len(layer.layout.row_modes)):
+        ways.append(LookupWay.TRITON_LOOKUP)
+    return tuple(w.value for w in ways)
+
+
+def _timer(layer, lookup: torch.Tensor, split: int):
+    """``time_way(way) -> seconds``: a lookup of ``lookup`` the way named and, where the
+    table trains, a backward by ``torch.autograd.grad`` (nothing accumulates into ``.grad``)."""
+    params = [p for p in layer.network_tensors() if p.requires_grad]
+    device = layer.cores[0].device
+
+    def time_way(name: str) -> float:
+        way = LookupWay(name)
+
+        def step() -> None:
+            out = run_lookup(layer, way, lookup, split)
+            if params:
+                torch.autograd.grad(out, params, torch.ones_like(out), allow_unused=True)
+        return measured.time_call(step, device)
+    return time_way
+
+
+def run_lookup(layer, way: LookupWay, lookup: torch.Tensor, split: int) -> torch.Tensor:
+    """The rows of ``layer``'s table for the distinct ids ``lookup (rows,)`` the eager way
+    ``way``: ``(rows, padded_cols)``."""
+    lay = layer.layout
+    if way is LookupWay.TRITON_LOOKUP:  # padding positions send no gradient inside the kernel
+        return backends.runner_for(layer.cores[0], "lookup")(layer, lookup, split, *layer.network_tensors())
+    if way is LookupWay.ONE_TABLE:
+        return layer.scaled_cores()[0].reshape(lay.row_modes[0], lay.col_modes[0]).index_select(0, lookup)
+    left, right = half_tables_of(layer, split)
+    if way is LookupWay.WHOLE_TABLE:
+        return whole_table(left, right).index_select(0, lookup)
+    i_left, i_right = split_ids(lookup, math.prod(lay.row_modes[split:]))
+    return GatheredProduct.apply(left, right, i_left, i_right).reshape(lookup.shape[0], lay.padded_cols)
+
+
+def whole_table(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """The table from its two halves: ``L (M_L, N_L, r)``, ``R (M_R, r, N_R)`` ->
+    ``(M_L M_R, N_L N_R)``, row ``a M_R + b``, column ``n N_R + m`` holding
+    ``L[a, n] @ R[b, :, m]`` (the gathered product's layout), as one matrix product."""
+    m_l, n_l, r = left.shape
+    m_r, _, n_r = right.shape
+    product = left.reshape(m_l * n_l, r) @ right.transpose(0, 1).reshape(r, m_r * n_r)
+    return product.reshape(m_l, n_l, m_r, n_r).transpose(1, 2).reshape(m_l * m_r, n_l * n_r)
 
 
 def require_int_ids(ids: torch.Tensor) -> None:
@@ -116,20 +206,11 @@ def run(layer, ids: torch.Tensor) -> torch.Tensor:
     first_cpu_use(ids)
     flat = ids.reshape(-1).long()
     lookup, inverse = distinct_ids(flat)
-    rows = lookup.shape[0]
-    split = choose_split_at(layer, rows)
-    way = choose_split(layer, split)
+    split = choose_split_at(layer, lookup.shape[0])
+    way = decide(layer, lookup, split, ids)
     record(layer, way)
     triton = way is LookupWay.TRITON_LOOKUP
-    if triton:  # padding positions send no gradient inside the kernel
-        out = backends.active(layer.cores[0], "lookup")(layer, lookup, split, *layer.network_tensors())
-    elif way is LookupWay.ONE_TABLE:
-        table = layer.scaled_cores()[0].reshape(lay.row_modes[0], lay.col_modes[0])
-        out = table.index_select(0, lookup)
-    else:
-        left, right = half_tables_of(layer, split)
-        i_left, i_right = split_ids(lookup, math.prod(lay.row_modes[split:]))
-        out = GatheredProduct.apply(left, right, i_left, i_right).reshape(rows, lay.padded_cols)
+    out = run_lookup(layer, way, lookup, split)
     if lay.padded_cols != lay.embedding_dim:
         out = out[:, : lay.embedding_dim]
     if inverse is not None:

@@ -33,10 +33,12 @@ from typing import Callable, Iterable
 import torch
 
 from ... import tuning
+from ..kernels.plans import bucket_of
 from ..kernels.tracing import exporting
 from .network import recorded_elsewhere
 
-__all__ = ["applies", "may_measure", "snapshot", "install", "check_winners", "register_ways", "winner", "time_call", "record_winner", "stats", "forget", "cache_file", "MAX_ENTRIES", "MAX_FILE_BYTES"]
+__all__ = ["applies", "may_measure", "snapshot", "install", "check_winners", "register_ways", "winner", "fastest_of",
+           "time_call", "record_winner", "stats", "forget", "cache_file", "MAX_ENTRIES", "MAX_FILE_BYTES"]
 
 MAX_FILE_BYTES = 4 << 20
 MAX_ENTRIES = 100_000
@@ -219,6 +221,28 @@ def winner(key: str, candidates: tuple[str, ...], make_timer: Callable[[], Calla
     got = min(candidates, key=times.__getitem__)
     record_winner(key, got)
     _STATS["measured"] += 1
+    return got
+
+
+def fastest_of(owner: torch.nn.Module, op: str, shape: tuple, like: torch.Tensor, rows: int,
+               candidates: tuple[str, ...], make_timer: Callable[[], Callable[[str], float]]) -> str | None:
+    """The fastest of ``candidates`` for op ``op`` of ``shape`` over ``rows`` rows of tensors
+    like ``like`` (:func:`winner`: known, or timed now where timing may run; else ``None``:
+    the caller's prior decides). The caller has checked :func:`applies`. The key is built
+    once per bucket of rows and context and kept on ``owner`` (plain data: a module is
+    deep-copied and pickled), so a call that finds its winner costs one dict lookup."""
+    bucket = bucket_of(rows)
+    local = (op, bucket, shape, like.dtype, like.device, torch.is_autocast_enabled(like.device.type), GENERATION[0],
+             candidates)
+    cache = owner.__dict__.get("_measured_blocks")
+    if cache is None:
+        cache = owner.__dict__["_measured_blocks"] = {}
+    got = cache.get(local)
+    if got is not None:
+        return got
+    got = winner(key_of(op, shape, like, bucket, candidates), candidates, make_timer, like)
+    if got is not None:
+        cache[local] = got
     return got
 
 

@@ -14,7 +14,10 @@ It applies to :class:`~tncompile.runtime.TTLinear` layers without hooks, on CPU
 float32/float64 outside ``torch.compile`` and autocast, from
 ``tuning.FUSE_MIN_ROWS`` rows on, where the merged factors cost at most
 ``tuning.FUSE_FLOP_SLACK`` times the layers' planned contractions; everywhere else
-each layer runs its own forward. The layers stay where they are in the module tree.
+each layer runs its own forward. Where it applies in a differentiable eager call, one pass
+is timed against the layers one by one, once per shape and bucket of rows, and the faster
+runs (:mod:`.measured`). The layers stay where they are in the module tree; a call through
+one pass records its way on each of them (``ran_as``).
 """
 from __future__ import annotations
 
@@ -28,10 +31,11 @@ from ... import tuning
 from ..kernels.plans import bucket_of
 from ..kernels.tracing import exporting
 from ..native import kernels_for
-from .linear import choice_cache
+from . import measured
+from .linear import choice_cache, own_factors, record, run_alone
 from .rows import first_cpu_use
 
-__all__ = ["SiblingsWay", "choose", "run", "sibling_kernels"]
+__all__ = ["SiblingsWay", "choose", "decide", "run", "sibling_kernels"]
 
 
 def _factor_rank(layer: nn.Module) -> int:
@@ -45,9 +49,55 @@ class SiblingsWay(str, enum.Enum):
     EACH = "each layer"              # each layer its own way
 
 
+#: the ways timed against each other where one pass applies (:mod:`.measured`)
+MEASURED = (SiblingsWay.ONE_PASS, SiblingsWay.EACH)
+measured.register_ways(w.value for w in MEASURED)
+
+
 def choose(x: torch.Tensor, layers: Sequence[nn.Module], fusable: bool) -> SiblingsWay:
     """The way :func:`run` takes (``fusable``: every layer a TT linear without hooks)."""
-    return SiblingsWay.EACH if sibling_kernels(x, layers, fusable) is None else SiblingsWay.ONE_PASS
+    return decide(x, layers, fusable)[0]
+
+
+def decide(x: torch.Tensor, layers: Sequence[nn.Module], fusable: bool):
+    """:func:`choose`'s way and the native ops of one pass (``None``: each layer). Where one
+    pass applies in a differentiable eager call, the faster of it and the layers one by
+    one as measured (:mod:`.measured`); else the multiply-add rule."""
+    ops = sibling_kernels(x, layers, fusable)
+    if ops is None:
+        return SiblingsWay.EACH, None
+    if measured.applies(x, export_checked=True):  # sibling_kernels returned None when exporting
+        layers = list(layers)
+        rows = x.numel() // layers[0].in_features
+        shape = tuple((tuple(m.layout.in_modes), tuple(m.layout.out_modes), tuple(m.layout.ranks), m.bias is not None)
+                      for m in layers)
+        candidates = tuple(w.value for w in MEASURED)
+        won = measured.fastest_of(layers[0], "tt_siblings", shape, x, rows, candidates,
+                                  lambda: _timer(x, layers, ops))
+        if won == SiblingsWay.EACH.value:
+            return SiblingsWay.EACH, None
+    return SiblingsWay.ONE_PASS, ops
+
+
+def _timer(like: torch.Tensor, layers: list[nn.Module], ops):
+    """``time_way(way) -> seconds``: every layer's forward and the backward (to the input
+    and parameters, by ``torch.autograd.grad``: nothing accumulates into ``.grad``) over
+    random rows as many as ``like``'s, each layer merging its own factors."""
+    width = layers[0].in_features
+    generator = torch.Generator(device=like.device).manual_seed(0)
+    h = torch.randn(like.numel() // width, width, device=like.device, dtype=like.dtype, generator=generator,
+                    requires_grad=True)
+    inputs = [h, *(p for m in layers for p in m.parameters() if p.requires_grad)]
+
+    def time_way(name: str) -> float:
+        def step() -> None:
+            if name == SiblingsWay.ONE_PASS.value:
+                outs = _one_pass(ops, h, layers, [own_factors(m) for m in layers])
+            else:
+                outs = [run_alone(m, h) for m in layers]
+            torch.autograd.grad(outs, inputs, [torch.ones_like(y) for y in outs], allow_unused=True)
+        return measured.time_call(step, like.device)
+    return time_way
 
 
 def sibling_kernels(x: torch.Tensor, layers: Sequence[nn.Module], fusable: bool):
@@ -83,15 +133,22 @@ def run(x: torch.Tensor, layers: Sequence[nn.Module], fusable: bool) -> tuple[to
     """
     layers = list(layers)
     first_cpu_use(x)
-    ops = sibling_kernels(x, layers, fusable)
+    way, ops = decide(x, layers, fusable)
     if ops is None:
         return tuple(layer(x) for layer in layers)
+    for m in layers:
+        record(m, way)
+    outs = _one_pass(ops, x.reshape(-1, layers[0].in_features), layers, [m.merged_factors() for m in layers])
+    return tuple(y.reshape(*x.shape[:-1], m.out_features) for y, m in zip(outs, layers))
+
+
+def _one_pass(ops, rows: torch.Tensor, layers: list[nn.Module], factors) -> tuple[torch.Tensor, ...]:
+    """``rows (M, in_features)`` through every layer in one pass, with their padded factors
+    ``(A, B)``: one ``(M, layer.out_features)`` per layer."""
     width = layers[0].in_features
-    factors = [m.merged_factors() for m in layers]
     a = torch.cat([f[0][:width] for f in factors], dim=1)
     expands = [f[1][:, : m.out_features] for f, m in zip(factors, layers)]
-    outs = _SiblingLinears.apply(ops, len(layers), x.reshape(-1, width), a, *expands, *[m.bias for m in layers])
-    return tuple(y.reshape(*x.shape[:-1], m.out_features) for y, m in zip(outs, layers))
+    return _SiblingLinears.apply(ops, len(layers), rows, a, *expands, *[m.bias for m in layers])
 
 
 class _SiblingLinears(torch.autograd.Function):
