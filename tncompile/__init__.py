@@ -12,6 +12,7 @@ from .errors import (BelowTargetWarning, CalibrationWarning, ModelFileError, Mod
                      TraceError)
 from .passes import FunctionPass, Pass, Pipeline, default_pipeline, register_pass
 from .result.report import Report
+from .result.materialize import materialize
 from .serialization import load, save
 from .serialization import resume
 from .train import (Distill, History, RankController, RankEvent, TrainStep, dry_run, fit, freeze_gates, graph_calls,
@@ -22,7 +23,7 @@ from .integrations import plugins  # transformers' from_pretrained of compressed
 
 __version__ = "0.1.0"
 
-__all__ = ["compile", "save", "load", "resume", "fit", "History", "Distill", "freeze_gates", "compress_pretrained", "Pass", "FunctionPass", "Pipeline", "register_pass",
+__all__ = ["compile", "materialize", "save", "load", "resume", "fit", "History", "Distill", "freeze_gates", "compress_pretrained", "Pass", "FunctionPass", "Pipeline", "register_pass",
            "default_pipeline", "RankController", "RankEvent", "param_groups", "TrainStep", "graph_calls", "ungraph_calls", "dry_run", "CompiledModel", "Report",
            "TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "SlowerThanDenseWarning", "BelowTargetWarning", "CalibrationWarning", "calibration", "distributed", "formats", "ir", "passes", "planning", "runtime", "train",
            "tuning", "__version__"]

@@ -8,7 +8,7 @@ import torch
 from .layout import TTLayout, TTMLayout
 
 __all__ = ["tt_svd", "tt_from_linear_weight", "linear_unfolding_ranks", "ttm_from_embedding_weight",
-           "random_cores", "tt_to_dense", "ttm_to_dense", "tt_factors"]
+           "random_cores", "core_std", "tt_to_dense", "ttm_to_dense", "tt_factors"]
 
 
 def tt_svd(tensor: torch.Tensor, ranks: tuple[int, ...]) -> list[torch.Tensor]:
@@ -113,18 +113,19 @@ def ttm_from_embedding_weight(weight: torch.Tensor, layout: TTMLayout) -> list[t
     return _fit_ranks(cores, layout.ranks)
 
 
+def core_std(layout: TTLayout | TTMLayout, variance: float) -> float:
+    """The standard deviation of independent zero-mean cores whose product has entries of
+    variance ``variance``: an entry of the product is a sum over ``prod(r_1..r_{K-1})``
+    products of ``K`` independent core entries, so each core gets variance
+    ``(variance / prod(ranks)) ** (1 / K)``."""
+    return ((variance / prod(layout.ranks)) ** (1.0 / len(layout.core_shapes()))) ** 0.5
+
+
 def random_cores(layout: TTLayout | TTMLayout, variance: float,
                  generator: torch.Generator | None = None) -> list[torch.Tensor]:
-    """Gaussian cores whose product has entries of variance ``variance``.
-
-    An entry of the product is a sum over ``prod(r_1..r_{K-1})`` products of
-    ``K`` independent core entries, so each core gets variance
-    ``(variance / prod(ranks)) ** (1 / K)``.
-    """
-    shapes = layout.core_shapes()
-    per_core = (variance / prod(layout.ranks)) ** (1.0 / len(shapes))
-    return [torch.randn(s, generator=generator, dtype=torch.float64) * per_core ** 0.5
-            for s in shapes]
+    """Gaussian cores whose product has entries of variance ``variance`` (:func:`core_std`)."""
+    std = core_std(layout, variance)
+    return [torch.randn(s, generator=generator, dtype=torch.float64) * std for s in layout.core_shapes()]
 
 
 def _chain(cores: list[torch.Tensor]) -> torch.Tensor:

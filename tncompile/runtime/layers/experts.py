@@ -98,6 +98,10 @@ class TTExperts(TNModule):
         self.num_experts = layout.experts
         self.transposed_storage = bool(transposed_storage)
 
+    def init_variance(self) -> float:
+        """Each expert as ``nn.Linear``'s default: variance ``1/(3 in_features)``."""
+        return 1.0 / (3 * self.in_features)
+
     @classmethod
     def from_experts(cls, dense: ExpertLinear, rank: int | Sequence[int] | None = 16, num_cores: int = 3,
                      init: str = "svd", layout: TTLayout | None = None,

@@ -58,6 +58,12 @@ class TTMTiedLinear(TNModule):
     def compressed_params(self) -> int:
         return 0  # shared with the embedding
 
+    def reset_parameters(self, variance: float | None = None) -> None:
+        """The bias back to zero; the cores are the embedding's (its own reset draws them)."""
+        if self.bias is not None:
+            with torch.no_grad():
+                nn.init.zeros_(self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return tied_way.run(self, x)
 

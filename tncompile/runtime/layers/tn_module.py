@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ...formats.factorization import core_std
 from ...formats.indices import planner_problem
 from ...formats.layout import TTLayout, TTMLayout
 from ..kernels.plans import ContractionPlan, LookupPlan, get_planner
@@ -41,6 +42,18 @@ def check_init(init: str) -> None:
 
 
 
+def _draw_normal(core: torch.Tensor, std: float) -> None:
+    """Fill ``core`` with ``N(0, std^2)`` drawn whole from the current random stream (a core is
+    small): a ``DTensor`` shard of FSDP2 keeps its part of the same whole draw, so processes
+    seeded alike hold one model, and the values equal one process's."""
+    whole = torch.randn(tuple(core.shape), dtype=core.dtype, device=core.device) * std
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: PLC0415
+        if isinstance(core, DTensor):  # each process keeps its shard of the whole draw, no communication
+            whole = distribute_tensor(whole, core.device_mesh, core.placements, src_data_rank=None)
+    core.copy_(whole)
+
+
 class TNModule(nn.Module):
     """Shared behaviour of layers stored as a tensor network."""
 
@@ -62,6 +75,29 @@ class TNModule(nn.Module):
         lead = (layout.copies,) * self.stacked
         self.cores = nn.ParameterList(nn.Parameter(torch.zeros(*lead, *s, **kw)) for s in layout.core_shapes())
         self.gates = nn.ParameterList(nn.Parameter(torch.ones(*lead, r, **kw)) for r in layout.ranks)
+
+    def init_variance(self) -> float:
+        """The variance of an entry of the matrix under the dense layer's default init."""
+        raise NotImplementedError(f"{type(self).__name__}.init_variance")
+
+    def reset_parameters(self, variance: float | None = None) -> None:
+        """Draw the cores again, in place on their device and dtype (a ``to_empty`` model's,
+        and FSDP2's sharded ``DTensor`` cores, too), so that the network's matrix has entries
+        of variance ``variance`` (default :meth:`init_variance`: the dense layer's default
+        init); every gate back to one; the layer's own other parameters (a bias) as its dense
+        layer resets them. With ``to_empty(device=...)`` first, this makes a model compiled
+        on the meta device real (:func:`tncompile.materialize` does both)."""
+        std = core_std(self.layout, self.init_variance() if variance is None else variance)
+        with torch.no_grad():
+            for core in self.cores:
+                _draw_normal(core, std)
+            for gate in self.gates:
+                nn.init.ones_(gate)
+            self.reset_own_parameters()
+        advance_weights_epoch()
+
+    def reset_own_parameters(self) -> None:
+        """Reset what the layer holds besides its cores and gates (none here)."""
 
     def train(self, mode: bool = True) -> "TNModule":
         """``nn.Module.train``; also starts every kept inference form afresh

@@ -82,6 +82,16 @@ class TTLinear(TNModule):
                 mod.bias.copy_(bias)
         return mod
 
+    def init_variance(self) -> float:
+        """``nn.Linear``'s default: entries uniform in ``±1/sqrt(in_features)``, variance ``1/(3 in)``."""
+        return 1.0 / (3 * self.in_features)
+
+    def reset_own_parameters(self) -> None:
+        """The bias as ``nn.Linear`` draws it: uniform in ``±1/sqrt(in_features)``."""
+        if self.bias is not None:
+            bound = self.in_features ** -0.5
+            nn.init.uniform_(self.bias, -bound, bound)
+
     @property
     def weight(self) -> NetworkMatrix:
         """``weight()``: the dense ``[out_features, in_features]`` matrix the network stands for

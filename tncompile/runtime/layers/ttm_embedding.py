@@ -78,6 +78,11 @@ class TTMEmbedding(TNModule):
         mod.set_cores([c.to(weight.dtype) for c in cores])
         return mod
 
+    def init_variance(self) -> float:
+        """``nn.Embedding``'s default: entries ``N(0, 1)``. (A padding row is not zeroed: it is
+        one row of a network, not a row of its own; its positions send no gradient.)"""
+        return 1.0
+
     @property
     def weight(self) -> NetworkMatrix:
         """``weight()``: the dense ``[num_embeddings, embedding_dim]`` table (padding row as
