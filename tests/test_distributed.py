@@ -476,7 +476,47 @@ def _own_loop(rank: int, out: Path) -> dict:
     return {"train": _train_ddp(rank, out), "comera": _comera_choices(rank, out), "mismatch": _mismatch(rank, out),
             "paths": _every_runtime_path(rank, out), "fsdp2": _fsdp2_cuts(rank, out),
             "world_sizes": _world_sizes(rank, out), "dropout": _dropout_ddp(rank, out),
-            "kept_forms": _fsdp2_kept_forms(rank, out)}
+            "kept_forms": _fsdp2_kept_forms(rank, out), "from_meta": _fsdp2_from_meta(rank, out)}
+
+
+def _meta_compiled():
+    """The MLP built and compiled on the meta device: no memory yet."""
+    with torch.device("meta"):
+        model = mlp((64, 256, 256, 10))
+    return tncompile.compile(model, target_ratio=0.3, init="random")
+
+
+def _network_values(compiled) -> torch.Tensor:
+    from tncompile.runtime.layers import TNModule
+    return torch.cat([_full(t) for m in compiled.modules() if isinstance(m, TNModule) for t in m.network_tensors()])
+
+
+def _fsdp2_from_meta(rank: int, out: Path) -> dict:
+    """Issue 56: compile on meta, shard (FSDP2), materialize, train with rank cuts."""
+    import math
+
+    from torch.distributed.tensor import DTensor
+
+    from tncompile.distributed import shard
+    compiled = _meta_compiled()
+    shard(compiled, units="root")                       # the mesh: the CPU here (the parameters are on meta)
+    tncompile.materialize(compiled, "cpu", seed=0)
+    sharded = all(isinstance(p, DTensor) and not p.is_meta for p in compiled.parameters())
+    values = _network_values(compiled)
+    opt = torch.optim.AdamW(tncompile.param_groups(compiled, lr=3e-3, gate_lr=3e-2))
+    ctl = tncompile.RankController(compiled, opt, target_ratio=0.12, early_steps=8, late_steps=16,
+                                   truncate_every=4, recovery=0.25)
+    cuts, losses = 0, []
+    for x, y in _batches(rank):
+        task = F.cross_entropy(compiled(x), y)
+        (task + ctl.penalty(task)).backward()
+        opt.step()
+        opt.zero_grad()
+        cuts += bool(ctl.step().shapes_changed)
+        losses.append(task.item())
+    return {"sharded": sharded, "values": values.tolist(), "cuts": cuts,
+            "ranks": {k: list(v) for k, v in ctl.ranks().items()},
+            "finite": all(math.isfinite(v) for v in losses), "learned": losses[-1] < losses[0]}
 
 
 def _dropout_model() -> torch.nn.Module:
@@ -682,6 +722,17 @@ def test_fsdp2_cuts_by_gather_cut_reshard_equal_ddp(own_loop):
         assert all(fsdp["root"]["bitwise"]) and all(fsdp["blocks"]["bitwise"])
         assert fsdp["blocks_resharded"]["max_diff"] < 1e-3
         assert fsdp["root"]["units"] == 1 and fsdp["blocks"]["blocks"] == 2 and fsdp["blocks"]["units"] > 2
+
+
+def test_fsdp2_from_the_meta_device_materializes_and_trains_with_cuts(own_loop):
+    """fully_shard on a meta-compiled model, then materialize: each process holds its shards of
+    the values one process draws (seeded alike), training cuts ranks alike on both."""
+    want = _network_values(tncompile.materialize(_meta_compiled(), "cpu", seed=0))
+    results = [r["from_meta"] for r in own_loop]
+    for r in results:
+        assert r["sharded"] and r["finite"] and r["learned"] and r["cuts"] >= 1, {k: r[k] for k in ("cuts", "finite")}
+        assert torch.equal(torch.tensor(r["values"]), want)
+    assert results[0]["ranks"] == results[1]["ranks"]
 
 
 def test_fsdp2_updates_reach_outputs_without_autograd(own_loop):

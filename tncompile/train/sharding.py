@@ -246,7 +246,8 @@ def shard(compiled: nn.Module, *, mesh: Any = None, units: str | list[str] = "bl
         Not yet sharded; ``torch.distributed`` initialized.
     mesh : DeviceMesh, optional
         1-D data-parallel mesh; default: every process, on the parameters'
-        device type.
+        device type (on meta: CUDA where available, else the CPU; then
+        :func:`tncompile.materialize` the sharded model).
     units : "blocks" | "root" | list of str
         ``"blocks"``: one unit per repeated block (:func:`block_units`: the
         modules its graph nodes use, grouped), then the root; ``"root"``: the
@@ -280,6 +281,8 @@ def shard(compiled: nn.Module, *, mesh: Any = None, units: str | list[str] = "bl
         from torch.distributed.device_mesh import init_device_mesh
 
         device = next(compiled.parameters()).device.type
+        if device == "meta":   # compiled on meta, materialized after sharding: where it will train
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device, (dist.get_world_size(),))
     plan = ShardPlan(units=units if isinstance(units, str) else list(units), mesh=mesh,
                      kwargs=dict(fully_shard_kwargs))

@@ -19,7 +19,7 @@ from ..kernels.plans import ContractionPlan, LookupPlan, get_planner
 from ..ways.network import plan_for, scaled_cores
 from .derived import advance_weights_epoch
 
-__all__ = ["TNModule", "INITS", "resolve_layout", "check_init"]
+__all__ = ["TNModule", "INITS", "resolve_layout", "check_init", "draw_whole"]
 
 INITS = ("svd", "random")
 
@@ -42,16 +42,19 @@ def check_init(init: str) -> None:
 
 
 
-def _draw_normal(core: torch.Tensor, std: float) -> None:
-    """Fill ``core`` with ``N(0, std^2)`` drawn whole from the current random stream (a core is
-    small): a ``DTensor`` shard of FSDP2 keeps its part of the same whole draw, so processes
-    seeded alike hold one model, and the values equal one process's."""
-    whole = torch.randn(tuple(core.shape), dtype=core.dtype, device=core.device) * std
+def draw_whole(param: torch.Tensor, std: float = 1.0, uniform: bool = False) -> None:
+    """Fill ``param`` with ``N(0, std^2)`` (``uniform``: ``U(-std, std)``) drawn whole from the
+    current random stream (a core or a bias is small): a ``DTensor`` shard of FSDP2 keeps
+    its part of the same whole draw, so processes seeded alike hold one model, and the
+    values equal one process's (DTensor's own random ops draw per shard, from a stream of
+    their own)."""
+    shape, kw = tuple(param.shape), {"dtype": param.dtype, "device": param.device}
+    whole = (torch.rand(shape, **kw) * 2 - 1) * std if uniform else torch.randn(shape, **kw) * std
     if torch.distributed.is_available():
         from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: PLC0415
-        if isinstance(core, DTensor):  # each process keeps its shard of the whole draw, no communication
-            whole = distribute_tensor(whole, core.device_mesh, core.placements, src_data_rank=None)
-    core.copy_(whole)
+        if isinstance(param, DTensor):  # each process keeps its shard of the whole draw, no communication
+            whole = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(whole)
 
 
 class TNModule(nn.Module):
@@ -90,7 +93,7 @@ class TNModule(nn.Module):
         std = core_std(self.layout, self.init_variance() if variance is None else variance)
         with torch.no_grad():
             for core in self.cores:
-                _draw_normal(core, std)
+                draw_whole(core, std)
             for gate in self.gates:
                 nn.init.ones_(gate)
             self.reset_own_parameters()

@@ -17,7 +17,7 @@ from ..ways import linear as linear_way
 from .derived import kept
 from .module_kinds import linear_weight_of
 from .network_matrix import NetworkMatrix
-from .tn_module import TNModule, check_init, resolve_layout
+from .tn_module import TNModule, check_init, draw_whole, resolve_layout
 
 __all__ = ["TTLinear"]
 
@@ -89,8 +89,7 @@ class TTLinear(TNModule):
     def reset_own_parameters(self) -> None:
         """The bias as ``nn.Linear`` draws it: uniform in ``±1/sqrt(in_features)``."""
         if self.bias is not None:
-            bound = self.in_features ** -0.5
-            nn.init.uniform_(self.bias, -bound, bound)
+            draw_whole(self.bias, self.in_features ** -0.5, uniform=True)
 
     @property
     def weight(self) -> NetworkMatrix:
