@@ -163,9 +163,11 @@ def cut_every_layer(model: torch.nn.Module, seed: int = 0) -> list[tuple[int, ..
     return ranks
 
 
-def galore_optimizer(model: torch.nn.Module, lr: float = 1e-4) -> torch.optim.Optimizer:
-    """GaLore's AdamW (``galore-torch``, rank 128, projection every 200 steps, scale 0.25)
-    over ``model``: its 2-D weights but embeddings projected, the rest plain AdamW.
+def galore_optimizer(model: torch.nn.Module, lr: float = 1e-4, rank: int = 128,
+                     select: Callable[[str, torch.Tensor], bool] | None = None) -> torch.optim.Optimizer:
+    """GaLore's AdamW (``galore-torch``, rank ``rank``, projection every 200 steps, scale 0.25)
+    over ``model``: its 2-D weights but embeddings projected (``select(name, param)``: those
+    it says), the rest plain AdamW.
     ``galore_torch``'s package ``__init__`` imports bitsandbytes for its 8-bit optimizer,
     which GaLoreAdamW does not use: the package is entered without it. ``ImportError``
     when galore-torch is not installed."""
@@ -177,10 +179,11 @@ def galore_optimizer(model: torch.nn.Module, lr: float = 1e-4) -> torch.optim.Op
         package.__path__ = list(spec.submodule_search_locations)
         sys.modules["galore_torch"] = package
     from galore_torch.adamw import AdamW as GaLoreAdamW  # noqa: PLC0415 - optional
-    big = [p for n, p in model.named_parameters() if p.dim() == 2 and "embedding" not in n]
+    select = select or (lambda n, p: p.dim() == 2 and "embedding" not in n)
+    big = [p for n, p in model.named_parameters() if select(n, p)]
     ids = {id(p) for p in big}
     rest = [p for p in model.parameters() if id(p) not in ids]
     return GaLoreAdamW([{"params": rest},
-                        {"params": big, "rank": 128, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}],
+                        {"params": big, "rank": rank, "update_proj_gap": 200, "scale": 0.25, "proj_type": "std"}],
                        lr=lr)
 

@@ -221,3 +221,49 @@ def test_batch_sizes_too_large_to_time_ahead_are_left_to_first_use():
     matches = next(r for r in compiled.program.history if r.name == "measure_ways").matches
     assert matches["left to first use (over tuning.MEASURE_AHEAD_BYTES)"] >= 1
     assert matches["shapes timed"] == measured.stats()["measured"] >= 1
+
+
+def _tied_head(vocab=600, dim=48, rank=8, bias=True):
+    from tncompile.runtime import TTMTiedLinear
+    torch.manual_seed(0)
+    emb = TTMEmbedding.from_embedding(nn.Embedding(vocab, dim), rank=rank)
+    return TTMTiedLinear(emb, bias=bias)
+
+
+@pytest.mark.parametrize("fastest", ["merged table", "half tables per call", "planned contraction"])
+def test_a_tied_head_trains_the_way_measured_fastest(fastest, monkeypatch):
+    from tncompile.runtime.ways import tied_head
+    from tncompile.runtime.ways.tied_head import TiedHeadWay
+    head = _tied_head()
+    with torch.no_grad():
+        head.bias.normal_()
+    timed = []
+    _timed_as(monkeypatch, tied_head, fastest, timed)
+    x = torch.randn(3, 7, 48, requires_grad=True)
+    assert tied_head.choose(head, x) is TiedHeadWay(fastest)
+    y = head(x)
+    assert head.ran_as is TiedHeadWay(fastest) and sorted(timed) == sorted(w.value for w in tied_head.MEASURED)
+    table = head.embedding.weight()
+    ref = F.linear(x, table, head.bias)
+    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
+    params = [x, *head.embedding.parameters(), head.bias]
+    for got, want in zip(_grads(y, params), _grads(ref, params)):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)
+
+
+def test_the_merged_table_is_the_network_and_its_gradient_checks():
+    from tncompile.formats import TTMLayout
+    from tncompile.formats.factorization import random_cores, ttm_to_dense
+    from tncompile.runtime.ways.tied_head import merged_table
+    layout = TTMLayout(ranks=(3, 4), num_embeddings=50, embedding_dim=20, row_modes=(3, 4, 5), col_modes=(2, 2, 5))
+    cores = [c.requires_grad_() for c in random_cores(layout, 1.0)]   # float64
+    torch.testing.assert_close(merged_table(cores, layout), ttm_to_dense(cores, layout))
+    assert torch.autograd.gradcheck(lambda *cs: merged_table(list(cs), layout), tuple(cores))
+
+
+def test_a_tied_head_is_never_timed_without_autograd():
+    from tncompile.runtime.ways.tied_head import TiedHeadWay
+    head = _tied_head()
+    with torch.no_grad():
+        head(torch.randn(4, 48))
+    assert head.ran_as in (TiedHeadWay.KEPT_TABLE, TiedHeadWay.HALF_TABLES) and measured.stats()["measured"] == 0

@@ -183,6 +183,9 @@ DEDUP_MIN_IDS = 64
 MEASURE_WAYS = True
 #: Timed runs per candidate (after one warm-up); the fastest run counts.
 MEASURE_REPEATS = 3
+#: A candidate whose warm-up run takes longer than this many seconds is timed once more,
+#: not ``MEASURE_REPEATS`` times.
+MEASURE_LONG_S = 0.25
 #: ``compile(batch_sizes=...)`` times a layer's ways ahead only where the timing's tensors
 #: (input and output rows, and their gradients) take at most this many bytes; larger
 #: batches are timed on first use, on the user's own input.

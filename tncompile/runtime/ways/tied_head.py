@@ -41,12 +41,14 @@ from ...formats.layout import TTMLayout
 from ..kernels.executor import contract
 from ..kernels.tracing import exporting
 from ..kernels.traced_lookup import half_tables
+from . import measured
 from .linear import record
+from .lookup import whole_table
 from .network import keeps_merged_forms
 from .rows import apply_matrix, check_input_dtype, drop_boundary
 
 __all__ = ["TiedHeadWay", "choose", "run", "best_split", "half_product_macs", "merged_head_cost", "head_halves",
-           "half_table_head", "tied_merge_macs"]
+           "half_table_head", "tied_merge_macs", "merged_table"]
 
 
 class TiedHeadWay(str, enum.Enum):
@@ -56,7 +58,13 @@ class TiedHeadWay(str, enum.Enum):
     HALF_TABLES = "half tables"           # no autograd, a few rows: two GEMMs through the kept half tables
     KEPT_TABLE = "kept table"             # no autograd: the kept merged table, transposed
     MERGED_TABLE = "merged table"         # differentiable, many rows: the table merged once per call
+    TRAINED_HALVES = "half tables per call"  # differentiable: the half tables merged per call, two GEMMs a row
     PLANNED = "planned contraction"       # the planned order over the cores, per row
+
+
+#: the differentiable ways timed against each other (:mod:`.measured`)
+MEASURED = (TiedHeadWay.MERGED_TABLE, TiedHeadWay.TRAINED_HALVES, TiedHeadWay.PLANNED)
+measured.register_ways(w.value for w in MEASURED)
 
 
 def choose(layer, x: Tensor) -> TiedHeadWay:
@@ -72,9 +80,39 @@ def _decide(layer, x: Tensor):
     if layer.merge_in_inference and keeps_merged_forms():
         split = best_split(lay, rows) if rows else None
         return (TiedHeadWay.KEPT_TABLE, None) if split is None else (TiedHeadWay.HALF_TABLES, split)
-    if rows and layer.merges_at(rows):
-        return TiedHeadWay.MERGED_TABLE, None
-    return TiedHeadWay.PLANNED, None
+    prior = TiedHeadWay.MERGED_TABLE if rows and layer.merges_at(rows) else TiedHeadWay.PLANNED
+    if rows and len(lay.row_modes) > 1 and isinstance(x, Tensor) and measured.applies(x, export_checked=True):
+        split = _cheapest_split(lay, rows)
+        candidates = tuple(w.value for w in MEASURED)
+        shape = (tuple(lay.row_modes), tuple(lay.col_modes), tuple(lay.ranks), layer.bias is not None)
+        won = measured.fastest_of(layer, "tied_head", shape, x, rows, candidates,
+                                  lambda: _timer(layer, x, rows, split))
+        if won is not None:
+            return TiedHeadWay(won), split
+    return prior, None
+
+
+def _cheapest_split(layout: TTMLayout, rows: int) -> int:
+    """The split whose half tables serve ``rows`` rows in the fewest multiply-adds."""
+    return min(range(1, len(layout.row_modes)), key=lambda k: _half_cost(layout, k, rows))
+
+
+def _timer(layer, like: Tensor, rows: int, split: int):
+    """``time_way(way) -> seconds``: the head forward and backward (by ``torch.autograd.grad``:
+    nothing accumulates into ``.grad``) over ``rows`` random rows the way named."""
+    generator = torch.Generator(device=like.device).manual_seed(0)
+    h = torch.randn(rows, layer.layout.embedding_dim, device=like.device, dtype=like.dtype, generator=generator)
+    params = [p for p in (*layer.embedding.network_tensors(), layer.bias) if p is not None and p.requires_grad]
+
+    def time_way(name: str) -> float:
+        way = TiedHeadWay(name)
+
+        def step() -> None:
+            out = _run_way(layer, way, h, split)
+            if params:
+                torch.autograd.grad(out, params, torch.ones_like(out), allow_unused=True)
+        return measured.time_call(step, like.device)
+    return time_way
 
 
 def run(layer, x: Tensor) -> Tensor:
@@ -84,17 +122,14 @@ def run(layer, x: Tensor) -> Tensor:
     if way is TiedHeadWay.EXPORTED:  # the table merged in the graph (an ONNX runtime folds it)
         return F.linear(x, layer.embedding.weight()[: layer.out_features], layer.bias)
     lay = layer.layout
-    if way is TiedHeadWay.PLANNED:
-        def contract_rows(h, bias):
-            return contract(layer.plan_for(h.shape[0]), [h, *drop_boundary(layer.embedding.scaled_cores())], bias)
-        out = apply_matrix(layer, x, layer.bias, lay.embedding_dim, lay.col_modes, lay.num_embeddings,
-                           lay.padded_rows, contract_rows)
+    if way in MEASURED:
+        if way is not TiedHeadWay.PLANNED:
+            check_input_dtype(layer, x)
+        out = _run_way(layer, way, x, split)
         record(layer, way)
         return out
     check_input_dtype(layer, x)
     record(layer, way)
-    if way is TiedHeadWay.MERGED_TABLE:  # a vocabulary-wide output: merging once beats contracting per row
-        return F.linear(x, layer.embedding.weight()[: layer.out_features], layer.bias)
     rows = x.reshape(-1, lay.embedding_dim)  # 2-D: a strided 3-D x would turn matmul into a bmm
     if way is TiedHeadWay.HALF_TABLES:  # a few rows (decoding): two half tables, not the whole table read
         y = _half_table_rows(layer, rows, split)
@@ -102,6 +137,51 @@ def run(layer, x: Tensor) -> Tensor:
         table_t = layer.merged_weight_t()  # (dim, vocab) row-major: x @ table_t streams it in order
         y = torch.addmm(layer.bias, rows, table_t) if layer.bias is not None else rows @ table_t
     return y.reshape(*x.shape[:-1], layer.out_features)
+
+
+def _run_way(layer, way: TiedHeadWay, x: Tensor, split: int | None) -> Tensor:
+    """``x (..., embedding_dim) -> (..., num_embeddings)`` one of the differentiable ways."""
+    lay = layer.layout
+    if way is TiedHeadWay.PLANNED:
+        def contract_rows(h, bias):
+            return contract(layer.plan_for(h.shape[0]), [h, *drop_boundary(layer.embedding.scaled_cores())], bias)
+        return apply_matrix(layer, x, layer.bias, lay.embedding_dim, lay.col_modes, lay.num_embeddings,
+                            lay.padded_rows, contract_rows)
+    if way is TiedHeadWay.MERGED_TABLE:  # a vocabulary-wide output: merging once beats contracting per row
+        return F.linear(x, merged_table(layer.embedding.scaled_cores(), lay)[: layer.out_features], layer.bias)
+    split = split if split is not None else _cheapest_split(lay, x.numel() // lay.embedding_dim)
+    rows = x.reshape(-1, lay.embedding_dim)
+    if lay.padded_cols != lay.embedding_dim:
+        rows = F.pad(rows, (0, lay.padded_cols - lay.embedding_dim))
+    left, right_t = head_halves(layer.embedding.scaled_cores(), split)
+    y = half_table_head(rows, left, right_t, math.prod(lay.col_modes[:split]))[:, : layer.out_features]
+    y = y + layer.bias if layer.bias is not None else y
+    return y.reshape(*x.shape[:-1], layer.out_features)
+
+
+def merged_table(cores: list[Tensor], layout: TTMLayout) -> Tensor:
+    """The ``(V, D)`` table (unpadded) merged from gated TTM ``cores`` as one product of its
+    two half tables at the bond where that costs least (:func:`.lookup.whole_table`): the
+    table's ``V·D·r`` multiply-adds once, with no table-sized intermediate but the result
+    (merging core by core makes several; on the 1B Llama's 128k x 2048 table, ranks
+    136/136/88, forward and backward with a 128-row product: 5.3 s instead of 9.4 s)."""
+    if len(cores) == 1:
+        table = cores[0].reshape(layout.padded_rows, layout.padded_cols)
+    else:
+        split = min(range(1, len(cores)), key=lambda k: _merge_cost(layout, k))
+        table = whole_table(*half_tables(cores, split))
+    return table[: layout.num_embeddings, : layout.embedding_dim]
+
+
+def _merge_cost(layout: TTMLayout, split: int) -> float:
+    """Multiply-adds of merging the table at ``split``: the half tables, then their product."""
+    table = layout.padded_rows * layout.padded_cols
+    ranks = (1, *layout.ranks, 1)
+    left = sum(math.prod(layout.row_modes[:k + 1]) * math.prod(layout.col_modes[:k + 1]) * ranks[k] * ranks[k + 1]
+               for k in range(1, split))
+    right = sum(math.prod(layout.row_modes[k:]) * math.prod(layout.col_modes[k:]) * ranks[k] * ranks[k + 1]
+                for k in range(split, len(layout.row_modes) - 1))
+    return table * ranks[split] + left + right
 
 
 def _half_table_rows(layer, rows: Tensor, split: int) -> Tensor:
