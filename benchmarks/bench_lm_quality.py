@@ -264,6 +264,7 @@ def main() -> None:
     runs = []
     for variant, seed in tqdm(jobs, desc="lm quality runs"):
         runs.append(run(variant, seed, data, args))
+        write_json("lm_quality.partial.json", {"args": vars(args), "runs": runs})   # survives a later failure
         last = runs[-1]["curve"][-1]
         print(f"{variant} seed {seed}: val ppl {math.exp(last['val_loss']):.1f} after {last['train_s']:.0f} s, "
               f"{runs[-1]['final_params'] / 1e6:.2f}M params", flush=True)
@@ -274,6 +275,7 @@ def main() -> None:
         "train_tokens": data[0].numel(), "val_tokens": data[1].numel(), "vocab": data[2]},
         "model": {"hidden": WIDTH, "layers": LAYERS, "ffn": FFN, "heads": HEADS},
         "summary": rows, "table": table, "runs": runs})
+    (RESULTS / "lm_quality.partial.json").unlink(missing_ok=True)
     print("wrote", path, "and", RESULTS / "lm_quality.png")
 
 

@@ -171,10 +171,10 @@ def galore_optimizer(model: torch.nn.Module, lr: float = 1e-4, rank: int = 128,
     ``galore_torch``'s package ``__init__`` imports bitsandbytes for its 8-bit optimizer,
     which GaLoreAdamW does not use: the package is entered without it. ``ImportError``
     when galore-torch is not installed."""
-    spec = importlib.util.find_spec("galore_torch")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("galore_torch is not installed (pip install --no-deps galore-torch)")
-    if "galore_torch" not in sys.modules:
+    if "galore_torch" not in sys.modules:   # entered once (a second find_spec would fail on the bare package)
+        spec = importlib.util.find_spec("galore_torch")
+        if spec is None or not spec.submodule_search_locations:
+            raise ImportError("galore_torch is not installed (pip install --no-deps galore-torch)")
         package = types.ModuleType("galore_torch")
         package.__path__ = list(spec.submodule_search_locations)
         sys.modules["galore_torch"] = package

@@ -191,7 +191,7 @@ RUNTIME_ORDER = {"native": 0, "kernels": 1, "ways": 2, "triton": 3, "layers": 4,
 #: what a layer module may not read: the tracer's, autograd's and capture's state, the tuned
 #: switches, which backend runs -- the choice of how a call runs is its op's in runtime/ways/
 CONTEXT_READS = {"is_compiling", "exporting", "is_exporting", "is_grad_enabled", "is_current_stream_capturing",
-                 "runs_triton", "kernels_for", "traceable_kernels", "tuning"}
+                 "runs_triton", "kernels_for", "traced_kernels", "tuning"}
 
 
 def context_reads(path: Path, module: str | None = None) -> list[str]:

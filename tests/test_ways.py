@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from tncompile import tuning
 from tncompile.runtime import TTMEmbedding, TTMTiedLinear
 from tncompile.runtime.native import native_ops
 from tncompile.runtime.ways import attention, dropout, tied_head
@@ -69,9 +70,13 @@ def test_tied_head_ways_are_what_runs():
     head = _head()
     for rows in (1, 512):
         x = torch.randn(rows, 48)
-        way = tied_head.choose(head, x)
-        assert way in (TiedHeadWay.MERGED_TABLE, TiedHeadWay.PLANNED)
-        assert way is (TiedHeadWay.MERGED_TABLE if head.merges_at(rows) else TiedHeadWay.PLANNED)
+        with tuning.override(MEASURE_WAYS=False):   # the prior (timed: test_measured_blocks.py)
+            way = tied_head.choose(head, x)
+            assert way is (TiedHeadWay.MERGED_TABLE if head.merges_at(rows) else TiedHeadWay.PLANNED)
+            head(x)
+        assert head.ran_as is way
+        way = tied_head.choose(head, x)             # measured: the fastest of the differentiable ways
+        assert way in tied_head.MEASURED
         head(x)
         assert head.ran_as is way
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ... import tuning
-from ..native import kernels_for, traceable_kernels
+from ..native import kernels_for, traced_kernels
 
 __all__ = ["cpu_gemm", "padded_rows", "padded_columns"]
 
@@ -45,7 +45,7 @@ def cpu_gemm(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
         return torch.mm(left, right)
     if left.dtype == right.dtype and (k <= tuning.THIN_RANK < n or n <= tuning.THIN_RANK < k):
         # the eager kernels have no autograd formula; while torch.compile traces, the traced ones do
-        native = traceable_kernels(left) or (None if _recording(left, right) else kernels_for(left))
+        native = traced_kernels(left) or (None if _recording(left, right) else kernels_for(left))
         if native is not None:
             if k <= tuning.THIN_RANK < n and m * n >= tuning.THIN_OUTPUT:                      # thin rank in, wide out
                 return native.thin_expand(left, right, None)

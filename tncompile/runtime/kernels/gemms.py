@@ -15,7 +15,7 @@ import torch
 
 from ... import tuning
 from .cpu_gemm import cpu_gemm
-from ..native import kernels_for, traceable_kernels
+from ..native import kernels_for, traced_kernels
 from .plans import ContractionPlan
 
 __all__ = ["pairwise", "gemm_bias", "column_sums", "grad_with_bias", "expand_grads", "finish", "gemm_for",
@@ -109,7 +109,7 @@ def gemm_bias(left: torch.Tensor, right: torch.Tensor, bias: torch.Tensor) -> to
     m, k = left.shape
     n = right.shape[1]
     if k <= tuning.THIN_RANK < n and m * n >= tuning.THIN_OUTPUT and left.dtype == right.dtype == bias.dtype:
-        native = kernels_for(left) or traceable_kernels(left)
+        native = kernels_for(left) or traced_kernels(left)
         if native is not None:  # the bias initializes the accumulators: no extra pass, no copy
             return native.thin_expand(left, right, bias)
     if left.device.type != "cpu" or 4 * k >= n or m * n < tuning.BIG_OUTPUT:

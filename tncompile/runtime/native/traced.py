@@ -33,13 +33,13 @@ from torch import Tensor
 
 from .loader import native_ops
 
-__all__ = ["traceable_kernels", "thin_expand", "thin_project", "ffn", "dropout", "attention", "seed", "separate_outputs", "empty_grad"]
+__all__ = ["traced_kernels", "thin_expand", "thin_project", "ffn", "dropout", "attention", "seed", "separate_outputs", "empty_grad"]
 
-_THIS = sys.modules[__name__]  # what traceable_kernels hands out: this module
+_THIS = sys.modules[__name__]  # what traced_kernels hands out: this module
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu}
 
 
-def traceable_kernels(t: torch.Tensor):
+def traced_kernels(t: torch.Tensor):
     """While ``torch.compile`` traces, the native kernels as traceable custom
     ops (:mod:`.traced`: fake kernels and autograd registered) when they apply
     to ``t`` -- a CPU fp32/fp64 tensor, no autocast, the kernels built -- else

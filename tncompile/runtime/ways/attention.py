@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .dropout import _seed
-from ..native import kernels_for, traceable_kernels
+from ..native import kernels_for, traced_kernels
 
 __all__ = ["AttentionWay", "choose", "native_attention", "native_sdpa", "scaled_dot_product_attention",
            "zeroes_padding"]
@@ -44,7 +44,7 @@ def choose(q: Tensor) -> AttentionWay:
 
 
 def _decide(q: Tensor):
-    traced = traceable_kernels(q)
+    traced = traced_kernels(q)
     if traced is not None:
         return AttentionWay.TRACED_OP, traced
     ops = kernels_for(q)

@@ -28,7 +28,7 @@ import enum
 import torch
 import torch.nn.functional as F
 
-from ..native import kernels_for, traceable_kernels
+from ..native import kernels_for, traced_kernels
 from ..native.traced import seed as seed_tensor
 
 __all__ = ["DropoutWay", "choose", "dropout"]
@@ -50,7 +50,7 @@ def choose(input: torch.Tensor, p: float, training: bool = True, inplace: bool =
 def _decide(input: torch.Tensor, p: float, training: bool, inplace: bool):
     if not (training and 0.0 < p < 1.0 and not inplace):
         return DropoutWay.PYTORCH, None
-    traced = traceable_kernels(input)
+    traced = traced_kernels(input)
     if traced is not None:
         return DropoutWay.TRACED_OP, traced
     ops = kernels_for(input)

@@ -38,7 +38,7 @@ from ... import tuning
 from ..kernels.cpu_gemm import cpu_gemm
 from ..kernels.plans import bucket_of
 from ..kernels.tracing import exporting
-from ..native import kernels_for, traceable_kernels
+from ..native import kernels_for, traced_kernels
 from . import measured
 from .linear import choice_cache, own_factors, record, run_alone
 from .rows import ACTIVATIONS, first_cpu_use
@@ -106,15 +106,11 @@ def _timer(like: torch.Tensor, first: nn.Module, second: nn.Module, activation: 
                     requires_grad=True)
     inputs = [h, *(p for m in (first, second) for p in m.parameters() if p.requires_grad)]
 
-    def time_way(name: str) -> float:
-        def step() -> None:
-            if name == FeedForwardWay.FUSED.value:
-                out = _fused(ops, activation, h, first, second, own_factors(first), own_factors(second))
-            else:
-                out = run_alone(second, ACTIVATIONS[activation](run_alone(first, h)))
-            torch.autograd.grad(out, inputs, torch.ones_like(out), allow_unused=True)
-        return measured.time_call(step, like.device)
-    return time_way
+    def block(name: str) -> torch.Tensor:
+        if name == FeedForwardWay.FUSED.value:
+            return _fused(ops, activation, h, first, second, own_factors(first), own_factors(second))
+        return run_alone(second, ACTIVATIONS[activation](run_alone(first, h)))
+    return measured.forward_backward_timer(block, inputs, like.device)
 
 
 def fused_kernels(x: torch.Tensor, first: nn.Module, second: nn.Module, fusable: bool):
@@ -128,7 +124,7 @@ def fused_kernels(x: torch.Tensor, first: nn.Module, second: nn.Module, fusable:
     rows = x.numel() // first.in_features if first.in_features else 0
     if rows < tuning.FUSE_MIN_ROWS:
         return None
-    ops = kernels_for(x) or traceable_kernels(x)
+    ops = kernels_for(x) or traced_kernels(x)
     if ops is None or first.cores[0].dtype != x.dtype or second.cores[0].dtype != x.dtype:
         return None
     bucket = bucket_of(rows)

@@ -152,17 +152,9 @@ def _timer(layer, like: torch.Tensor, rows: int, native, needs_grad: bool):
     h = torch.randn(rows, *lay.in_modes, device=like.device, dtype=like.dtype, generator=generator)
     bias = None if layer.bias is None else torch.zeros(math.prod(lay.out_modes), device=like.device,
                                                         dtype=layer.bias.dtype)
-    params = [p for p in layer.network_tensors() if p.requires_grad]
-
-    def time_way(name: str) -> float:
-        way = LinearWay(name)
-
-        def step() -> None:
-            out = run_rows(layer, way, h, bias, native, alone=True)
-            if needs_grad:
-                torch.autograd.grad(out, params, torch.ones_like(out), allow_unused=True)
-        return measured.time_call(step, like.device)
-    return time_way
+    params = [p for p in layer.network_tensors() if p.requires_grad] if needs_grad else []
+    return measured.forward_backward_timer(lambda name: run_rows(layer, LinearWay(name), h, bias, native, alone=True),
+                                           params, like.device)
 
 
 def _prior(layer, like, plan, ops, grouped: bool, settle_merged: bool):

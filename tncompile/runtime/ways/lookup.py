@@ -114,17 +114,8 @@ def _timer(layer, lookup: torch.Tensor, split: int):
     """``time_way(way) -> seconds``: a lookup of ``lookup`` the way named and, where the
     table trains, a backward by ``torch.autograd.grad`` (nothing accumulates into ``.grad``)."""
     params = [p for p in layer.network_tensors() if p.requires_grad]
-    device = layer.cores[0].device
-
-    def time_way(name: str) -> float:
-        way = LookupWay(name)
-
-        def step() -> None:
-            out = run_lookup(layer, way, lookup, split)
-            if params:
-                torch.autograd.grad(out, params, torch.ones_like(out), allow_unused=True)
-        return measured.time_call(step, device)
-    return time_way
+    return measured.forward_backward_timer(lambda name: run_lookup(layer, LookupWay(name), lookup, split), params,
+                                           layer.cores[0].device)
 
 
 def run_lookup(layer, way: LookupWay, lookup: torch.Tensor, split: int) -> torch.Tensor:

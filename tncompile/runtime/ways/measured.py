@@ -28,7 +28,7 @@ import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -38,7 +38,7 @@ from ..kernels.tracing import exporting
 from .network import recorded_elsewhere
 
 __all__ = ["applies", "may_measure", "snapshot", "install", "check_winners", "register_ways", "winner", "fastest_of",
-           "time_call", "record_winner", "stats", "forget", "cache_file", "MAX_ENTRIES", "MAX_FILE_BYTES"]
+           "forward_backward_timer", "time_call", "record_winner", "stats", "forget", "cache_file", "MAX_ENTRIES", "MAX_FILE_BYTES"]
 
 MAX_FILE_BYTES = 4 << 20
 MAX_ENTRIES = 100_000
@@ -252,6 +252,23 @@ def record_winner(key: str, way: str) -> None:
     path = cache_file()
     if path is not None:
         _write_disk(path)
+
+
+def forward_backward_timer(run: Callable[[str], torch.Tensor | Sequence[torch.Tensor]],
+                           inputs: Sequence[torch.Tensor], device: torch.device) -> Callable[[str], float]:
+    """``time_way(way) -> seconds`` (:func:`time_call`): ``run(way)``'s outputs, then their
+    backward to ``inputs`` by ``torch.autograd.grad`` -- nothing accumulates into ``.grad``;
+    no backward where ``inputs`` is empty (nothing trains)."""
+    inputs = list(inputs)
+
+    def time_way(name: str) -> float:
+        def step() -> None:
+            outs = run(name)
+            outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+            if inputs:
+                torch.autograd.grad(outs, inputs, [torch.ones_like(o) for o in outs], allow_unused=True)
+        return time_call(step, device)
+    return time_way
 
 
 def time_call(fn: Callable[[], None], device: torch.device) -> float:

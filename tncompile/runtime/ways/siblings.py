@@ -89,15 +89,11 @@ def _timer(like: torch.Tensor, layers: list[nn.Module], ops):
                     requires_grad=True)
     inputs = [h, *(p for m in layers for p in m.parameters() if p.requires_grad)]
 
-    def time_way(name: str) -> float:
-        def step() -> None:
-            if name == SiblingsWay.ONE_PASS.value:
-                outs = _one_pass(ops, h, layers, [own_factors(m) for m in layers])
-            else:
-                outs = [run_alone(m, h) for m in layers]
-            torch.autograd.grad(outs, inputs, [torch.ones_like(y) for y in outs], allow_unused=True)
-        return measured.time_call(step, like.device)
-    return time_way
+    def each(name: str) -> list[torch.Tensor]:
+        if name == SiblingsWay.ONE_PASS.value:
+            return list(_one_pass(ops, h, layers, [own_factors(m) for m in layers]))
+        return [run_alone(m, h) for m in layers]
+    return measured.forward_backward_timer(each, inputs, like.device)
 
 
 def sibling_kernels(x: torch.Tensor, layers: Sequence[nn.Module], fusable: bool):

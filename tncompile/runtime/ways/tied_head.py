@@ -103,16 +103,8 @@ def _timer(layer, like: Tensor, rows: int, split: int):
     generator = torch.Generator(device=like.device).manual_seed(0)
     h = torch.randn(rows, layer.layout.embedding_dim, device=like.device, dtype=like.dtype, generator=generator)
     params = [p for p in (*layer.embedding.network_tensors(), layer.bias) if p is not None and p.requires_grad]
-
-    def time_way(name: str) -> float:
-        way = TiedHeadWay(name)
-
-        def step() -> None:
-            out = _run_way(layer, way, h, split)
-            if params:
-                torch.autograd.grad(out, params, torch.ones_like(out), allow_unused=True)
-        return measured.time_call(step, like.device)
-    return time_way
+    return measured.forward_backward_timer(lambda name: _run_way(layer, TiedHeadWay(name), h, split), params,
+                                           like.device)
 
 
 def run(layer, x: Tensor) -> Tensor:
