@@ -2,6 +2,7 @@
 
     python benchmarks/bench_lm_quality.py [--steps 250] [--seeds 0,1] [--batch 16] [--seq 64]
                                           [--variants dense,tt0.25,tt0.1,lowrank0.25,lowrank0.1,galore]
+                                          [--rerun]   (only those variants and seeds, replaced in the file)
 
 GaLore, SLTrain and CoLA pretrain LLaMA models from scratch and compare validation
 perplexity at equal tokens. This does the same at CPU scale: a Llama-style model (hidden
@@ -29,6 +30,7 @@ and ``lm_quality.png`` (validation loss against tokens and against wall time).
 from __future__ import annotations
 
 import csv
+import json
 import math
 import statistics
 import time
@@ -255,6 +257,9 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--variants", default="dense,tt0.25,tt0.1,lowrank0.25,lowrank0.1,galore")
     p.add_argument("--data", default=str(DATA))
+    p.add_argument("--rerun", action="store_true",
+                   help="run only --variants x --seeds again and replace those runs in lm_quality.json (a run "
+                        "another process disturbed); the summary and plot are made afresh")
     args = p.parse_args()
     from tqdm import tqdm
     data = corpus(Path(args.data))
@@ -268,6 +273,12 @@ def main() -> None:
         last = runs[-1]["curve"][-1]
         print(f"{variant} seed {seed}: val ppl {math.exp(last['val_loss']):.1f} after {last['train_s']:.0f} s, "
               f"{runs[-1]['final_params'] / 1e6:.2f}M params", flush=True)
+    if args.rerun:   # keep the other runs of the committed file, in their order
+        kept = json.loads((RESULTS / "lm_quality.json").read_text())["runs"]
+        fresh = {(r["variant"], r["seed"]): r for r in runs}
+        runs = [fresh.pop((r["variant"], r["seed"]), r) for r in kept] + list(fresh.values())
+        args.variants = ",".join(dict.fromkeys(r["variant"] for r in runs))
+        args.seeds = ",".join(str(s) for s in dict.fromkeys(r["seed"] for r in runs))
     rows, table = summarize(runs)
     print(table)
     plot(runs, RESULTS / "lm_quality.png")
