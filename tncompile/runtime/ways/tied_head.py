@@ -160,7 +160,11 @@ def merged_table(cores: list[Tensor], layout: TTMLayout) -> Tensor:
     if len(cores) == 1:
         table = cores[0].reshape(layout.padded_rows, layout.padded_cols)
     else:
-        split = min(range(1, len(cores)), key=lambda k: _merge_cost(layout, k))
+        split, best = 1, _merge_cost(layout, 1)
+        for k in range(2, len(cores)):   # a loop, not min(key=...): Dynamo traces this under torch.compile
+            cost = _merge_cost(layout, k)
+            if cost < best:
+                split, best = k, cost
         table = whole_table(*half_tables(cores, split))
     return table[: layout.num_embeddings, : layout.embedding_dim]
 
