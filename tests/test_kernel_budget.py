@@ -35,6 +35,7 @@ def six_encoder_at_batch_1():
     with pytest.MonkeyPatch.context() as mp, native_kernels(False):   # the PyTorch ops a GPU runs
         mp.setattr(tuning, "DEVICE_SPEED", REFERENCE)   # planned for the reference CPU: host-independent
         mp.setattr(tuning, "WHOLE_MATRICES", False)
+        mp.setattr(tuning, "MEASURE_WAYS", False)       # the prior's ways: counts that no timing moves
         dense, make_compiled, loss_of = bench_dispatch._six_encoder(1)
         return dense, make_compiled(), loss_of
 
@@ -44,6 +45,7 @@ def test_a_compressed_step_launches_at_most_dense_plus_ten_percent(six_encoder_a
     dense, compiled, loss_of = six_encoder_at_batch_1
     monkeypatch.setattr(tuning, "DEVICE_SPEED", REFERENCE)
     monkeypatch.setattr(tuning, "WHOLE_MATRICES", False)
+    monkeypatch.setattr(tuning, "MEASURE_WAYS", False)
     monkeypatch.setattr(tuning, "TRITON_KERNELS", True)
     bench_dispatch.ops_as_on_cuda(monkeypatch.setattr)
     dense_count = bench_dispatch.count_ops(dense, loss_of)["kernel_like"]
