@@ -254,10 +254,10 @@ def test_a_tied_head_trains_the_way_measured_fastest(fastest, monkeypatch):
 def test_the_merged_table_is_the_network_and_its_gradient_checks():
     from tncompile.formats import TTMLayout
     from tncompile.formats.factorization import random_cores, ttm_to_dense
-    from tncompile.runtime.ways.tied_head import merged_table
+    from tncompile.runtime.ways.lookup import merged_table
     layout = TTMLayout(ranks=(3, 4), num_embeddings=50, embedding_dim=20, row_modes=(3, 4, 5), col_modes=(2, 2, 5))
     cores = [c.requires_grad_() for c in random_cores(layout, 1.0)]   # float64
-    torch.testing.assert_close(merged_table(cores, layout), ttm_to_dense(cores, layout))
+    torch.testing.assert_close(merged_table(cores, layout)[:50, :20], ttm_to_dense(cores, layout))
     assert torch.autograd.gradcheck(lambda *cs: merged_table(list(cs), layout), tuple(cores))
 
 

@@ -51,7 +51,7 @@ def _rows(node: fx.Node, batch_sizes: list[int], layers: list[nn.Module]) -> tup
     """The rows to time ``layers`` at (``node``'s, at each batch size) within
     ``tuning.MEASURE_AHEAD_BYTES``, and how many batch sizes were left to first use."""
     core = _real(layers[0])
-    width = sum(m.in_features for m in layers[:1]) + sum(m.out_features for m in layers)
+    width = layers[0].in_features + sum(m.out_features for m in layers)
     per_row = 2 * width * core.element_size()      # input and outputs, and their gradients
     rows = sorted(rows_at_batch_sizes(node, False, batch_sizes))
     kept = [r for r in rows if r * per_row <= tuning.MEASURE_AHEAD_BYTES]

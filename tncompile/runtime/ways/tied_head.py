@@ -43,12 +43,12 @@ from ..kernels.tracing import exporting
 from ..kernels.traced_lookup import half_tables
 from . import measured
 from .linear import record
-from .lookup import whole_table
+from .lookup import merged_table
 from .network import keeps_merged_forms
 from .rows import apply_matrix, check_input_dtype, drop_boundary
 
 __all__ = ["TiedHeadWay", "choose", "run", "best_split", "half_product_macs", "merged_head_cost", "head_halves",
-           "half_table_head", "tied_merge_macs", "merged_table"]
+           "half_table_head", "tied_merge_macs"]
 
 
 class TiedHeadWay(str, enum.Enum):
@@ -140,7 +140,8 @@ def _run_way(layer, way: TiedHeadWay, x: Tensor, split: int | None) -> Tensor:
         return apply_matrix(layer, x, layer.bias, lay.embedding_dim, lay.col_modes, lay.num_embeddings,
                             lay.padded_rows, contract_rows)
     if way is TiedHeadWay.MERGED_TABLE:  # a vocabulary-wide output: merging once beats contracting per row
-        return F.linear(x, merged_table(layer.embedding.scaled_cores(), lay)[: layer.out_features], layer.bias)
+        table = merged_table(layer.embedding.scaled_cores(), lay)[: layer.out_features, : lay.embedding_dim]
+        return F.linear(x, table, layer.bias)
     split = split if split is not None else _cheapest_split(lay, x.numel() // lay.embedding_dim)
     rows = x.reshape(-1, lay.embedding_dim)
     if lay.padded_cols != lay.embedding_dim:
@@ -149,35 +150,6 @@ def _run_way(layer, way: TiedHeadWay, x: Tensor, split: int | None) -> Tensor:
     y = half_table_head(rows, left, right_t, math.prod(lay.col_modes[:split]))[:, : layer.out_features]
     y = y + layer.bias if layer.bias is not None else y
     return y.reshape(*x.shape[:-1], layer.out_features)
-
-
-def merged_table(cores: list[Tensor], layout: TTMLayout) -> Tensor:
-    """The ``(V, D)`` table (unpadded) merged from gated TTM ``cores`` as one product of its
-    two half tables at the bond where that costs least (:func:`.lookup.whole_table`): the
-    table's ``V·D·r`` multiply-adds once, with no table-sized intermediate but the result
-    (merging core by core makes several; on the 1B Llama's 128k x 2048 table, ranks
-    136/136/88, forward and backward with a 128-row product: 5.3 s instead of 9.4 s)."""
-    if len(cores) == 1:
-        table = cores[0].reshape(layout.padded_rows, layout.padded_cols)
-    else:
-        split, best = 1, _merge_cost(layout, 1)
-        for k in range(2, len(cores)):   # a loop, not min(key=...): Dynamo traces this under torch.compile
-            cost = _merge_cost(layout, k)
-            if cost < best:
-                split, best = k, cost
-        table = whole_table(*half_tables(cores, split))
-    return table[: layout.num_embeddings, : layout.embedding_dim]
-
-
-def _merge_cost(layout: TTMLayout, split: int) -> float:
-    """Multiply-adds of merging the table at ``split``: the half tables, then their product."""
-    table = layout.padded_rows * layout.padded_cols
-    ranks = (1, *layout.ranks, 1)
-    left = sum(math.prod(layout.row_modes[:k + 1]) * math.prod(layout.col_modes[:k + 1]) * ranks[k] * ranks[k + 1]
-               for k in range(1, split))
-    right = sum(math.prod(layout.row_modes[k:]) * math.prod(layout.col_modes[k:]) * ranks[k] * ranks[k + 1]
-                for k in range(split, len(layout.row_modes) - 1))
-    return table * ranks[split] + left + right
 
 
 def _half_table_rows(layer, rows: Tensor, split: int) -> Tensor:
