@@ -8,6 +8,8 @@ from torch import nn
 
 import tncompile
 from tncompile.runtime import CollapsedLayer, TTLinear, TTMTiedLinear
+from tncompile.passes import Replan, TruncateRanks
+from tncompile.result.model_api import LATER_DUMP_DIR
 from tncompile.testing import mlp, small_encoder
 
 f64 = torch.float64
@@ -552,3 +554,30 @@ def test_the_controller_takes_what_accelerate_and_torch_compile_hand_the_user():
     model, opt = accelerator.prepare(compiled, torch.optim.AdamW(compiled.parameters(), lr=1e-3))
     ctl = tncompile.RankController(torch.compile(model), opt, target_ratio=0.2)
     assert ctl.optimizer is opt.optimizer and ctl.compiled is compiled
+
+
+@pytest.mark.parametrize("mode", ["graph", "swap"])
+def test_dump_dir_travels_in_the_context_and_later_passes_dump_there(tmp_path, mode):
+    """compile(dump_dir=) reaches the pipeline through its CompileContext (the program keeps
+    no compile input), and the compiled model hands it to the passes a resizing
+    load_state_dict runs later; a model compiled without it dumps nothing later."""
+    model = mlp((64, 128, 64)).to(f64)
+    compiled = tncompile.compile(model, target_ratio=0.5, init="random", dump_dir=tmp_path / "d", mode=mode)
+    assert not hasattr(compiled.program, "dump_dir") and compiled.program.context.dump_dir is None
+    state = {k: v.clone() for k, v in compiled.state_dict().items()}
+    name, layer = next(iter(compiled.tensorized_modules().items()))
+    smaller = [max(1, r - 1) for r in layer.layout.ranks]
+    tncompile.compile(copy.deepcopy(model), target_ratio=0.5, init="random", mode=mode)  # unrelated compile
+    before = sorted(p.name for p in (tmp_path / "d").iterdir())
+    shrunk = copy.deepcopy(compiled)
+    shrunk.__dict__.pop(LATER_DUMP_DIR)  # a copy keeps the dump dir; this one's passes write nothing
+    shrunk._run_passes([TruncateRanks({name: [torch.arange(r) for r in smaller]}), Replan()])
+    compiled.load_state_dict(shrunk.state_dict())
+    after = sorted(p.name for p in (tmp_path / "d").iterdir())
+    n = len(compiled.program.history)
+    new = set(after) - set(before)
+    assert {f"{n - 1:02d}-truncate_ranks.txt", f"{n:02d}-replan.txt"} <= new, new
+    assert list(compiled.tensorized_modules()[name].layout.ranks) == smaller
+    plain = tncompile.compile(copy.deepcopy(model), target_ratio=0.5, init="random", mode=mode)
+    plain.load_state_dict(shrunk.state_dict())
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == after

@@ -12,7 +12,7 @@ from torch import nn
 from . import tuning
 from .calibration import collect_statistics
 from .result.compiled import CompiledModel
-from .result.model_api import is_compressed
+from .result.model_api import LATER_DUMP_DIR, is_compressed
 from .errors import BelowTargetWarning, CalibrationWarning, SlowerThanDenseWarning
 from .ir.decisions import CompileDecisions
 from .ir.program import CompileContext, Program, count_params
@@ -192,16 +192,15 @@ def _build(work: nn.Module, original_params: int, options: CompileOptions, pipel
     if mode == "auto":
         mode = _auto_mode(work, inputs.frontend, gm, layers)
     program = Program(gm, inputs, original_params, options)
-    program.dump_dir = dump_dir  # passes run later (rank adaptation) dump here too
     program.pipeline = pipeline.names
     program.example_inputs = recordable_inputs(example_inputs)
     if mode == "swap":
         program.swap_layers = layers
         program.swap_skipped = unswappable_layers(work)
-    program = _run_pipeline(pipeline, program, CompileContext(stats, decisions))
-    if mode == "swap":
-        return attach(work, program)
-    return CompiledModel(program)
+    program = _run_pipeline(pipeline, program, CompileContext(stats, decisions, dump_dir))
+    compiled = attach(work, program) if mode == "swap" else CompiledModel(program)
+    compiled.__dict__[LATER_DUMP_DIR] = dump_dir  # rank adaptation's passes dump here too
+    return compiled
 
 
 def is_plain_input(value: Any) -> bool:
@@ -331,7 +330,7 @@ def _run_pipeline(pipeline: Pipeline, program: Program, context: CompileContext)
               if decisions.layers[p].tied_to is None]  # heads follow
     if owners:
         program = Pipeline([CollapseLayers({p: "collapsed by rank adaptation before saving" for p in owners})]
-                           ).run(program, progress=False)
+                           ).run(program, dump_dir=context.dump_dir, progress=False)
     program.compiled_ratio = program.ratio
     return program
 

@@ -150,10 +150,14 @@ class CompileContext:
     decisions : CompileDecisions or None
         ``tncompile.load``: the saved model's recorded layers, replayed by ``tensorize``,
         ``assign_ranks``, ``decompose`` and ``plan_contractions`` (:mod:`.decisions`).
+    dump_dir : str, os.PathLike or None
+        ``compile(dump_dir=...)``: where the pipeline writes the IR after every pass. The
+        compiled model keeps it for the passes rank adaptation runs later.
     """
 
     calibration: Any = None
     decisions: Any = None
+    dump_dir: str | os.PathLike | None = None
 
 
 class Program:
@@ -174,8 +178,6 @@ class Program:
         ``module name -> reason`` for every compressible layer left dense.
     history : list of PassRecord
         Passes run so far, in order (at compile time and during training).
-    dump_dir : str or None
-        Where every pass run on this program writes the IR (``compile(dump_dir=...)``).
     compiled_ratio : float or None
         The ratio when compilation finished (rank adaptation shrinks from there).
     swap_layers : dict or None
@@ -216,7 +218,6 @@ class Program:
         self.options = options
         self.notes: dict[str, str] = {}
         self.history: list[PassRecord] = []
-        self.dump_dir: str | os.PathLike | None = None
         self.compiled_ratio: float | None = None
         self.swap_layers: dict[str, str] | None = None
         self.swap_skipped: dict[str, str] = {}

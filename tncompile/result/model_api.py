@@ -19,8 +19,10 @@ from .report import Report, build_report
 
 #: names of the traced inputs a save_pretrained folder keeps beside the weights: not state
 EXAMPLE_PREFIX = "tncompile/example."
+#: where a compressed model keeps ``compile(dump_dir=...)`` for the passes run after compiling
+LATER_DUMP_DIR = "_tncompile_dump_dir"
 
-__all__ = ["CompressedModelAPI", "is_compressed", "saved_ranks", "EXAMPLE_PREFIX"]
+__all__ = ["CompressedModelAPI", "is_compressed", "saved_ranks", "EXAMPLE_PREFIX", "LATER_DUMP_DIR"]
 
 
 class CompressedModelAPI:
@@ -29,6 +31,11 @@ class CompressedModelAPI:
     @property
     def program(self) -> Program:
         raise NotImplementedError
+
+    def _run_passes(self, passes: list) -> Program:
+        """Run ``passes`` on this model's program after compiling (rank cuts, replans),
+        dumping the IR after each where ``compile(dump_dir=...)`` asked for dumps."""
+        return Pipeline(passes).run(self.program, dump_dir=self.__dict__.get(LATER_DUMP_DIR), progress=False)
 
     @property
     def ratio(self) -> float:
@@ -77,9 +84,9 @@ class CompressedModelAPI:
         keep = saved_ranks(self, state_dict)
         if keep:  # each bond to the saved rank: its leading ranks kept, or (growing) the last repeated
             layers = self.tensorized_modules()
-            Pipeline([TruncateRanks({name: [torch.arange(r).clamp(max=have - 1) for r, have in
-                                            zip(ranks, layers[name].layout.ranks)] for name, ranks in keep.items()}),
-                      Replan()]).run(self.program, progress=False)
+            self._run_passes([TruncateRanks({name: [torch.arange(r).clamp(max=have - 1) for r, have in
+                                                zip(ranks, layers[name].layout.ranks)]
+                                            for name, ranks in keep.items()}), Replan()])
         return super().load_state_dict(state_dict, strict, assign)
 
 

@@ -39,7 +39,7 @@ from torch import nn
 
 from ..ir.program import Program
 from ..frontend.layers import is_compressible, kind_of
-from ..result.model_api import CompressedModelAPI
+from ..result.model_api import LATER_DUMP_DIR, CompressedModelAPI
 from ..runtime.layers.module_kinds import replaces_forward
 from .kinds import put_all, restore_all
 from .lowering import lower_into, register_for, restore_lowerings
@@ -119,6 +119,7 @@ class SwapMixin(CompressedModelAPI):
         dense = copy.deepcopy(self)
         dense.__class__ = user_class(self)
         dense.__dict__.pop("_tncompile_program", None)
+        dense.__dict__.pop(LATER_DUMP_DIR, None)
         dense.__dict__.pop("_factor_peers", None)
         restore_all(dense, self.program.swap_layers)  # each kind puts itself back (swap/kinds.py)
         restore_lowerings(dense)

@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..passes import CollapseLayers, Pipeline, Replan, TruncateRanks
+from ..passes import CollapseLayers, Replan, TruncateRanks
 from ..runtime.layers import TNModule, TTMTiedLinear
 from .ddp import (active_group, broadcast_from_rank0, check_same_everywhere, mean_over_processes,
                           unwrap)
@@ -614,7 +614,7 @@ class RankController:
             return event
         truncate = TruncateRanks(keep)
         edits = ([truncate] if keep else []) + ([CollapseLayers(collapse)] if collapse else []) + [Replan()]
-        Pipeline(edits).run(self.compiled.program, progress=False)
+        self.compiled._run_passes(edits)
         event.truncated, event.removed = dict(truncate.truncated), list(collapse)
         remap_optimizer(self.optimizer, truncate.cuts + dropped, self.optimizer_state)
         self.version += 1

@@ -190,29 +190,27 @@ class Pipeline:
         """Run every pass in order: check its ``requires``, run it, lint the
         graph, check its ``ensures``, record it in ``program.history``, dump.
 
-        With ``dump_dir`` (or the program's own ``dump_dir``, set by
-        ``compile(dump_dir=...)``, so that passes run during training are
-        dumped too) the IR is written as ``NN-<pass>.txt`` and ``.json`` after
-        every pass, ``NN`` counting the program's whole history (``00-trace``
-        is the program before any pass), and, once layers are planned, the
-        code their plans run as ``NN-<pass>.code.py``. Exceptions name the
+        With ``dump_dir`` (or ``context.dump_dir``: ``compile(dump_dir=...)``, which the
+        compiled model also hands the passes rank adaptation runs later) the IR is written
+        as ``NN-<pass>.txt`` and ``.json`` after every pass, ``NN`` counting the program's
+        whole history (``00-trace`` is the program before any pass), and, once layers are
+        planned, the code their plans run as ``NN-<pass>.code.py``. Exceptions name the
         pass that raised.
 
-        ``context`` (a compile's calibration statistics, a load's decisions) is
-        ``program.context`` while the passes run, and gone after.
+        ``context`` (a compile's calibration statistics, a load's decisions, its dump
+        directory) is ``program.context`` while the passes run, and gone after.
         """
         if context is None:
             return self._run(program, dump_dir, progress)
         program.context = context
         result = program
         try:
-            result = self._run(program, dump_dir, progress)
+            result = self._run(program, dump_dir if dump_dir is not None else context.dump_dir, progress)
             return result
         finally:
             program.context = result.context = CompileContext()
 
     def _run(self, program: Program, dump_dir, progress: bool) -> Program:
-        dump_dir = dump_dir if dump_dir is not None else program.dump_dir
         out = Path(dump_dir) if dump_dir is not None else None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
