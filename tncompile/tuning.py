@@ -190,6 +190,9 @@ MEASURE_LONG_S = 0.25
 #: (input and output rows, and their gradients) take at most this many bytes; larger
 #: batches are timed on first use, on the user's own input.
 MEASURE_AHEAD_BYTES = 256 << 20
+#: ``TrainStep(compile="auto")``: whole training steps timed per way (the model as it is,
+#: and through ``torch.compile``) once each way has settled; the lower median serves.
+STEP_MEASURE_STEPS = 3
 #: A TTM lookup's whole merged table is a candidate way (one product, then an index) only
 #: while the table has at most this many times the rows the call looks up: beyond that,
 #: merging rows nobody asked for costs more than the gathers it saves.

@@ -104,6 +104,12 @@ class CaptureCache:
         self.stats.replays += 1
         return self._graphs[key]
 
+    def drop(self, key: Hashable) -> None:
+        """Forget ``key``'s graph and warm-up count (it warms up again if it comes back)."""
+        self._graphs.pop(key, None)
+        self._warm.pop(key, None)
+        self.stats.live_graphs = len(self._graphs)
+
     def clear(self) -> None:
         self._graphs.clear()
         self._warm.clear()

@@ -19,11 +19,17 @@ never a buffer that the next replay overwrites.
 
 Elsewhere (CPU, or ``cuda_graph=False``) the same step runs eagerly,
 computing the same thing.
+
+``compile=True`` runs the model through ``torch.compile`` (captured too, on CUDA);
+``compile="auto"`` times the steps of both ways per signature and keeps the faster
+(:mod:`.step_ways`; ``stats()["ways"]`` has the figures).
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+import time
+import warnings
+from typing import Any, Callable, Hashable
 
 import torch
 from torch import nn
@@ -36,6 +42,7 @@ from .capture_cache import CaptureCache
 from .sharding import is_sharded
 from .side_stream import on_side_stream, side_stream
 from .step_guard import StepGuard
+from .step_ways import StepWays
 
 __all__ = ["TrainStep", "call_model", "make_capturable"]
 
@@ -111,14 +118,18 @@ class TrainStep:
         count starts over after every cut, which builds a new DDP wrapper).
     max_batch : int, optional
         Reject batches (first dimension of the first input tensor) above this.
-    compile : bool
-        Eager path only: run the model through ``torch.compile``.
+    compile : {False, True, "auto"}
+        ``True``: run the model through ``torch.compile`` (on CUDA, that step is what is
+        captured). ``"auto"``: per input signature, time ``tuning.STEP_MEASURE_STEPS``
+        steps each way once it has settled -- the model as it is, then compiled -- and keep
+        the faster; measuring costs one compilation, no extra steps. A compiled way that
+        raises is dropped for the plain one, with a warning.
     """
 
     def __init__(self, compiled: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
                  controller=None, cuda_graph: bool | str = "auto", amp: str | None = None, *,
                  grad_clip: float | None = None, max_graphs: int = 8, warmup_steps: int = 2,
-                 max_batch: int | None = None, compile: bool = False):
+                 max_batch: int | None = None, compile: bool | str = False):
         wrapper = compiled if unwrap(compiled) is not compiled else None  # DDP / DistributedModel
         compiled = unwrap(compiled)
         params = [p for p in compiled.parameters()]
@@ -158,11 +169,13 @@ class TrainStep:
         self.amp, self.grad_clip, self.max_batch = amp, grad_clip, max_batch
         self.autocast_device: str | None = None  # None: the parameters' device type (a dry run sets "cuda")
         self.use_graphs = device.type == "cuda" and cuda_graph in ("auto", True) and not sharded  # FSDP2: eager
-        if self.use_graphs and compile:
-            raise ValueError("TrainStep: compile=True applies to the eager path; with CUDA graphs the "
-                             "captured step already removes the per-op overhead")
+        # settled: warm-up steps and, captured, the capture step (plain: tncompile's own ways measure first)
+        self.ways = StepWays(compile, settle_steps=warmup_steps + 1 if self.use_graphs else 2)
         self.wrapper = wrapper
-        self._forward = torch.compile(wrapper or compiled) if compile else (wrapper or compiled)
+        self._forwards: dict[str, Callable] = {"plain": wrapper or compiled}
+        if compile is True:
+            self._forwards["compiled"] = torch.compile(wrapper or compiled)
+        self._forward = self._forwards["compiled" if compile is True else "plain"]
         if self.use_graphs:
             make_capturable(optimizer)
         if wrapper is not None and is_ddp(wrapper):
@@ -242,21 +255,58 @@ class TrainStep:
         penalty), ``last_event`` what the controller did."""
         leaves, spec = tree_flatten((inputs, targets))
         self._check_inputs(leaves, spec)
-        if not self.use_graphs:
-            loss, self.last_total = self._body(inputs, targets, set_to_none=True)
-        else:
-            loss, self.last_total = self._graph_step(inputs, targets, leaves, spec)
+        key = self._signature(leaves)
+        way = self.ways.way(key)
+        timed = self.ways.timed(key, way)
+        start = self._clock() if timed else None
+        try:
+            loss, self.last_total = self._run_way(way, key, inputs, targets, leaves, spec)
+        except Exception as e:  # noqa: BLE001 - measuring: a compiled way that fails is dropped
+            if way != "compiled" or self.ways.mode != "auto":
+                raise
+            self._drop_compiled(key, e)
+            way, timed = "plain", False
+            loss, self.last_total = self._run_way(way, key, inputs, targets, leaves, spec)
+        chosen = self.ways.ran(key, way, self._clock() - start if timed else None)
+        if chosen is not None and self.use_graphs:   # the other way's graph is not replayed again
+            self.cache.drop((key, "plain" if chosen == "compiled" else "compiled"))
         if self.controller is not None:
             self.last_event = self.controller.step()
             if self.wrapper is not None and hasattr(self.wrapper, "after_step"):
                 self.wrapper.after_step(self.last_event)  # a new DDP wrapper over cut parameters
         return loss
 
-    def _graph_step(self, inputs, targets, leaves, spec) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _signature(leaves: list) -> Hashable:
+        return tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("value", repr(t))
+                     for t in leaves)
+
+    def _clock(self) -> float:
+        """Seconds, after the device's queued work (timed steps only)."""
+        device = next(iter(self.compiled.parameters())).device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    def _run_way(self, way: str, key: Hashable, inputs, targets, leaves, spec) -> tuple[torch.Tensor, torch.Tensor]:
+        if way not in self._forwards:
+            self._forwards[way] = torch.compile(self._forwards["plain"])
+        self._forward = self._forwards[way]
+        if not self.use_graphs:
+            return self._body(inputs, targets, set_to_none=True)
+        return self._graph_step(inputs, targets, leaves, spec, (key, way))
+
+    def _drop_compiled(self, key: Hashable, error: Exception) -> None:
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0][:300] if str(error) else ''}"
+        self.ways.failed(key, reason)
+        if self.use_graphs:
+            self.cache.drop((key, "compiled"))
+        warnings.warn(f"TrainStep(compile='auto'): the compiled model failed on inputs {key}, which run as "
+                      f"the model is from now on: {reason}", stacklevel=3)
+
+    def _graph_step(self, inputs, targets, leaves, spec, key: Hashable) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cache.check_token(self._state_token()):
             self._pool = None  # the dropped graphs' memory goes back with their pool
-        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else ("value", repr(t))
-                    for t in leaves)
         decision = self.cache.decide(key)
         if decision == "replay":
             return self.cache.get(key).run(leaves)
@@ -285,11 +335,16 @@ class TrainStep:
     # ------------------------------------------------------------ reporting
     def stats(self) -> dict[str, Any]:
         """Live graphs, captures, replays, eager steps, evictions, invalidations,
-        and the memory the live graphs hold (bytes, CUDA only)."""
+        the memory the live graphs hold (bytes, CUDA only), and with ``compile="auto"``
+        per signature the way chosen and each way's median step time (``"ways"``)."""
         out = dict(vars(self.cache.stats))
         out["graph_bytes"] = sum(g.bytes for g in self.cache._graphs.values())
         out["mode"] = "cuda_graph" if self.use_graphs else "eager"
+        out["compile"] = self.ways.mode
+        if self.ways.mode == "auto":
+            out["ways"] = self.ways.rows()
         return out
 
     def __repr__(self) -> str:
-        return f"TrainStep(mode={'cuda_graph' if self.use_graphs else 'eager'}, graphs={len(self.cache)})"
+        return (f"TrainStep(mode={'cuda_graph' if self.use_graphs else 'eager'}, compile={self.ways.mode!r}, "
+                f"graphs={len(self.cache)})")
