@@ -24,6 +24,9 @@ each per round, up to a synchronize):
 ``amp-graphed``       the same loop over ``tncompile.graph_calls(model)``: the model's calls
                       replayed from CUDA graphs per signature (dense and compressed alike)
 ``amp-compile``       the autocast loop over ``torch.compile(model)``
+``amp-compile-captured`` ``TrainStep(amp="bf16", cuda_graph=True, compile=True)``: the compiled
+                      model's step captured (the best compiled step a user gets)
+``amp-autotune``      the autocast loop over ``torch.compile(model, mode="max-autotune-no-cudagraphs")``
 ``bf16w-*``           the model's weights in bf16 (no autocast): eager, captured, compiled
 
 On a GPU, the rows of the first six paths also time ``triton``: the compressed model on
@@ -34,7 +37,10 @@ two.
 
 Beside each time: the host's time until a step call returns (CUDA runs asynchronously:
 where it is near the step's time, the host's dispatch is the step). ``kernels`` rows profile
-one eager step of each model (``torch.profiler``: kernels per step, their summed GPU time).
+one eager step of each model (``torch.profiler``: kernels per step, their summed GPU time;
+every kernel by name with calls, µs and achieved GB/s and TFLOP/s against the device's
+measured copy bandwidth and GEMM peak, bytes and FLOPs attributed from the op that launched
+it: ``bench_gpu_kernels.kernel_rows``).
 The ``kernels`` rows of compressed models also carry ``compiled.report(inputs)``'s measured
 mean per layer (``layer_host_us`` / ``dense_layer_host_us``: one layer's forward + backward
 until the calls return, against a dense layer of its shape; ``*_wall_us`` to completion).
@@ -80,11 +86,14 @@ from common import RESULTS, galore_optimizer, interleaved_ms, machine, parser
 
 PAPER_RATIO = 1 / 44.9
 PATHS = ("eager", "captured", "bf16", "bf16-captured", "compile", "compile-ro", "trainer", "trainer-compile",
-         "amp-eager", "amp-graphed", "amp-compile", "bf16w-eager", "bf16w-captured", "bf16w-compile")
-CUDA_ONLY = {"captured", "bf16-captured", "compile-ro", "bf16w-captured", "amp-graphed"}
+         "amp-eager", "amp-graphed", "amp-compile", "amp-compile-captured", "amp-autotune",
+         "bf16w-eager", "bf16w-captured", "bf16w-compile")
+CUDA_ONLY = {"captured", "bf16-captured", "compile-ro", "bf16w-captured", "amp-graphed", "amp-compile-captured"}
 #: the wide workload's paths: bf16 autocast and pure bf16 weights, eager / captured first
 LLAMA_FAST = ("amp-eager", "bf16-captured", "amp-graphed", "bf16w-eager", "bf16w-captured")
-LLAMA_COMPILING = ("amp-compile", "bf16w-compile")
+#: then torch.compile: the plain loop, the compiled TrainStep captured (the best compiled step
+#: a user gets), pure bf16, and inductor's max-autotune (longest to compile: last)
+LLAMA_COMPILING = ("amp-compile", "amp-compile-captured", "bf16w-compile", "amp-autotune")
 #: paths also timed with tncompile's Triton kernels (``triton_ms``), every model
 TRITON_PATHS = ("eager", "captured", "bf16", "bf16-captured", "compile", "compile-ro")
 
@@ -182,9 +191,10 @@ def _plain_loop(work: Workload, model, compile_mode: str | None, amp: bool = Fal
     return step
 
 
-def _train_step(work: Workload, model, captured: bool, amp: str | None) -> Callable[[], None]:
+def _train_step(work: Workload, model, captured: bool, amp: str | None,
+                compile_model: bool = False) -> Callable[[], None]:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    step = TrainStep(model, opt, work.loss_fn, cuda_graph=captured, amp=amp)
+    step = TrainStep(model, opt, work.loss_fn, cuda_graph=captured, amp=amp, compile=compile_model)
     return lambda: step(work.x, work.y)
 
 
@@ -196,6 +206,10 @@ def step_functions(work: Workload, path: str, model) -> Callable[[], None]:
         return _plain_loop(work, tncompile.graph_calls(model), None, amp=True)
     if path in ("compile", "amp-compile", "bf16w-compile"):
         return _plain_loop(work, model, "default", amp=path == "amp-compile")
+    if path == "amp-autotune":   # inductor autotunes the GEMMs and fused kernels on this device
+        return _plain_loop(work, model, "max-autotune-no-cudagraphs", amp=True)
+    if path == "amp-compile-captured":
+        return _train_step(work, model, captured=True, amp="bf16", compile_model=True)
     if path == "compile-ro":
         return _plain_loop(work, model, "reduce-overhead")
     if path == "bf16w-captured":
@@ -335,9 +349,9 @@ def _triton_variant(work: Workload, path: str, compressed, row: dict) -> dict[st
 
 def profile_kernels(work: Workload, emit) -> None:
     """Kernels per eager step and their summed GPU time (torch.profiler), each model alone
-    (the Llamas in bf16 autocast, the others in fp32): by kind, the costliest kernels by name,
-    and each matrix-product op's achieved TFLOP/s against the device's measured bf16 (Llamas)
-    or fp32 GEMM peak. The six-encoder and the small models also run on tncompile's Triton
+    (the Llamas in bf16 autocast, the others in fp32): by kind; every kernel by name (Triton's
+    too) with calls, µs, and achieved GB/s and TFLOP/s against the device's measured copy
+    bandwidth and bf16 (Llamas) or fp32 GEMM peak; and each matrix-product op's TFLOP/s. The six-encoder and the small models also run on tncompile's Triton
     kernels."""
     from bench_gpu_kernels import profile_step  # noqa: PLC0415
     amp = work.name in LLAMA
@@ -353,10 +367,11 @@ def profile_kernels(work: Workload, emit) -> None:
                 step = _with_triton_kernels(step)
             for _ in range(3):
                 step()
-            result = profile_step(lambda _x, _y, step=step: step(), None, None, steps=3, peak_tflops=peak)
+            result = profile_step(lambda _x, _y, step=step: step(), None, None, steps=3, peak_tflops=peak,
+                                  peak_gb_s=PEAKS.get("copy_gb_per_s"))
             row.update(kernels_per_step=result["kernels_per_step"],
                        gpu_ms_per_step=round(result["gpu_ms_per_step"], 3), by_kind=result["by_kind"],
-                       top=result["top"], matmul_ops=result["matmul_ops"])
+                       kernels=result["kernels"], matmul_ops=result["matmul_ops"])
             if kind != "dense" and not amp:   # compiled.report(inputs): a layer's fwd+bwd host time vs dense
                 with tuning.override(TRITON_KERNELS=True if kind == "compressed triton" else None):
                     measured = model.report(work.x, steps=5).measured
@@ -570,6 +585,10 @@ def jobs(models: list[str], batches: list[int], paths: list[str], cuda: bool):
     return out
 
 
+def _cell(value) -> str:
+    return "" if value is None else f"{value:g}"
+
+
 def markdown_tables(report: dict) -> str:
     """The run as tables: speed against dense per model x ratio x batch x path (compressed /
     dense ms beneath), then kernels per eager step and memory."""
@@ -594,6 +613,13 @@ def markdown_tables(report: dict) -> str:
         lines += ["", "| model | batch | variant | kernels per eager step | GPU ms of kernels |", "|---|---|---|---|---|"]
         lines += [f"| {r['model']} | {r['batch']} | {r['variant']} | {r['kernels_per_step']:.0f} | "
                   f"{r['gpu_ms_per_step']:.2f} |" for r in kernels]
+        for r in kernels:   # each kernel by name: what it achieved against the device's measured peaks
+            lines += ["", f"{r['model']} b{r['batch']} {r['variant']}: the costliest kernels", "",
+                      "| kernel | kind | calls | µs a call | ms a step | GB/s (est.) | of copy peak | TFLOP/s | of GEMM peak |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            lines += [f"| `{k['kernel'][:60]}` | {k['kind']} | {k['calls']:.0f} | {k['us_per_call']:.1f} | {k['ms']:.3f} | "
+                      f"{_cell(k.get('gb_per_s_est'))} | {_cell(k.get('of_peak_bw'))} | {_cell(k.get('tflop_per_s'))} | "
+                      f"{_cell(k.get('of_peak_flops'))} |" for k in r.get("kernels", [])[:15]]
     memory = [r for r in report["rows"] if r.get("path") == "memory" and "peak_mb" in r]
     if memory:
         lines += ["", "| model | batch | variant | peak MB | resident MB | build peak MB |",
@@ -680,6 +706,7 @@ def main() -> None:
     report = {"benchmark": "gpu", "device": str(DEV), **gpu_facts(), **machine(DEV),
               "budget_s": args.budget_s, "rows": [], "skipped": []}
     PEAKS["gemm_tflop_per_s"] = report["gemm_gflop_per_s"] / 1e3
+    PEAKS["copy_gb_per_s"] = report["copy_gb_per_s"]
     if cuda:
         report["bf16_gemm_tflop_per_s"] = PEAKS["bf16_gemm_tflop_per_s"] = bf16_gemm_tflops(DEV)
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -693,7 +720,7 @@ def main() -> None:
         key = [row.get(k) for k in ("model", "batch", "ratio", "path", "variant")]
         report["rows"] = [r for r in report["rows"]
                           if [r.get(k) for k in ("model", "batch", "ratio", "path", "variant")] != key] + [row]
-        shown = {k: v for k, v in row.items() if k not in ("by_kind", "top", "matmul_ops")}
+        shown = {k: v for k, v in row.items() if k not in ("by_kind", "kernels", "matmul_ops")}
         print(json.dumps(shown), flush=True)
         write()
 

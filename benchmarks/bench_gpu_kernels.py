@@ -71,11 +71,101 @@ def _annotation(event) -> bool:
         or event.name.startswith("ProfilerStep")
 
 
-def profile_step(step, x, y, steps: int, peak_tflops: float | None = None) -> dict:
-    """Kernel count and GPU time per step, by kind, and the costliest kernels; and per
-    matrix-product op (``aten::mm``, ``addmm``, ``bmm``, ...: the profiler counts their
-    FLOPs) calls, GPU ms and achieved TFLOP/s (its share of ``peak_tflops`` where given)."""
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_flops=True) as prof:
+#: bytes per element of the dtypes the profiler names (``record_shapes``' "Input type")
+DTYPE_BYTES = {"double": 8, "float": 4, "c10::BFloat16": 2, "c10::Half": 2, "long int": 8, "int": 4,
+               "short int": 2, "signed char": 1, "unsigned char": 1, "bool": 1,
+               "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1}
+#: ops whose output is a matrix product's ``[..., m, n]`` (the others are taken to write as
+#: much as their largest input: elementwise ops, copies, casts; an overestimate for reductions)
+MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm"}
+
+
+def op_bytes(name: str, shapes: list, dtypes: list) -> int | None:
+    """Bytes an op moves, estimated from its recorded inputs: every tensor input read once,
+    and its output written once (a matrix product's ``[..., m, n]``; otherwise the size of
+    its largest input). ``None`` where an input's dtype is not a known element type (tensor
+    lists, whose element dtypes the profiler does not record)."""
+    sizes = []
+    for shape, dtype in zip(shapes, dtypes):
+        if dtype in ("Scalar", "ScalarList", "", "None", "GenericList") or dtype is None:
+            continue
+        if dtype not in DTYPE_BYTES or any(isinstance(d, list) for d in shape):
+            return None
+        numel = 1
+        for d in shape:
+            numel *= d
+        sizes.append((numel * DTYPE_BYTES[dtype], shape, DTYPE_BYTES[dtype]))
+    if not sizes:
+        return None
+    read = sum(b for b, _, _ in sizes)
+    if name in MATMUL_OPS:
+        (_, a, width), (_, b, _) = sizes[-2:] if name in ("aten::addmm", "aten::baddbmm") else sizes[:2]
+        out = 1
+        for d in (*a[:-1], b[-1]):
+            out *= d
+        return read + out * width
+    return read + max(b for b, _, _ in sizes)
+
+
+def kernel_rows(events, steps: int, peak_gb_s: float | None = None, peak_tflops: float | None = None,
+                top: int = 40) -> list[dict]:
+    """Per kernel name (the ``top`` costliest; the rest summed in one ``(others)`` row): calls
+    and GPU microseconds per step, microseconds per call, and -- attributed from the op that
+    launched it (its recorded input shapes and dtypes, :func:`op_bytes`; its counted FLOPs),
+    split among that op's kernels by their time -- achieved GB/s and TFLOP/s, with their
+    shares of the device's measured copy bandwidth (``peak_gb_s``) and GEMM peak
+    (``peak_tflops``). Kernels no recorded op launched (inductor's and other Python-launched
+    Triton kernels) have time but no bytes or FLOPs. ``events``: ``prof.events()`` of a
+    profile over ``steps`` steps with ``record_shapes=True, with_flops=True``."""
+    rows: dict[str, dict] = {}
+    for event in events:
+        kernels = [k for k in getattr(event, "kernels", ()) if k.duration > 0]
+        if not kernels:
+            continue
+        moved = op_bytes(event.name, event.input_shapes or [], getattr(event, "input_dtypes", None) or [])
+        total_us = sum(k.duration for k in kernels)
+        for k in kernels:
+            row = rows.setdefault(k.name, {"kernel": k.name, "kind": kind_of(k.name), "calls": 0, "us": 0.0,
+                                           "bytes": 0.0, "flops": 0.0, "unattributed_us": 0.0})
+            share = k.duration / total_us
+            row["calls"] += 1
+            row["us"] += k.duration
+            if moved is None:
+                row["unattributed_us"] += k.duration
+            else:
+                row["bytes"] += share * moved
+            row["flops"] += share * (event.flops or 0)
+    ordered = sorted(rows.values(), key=lambda r: -r["us"])
+    if len(ordered) > top:
+        rest = ordered[top:]
+        ordered = ordered[:top] + [{"kernel": f"(others: {len(rest)} kernels)", "kind": "other",
+                                    **{k: sum(r[k] for r in rest) for k in ("calls", "us", "bytes", "flops",
+                                                                           "unattributed_us")}}]
+    out = []
+    for r in ordered:
+        seconds = r["us"] * 1e-6
+        attributed = (r["us"] - r["unattributed_us"]) * 1e-6
+        gb_s = r["bytes"] / attributed / 1e9 if r["bytes"] and attributed > 0 else None
+        tflops = r["flops"] / seconds / 1e12 if r["flops"] else None
+        row = {"kernel": r["kernel"][:120], "kind": r["kind"], "calls": r["calls"] / steps,
+               "us_per_call": round(r["us"] / r["calls"], 2), "ms": round(r["us"] / steps / 1e3, 4),
+               "gb_per_s_est": None if gb_s is None else round(gb_s, 1),
+               "tflop_per_s": None if tflops is None else round(tflops, 2)}
+        if gb_s is not None and peak_gb_s:
+            row["of_peak_bw"] = round(gb_s / peak_gb_s, 3)
+        if tflops is not None and peak_tflops:
+            row["of_peak_flops"] = round(tflops / peak_tflops, 3)
+        out.append(row)
+    return out
+
+
+def profile_step(step, x, y, steps: int, peak_tflops: float | None = None, peak_gb_s: float | None = None) -> dict:
+    """Kernel count and GPU time per step, by kind; every kernel by name with its achieved
+    GB/s and TFLOP/s (:func:`kernel_rows`); and per matrix-product op (``aten::mm``,
+    ``addmm``, ``bmm``, ...: the profiler counts their FLOPs) calls, GPU ms and achieved
+    TFLOP/s (its share of ``peak_tflops`` where given)."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_flops=True,
+                 record_shapes=True) as prof:
         for _ in range(steps):
             step(x, y)
         torch.cuda.synchronize()
@@ -88,22 +178,19 @@ def profile_step(step, x, y, steps: int, peak_tflops: float | None = None) -> di
                         "tflop_per_s": round(tflops, 2),
                         **({"of_peak": round(tflops / peak_tflops, 3)} if peak_tflops else {})})
     by_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    by_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
-    for event in prof.events():
+    events = prof.events()
+    for event in events:
         if event.device_type != torch.autograd.DeviceType.CUDA or _annotation(event):
             continue
-        us = event.time_range.elapsed_us()
-        for table, key in ((by_kind, kind_of(event.name)), (by_name, event.name)):
-            table[key][0] += 1
-            table[key][1] += us
+        table = by_kind[kind_of(event.name)]
+        table[0] += 1
+        table[1] += event.time_range.elapsed_us()
     kernels = sum(c for c, _ in by_kind.values())
     gpu_us = sum(t for _, t in by_kind.values())
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]
     return {"kernels_per_step": kernels / steps, "gpu_ms_per_step": gpu_us / steps / 1e3,
             "by_kind": {k: {"kernels": c / steps, "ms": round(t / steps / 1e3, 4)}
                         for k, (c, t) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
-            "top": [{"kernel": n[:120], "kind": kind_of(n), "calls": c / steps, "ms": round(t / steps / 1e3, 4)}
-                    for n, (c, t) in top],
+            "kernels": kernel_rows(events, steps, peak_gb_s, peak_tflops),
             "matmul_ops": sorted(ops, key=lambda r: -r["ms"])}
 
 
