@@ -23,7 +23,7 @@ grep -v "passes\|TT-SVD\|it/s\]" "$OUT/bench.log" | cut -c1-400 | tail -40
 (cd benchmarks && $PY bench_gpu.py --table "$OUT/gpu.json" > "$OUT/gpu_tables.md" 2>&1)
 PER_TEST=$($PY -c "import pytest_timeout" 2>/dev/null && echo "--timeout 60")   # where pytest-timeout is installed
 timeout "${TESTS_S:-150}" $PY -m pytest -q -rf --tb=short -p no:cacheprovider $PER_TEST \
-    -m cuda tests/test_cuda.py tests/test_triton_kernels.py tests/test_train_step.py tests/test_measured_report.py \
+    -m cuda tests/test_cuda.py tests/test_triton_kernels.py tests/test_train_step.py tests/test_step_ways.py tests/test_measured_report.py \
     > "$OUT/gpu_tests.log" 2>&1   # every test marked cuda
 echo "tests rc=$?"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -15
