@@ -1,6 +1,6 @@
 """Ops a training step dispatches on PyTorch's own kernels: what a GPU's host launches.
 
-    python benchmarks/bench_dispatch.py [--model six-encoder|small-bert|both] [--batch 2]
+    python benchmarks/bench_dispatch.py [--model six-encoder|small-bert|llama|both] [--batch 2]
 
 On a GPU a small model's step is bound by the kernels it launches, not by its arithmetic
 (``bench_gpu_kernels.py`` shows it on one). This counts the ops without a GPU: the step's
@@ -43,6 +43,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 import tncompile  # noqa: E402
 from tncompile import tuning  # noqa: E402
 from tncompile.planning import REFERENCE, DeviceSpeed  # noqa: E402
+from tncompile.runtime import TTLinear  # noqa: E402
 from tncompile.testing import six_encoder  # noqa: E402
 
 from common import cut_every_layer, machine, parser, write_json  # noqa: E402
@@ -107,7 +108,29 @@ def _small_bert(batch: int):
     return model, compiled, (lambda m: m(**ids).last_hidden_state.square().mean())
 
 
-MODELS = {"six-encoder": _six_encoder, "small-bert": _small_bert}
+def _llama(batch: int):
+    """A Llama-style decoder with the 350M point's layer shapes (hidden 1024, FFN 2816, 16
+    heads, 32k vocabulary, SDPA), 4 layers, 64 ids a sample, at 0.1: on an H200 that model's
+    eager step was host-bound (0.46x dense), so its ops per TT layer are the proxy here."""
+    import transformers  # noqa: PLC0415 - this model only
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                                   num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=64,
+                                   attn_implementation="sdpa", use_cache=False)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 32000, (batch, 64))
+    example = {"input_ids": ids[:2, :16], "labels": ids[:2, :16]}
+
+    def compiled():
+        return tncompile.compile(model, target_ratio=0.1, init="random", example_inputs=example).train()
+    return model, compiled, (lambda m: m(input_ids=ids, labels=ids).loss)
+
+
+MODELS = {"six-encoder": _six_encoder, "small-bert": _small_bert, "llama": _llama}
+#: what ``--model both`` counts (the Llama on its own: ``--model llama``, ``dispatch_llama.json``)
+BOTH = ("six-encoder", "small-bert")
 
 
 def _in_triton_op(event) -> bool:
@@ -204,6 +227,13 @@ def _count_model(name: str, batch: int) -> list[dict]:
         rows.append({"model": name, "variant": variant, **got})
         print(f"{name:12s} {variant:30s} {got['dispatched']:6d} dispatched  {got['kernel_like']:6d} kernel-like",
               flush=True)
+    layers = sum(isinstance(m, TTLinear) for m in compiled.modules())
+    dense_row = rows[0]
+    for row in rows[1:]:   # what each TT linear adds to the step, against the dense model
+        row["tt_layers"] = layers
+        row["extra_dispatched_per_tt_layer"] = round((row["dispatched"] - dense_row["dispatched"]) / layers, 1)
+        row["extra_kernel_like_per_tt_layer"] = round((row["kernel_like"] - dense_row["kernel_like"]) / layers, 1)
+
     def under_autocast(model):   # the forward and loss in bf16 autocast, the backward after it
         with torch.autocast("cpu", dtype=torch.bfloat16):
             return loss_of(model)
@@ -236,9 +266,9 @@ def main() -> None:
     # ops forced to run as on CUDA would choose for neither), so the cost model's prior runs
     rows = []
     with tuning.override(DEVICE_SPEED=REFERENCE, WHOLE_MATRICES=False, MEASURE_WAYS=False):
-        for name in (MODELS if args.model == "both" else [args.model]):
+        for name in (BOTH if args.model == "both" else [args.model]):
             rows += _count_model(name, args.batch)
-    path = write_json("dispatch.json", {"benchmark": "dispatch", "batch": args.batch, "native_kernels": False,
+    path = write_json("dispatch_llama.json" if args.model == "llama" else "dispatch.json", {"benchmark": "dispatch", "batch": args.batch, "native_kernels": False,
                                         "ops": "as on CUDA: GEMMs as torch.mm, padded batches by index",
                                         "rows": rows, **machine()})
     print(f"wrote {path}")

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tncompile
-from tncompile.train.graphed_calls import EmulatedGraphs, GraphedCalls, graph_calls, ungraph_calls
+from tncompile.train.graphed_calls import CudaGraphs, EmulatedGraphs, GraphedCalls, graph_calls, ungraph_calls
 
 
 def _models(compressed=True):
@@ -167,12 +167,19 @@ def test_outputs_that_are_not_tensors_fall_back_with_a_warning_naming_the_fix():
 
 
 def test_graph_calls_wraps_once_and_ungraph_calls_restores():
-    model, _ = _models()
+    model, _ = _models()   # graphed already
+    own = model.__dict__["forward"].replaced   # a CompiledModel's forward with its traced signature
+    assert own is not None and not isinstance(own, GraphedCalls)
+    graph_calls(model, graphs=EmulatedGraphs())
     graph_calls(model, graphs=EmulatedGraphs())
     assert isinstance(model.__dict__["forward"], GraphedCalls)
     assert not isinstance(model.__dict__["forward"].forward, GraphedCalls)   # not wrapped twice
     ungraph_calls(model)
-    assert "forward" not in model.__dict__
+    assert model.__dict__.get("forward") is own
+    plain, _ = _models(False)
+    graph_calls(plain, graphs=EmulatedGraphs())
+    ungraph_calls(plain)
+    assert "forward" not in plain.__dict__
     with pytest.raises(TypeError, match="nn.Module"):
         graph_calls(lambda x: x)
 
@@ -242,3 +249,117 @@ def test_no_graph_runs_while_another_signatures_backward_is_due():
     assert calls.stats["fallbacks"] == 1
     for x, y in zip(*grads):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+
+
+class _ReadsTheHost(nn.Module):
+    """A forward that reads a value back to the host: capture would break on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(32, 4)
+
+    def forward(self, x):
+        scale = float(x.abs().max())   # a host read
+        return self.linear(x) / scale
+
+
+def test_a_call_with_a_host_read_is_proved_unsafe_and_stays_eager_with_its_line_named():
+    model = graph_calls(_ReadsTheHost(), graphs=EmulatedGraphs())
+    twin = copy.deepcopy(model)
+    tncompile.ungraph_calls(twin)
+    batches = _batches(5)
+    with pytest.warns(UserWarning, match=r"(?s)run eagerly, not from CUDA graphs: .*host sync.*test_graphed_calls.py.*float\(x.abs\(\).max\(\)\)"):
+        got = _train(model, batches)
+    torch.testing.assert_close(torch.stack(got), torch.stack(_train(twin, batches)))
+    calls = model.__dict__["forward"]
+    assert calls.stats["captures"] == 0 and calls.stats["eager"] == len(batches)
+    unchecked = graph_calls(_ReadsTheHost(), graphs=EmulatedGraphs(), check=False)
+    _train(unchecked, batches)   # the emulation cannot see host reads: unchecked, it captures
+    assert unchecked.__dict__["forward"].stats["captures"] == 1
+
+
+def test_a_safe_model_is_proved_once_per_signature(monkeypatch):
+    import importlib
+    dry_run_module = importlib.import_module("tncompile.train.graphed_calls")   # the name it calls
+    runs = []
+    real = dry_run_module.dry_run
+
+    def counted(*args, **kwargs):
+        runs.append(1)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(dry_run_module, "dry_run", counted)
+    model, _ = _models(True)
+    _train(model, _batches(6) + _batches(6, rows=8))
+    assert len(runs) == 2 and model.__dict__["forward"].stats["captures"] == 2
+
+
+def test_inputs_whose_shapes_never_repeat_stop_capturing_with_a_warning_on_padding():
+    model, twin = _models(False)
+    model.__dict__["forward"].cache.warmup_steps = 1
+    batches = [b for rows in range(2, 40) for b in _batches(2, rows=rows, seed=rows)]   # each length twice
+    with pytest.warns(UserWarning, match="pad_to_multiple_of"):
+        got = _train(model, batches)
+    calls = model.__dict__["forward"]
+    assert calls.churning and calls.stats["captures"] <= 2 * calls.cache.max_graphs
+    torch.testing.assert_close(torch.stack(got), torch.stack(_train(twin, batches)), rtol=1e-5, atol=1e-6)
+
+
+def test_fsdp2_sharded_parameters_are_never_captured():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, _ = _models(False)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+        graph_calls(model, graphs=EmulatedGraphs())
+        _train(model, _batches(5))
+        calls = model.__dict__["forward"]
+        assert calls.sharded and calls.stats["captures"] == 0 and calls.stats["eager"] == 5
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_forward_signature_stays_the_models_and_ungraph_restores_a_compiled_models_own():
+    """HF Trainer picks a dataset's columns by inspect.signature(model.forward): graphed calls
+    show the model's own parameters; ungraph_calls puts back the forward a CompiledModel
+    keeps on its instance (its traced signature), not the class's."""
+    import inspect
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=200, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=128, max_position_embeddings=32)
+    ids = torch.randint(0, 100, (2, 16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bert = tncompile.compile(transformers.BertModel(config), target_ratio=0.5, example_inputs={"input_ids": ids})
+    before = inspect.signature(bert.forward)
+    assert {"input_ids", "attention_mask", "labels"} & set(before.parameters) >= {"input_ids", "attention_mask"}
+    graph_calls(bert, graphs=EmulatedGraphs())
+    assert inspect.signature(bert.forward) == before
+    ungraph_calls(bert)
+    assert inspect.signature(bert.forward) == before
+
+    model, _ = _models()   # a CompiledModel of an fx trace, graphed
+    own = model.__dict__["forward"].replaced
+    assert list(inspect.signature(model.forward).parameters) == list(inspect.signature(own).parameters) == ["input"]
+    ungraph_calls(model)
+    assert model.__dict__["forward"] is own
+
+
+def test_tuning_graph_calls_makes_compile_hand_back_a_graphed_model():
+    from tncompile import tuning
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 64))
+    x = torch.randn(8, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = tncompile.compile(dense, target_ratio=0.5, init="random", example_inputs=(x,))
+        with tuning.override(GRAPH_CALLS=True):
+            graphed = tncompile.compile(dense, target_ratio=0.5, init="random", example_inputs=(x,))
+    assert not isinstance(plain.__dict__.get("forward"), GraphedCalls)
+    calls = graphed.__dict__["forward"]
+    assert isinstance(calls, GraphedCalls) and isinstance(calls.graphs, CudaGraphs)
+    torch.testing.assert_close(graphed(x), plain(x))   # off the GPU: eager calls
+    assert calls.stats["eager"] == 1 and calls.stats["captures"] == 0

@@ -166,8 +166,10 @@ def compile(
     _warn_if_calibration_is_thin(compiled.program)
     if adapted:
         adopt_compressed_bases(work)
-        return whole
-    return compiled
+    result = whole if adapted else compiled
+    for finish in AFTER_COMPILE:   # e.g. the train layer's graph_calls under tuning.GRAPH_CALLS
+        finish(result)
+    return result
 
 
 def rebuild(model: nn.Module, decisions: CompileDecisions, options: CompileOptions, pipeline: Pipeline,
@@ -306,6 +308,10 @@ def _warn_if_slower(compiled: nn.Module, options: CompileOptions) -> None:
         f"compiled.report() has the estimates per layer."), stacklevel=3)
 
 MODES = ("auto", "graph", "swap")
+
+#: what later layers do to every model ``compile`` hands back (each registers itself at
+#: import; this module imports none of them): ``finish(model) -> None``
+AFTER_COMPILE: list = []
 
 
 def _check_mode(mode: Any, model: nn.Module) -> str:

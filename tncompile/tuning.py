@@ -190,6 +190,11 @@ MEASURE_LONG_S = 0.25
 #: (input and output rows, and their gradients) take at most this many bytes; larger
 #: batches are timed on first use, on the user's own input.
 MEASURE_AHEAD_BYTES = 256 << 20
+#: ``tncompile.compile`` hands back a model whose calls replay CUDA graphs in the user's own
+#: loop (``tncompile.graph_calls``: each input signature dry-run on fake tensors before its
+#: capture, eager off the GPU and wherever a graph cannot serve). Off until a GPU run has
+#: passed its CUDA tests and measured it faster. Env: ``TNCOMPILE_GRAPH_CALLS=1``.
+GRAPH_CALLS = os.environ.get("TNCOMPILE_GRAPH_CALLS", "0").strip().lower() not in ("0", "", "false", "no", "off")
 #: ``TrainStep(compile="auto")``: whole training steps timed per way (the model as it is,
 #: and through ``torch.compile``) once each way has settled; the lower median serves.
 STEP_MEASURE_STEPS = 3

@@ -29,6 +29,14 @@ What a user may rely on:
   ``use_cache=False`` when training, or set ``model.config.use_cache = False``), a second
   forward before the first's backward (its saved activations would be overwritten), or a
   capture that failed (named in one warning, then that signature stays eager).
+* **Proved before captured** (``check=True``, the default): before a signature's first
+  capture its forward and backward run on fake tensors through :func:`~.dry_run.dry_run`;
+  one that reads a value to the host, makes a data-sized tensor or runs a CPU kernel
+  stays eager, with one warning naming each such op, its module and source line.
+* **Shapes that never repeat stop capturing**: when as many graphs as ``max_graphs`` were
+  dropped without ever being replayed (dynamic padding: a new length every batch), the
+  model's calls run eagerly from then on, with one warning saying how to pad.
+  FSDP2-sharded parameters (gathered and freed around every call) are never captured.
 
 On a machine without CUDA the same bookkeeping runs on :class:`EmulatedGraphs` (tests):
 a "replay" re-runs the captured function and copies its results into the static
@@ -37,6 +45,7 @@ buffers, so static inputs and outputs, copies and invalidation behave as on a GP
 from __future__ import annotations
 
 import contextlib
+import inspect
 import warnings
 import weakref
 from typing import Any, Callable, Hashable
@@ -45,7 +54,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .. import tuning
+from ..api import AFTER_COMPILE
 from ..errors import check_int
+from .dry_run import dry_run
 from .capture_cache import CaptureCache
 from .side_stream import on_side_stream, side_stream
 
@@ -129,6 +141,7 @@ class _Entry:
         self.grad_outputs: list[torch.Tensor] = []      # static incoming gradients
         self.grads: list[torch.Tensor | None] = []      # static gradients of inputs, then params
         self.latest: list[torch.Tensor] = []            # outputs whose autograd graph backward runs
+        self.served = 0                                 # calls replayed from it (its capture call the first)
 
 
 class _Replay(torch.autograd.Function):
@@ -171,11 +184,21 @@ class GraphedCalls:
         Signatures with live graphs at once.
     graphs : CudaGraphs or EmulatedGraphs, optional
         How to capture; CUDA by default.
+    check : bool
+        Dry-run each signature's forward and backward on fake tensors before its first
+        capture; a signature with an op that would break capture stays eager.
     """
 
     def __init__(self, model: nn.Module, forward: Callable, warmup: int = 2, max_graphs: int = 4,
-                 graphs: CudaGraphs | EmulatedGraphs | None = None):
+                 graphs: CudaGraphs | EmulatedGraphs | None = None, check: bool = True):
         check_int(warmup, "warmup", 1)
+        try:   # what inspect (HF Trainer picks dataset columns by it) sees: the model's own parameters
+            self.__signature__ = inspect.signature(forward)
+        except (TypeError, ValueError):
+            pass
+        self.check = bool(check)
+        self.unreplayed_drops = 0   # graphs evicted having served no call but their capture
+        self.churning = False       # inputs change shape too often: no more captures
         self.model_ref = weakref.ref(model)
         self.forward = forward
         self.graphs = graphs if graphs is not None else CudaGraphs()
@@ -187,16 +210,23 @@ class GraphedCalls:
         #: graphs' shared pool, where any other replay may write, so until it runs (or its
         #: outputs are dropped) every call runs eagerly
         self.pending: weakref.ref | None = None
+        self.sharded = False        # FSDP2 gathers and frees its parameters around every call
+        self.replaced: Callable | None = None   # the instance's own forward graph_calls replaced
+        self._seen_state: Hashable = None
 
     # ------------------------------------------------------------ the call
     def __call__(self, *args, **kwargs):
         model = self.model_ref()
         leaves, spec = tree_flatten((args, kwargs))
         key = self._key(model, leaves, spec)
-        if key is None or key in self.eager_only:
+        state = self._state(model) if key is not None else None
+        if state is not None and state != self._seen_state:   # parameters replaced: sharded now?
+            self._seen_state = state
+            self.sharded = _sharded(model)
+        if key is None or key in self.eager_only or self.sharded:
             self.stats["eager"] += 1
             return self.forward(*args, **kwargs)
-        if self.cache.check_token(self._state(model)):
+        if self.cache.check_token(state):
             self.graphs.reset()
         decision = self.cache.decide(key)
         if decision != "eager" and self.pending is not None and self.pending() is not None:
@@ -209,15 +239,57 @@ class GraphedCalls:
             self.stats["eager"] += 1
             with self.graphs.warm_context():
                 return self.forward(*args, **kwargs)
+        if self.check and not self._proved(model, key, args, kwargs):
+            self.stats["eager"] += 1
+            return self.forward(*args, **kwargs)
         entry = self._capture(model, key, leaves, spec)
         if entry is None:
             return self.forward(*args, **kwargs)
-        self.cache.add(key, entry)
+        self._count_unreplayed(model, self.cache.add(key, entry))
         return self._replay(entry, leaves)
+
+    def _proved(self, model, key: Hashable, args, kwargs) -> bool:
+        """Dry-run this call's forward and backward on fake tensors (:func:`~.dry_run.dry_run`);
+        a signature with hazards stays eager, named in one warning."""
+        device_type = self.graphs.device_type
+        amp = "bf16" if (torch.is_autocast_enabled(device_type)
+                         and torch.get_autocast_dtype(device_type) == torch.bfloat16) else None
+        params = [p for p in model.parameters() if p.requires_grad]
+        wrapped = model.__dict__.pop("forward", None)   # the dry run's copy runs the model's own forward
+        try:
+            report = dry_run(_CallWith(model), torch.optim.SGD(params, lr=0.0), _sum_of_outputs,
+                             (args, kwargs), None, amp=amp) if params else None
+        except Exception as e:  # noqa: BLE001 - a check that cannot run proves nothing: stay eager
+            self.eager_only.add(key)
+            warnings.warn(f"tncompile.graph_calls: calls of {type(model).__name__} run eagerly: their capture "
+                          f"could not be checked ({type(e).__name__}: {str(e)[:200]}); graph_calls(model, "
+                          "check=False) captures unchecked", stacklevel=4)
+            return False
+        finally:
+            if wrapped is not None:
+                model.__dict__["forward"] = wrapped
+        if report is not None and not report.ok:
+            self.eager_only.add(key)
+            warnings.warn(f"tncompile.graph_calls: calls of {type(model).__name__} with these inputs run "
+                          f"eagerly, not from CUDA graphs: {report}", stacklevel=4)
+            return False
+        return True
+
+    def _count_unreplayed(self, model, evicted: list) -> None:
+        """Graphs dropped having served only their capture call: at ``max_graphs`` of them,
+        inputs change shape too often for graphs to pay; capture no more."""
+        self.unreplayed_drops += sum(1 for e in evicted if e.served <= 1)
+        if self.unreplayed_drops >= self.cache.max_graphs and not self.churning:
+            self.churning = True
+            warnings.warn(f"tncompile.graph_calls: calls of {type(model).__name__} run eagerly from now on: "
+                          f"{self.unreplayed_drops} graphs were captured and dropped without being replayed, so "
+                          "the inputs' shapes rarely repeat (a new padded length every batch?). Pad batches to a "
+                          "few lengths (e.g. DataCollatorWithPadding(tokenizer, pad_to_multiple_of=64)), or raise "
+                          "max_graphs", stacklevel=4)
 
     def _key(self, model, leaves: list, spec) -> Hashable | None:
         """The call's signature, or ``None`` where no graph may serve it."""
-        if model is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if model is None or self.churning or not torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
         parts = []
         for leaf in leaves:
@@ -301,6 +373,7 @@ class GraphedCalls:
                 entry.forward_replay()
             outs = ()
         self.stats["replays"] += 1
+        entry.served += 1
         if outs and outs[0].grad_fn is not None:
             self.pending = weakref.ref(outs[0].grad_fn)
         result = list(entry.outputs)
@@ -316,21 +389,66 @@ class _NotGraphable(RuntimeError):
     pass
 
 
+def _sharded(model: nn.Module) -> bool:
+    """Whether ``model`` is FSDP2-sharded (its parameters gathered and freed around every
+    call, plain tensors only inside it) or holds ``DTensor`` parameters."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 - builds without distributed lack it
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415
+    return (any(isinstance(m, FSDPModule) for m in model.modules())
+            or any(isinstance(p, DTensor) for p in model.parameters()))
+
+
+class _CallWith(nn.Module):
+    """``model(*args, **kwargs)`` as one module called with ``(args, kwargs)``: what the dry
+    run calls (it calls its model with a tuple's items)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, args: tuple, kwargs: dict):
+        return self.model(*args, **kwargs)
+
+
+def _sum_of_outputs(outputs, _targets) -> torch.Tensor:
+    """A scalar whose backward reaches every differentiable output (the dry run's loss)."""
+    leaves = [t for t in tree_flatten(outputs)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    return torch.stack([t.float().sum() for t in leaves]).sum()
+
+
 def graph_calls(model: nn.Module, *, warmup: int = 2, max_graphs: int = 4,
-                graphs: CudaGraphs | EmulatedGraphs | None = None) -> nn.Module:
+                graphs: CudaGraphs | EmulatedGraphs | None = None, check: bool = True) -> nn.Module:
     """Make ``model``'s calls replay CUDA graphs (see :mod:`tncompile.train.graphed_calls`);
     returns ``model`` (its ``forward`` wrapped on the instance; :func:`ungraph_calls`
-    undoes it). Calling it again replaces the earlier wrapping."""
+    undoes it). Calling it again replaces the earlier wrapping. ``check``: dry-run each
+    signature on fake tensors before capturing it (a hazard keeps it eager)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"graph_calls needs an nn.Module, got {type(model).__name__}")
     ungraph_calls(model)
-    calls = GraphedCalls(model, model.forward, warmup=warmup, max_graphs=max_graphs, graphs=graphs)
+    calls = GraphedCalls(model, model.forward, warmup=warmup, max_graphs=max_graphs, graphs=graphs, check=check)
+    calls.replaced = model.__dict__.get("forward")   # an instance's own forward (a CompiledModel's) comes back
     model.__dict__["forward"] = calls
     return model
 
 
 def ungraph_calls(model: nn.Module) -> nn.Module:
     """Undo :func:`graph_calls` (its graphs are freed with it); a model without it is returned as is."""
-    if isinstance(model.__dict__.get("forward"), GraphedCalls):
-        del model.__dict__["forward"]
+    calls = model.__dict__.get("forward")
+    if isinstance(calls, GraphedCalls):
+        if calls.replaced is not None:
+            model.__dict__["forward"] = calls.replaced
+        else:
+            del model.__dict__["forward"]
     return model
+
+
+def _graph_calls_if_asked(model: nn.Module) -> None:
+    """``compile``'s last step under ``tuning.GRAPH_CALLS``: the model it hands back replays
+    CUDA graphs in the user's own loop."""
+    if tuning.GRAPH_CALLS:
+        graph_calls(model)
+
+
+AFTER_COMPILE.append(_graph_calls_if_asked)
