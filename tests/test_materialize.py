@@ -5,6 +5,7 @@ and it trains like a model compiled from a real dense one."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -255,6 +256,7 @@ def test_bad_arguments_are_named(kwargs, error):
 PROBE = textwrap.dedent("""
     import json, resource, sys, warnings
     import torch
+    LIMIT_GROWTH = 384 << 20
     from torch import nn
     import tncompile
     warnings.simplefilter("ignore")
@@ -276,22 +278,34 @@ PROBE = textwrap.dedent("""
     compiled = tncompile.compile(model, target_ratio=0.01, init="random", mode="graph",
                                  example_inputs=(torch.zeros(1, 8, dtype=torch.long, device="meta"),))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # from here the address space may grow by less than one dense weight (512 MB): making
+    # one fails (MemoryError / "can't allocate") and the probe exits non-zero
+    mapped = int(next(l for l in open("/proc/self/status") if l.startswith("VmSize:")).split()[1]) * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (mapped + LIMIT_GROWTH, resource.RLIM_INFINITY))
     tncompile.materialize(compiled, "cpu", seed=0)
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
     ids = torch.randint(0, 131072, (2, 8))
     compiled(ids)[..., :8].square().mean().backward()
     opt.step()
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"dense_bytes": dense_bytes, "grew": after - before,
+    try:   # the limit bites: one dense weight cannot be made under it
+        torch.empty(131072, 1024).fill_(1.0)
+        dense_fails = False
+    except (MemoryError, RuntimeError):
+        dense_fails = True
+    print(json.dumps({"dense_bytes": dense_bytes, "grew": after - before, "dense_fails": dense_fails,
                       "params": sum(p.numel() for p in compiled.parameters())}))
 """)
 
 
 def test_no_dense_sized_tensor_is_made():
-    """A model of 1.1 GB dense weights, compiled on meta, materialized and trained one step:
-    the process's peak memory grows by far less than one dense weight (512 MB)."""
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300)
+    """A model of 1.1 GB dense weights, compiled on meta, materialized and trained one step
+    under RLIMIT_AS (the address space may grow by 384 MB, less than one dense weight of
+    512 MB: allocating one would fail): the process's peak memory grows by far less."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "1"}   # thread stacks and arenas reserve space
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["dense_bytes"] > 1.1e9 and got["params"] < 0.02 * got["dense_bytes"] / 4
     assert got["grew"] < 256 << 20, got
+    assert got["dense_fails"], got   # the address-space limit would have stopped a dense weight
