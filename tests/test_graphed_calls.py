@@ -273,6 +273,12 @@ def test_a_call_with_a_host_read_is_proved_unsafe_and_stays_eager_with_its_line_
     torch.testing.assert_close(torch.stack(got), torch.stack(_train(twin, batches)))
     calls = model.__dict__["forward"]
     assert calls.stats["captures"] == 0 and calls.stats["eager"] == len(batches)
+    frozen = _ReadsTheHost().requires_grad_(False)   # a forward graph alone: proved all the same
+    graph_calls(frozen, graphs=EmulatedGraphs())
+    with pytest.warns(UserWarning, match=r"(?s)run eagerly, not from CUDA graphs: .*host sync"):
+        for x, _ in batches:
+            frozen(x)
+    assert frozen.__dict__["forward"].stats["captures"] == 0
     unchecked = graph_calls(_ReadsTheHost(), graphs=EmulatedGraphs(), check=False)
     _train(unchecked, batches)   # the emulation cannot see host reads: unchecked, it captures
     assert unchecked.__dict__["forward"].stats["captures"] == 1
@@ -289,8 +295,12 @@ def test_a_safe_model_is_proved_once_per_signature(monkeypatch):
         return real(*args, **kwargs)
     monkeypatch.setattr(dry_run_module, "dry_run", counted)
     model, _ = _models(True)
-    _train(model, _batches(6) + _batches(6, rows=8))
+    _train(model, _batches(6) + _batches(6, rows=8) + _batches(3))
     assert len(runs) == 2 and model.__dict__["forward"].stats["captures"] == 2
+    first = next(model.parameters())
+    first.data = first.data.clone()   # a changed model: every graph dropped, each signature proved again
+    _train(model, _batches(4))
+    assert len(runs) == 3 and model.__dict__["forward"].stats["captures"] == 3
 
 
 def test_inputs_whose_shapes_never_repeat_stop_capturing_with_a_warning_on_padding():

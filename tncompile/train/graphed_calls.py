@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .. import tuning
 from ..api import AFTER_COMPILE
 from ..errors import check_int
+from ..runtime.layers.module_kinds import is_sharded
 from .dry_run import dry_run
 from .capture_cache import CaptureCache
 from .side_stream import on_side_stream, side_stream
@@ -197,6 +198,7 @@ class GraphedCalls:
         except (TypeError, ValueError):
             pass
         self.check = bool(check)
+        self.proved: set[Hashable] = set()   # signatures the dry run found capture-safe (this model state)
         self.unreplayed_drops = 0   # graphs evicted having served no call but their capture
         self.churning = False       # inputs change shape too often: no more captures
         self.model_ref = weakref.ref(model)
@@ -222,7 +224,8 @@ class GraphedCalls:
         state = self._state(model) if key is not None else None
         if state is not None and state != self._seen_state:   # parameters replaced: sharded now?
             self._seen_state = state
-            self.sharded = _sharded(model)
+            self.sharded = is_sharded(model)
+            self.proved.clear()   # a changed model is proved again
         if key is None or key in self.eager_only or self.sharded:
             self.stats["eager"] += 1
             return self.forward(*args, **kwargs)
@@ -251,14 +254,16 @@ class GraphedCalls:
     def _proved(self, model, key: Hashable, args, kwargs) -> bool:
         """Dry-run this call's forward and backward on fake tensors (:func:`~.dry_run.dry_run`);
         a signature with hazards stays eager, named in one warning."""
+        if key in self.proved:
+            return True
         device_type = self.graphs.device_type
         amp = "bf16" if (torch.is_autocast_enabled(device_type)
                          and torch.get_autocast_dtype(device_type) == torch.bfloat16) else None
-        params = [p for p in model.parameters() if p.requires_grad]
+        probe = _CallWith(model)
         wrapped = model.__dict__.pop("forward", None)   # the dry run's copy runs the model's own forward
         try:
-            report = dry_run(_CallWith(model), torch.optim.SGD(params, lr=0.0), _sum_of_outputs,
-                             (args, kwargs), None, amp=amp) if params else None
+            report = dry_run(probe, torch.optim.SGD([p for p in probe.parameters() if p.requires_grad], lr=0.0),
+                             _sum_of_outputs, (args, kwargs), None, amp=amp)
         except Exception as e:  # noqa: BLE001 - a check that cannot run proves nothing: stay eager
             self.eager_only.add(key)
             warnings.warn(f"tncompile.graph_calls: calls of {type(model).__name__} run eagerly: their capture "
@@ -268,11 +273,12 @@ class GraphedCalls:
         finally:
             if wrapped is not None:
                 model.__dict__["forward"] = wrapped
-        if report is not None and not report.ok:
+        if not report.ok:
             self.eager_only.add(key)
             warnings.warn(f"tncompile.graph_calls: calls of {type(model).__name__} with these inputs run "
                           f"eagerly, not from CUDA graphs: {report}", stacklevel=4)
             return False
+        self.proved.add(key)
         return True
 
     def _count_unreplayed(self, model, evicted: list) -> None:
@@ -389,27 +395,18 @@ class _NotGraphable(RuntimeError):
     pass
 
 
-def _sharded(model: nn.Module) -> bool:
-    """Whether ``model`` is FSDP2-sharded (its parameters gathered and freed around every
-    call, plain tensors only inside it) or holds ``DTensor`` parameters."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 - builds without distributed lack it
-    from torch.distributed.tensor import DTensor  # noqa: PLC0415
-    return (any(isinstance(m, FSDPModule) for m in model.modules())
-            or any(isinstance(p, DTensor) for p in model.parameters()))
-
-
 class _CallWith(nn.Module):
     """``model(*args, **kwargs)`` as one module called with ``(args, kwargs)``: what the dry
-    run calls (it calls its model with a tuple's items)."""
+    run calls (it calls its model with a tuple's items). Its ``anchor`` is a parameter the
+    dry run's optimizer always has, and its loss always reaches, also for a frozen model."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        self.anchor = nn.Parameter(torch.zeros(()))
 
     def forward(self, args: tuple, kwargs: dict):
-        return self.model(*args, **kwargs)
+        return self.model(*args, **kwargs), self.anchor
 
 
 def _sum_of_outputs(outputs, _targets) -> torch.Tensor:

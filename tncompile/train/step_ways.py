@@ -64,10 +64,6 @@ class StepWays:
         self._times: dict[Hashable, WayTimes] = {}
         self.failures: dict[Hashable, str] = {}
 
-    @property
-    def needs_compiled(self) -> bool:
-        return self.mode is not False
-
     def way(self, key: Hashable) -> str:
         """The way ``key``'s next step runs."""
         if self.mode != "auto":

@@ -75,5 +75,13 @@ def is_shard(t: torch.Tensor) -> bool:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    """Whether any parameter of ``model`` is an FSDP2 shard (a ``DTensor``)."""
-    return any(is_shard(p) for p in model.parameters())
+    """Whether ``model`` is FSDP2-sharded: any parameter a shard (a ``DTensor``), or any
+    module an ``FSDPModule`` -- inside its forward FSDP2 has swapped the gathered plain
+    tensors in, so the parameters alone would say no there."""
+    if any(is_shard(p) for p in model.parameters()):
+        return True
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
