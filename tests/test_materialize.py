@@ -5,6 +5,7 @@ and it trains like a model compiled from a real dense one."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -309,3 +310,67 @@ def test_no_dense_sized_tensor_is_made():
     assert got["dense_bytes"] > 1.1e9 and got["params"] < 0.02 * got["dense_bytes"] / 4
     assert got["grew"] < 256 << 20, got
     assert got["dense_fails"], got   # the address-space limit would have stopped a dense weight
+
+
+# ----------------------------------------------------------- issue 64 items 2 and 3
+def _meta_llama(transformers, mode="auto"):
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=500)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    compiled = _compile(model, target_ratio=0.2, init="random", mode=mode,
+                        example_inputs={"input_ids": torch.zeros(2, 16, dtype=torch.long, device="meta")})
+    return config, compiled
+
+
+def test_a_model_compiled_on_meta_saves_and_loads_by_both_routes_onto_meta_or_cpu(tmp_path):
+    """Pretrained from scratch, then shared: ``save_pretrained`` -> ``from_pretrained``, and
+    ``tncompile.save`` -> ``tncompile.load`` onto a model built on meta or on the CPU."""
+    transformers = pytest.importorskip("transformers")
+    config, compiled = _meta_llama(transformers)
+    tncompile.materialize(compiled, "cpu", seed=0)
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    ids = torch.randint(0, 500, (2, 16))
+    compiled(input_ids=ids, labels=ids).loss.backward()
+    opt.step()
+    compiled.eval()
+    with torch.no_grad():
+        expected = compiled(input_ids=ids).logits
+    compiled.save_pretrained(tmp_path / "folder")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "folder")
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=ids).logits, expected, rtol=0, atol=0)
+    tncompile.save(compiled, tmp_path / "m.tnc")
+    for device in ("meta", "cpu"):
+        for source in (tmp_path / "m.tnc", tmp_path / "folder"):
+            with torch.device(device):
+                target = transformers.LlamaForCausalLM(config)
+            loaded = tncompile.load(source, model=target)
+            assert not any(t.is_meta for t in [*loaded.parameters(), *loaded.buffers()]), (device, source)
+            loaded.eval()
+            with torch.no_grad():
+                torch.testing.assert_close(loaded(input_ids=ids).logits, expected, rtol=0, atol=0)
+
+
+def test_every_entry_point_given_a_meta_model_names_materialize(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    _, compiled = _meta_llama(transformers)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.1)
+
+    def loss_fn(out, _):
+        return out.logits.float().mean()
+    calls = {
+        "tncompile.save": lambda: tncompile.save(compiled, tmp_path / "m.tnc"),
+        "TrainStep": lambda: tncompile.TrainStep(compiled, opt, loss_fn),
+        "tncompile.fit": lambda: tncompile.fit(compiled, [({"input_ids": ids}, ids)], loss_fn, opt, steps=1,
+                                               progress=False),
+        "RankController": lambda: tncompile.RankController(compiled, opt, target_ratio=0.1),
+        "report(inputs)": lambda: compiled.report({"input_ids": ids}),
+    }
+    for where, call in calls.items():
+        with pytest.raises(ValueError, match=rf"{re.escape(where)}: the model is still on the meta device.*"
+                                             r"tncompile\.materialize"):
+            call()
+    assert not (tmp_path / "m.tnc").exists()
+    compiled.report()                        # the table alone needs no memory

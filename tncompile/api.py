@@ -205,6 +205,11 @@ def _build(work: nn.Module, original_params: int, options: CompileOptions, pipel
     return compiled
 
 
+#: a meta example input of at most this many elements is recorded as ones of its shape (what a
+#: saved model traces on when loaded; serialization's MAX_EXAMPLE_ELEMENTS bounds what it reads)
+RECORDED_META_ELEMENTS = 1 << 16
+
+
 def is_plain_input(value: Any) -> bool:
     """An example input a file can hold: a tensor, ``None``, a bool, a number or a short string."""
     return isinstance(value, (torch.Tensor, bool, int, float, type(None))) or (isinstance(value, str)
@@ -214,16 +219,23 @@ def is_plain_input(value: Any) -> bool:
 def recordable_inputs(example_inputs: Any) -> tuple[tuple, dict] | None:
     """``(args, kwargs)`` of ``example_inputs`` as a file can hold them -- detached CPU copies
     of tensors, and plain values (``None``, bools, numbers, short strings) -- or ``None``
-    where anything else (or a meta tensor) is among them (``load`` then needs ``example_inputs=``)."""
+    where anything else is among them (``load`` then needs ``example_inputs=``).
+
+    A tensor on the meta device (a model compiled on meta) has a shape and no values: it is
+    recorded as ones of its shape and dtype (a valid token id, an attend-everywhere mask),
+    which is all tracing reads -- unless it has over :data:`RECORDED_META_ELEMENTS` elements."""
     example = split_example_inputs(example_inputs)
     if example is None:
         return None
     args, kwargs = example
     leaves = [*args, *kwargs.values()]
-    if not all(map(is_plain_input, leaves)) or any(isinstance(v, torch.Tensor) and v.is_meta for v in leaves):
+    if not all(map(is_plain_input, leaves)) or any(isinstance(v, torch.Tensor) and v.is_meta
+                                                   and v.numel() > RECORDED_META_ELEMENTS for v in leaves):
         return None
 
     def copy_of(v):
+        if isinstance(v, torch.Tensor) and v.is_meta:
+            return torch.ones(v.shape, dtype=v.dtype)
         return v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
     return tuple(copy_of(a) for a in args), {k: copy_of(v) for k, v in kwargs.items()}
 

@@ -6,7 +6,7 @@ import numbers
 from typing import Any
 
 __all__ = ["TNCompileError", "TraceError", "PassError", "ModelFileError", "ModelMismatchError", "SlowerThanDenseWarning", "BelowTargetWarning", "CalibrationWarning",
-           "is_int", "is_real", "check_int", "check_float"]
+           "is_int", "is_real", "check_int", "check_float", "check_materialized"]
 
 
 def is_int(value: Any) -> bool:
@@ -117,3 +117,19 @@ class SlowerThanDenseWarning(UserWarning):
     whose fixed per-kernel cost outweighs their saved multiply-adds (small layers, small
     batches, GPUs). The message gives the ratio with the slower layers kept dense.
     Silence it with ``warnings.filterwarnings("ignore", category=SlowerThanDenseWarning)``."""
+
+
+def check_materialized(model: Any, where: str) -> None:
+    """Raise where ``model`` still has parameters or buffers on the meta device (compiled
+    on meta and never given memory): ``<where>: the model is still on the meta device
+    ('<name>' and N more); call tncompile.materialize(model, device=...) first``."""
+    from torch import nn   # errors.py is imported before torch elsewhere needs it
+
+    if not isinstance(model, nn.Module):
+        return
+    meta = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if meta:
+        more = f" and {len(meta) - 1} more" if len(meta) > 1 else ""
+        raise ValueError(f"{where}: the model is still on the meta device ({meta[0]!r}{more} hold no memory); "
+                         "call tncompile.materialize(model, device='cpu' or 'cuda') first -- it gives every "
+                         "parameter memory and a sound initialization")

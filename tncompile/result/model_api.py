@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from ..errors import check_materialized
 from ..ir.program import Program
 from ..passes import Pipeline, Replan, TruncateRanks
 from ..runtime.layers import TNModule
@@ -53,6 +54,7 @@ class CompressedModelAPI:
         (:mod:`.host_time`). The model is left as it was."""
         report = build_report(self.program)
         if inputs is not None:
+            check_materialized(self, "report(inputs)")
             times = measure_layer_times(self, inputs, steps=steps)
             for row in report.rows:
                 row.measured = times.get(row.name)

@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from ..api import is_plain_input, pipeline_of, rebuild
+from ..result.materialize import materialize
 from ..result.model_api import EXAMPLE_PREFIX, is_compressed
-from ..errors import ModelFileError, ModelMismatchError, PassError, TraceError, is_int
+from ..errors import ModelFileError, ModelMismatchError, PassError, TraceError, check_materialized, is_int
 from ..frontend.layers import is_compressible
 from ..ir.program import count_params
 from ..passes.tensorize import check_decision
@@ -93,6 +94,7 @@ def save(compiled: nn.Module, path: str | os.PathLike, *, optimizer: torch.optim
     ``path`` only once complete, so a crash leaves any previous file intact.
     """
     compiled = _saved_model(compiled)
+    check_materialized(compiled, "tncompile.save")
     path = _file_path(path, "save")
     _check_destination(path)
     training = training_state(compiled, optimizer, controller, extra, rng)
@@ -358,6 +360,10 @@ def rebuild_saved(saved: SavedModel, dense: nn.Module, passes: Pipeline | Sequen
     if example is None and saved.example_inputs is not None:  # compile took a tuple of args or a dict of kwargs
         args, kwargs = saved.example_inputs
         example = kwargs if kwargs else args
+    on_meta = any(t.is_meta for t in (*dense.parameters(), *dense.buffers()))
+    if on_meta and example_inputs is None and example is not None:  # traced on fake tensors: shapes are enough
+        example = {k: _to_meta(v) for k, v in example.items()} if isinstance(example, dict) \
+            else tuple(_to_meta(v) for v in example)
     try:
         compiled = rebuild(dense, saved.decisions, saved.options, pipeline, saved.mode, example,
                            trusted_inputs=example_inputs is not None)
@@ -376,10 +382,27 @@ def rebuild_saved(saved: SavedModel, dense: nn.Module, passes: Pipeline | Sequen
     if example_inputs is None:  # the file's inputs, not the fake copies traced on
         program.example_inputs = saved.example_inputs
     if load_tensors:
+        if on_meta:  # a model built on meta: memory, and what no saved tensor holds (rotary buffers), first
+            _materialize_for_load(compiled, where)
         load_checked_state(compiled, saved, where)
         compiled.training_state = saved.training()
     compiled.train(saved.train_mode)
     return compiled
+
+
+def _to_meta(value: Any) -> Any:
+    return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+
+def _materialize_for_load(compiled: nn.Module, where: str) -> None:
+    """Give a model rebuilt on the meta device memory on the CPU and its own initialization
+    (HF's ``_init_weights`` computes buffers no file holds); the file's tensors then overwrite
+    the state."""
+    try:
+        materialize(compiled, "cpu")
+    except ValueError as e:
+        raise ModelMismatchError(f"{where}: the model given is on the meta device and cannot be given memory "
+                                 f"({e}); build it on the CPU instead (no `with torch.device('meta')`)") from e
 
 
 def checked_state(model: nn.Module, saved: SavedModel, where: str, cast: bool = False) -> dict[str, str]:

@@ -55,7 +55,7 @@ from .ddp import (active_group, broadcast_from_rank0, check_same_everywhere, mea
 from .sharding import gathered, is_shard, summed_over_shards, whole
 from .schedules import SCHEDULES as SCHEDULE_CLASSES
 from .truncation import Cut, check_optimizer, remap_optimizer, unwrap_optimizer
-from ..errors import check_float, check_int
+from ..errors import check_float, check_int, check_materialized
 from ..result.model_api import is_compressed
 
 __all__ = ["RankController", "RankEvent", "param_groups"]
@@ -252,6 +252,7 @@ class RankController:
         compiled = unwrap(compiled)  # a DDP / DistributedModel wrapper: the compiled model inside
         if not is_compressed(compiled):
             raise TypeError(f"RankController expects a CompiledModel, got {type(compiled).__name__}")
+        check_materialized(compiled, "RankController")
         self.compiled = compiled
         if not _owners(compiled):
             raise ValueError("RankController: the model has no TT/TTM layers to adapt; compile it "

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..errors import check_int, is_int
+from ..errors import check_int, check_materialized, is_int
 from ..runtime.layers import TNModule
 from .controller import RankController
 from .distill import Distill, Teacher, distill_loss
@@ -129,6 +129,7 @@ def fit(compiled: nn.Module, train_loader: Iterable, loss_fn: Callable[[Any, Any
     settings = FitSettings(early_steps=early_steps, late_steps=late_steps, steps=steps, eval_every=eval_every,
                            log_every=log_every, grad_clip=grad_clip, checkpoint_path=checkpoint_path,
                            checkpoint_every=checkpoint_every, cuda_graph=cuda_graph, progress=progress)
+    check_materialized(unwrap(compiled), "tncompile.fit")
     _check_run(settings, train_loader, loss_fn, optimizer, controller, teacher, distill)
     wrapper = _distributed_wrapper(compiled, ddp)
     compiled = unwrap(compiled)

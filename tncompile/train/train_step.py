@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..errors import check_materialized
 from ..ir.calls import call_model
 from ..runtime.layers.derived import advance_weights_epoch
 from .ddp import DDP_WARMUP_STEPS, check_controller_group, is_ddp, unwrap
@@ -135,6 +136,7 @@ class TrainStep:
         params = [p for p in compiled.parameters()]
         if not params:
             raise ValueError("TrainStep: the model has no parameters to train")
+        check_materialized(compiled, "TrainStep")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"TrainStep: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not callable(loss_fn):
