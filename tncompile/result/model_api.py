@@ -14,7 +14,7 @@ from torch import nn
 from ..errors import check_materialized
 from ..ir.program import Program
 from ..passes import Pipeline, Replan, TruncateRanks
-from ..runtime.layers import TNModule
+from ..runtime.layers import TNModule, owning_layers
 from .host_time import measure_layer_times, summarize
 from .report import Report, build_report
 
@@ -89,16 +89,34 @@ class CompressedModelAPI:
             self._run_passes([TruncateRanks({name: [torch.arange(r).clamp(max=have - 1) for r, have in
                                                 zip(ranks, layers[name].layout.ranks)]
                                             for name, ranks in keep.items()}), Replan()])
+        if not strict:   # a tied tensor the state holds under its other name is loaded, not missing
+            aliases = _aliases(self)
+            state_dict = {**{alias: state_dict[name] for name in state_dict for alias in aliases.get(name, ())
+                             if alias not in state_dict}, **state_dict}
         return super().load_state_dict(state_dict, strict, assign)
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """``state name -> the other names of its tensor`` for every tensor two names share (a
+    head tied to its embedding; checkpoints such as safetensors' keep one of them)."""
+    names: dict[int, list[str]] = {}
+    for n, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(n)
+    return {n: [o for o in group if o != n] for group in names.values() if len(group) > 1 for n in group}
 
 
 def saved_ranks(model: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """``layer -> ranks`` of each compressed layer whose gates in ``state_dict`` differ in
     length from its own (the ranks a rank-adaptive run had cut it to, or had before a cut)."""
-    names = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
+    names: dict[int, list[str]] = {}
+    for n, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(n)   # a tied tensor has several names; a state may hold any one
+
+    def saved(t: torch.Tensor) -> Any:
+        return next((state_dict[n] for n in names.get(id(t), ()) if n in state_dict), None)
     keep = {}
-    for layer, m in model.tensorized_modules().items():
-        gates = [state_dict.get(names.get(id(g), "")) for g in m.gates._parameters.values()]
+    for layer, m in owning_layers(model.tensorized_modules()).items():   # a tied head grows with its embedding
+        gates = [saved(g) for g in m.gates._parameters.values()]
         if any(not isinstance(g, torch.Tensor) or g.dim() == 0 for g in gates):
             continue  # not in the state (a tied alias, another structure): load_state_dict reports it
         ranks = tuple(int(g.shape[-1]) for g in gates)

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from ..passes import CollapseLayers, Replan, TruncateRanks
-from ..runtime.layers import TNModule, TTMTiedLinear
+from ..runtime.layers import TNModule, owning_layers
 from .ddp import (active_group, broadcast_from_rank0, check_same_everywhere, mean_over_processes,
                           unwrap)
 from .sharding import gathered, is_shard, summed_over_shards, whole
@@ -67,14 +67,7 @@ NONFINITE = ("raise", "skip")
 
 def _owners(compiled) -> dict[str, TNModule]:
     """``name -> layer`` for every TT/TTM layer that owns its cores (tied heads excluded)."""
-    out: dict[str, TNModule] = {}
-    seen: set[int] = set()
-    for name, mod in compiled.tensorized_modules().items():
-        if isinstance(mod, TTMTiedLinear) or id(mod) in seen:
-            continue
-        seen.add(id(mod))
-        out[name] = mod
-    return out
+    return owning_layers(compiled.tensorized_modules())
 
 
 def param_groups(compiled: nn.Module, lr: float, *, core_lr: float | None = None,

@@ -15,7 +15,7 @@ from .derived import kept
 from .tn_module import TNModule
 from .ttm_embedding import TTMEmbedding
 
-__all__ = ["TTMTiedLinear", "tied_merge_macs"]
+__all__ = ["TTMTiedLinear", "tied_merge_macs", "owning_layers"]
 
 
 class TTMTiedLinear(TNModule):
@@ -107,3 +107,17 @@ class TTMTiedLinear(TNModule):
 
     def extra_repr(self) -> str:
         return f"tied to embedding {self.layout.describe()}, bias={self.bias is not None}"
+
+
+def owning_layers(layers: dict[str, TNModule]) -> dict[str, TNModule]:
+    """``name -> layer`` of ``layers`` (``compiled.tensorized_modules()``) keeping each layer
+    that owns its cores once: tied heads (whose cores are their embedding's) and a layer met
+    again under a second name are left out."""
+    out: dict[str, TNModule] = {}
+    seen: set[int] = set()
+    for name, mod in layers.items():
+        if isinstance(mod, TTMTiedLinear) or id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        out[name] = mod
+    return out
