@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..calibration.layer_fit import fit_linear_cores, fit_table_cores, output_error
+from ..calibration.layer_fit import RIDGE, fit_linear_cores, fit_table_cores, output_error
 from ..ir.program import Program
 from .infra.progress import progress
 from ..runtime.layers.module_kinds import linear_weight_of
@@ -93,13 +93,14 @@ def _fit_to_calibration(program: Program, name: str, pending: PendingLayer, laye
         if counts is None:
             return
         seed = program.options.seed if program.options.seed is not None else 0
-        result = fit_table_cores(pending.dense.weight, layer.layout, counts, seed=seed)
+        result = fit_table_cores(pending.dense.weight, layer.layout, counts, seed=seed, start=list(layer.cores))
     elif pending.kind in ("linear", "conv1d"):
         moment = stats.moment_of(pending.dense.weight)
         if moment is None:
             return
         weight = linear_weight_of(pending.dense)
-        result = fit_linear_cores(weight, layer.layout, moment)
+        result = fit_linear_cores(weight, layer.layout, moment, start=list(layer.cores),
+                                  eigh=stats.moments[id(pending.dense.weight)].normalized_eigh(RIDGE))
         held = stats.held_out_moment_of(pending.dense.weight)
         summary = program.calibration_summary.setdefault(name, {})
         summary.update(rows=stats.rows_of(pending.dense.weight), features=int(weight.shape[1]))

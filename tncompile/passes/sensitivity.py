@@ -6,7 +6,7 @@ import warnings
 import torch
 
 from ..calibration.allocation import allocate_by_sensitivity, candidate_ranks, error_curve
-from ..calibration.layer_fit import moment_root, weighted_table
+from ..calibration.layer_fit import RIDGE, moment_root, weighted_table
 from ..ir.program import Program
 from .infra.progress import progress
 from ..runtime.layers.module_kinds import linear_weight_of
@@ -61,7 +61,7 @@ def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dic
             else:  # layers fed the same inputs (query, key, value) share the whitening
                 key = id(moment)
                 if key not in roots:
-                    roots[key] = moment_root(moment.second_moment())
+                    roots[key] = moment_root(moment.second_moment(), RIDGE, moment.normalized_eigh(RIDGE))
                 target = weight.detach().to(torch.float64) @ roots[key].to(weight.device)
         floor = min((floors or {}).get(name, 1), caps[name])
         curves[name] = error_curve(target, mod.layout, candidate_ranks(caps[name], floor))

@@ -217,8 +217,10 @@ class Pipeline:
             if not program.history:
                 _write_dump(program, out, "00-trace")
         passes = progress_bar(self.passes, "passes", enabled=progress)
+        began, earlier = perf_counter(), len(program.history)
         for p in passes:
             start = perf_counter()
+            _name_the_stage(passes, p.name, program.history[earlier:], start - began)
             p.matches.clear()
             program = _run_checked(p, program)
             program.history.append(PassRecord(p.name, perf_counter() - start, program.num_params(),
@@ -228,6 +230,15 @@ class Pipeline:
         for listener in program.listeners:
             listener(program)
         return program
+
+
+def _name_the_stage(bar, running: str, history: list[PassRecord], elapsed: float) -> None:
+    """The bar says which pass runs, and which earlier pass took most of the time so far."""
+    if not hasattr(bar, "set_postfix_str"):
+        return
+    slowest = max(history, key=lambda r: r.seconds, default=None) if elapsed > 0 else None
+    share = f"; so far {slowest.name} {min(1.0, slowest.seconds / elapsed):.0%}" if slowest is not None else ""
+    bar.set_postfix_str(f"{running}{share}", refresh=False)
 
 
 def _run_checked(p: Pass, program: Program) -> Program:
