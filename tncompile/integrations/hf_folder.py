@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelFileError, ModelMismatchError
+from ..safe_files import read_bounded, write_replacing
 from ..ir.program import count_params
 from .hf_config import marked as dtype_marked, restored as dtype_restored
 from ..swap.swapped import register_folder_writer
@@ -117,16 +119,25 @@ def save_folder(model: nn.Module, directory: str | os.PathLike, *, is_main_proce
     if config is not None and hasattr(config, "save_pretrained"):
         marked = config.__class__.from_dict(config.to_dict())
         marked.quantization_config = {"quant_method": QUANT_METHOD, **manifest}
-        marked.save_pretrained(folder)
-        written = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-        (folder / "config.json").write_text(json.dumps(dtype_marked(written), indent=2, sort_keys=True) + "\n",
-                                            encoding="utf-8")
+        written = json.loads(_written_by(marked, "config.json"))
+        write_replacing(folder / "config.json", json.dumps(dtype_marked(written), indent=2, sort_keys=True) + "\n",
+                         mode=None)
     else:  # not an HF model: the config holds the manifest alone
-        (folder / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": QUANT_METHOD,
-                                                                                **manifest}}))
+        write_replacing(folder / "config.json", json.dumps({"quantization_config": {"quant_method": QUANT_METHOD,
+                                                                                     **manifest}}), mode=None)
     generation = getattr(model, "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):
-        generation.save_pretrained(folder)
+        write_replacing(folder / "generation_config.json", _written_by(generation, "generation_config.json"),
+                         mode=None)
+
+
+def _written_by(config: Any, name: str) -> bytes:
+    """The file ``config.save_pretrained`` writes, made in a fresh private folder of its own
+    (transformers opens its target plainly, following any link planted there): tncompile then
+    writes it into the user's folder atomically, replacing whatever is at that path."""
+    with tempfile.TemporaryDirectory(prefix="tncompile-config-") as scratch:
+        config.save_pretrained(scratch)
+        return read_bounded(Path(scratch) / name, MAX_CONFIG_BYTES)
 
 
 # ----------------------------------------------------------------- reading

@@ -39,6 +39,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
@@ -46,6 +47,7 @@ from typing import Callable
 import torch
 
 from .. import tuning
+from ..safe_files import UnsafeFolderError, open_lock_file, private_folder, read_bounded, write_replacing
 from ..formats.indices import BATCH, planner_problem
 from ..formats.layout import TTLayout, TTMLayout
 from ..runtime.kernels.executor import is_merge_first
@@ -243,11 +245,16 @@ def cache_path() -> Path:
     return Path(root) / "device_speed.json"
 
 
+#: the device-speed cache holds a few entries of five numbers each: anything larger is not it
+MAX_CACHE_BYTES = 1 << 20
+
+
 def _read_cache() -> dict[str, DeviceSpeed]:
-    """The cached measurements; entries that do not check out are dropped (and re-measured)."""
+    """The cached measurements; entries that do not check out are dropped (and re-measured).
+    A file that is no regular file, a link, or over :data:`MAX_CACHE_BYTES` is not read."""
     try:
-        raw = json.loads(cache_path().read_text())
-    except (OSError, ValueError):
+        raw = json.loads(read_bounded(cache_path(), MAX_CACHE_BYTES))
+    except (OSError, ValueError, RecursionError):
         return {}
     out = {}
     if isinstance(raw, dict):
@@ -262,10 +269,10 @@ def _read_cache() -> dict[str, DeviceSpeed]:
 def _write_cache(entries: dict[str, DeviceSpeed]) -> None:
     path = cache_path()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({k: v.as_dict() for k, v in entries.items()}, indent=1))
-        os.replace(tmp, path)
+        private_folder(path.parent)
+        write_replacing(path, json.dumps({k: v.as_dict() for k, v in entries.items()}, indent=1))
+    except UnsafeFolderError as e:
+        _warn_once(f"tncompile: not caching the device speed: {e}")
     except OSError:
         pass  # a read-only home: measure again next process
 
@@ -358,8 +365,12 @@ def _cache_lock():
     try:
         import fcntl
         path = cache_path().with_suffix(".lock")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(path, "a")
+        private_folder(path.parent)
+        handle = open_lock_file(path)
+    except UnsafeFolderError as e:
+        _warn_once(f"tncompile: not caching the device speed: {e}")
+        yield
+        return
     except (ImportError, OSError):
         yield
         return
@@ -367,7 +378,16 @@ def _cache_lock():
         fcntl.flock(handle, fcntl.LOCK_EX)
         yield
     finally:
-        handle.close()
+        os.close(handle)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _from_environment(text: str) -> DeviceSpeed:

@@ -14,17 +14,23 @@ take the same ways. In a process of several (``torch.distributed``) nothing is t
 draws its inputs from a generator of its own: the caller's random stream never moves.
 
 A cache file is data read from outside: it is refused whole (:class:`UserWarning`, then
-ignored) unless it is a JSON object of at most :data:`MAX_FILE_BYTES`, with at most
-:data:`MAX_ENTRIES` string keys of at most 512 characters whose values are way names the
-caller knows; nothing in it is ever run.
+ignored) unless it is a regular file (no link, FIFO or device) holding a JSON object of at
+most :data:`MAX_FILE_BYTES`, with at most :data:`MAX_ENTRIES` string keys of at most 512
+characters whose values are way names the caller knows; nothing in it is ever run. Its
+folder is made 0700 and refused when another user owns it or others may write to it; the
+file is written atomically (a link planted at its path is replaced, not followed).
+
+A way from a cache file or a checkpoint is a hint: it is taken only where it is one of the
+candidates of that op, shape and device in this process (a lookup's way offered to a
+linear, or a native kernel's while native kernels are off, is not); otherwise it is
+dropped, with one warning, and measured afresh. The ways a checkpoint installs
+(:func:`install`) are kept apart from those measured here and never reach the disk cache.
 """
 from __future__ import annotations
 
 import functools
 import json
-import os
 import platform
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -33,6 +39,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ... import tuning
+from ...safe_files import UnsafeFolderError, private_folder, read_bounded, write_replacing
 from ..kernels.plans import bucket_of
 from ..kernels.tracing import exporting
 from .network import recorded_elsewhere
@@ -44,7 +51,9 @@ MAX_FILE_BYTES = 4 << 20
 MAX_ENTRIES = 100_000
 _FORMAT = 1
 
-_WINNERS: dict[str, str] = {}           # key -> way value, this process
+_WINNERS: dict[str, str] = {}           # key -> way value, measured here or read from the disk cache
+_HINTS: dict[str, str] = {}             # key -> way value a checkpoint installed: never written to disk
+_WARNED: set[str] = set()               # sources already warned about a way that is no candidate
 _LOADED: set[str] = set()               # cache files read into _WINNERS
 _STATS = {"measured": 0, "hits": 0}
 GENERATION = [0]                        # moves when winners are installed or forgotten
@@ -64,6 +73,7 @@ def stats() -> dict[str, int]:
 def forget() -> None:
     """Drop every winner known in memory (a disk cache is read again on next use)."""
     _WINNERS.clear()
+    _HINTS.clear()
     _LOADED.clear()
     GENERATION[0] += 1
     _STATS.update(measured=0, hits=0)
@@ -145,15 +155,18 @@ def _read_disk(path: Path) -> None:
         return
     _LOADED.add(str(path))
     try:
-        if not path.is_file():
-            return
-        if path.stat().st_size > MAX_FILE_BYTES:
-            raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
-        data = json.loads(path.read_bytes())
+        raw = read_bounded(path, MAX_FILE_BYTES)
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        warnings.warn(f"tncompile: ignoring the measured-ways cache {path}: {err}", UserWarning, stacklevel=4)
+        return
+    try:
+        data = json.loads(raw)
         if not isinstance(data, dict) or data.get("format") != _FORMAT or not isinstance(data.get("winners"), dict):
             raise ValueError("not a tncompile ways cache")
         winners = check_winners(data["winners"])
-    except (OSError, ValueError) as err:
+    except (ValueError, RecursionError) as err:
         warnings.warn(f"tncompile: ignoring the measured-ways cache {path}: {err}", UserWarning, stacklevel=4)
         return
     for key, way in winners.items():
@@ -176,25 +189,22 @@ def check_winners(winners) -> dict[str, str]:
 def snapshot() -> dict[str, str]:
     """The winners this process knows (what a checkpoint keeps, so a resumed run takes the
     same ways and continues bit for bit)."""
-    return dict(_WINNERS)
+    return {**_WINNERS, **_HINTS}
 
 
 def install(winners: dict[str, str]) -> None:
-    """Take ``winners`` (checked: :func:`check_winners`) over any known for the same keys,
-    and forget every layer's cached choice made from others (``layer._measured_choice`` is
-    keyed by the settings below; a new generation starts them afresh)."""
-    _WINNERS.update(check_winners(winners))
+    """Take ``winners`` (checked: :func:`check_winners`; a checkpoint's) over any known for
+    the same keys, as hints kept apart from the disk cache, and forget every layer's cached
+    choice made from others (``layer._measured_choice`` is keyed by the settings below; a new
+    generation starts them afresh)."""
+    _HINTS.update(check_winners(winners))
     GENERATION[0] += 1
 
 
 def _write_disk(path: Path) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        payload = json.dumps({"format": _FORMAT, "winners": _WINNERS}, sort_keys=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".ways-")
-        with os.fdopen(fd, "w") as f:
-            f.write(payload)
-        os.replace(tmp, path)
+        private_folder(path.parent)
+        write_replacing(path, json.dumps({"format": _FORMAT, "winners": _WINNERS}, sort_keys=True))
     except OSError as err:
         warnings.warn(f"tncompile: could not write the measured-ways cache {path}: {err}", UserWarning, stacklevel=4)
 
@@ -204,11 +214,12 @@ def winner(key: str, candidates: tuple[str, ...], make_timer: Callable[[], Calla
     """The fastest of ``candidates`` for ``key``: known (memory, then disk), or measured
     now where timing may run, with ``make_timer()``'s ``time_way(way) -> seconds`` (made
     once, only then); else ``None``."""
-    got = _WINNERS.get(key)
+    got = _known(key, candidates, _HINTS, "a checkpoint")
     path = cache_file()
     if got is None and path is not None:
         _read_disk(path)
-        got = _WINNERS.get(key)
+    if got is None:
+        got = _known(key, candidates, _WINNERS, "the measured-ways cache" if path is not None else "this process")
     if got is not None:
         _STATS["hits"] += 1
         return got
@@ -222,6 +233,21 @@ def winner(key: str, candidates: tuple[str, ...], make_timer: Callable[[], Calla
     record_winner(key, got)
     _STATS["measured"] += 1
     return got
+
+
+def _known(key: str, candidates: tuple[str, ...], known: dict[str, str], source: str) -> str | None:
+    """``known[key]`` where it is one of ``candidates``; a way that is not (another op's, or
+    a kernel this process does not offer) is dropped with one warning per source."""
+    got = known.get(key)
+    if got is None or got in candidates:
+        return got
+    del known[key]
+    if source not in _WARNED:
+        _WARNED.add(source)
+        warnings.warn(f"tncompile: {source} names the way {got!r} for {key.split('|', 1)[0]!r}, which is not one "
+                      f"of its candidates here ({', '.join(candidates)}); ignored and measured afresh (further "
+                      "such entries from it are ignored silently)", UserWarning, stacklevel=4)
+    return None
 
 
 def fastest_of(owner: torch.nn.Module, op: str, shape: tuple, like: torch.Tensor, rows: int,
