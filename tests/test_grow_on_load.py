@@ -171,3 +171,38 @@ def test_trainer_loads_the_best_checkpoint_saved_before_later_cuts(kind, tmp_pat
     assert any(e.get("tncompile_event") == "cut" for e in callback.events)
     loaded = {n: m.layout.ranks for n, m in trainer.model.tensorized_modules().items()}
     assert loaded == at_best
+
+
+def _mlp_model():
+    from tncompile.testing import mlp
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tncompile.compile(mlp((256, 256, 256, 256, 10)), 0.1)
+
+
+def test_gates_alone_do_not_grow_a_layer():
+    """Issue 65 item 6: a state holding only longer gates (a few KB), loaded with
+    ``strict=False`` as Trainer does, is refused naming the layer -- it used to grow every
+    layer to those ranks, past twice its dense size."""
+    model = _mlp_model()
+    before = sum(p.numel() for p in model.parameters())
+    layer, m = next(iter(owning_layers(model.tensorized_modules()).items()))
+    names = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
+    gates = {names[id(g)]: torch.ones(min(b, r + 4)) for g, r, b in
+             zip(m.gates, m.layout.ranks, m.layout.rank_bounds())}
+    with pytest.raises(ValueError, match=rf"{layer!r}.*no core 0 there.*grows only to ranks whose cores the state"):
+        model.load_state_dict(gates, strict=False)
+    assert sum(p.numel() for p in model.parameters()) == before          # nothing half-applied
+
+
+def test_growth_past_the_dense_size_is_refused():
+    model = _mlp_model()
+    layer, m = next(iter(owning_layers(model.tensorized_modules()).items()))
+    names = {id(t): n for n, t in model.state_dict(keep_vars=True).items()}
+    big = m.layout.with_ranks(m.layout.rank_bounds())
+    assert big.num_params() > big.dense_params
+    state = {names[id(g)]: torch.ones(r) for g, r in zip(m.gates, big.ranks)}
+    state.update({names[id(c)]: torch.zeros(shape) for c, shape in zip(m.cores, big.core_shapes())})
+    with pytest.raises(ValueError, match=rf"{layer!r} would grow to ranks .* more than its dense form"):
+        model.load_state_dict(state, strict=False)

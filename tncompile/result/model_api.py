@@ -126,8 +126,28 @@ def saved_ranks(model: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, tu
         if len(ranks) != len(bounds) or any(not 1 <= r <= b for r, b in zip(ranks, bounds)):
             raise ValueError(f"load_state_dict: {layer!r} has ranks {ranks} in the state, outside what its layout "
                              f"allows ({tuple(bounds)}): the state is of another model")
+        if any(r > have for r, have in zip(ranks, m.layout.ranks)):
+            _check_growth(layer, m, ranks, [saved(c) for c in m.cores._parameters.values()])
         keep[layer] = ranks
     return keep
+
+
+def _check_growth(layer: str, m: TNModule, ranks: tuple[int, ...], cores: list) -> None:
+    """A layer grows only to ranks whose cores the state itself holds, and never past its
+    dense size: gates alone (10 KB) must not make it larger."""
+    grown = m.layout.with_ranks(ranks)
+    if grown.num_params() > grown.dense_params:
+        raise ValueError(f"load_state_dict: {layer!r} would grow to ranks {ranks}, {grown.num_params():,} parameters, "
+                         f"more than its dense form's {grown.dense_params:,}: the state is not one this model saved")
+    lead = (grown.copies,) if getattr(m, "stacked", 0) else ()
+    expected = [lead + tuple(shape) for shape in grown.core_shapes()]
+    held = [tuple(c.shape) if isinstance(c, torch.Tensor) else None for c in cores]
+    if held != expected:
+        first = next(k for k, (h, e) in enumerate(zip(held, expected)) if h != e)
+        raise ValueError(f"load_state_dict: {layer!r} has ranks {ranks} in the state but "
+                         f"{'no core ' + str(first) if held[first] is None else f'core {first} of shape {held[first]}'}"
+                         f" there (expected {expected[first]}): a layer grows only to ranks whose cores the state "
+                         "holds")
 
 
 def is_compressed(model: Any) -> bool:

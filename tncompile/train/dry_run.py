@@ -47,7 +47,7 @@ from torch.utils._pytree import tree_map
 from ..runtime.native import loader as native
 from ..runtime.triton import DEVICE_OPS
 from .ddp import DDP_WARMUP_STEPS, is_ddp, unwrap
-from .train_step import TrainStep, make_capturable
+from .train_step import TrainStep, checking_on_meta, make_capturable
 
 __all__ = ["dry_run", "DryRunReport", "Hazard", "CaptureError"]
 
@@ -399,7 +399,8 @@ def dry_run(compiled: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Call
                 report.hazards.append(Hazard("optimizer", type(opt).__name__, str(e), "", "optimizer step",
                                              stages[0]))
                 return report
-            step = TrainStep(model, opt, loss_fn, controller=ctl, cuda_graph=False, amp=amp, grad_clip=grad_clip)
+            with checking_on_meta():
+                step = TrainStep(model, opt, loss_fn, controller=ctl, cuda_graph=False, amp=amp, grad_clip=grad_clip)
             step.use_graphs = True         # the captured path's settings (autocast without cast cache)
             step.autocast_device = "cuda"  # as on the GPU; a no-op on a PyTorch without CUDA
             with mode, observer:

@@ -27,6 +27,7 @@ computing the same thing.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import time
 import warnings
 from typing import Any, Callable, Hashable
@@ -48,6 +49,20 @@ from .step_ways import StepWays
 __all__ = ["TrainStep", "call_model", "make_capturable"]
 
 AMP_DTYPES = {"bf16": torch.bfloat16}
+
+
+#: set by the dry run, whose TrainStep steps a copy of the model on the meta device on purpose
+_CHECKING_ON_META = contextvars.ContextVar("tncompile_checking_on_meta", default=False)
+
+
+@contextlib.contextmanager
+def checking_on_meta():
+    """Within it, a ``TrainStep`` may be built on a model on the meta device (the dry run's copy)."""
+    token = _CHECKING_ON_META.set(True)
+    try:
+        yield
+    finally:
+        _CHECKING_ON_META.reset(token)
 
 
 def make_capturable(optimizer: torch.optim.Optimizer) -> None:
@@ -136,7 +151,8 @@ class TrainStep:
         params = [p for p in compiled.parameters()]
         if not params:
             raise ValueError("TrainStep: the model has no parameters to train")
-        check_materialized(compiled, "TrainStep")
+        if not _CHECKING_ON_META.get():
+            check_materialized(compiled, "TrainStep")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"TrainStep: optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not callable(loss_fn):
