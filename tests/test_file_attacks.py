@@ -303,3 +303,19 @@ def test_a_folder_config_inflating_a_size_is_refused_within_a_memory_bound(folde
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "refused:" in run.stdout, run.stderr[-2000:]
     assert "parameters" in run.stdout or "bytes" in run.stdout
+
+
+@pytest.mark.parametrize("shape", ["loop", "dangling"])
+def test_a_link_that_leads_to_no_file_is_a_model_file_error(shape, tmp_path):
+    """Issue 65 item 9: a symlink loop (or a link to nothing) is named as such, not a raw
+    ``FileNotFoundError`` that says the file is missing."""
+    first, second = tmp_path / "a.tnc", tmp_path / "b.tnc"
+    if shape == "loop":
+        first.symlink_to(second)
+        second.symlink_to(first)
+    else:
+        first.symlink_to(tmp_path / "gone.tnc")
+    with pytest.raises(ModelFileError, match="a link that leads to no file"):
+        tncompile.load(first, model=mlp((8, 8)))
+    with pytest.raises(FileNotFoundError, match="no file"):
+        tncompile.load(tmp_path / "missing.tnc", model=mlp((8, 8)))

@@ -226,3 +226,23 @@ def test_peft_s_ordinary_calls_work_on_a_compressed_model(tmp_path):
     torch.testing.assert_close(_logits(merged, ids), want, rtol=1e-4, atol=1e-5)
     with pytest.raises(tncompile.ModelFileError, match="regular expression"):  # configs are checked on the way
         peft.get_peft_model(_compressed(), peft.LoraConfig(target_modules=["query", "(a+)+$"], r=4))
+
+
+def test_an_adapter_targeting_a_core_parameter_is_refused_when_it_loads(tmp_path):
+    """Issue 65 item 5: ``target_parameters`` naming a TT core (``...query.cores.0``) used to
+    load and then fail at the first forward with a raw ``IndexError``; it is refused when the
+    adapter is made or loaded, naming the parameter and the fix."""
+    c = _compressed()
+    name = next(n for n in dict(c.named_parameters()) if n.endswith("query.cores.0"))
+    config = peft.LoraConfig(target_modules=[], target_parameters=[name], r=2)
+    with pytest.raises(tncompile.ModelFileError, match=r"query\.cores\.0.*core or gate of a compressed layer"):
+        peft.get_peft_model(c, config)
+    plain = peft.get_peft_model(_compressed(), peft.LoraConfig(target_modules=["query"], r=2))   # an adapter folder,
+    plain.save_pretrained(tmp_path / "adapter")                                                # then edited by hand
+    import json
+    path = tmp_path / "adapter" / "adapter_config.json"
+    data = json.loads(path.read_text())
+    data.update(target_modules=[], target_parameters=[name])
+    path.write_text(json.dumps(data))
+    with pytest.raises(tncompile.ModelFileError, match="core or gate of a compressed layer"):
+        peft.PeftModel.from_pretrained(_compressed(), tmp_path / "adapter")

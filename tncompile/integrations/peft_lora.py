@@ -48,6 +48,7 @@ from ..errors import ModelFileError, check_int
 from ..formats.factorization import linear_unfolding_ranks, tt_from_linear_weight, tt_to_dense
 from ..passes.replan import replan_module
 from ..runtime import TTLinear
+from ..runtime.layers import TNModule
 from ..swap.adapters import register_adapter_wrapper
 
 __all__ = ["tt_lora", "TTLoraLinear", "MergeResult", "merge_and_unload", "register_with_peft", "EXACT"]
@@ -342,6 +343,17 @@ def register_with_peft() -> None:
         return create(lora_config, adapter_name, target, **kwargs)
     create_new_module._tncompile = True
     LoraModel._create_new_module = staticmethod(create_new_module)
+    replace = LoraModel._create_and_replace
+
+    def create_and_replace(self, lora_config, adapter_name, target, target_name, parent, current_key, *args,
+                           parameter_name=None, **kwargs):
+        if parameter_name is not None and (isinstance(target, TNModule) or isinstance(parent, TNModule)):
+            raise ModelFileError(f"LoRA on the parameter {current_key}.{parameter_name} (target_parameters): it is a "
+                                 "core or gate of a compressed layer, which PEFT's parameter adapters cannot wrap; "
+                                 "target the layer itself instead (target_modules=[...]), as tt_lora does")
+        return replace(self, lora_config, adapter_name, target, target_name, parent, current_key, *args,
+                       parameter_name=parameter_name, **kwargs)
+    LoraModel._create_and_replace = create_and_replace
 
 
 # tncompile.compile of a model carrying LoRA adapters keeps them over the compressed layers

@@ -73,6 +73,9 @@ def load(path: str | os.PathLike, model: nn.Module | Callable[[], nn.Module] | t
                                      "wrote")
             loaded = _FOLDER_LOADER(path, model, passes=passes, example_inputs=example_inputs)
         elif not path.exists():
+            if os.path.lexists(path):   # a link to nothing, or a loop of links
+                raise ModelFileError(f"tncompile.load: {str(path)!r} is a link that leads to no file (a dangling "
+                                     "link or a loop of links); give the path of the file itself")
             raise FileNotFoundError(f"tncompile.load: no file {str(path)!r}")
         else:
             with read_model_file(path) as saved:
