@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -77,3 +78,33 @@ def test_a_steps_peak_is_measured_only_once_freed_memory_is_given_back():
         return int(done.stdout.strip().splitlines()[-1])
     assert peak_mb(False) < 32
     assert peak_mb(True) >= 120
+
+
+@pytest.mark.parametrize("switch", ["on", "tuning-off", "env-off"])
+def test_report_says_whether_tncompile_changed_the_allocator(switch):
+    """Issue 65 item 7: the process-wide ``mallopt`` is named where users look -- a measured
+    report -- and ``tuning.RETAIN_FREED_MEMORY = False`` (or the environment variable) keeps
+    glibc untouched. A fresh process each: the setting is once per process."""
+    code = textwrap.dedent(f"""
+        import torch, warnings, tncompile
+        from tncompile.testing import mlp
+        from tncompile.runtime.kernels import cpu_allocator
+        warnings.simplefilter("ignore")
+        if {switch == "tuning-off"!r}:
+            tncompile.tuning.RETAIN_FREED_MEMORY = False
+        c = tncompile.compile(mlp((64, 256, 256, 10)), 0.3)
+        c(torch.randn(32, 64)).sum().backward()
+        print(cpu_allocator.retained())
+        print(str(c.report(torch.randn(32, 64))).splitlines()[-1])
+    """)
+    env = dict(os.environ)
+    env.pop("TNCOMPILE_RETAIN_FREED_MEMORY", None)
+    if switch == "env-off":
+        env["TNCOMPILE_RETAIN_FREED_MEMORY"] = "0"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    retained, line = out.stdout.strip().splitlines()[-2:]
+    if switch == "on":
+        assert retained == "True" and line.startswith("CPU allocator: glibc keeps freed memory")
+    else:
+        assert retained == "False" and line == "CPU allocator: glibc's own, untouched by tncompile (opted out)"

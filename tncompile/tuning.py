@@ -177,6 +177,15 @@ DEDUP_BELOW = 0.8
 #: ... and only for batches of at least this many ids (``torch.unique`` costs more below).
 DEDUP_MIN_IDS = 64
 
+# ---------------------------------------------------------------- runtime: the CPU allocator
+#: At the first CPU forward of a TT/TTM layer, make glibc keep freed memory for reuse
+#: (``mallopt``: no ``mmap`` blocks, no trimming) -- process-wide and for the rest of the
+#: process: big activations are not page-faulted back in every step (a 768->3072 layer over
+#: 4,096 tokens: ~105 ms -> ~50 ms a step on 2 cores), but the process keeps its peak heap.
+#: False (or ``TNCOMPILE_RETAIN_FREED_MEMORY=0``), set before that forward, leaves glibc as
+#: it is. ``compiled.report(inputs)`` says which applies (runtime/kernels/cpu_allocator.py).
+RETAIN_FREED_MEMORY = True
+
 # ---------------------------------------------------------------- runtime: measured ways
 #: Choose among a layer's correct ways by timing them, once per shape, bucket of rows,
 #: dtype and device (runtime/ways/measured.py); off: the cost model's prior alone.

@@ -14,6 +14,7 @@ from torch import nn
 from ..errors import check_materialized
 from ..ir.program import Program
 from ..passes import Pipeline, Replan, TruncateRanks
+from ..runtime.kernels.cpu_allocator import describe as describe_allocator
 from ..runtime.layers import TNModule, owning_layers
 from .host_time import measure_layer_times, summarize
 from .report import Report, build_report
@@ -60,6 +61,8 @@ class CompressedModelAPI:
                 row.measured = times.get(row.name)
             device = next((p.device for p in self.parameters()), torch.device("cpu"))
             report.measured = summarize(times, device)
+            if device.type == "cpu":
+                report.process_notes.append(describe_allocator())
         return report
 
     def tensorized_modules(self) -> dict[str, TNModule]:

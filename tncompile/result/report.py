@@ -56,6 +56,9 @@ class Report:
     speed: "SpeedSummary | None" = None
     #: the measured layer times together (``report(inputs)``), ``None`` when not measured
     measured: MeasuredSummary | None = None
+    #: process-wide settings tncompile made that shaped those times (``report(inputs)`` on CPU:
+    #: the allocator)
+    process_notes: list[str] = field(default_factory=list)
 
     @property
     def ratio(self) -> float:
@@ -107,6 +110,7 @@ class Report:
             out.extend(self.speed.lines())
         if measured:
             out.extend(self.measured.lines())
+        out.extend(self.process_notes)
         if calibrated:
             out.append("calib. error: relative output error on the calibration data -- est.: rank allocation's "
                        "estimate at the chosen rank; TT-SVD's -> after the calibrated fit (on the rows it was fit "

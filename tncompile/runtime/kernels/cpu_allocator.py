@@ -8,20 +8,23 @@ contraction itself (measured: 768->3072 over 4096 tokens, fwd+bwd, 2 cores:
 to serve every block from its heap and keep what is freed.
 
 The runtime turns this on by itself the first time a TT/TTM layer runs on CPU
-outside a trace (:func:`ensure_retained`), once per process, so users get the
-fast path without knowing about it. The price is that the process keeps its
-peak heap. ``TNCOMPILE_RETAIN_FREED_MEMORY=0`` in the environment opts out;
-calling :func:`retain_freed_memory` yourself still works either way.
+outside a trace (:func:`ensure_retained`), once per process. The price is that the
+process -- a server or a notebook alike -- keeps its peak heap for the rest of its
+life. ``tuning.RETAIN_FREED_MEMORY = False`` or ``TNCOMPILE_RETAIN_FREED_MEMORY=0``
+before that first call opts out; calling :func:`retain_freed_memory` yourself still
+works either way; ``compiled.report(inputs)`` says which applies (:func:`describe`).
+The C library is opened by its soname (``libc.so.6``): no ``ldconfig`` is run.
 """
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
 
-__all__ = ["retain_freed_memory", "release_freed_memory", "ensure_retained", "retained"]
+from ... import tuning
+
+__all__ = ["retain_freed_memory", "release_freed_memory", "ensure_retained", "retained", "describe"]
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
@@ -41,8 +44,7 @@ def retain_freed_memory() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
@@ -59,12 +61,17 @@ def release_freed_memory() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        trim = _libc().malloc_trim
     except (OSError, AttributeError):
         return False
     trim.argtypes = [ctypes.c_size_t]
     trim(0)
     return True
+
+
+def _libc() -> ctypes.CDLL:
+    """glibc by its soname (``find_library`` would run ``ldconfig -p`` in a subprocess)."""
+    return ctypes.CDLL("libc.so.6")
 
 
 def ensure_retained() -> None:
@@ -74,7 +81,8 @@ def ensure_retained() -> None:
     if _state["checked"]:
         return
     _state["checked"] = True
-    if os.environ.get(OPT_OUT_VARIABLE, "1").strip().lower() in ("0", "false", "no", "off"):
+    if not tuning.RETAIN_FREED_MEMORY or \
+            os.environ.get(OPT_OUT_VARIABLE, "1").strip().lower() in ("0", "false", "no", "off"):
         return
     if retain_freed_memory():
         _log.info("tncompile: glibc now keeps freed memory for reuse (%s=0 to opt out)", OPT_OUT_VARIABLE)
@@ -83,3 +91,13 @@ def ensure_retained() -> None:
 def retained() -> bool:
     """Whether this process's allocator keeps freed memory (set by tncompile)."""
     return _state["retained"]
+
+
+def describe() -> str:
+    """One line for a report: whether tncompile changed this process's CPU allocator."""
+    if _state["retained"]:
+        return ("CPU allocator: glibc keeps freed memory for reuse for the rest of this process (set by tncompile "
+                "at its first CPU forward: faster steps, the peak heap kept); tuning.RETAIN_FREED_MEMORY = False "
+                f"or {OPT_OUT_VARIABLE}=0 before that forward leaves glibc as it is")
+    why = "opted out" if _state["checked"] else "no CPU forward yet"
+    return f"CPU allocator: glibc's own, untouched by tncompile ({why})"
