@@ -3,9 +3,12 @@
 ``python resume_run.py full CKPT OUT``   trains 11 steps, checkpointing (only) at step 6.
 ``python resume_run.py resume CKPT OUT`` loads CKPT in this fresh process and
 trains the remaining steps. Both write ``{"losses": [...], "events": [...]}``
-with losses as float.hex strings (bit-exact comparison).
+with losses as float.hex strings (bit-exact comparison). ``RESUME_RUN_WAYS=deterministic``
+runs both legs under ``torch.use_deterministic_algorithms(True)``, ``=prior`` with
+``tuning.MEASURE_WAYS = False``: ways chosen by a fixed rule, never by timing.
 """
 import json
+import os
 import sys
 
 import torch
@@ -34,6 +37,11 @@ def make_controller(compiled, opt):
 
 def main(mode, ckpt, out):
     torch.set_num_threads(1)
+    ways = os.environ.get("RESUME_RUN_WAYS", "")
+    if ways == "deterministic":
+        torch.use_deterministic_algorithms(True)
+    elif ways == "prior":
+        tncompile.tuning.MEASURE_WAYS = False
     if mode == "full":
         torch.manual_seed(0)
         compiled = tncompile.compile(small_encoder(), target_ratio=0.2, init="random")

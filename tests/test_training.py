@@ -1,5 +1,6 @@
 """fit(), History, checkpoints: atomic saves and bit-identical resume across a truncation."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -102,6 +103,30 @@ def test_resume_in_a_fresh_process_is_bit_identical_across_truncation(tmp_path):
     assert [e["step"] for e in a["events"] if e["kind"] == "late_stage"] == [5]
     assert b["losses"] == a["losses"]   # float.hex: bit for bit
     assert b["events"] == a["events"] and b["ranks"] == a["ranks"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ways", ["deterministic", "prior"])
+def test_resume_is_bit_identical_beside_a_cpu_hog_when_ways_follow_a_fixed_rule(ways, tmp_path):
+    """Issue 65 item 7: under ``torch.use_deterministic_algorithms(True)`` (or with
+    ``tuning.MEASURE_WAYS = False``) no way is chosen by timing, so a resumed process
+    continues bit for bit however loaded the machine is: here a process spinning on every
+    core runs beside the resumed one."""
+    ckpt = tmp_path / "run.tnc"
+    full, resumed = tmp_path / "full.json", tmp_path / "resumed.json"
+    env = {**os.environ, "RESUME_RUN_WAYS": ways}
+    subprocess.run([sys.executable, str(HERE / "resume_run.py"), "full", str(ckpt), str(full)], check=True,
+                   timeout=300, env=env)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    try:
+        subprocess.run([sys.executable, str(HERE / "resume_run.py"), "resume", str(ckpt), str(resumed)], check=True,
+                       timeout=600, env=env)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    a, b = json.loads(full.read_text()), json.loads(resumed.read_text())
+    assert b["ran"] == 5 and b["losses"] == a["losses"] and b["ranks"] == a["ranks"]
 
 
 def test_checkpoint_carries_truncated_shapes_and_save_is_atomic(tmp_path, monkeypatch):
