@@ -354,6 +354,29 @@ def register_with_peft() -> None:
         return replace(self, lora_config, adapter_name, target, target_name, parent, current_key, *args,
                        parameter_name=parameter_name, **kwargs)
     LoraModel._create_and_replace = create_and_replace
+    _include_tt_linears_in_all_linear()
+
+
+def _include_tt_linears_in_all_linear() -> None:
+    """``target_modules="all-linear"`` on a compressed model targets its TT linears too (PEFT
+    collects ``nn.Linear`` and ``Conv1D`` modules by type, which a TT linear is not; the
+    output layer PEFT leaves out stays out). Wraps PEFT's helper where this PEFT has it."""
+    from peft.tuners import tuners_utils
+    collect = getattr(tuners_utils, "_maybe_include_all_linear_layers", None)
+    if collect is None or getattr(collect, "_tncompile", False):
+        return
+
+    def with_tt_linears(peft_config, model):
+        asked = isinstance(getattr(peft_config, "target_modules", None), str) \
+            and peft_config.target_modules.lower() == "all-linear"
+        out = collect(peft_config, model)
+        if asked and isinstance(out.target_modules, (set, list)):
+            output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            out.target_modules = {*out.target_modules, *(name for name, m in model.named_modules()
+                                                          if isinstance(m, TTLinear) and m is not output)}
+        return out
+    with_tt_linears._tncompile = True
+    tuners_utils._maybe_include_all_linear_layers = with_tt_linears
 
 
 # tncompile.compile of a model carrying LoRA adapters keeps them over the compressed layers
