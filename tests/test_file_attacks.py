@@ -319,3 +319,31 @@ def test_a_link_that_leads_to_no_file_is_a_model_file_error(shape, tmp_path):
         tncompile.load(first, model=mlp((8, 8)))
     with pytest.raises(FileNotFoundError, match="no file"):
         tncompile.load(tmp_path / "missing.tnc", model=mlp((8, 8)))
+
+
+def test_bytes_changed_after_the_checksum_are_never_used(tmp_path, monkeypatch):
+    """Issue 65 item 4: a core zeroed in place between the checksum and the read used to load
+    without error, with other outputs. Each tensor is now read once; the checksum hashes
+    exactly those buffers, and the load uses them."""
+    from tncompile.serialization import model_file
+    torch.manual_seed(0)
+    model = tncompile.compile(mlp((64, 256, 256, 8)), target_ratio=0.3)
+    path = tmp_path / "m.tnc"
+    tncompile.save(model, path)
+    x = torch.randn(4, 64)
+    model.eval()
+    with torch.no_grad():
+        expected = model(x)
+    real_verify = model_file.SavedModel.verify
+
+    def verify_then_tamper(self):
+        real_verify(self)
+        name = next(n for n in self.file.specs if ".cores." in n)
+        spec = self.file.specs[name]
+        with open(path, "r+b") as f:       # the same inode, changed in place
+            f.seek(spec.offset)
+            f.write(bytes(spec.nbytes))
+    monkeypatch.setattr(model_file.SavedModel, "verify", verify_then_tamper)
+    loaded = tncompile.load(path, model=mlp((64, 256, 256, 8))).eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(x), expected)

@@ -216,9 +216,10 @@ class SavedModel:
                                  f"(at most {TRAINING_PER_STATE_BYTE}x the model's, plus {TRAINING_FLOOR_BYTES:,})")
 
     def verify(self) -> None:
-        """The checksum over the manifest and every tensor's bytes (streamed: time in
-        proportion to the file, no memory), checked once the structure is known to fit --
-        a damaged file is refused before its data are read, a crafted one before it is hashed."""
+        """The checksum over the manifest and every tensor's bytes, checked once the structure
+        is known to fit -- a damaged file is refused before its data are used, a crafted one
+        before it is hashed. Each tensor is read once and kept: what is hashed is what
+        :meth:`read` hands out afterwards (:class:`~.tensor_file.TensorFile`)."""
         expected, manifest = self._seal
         if expected is not None and expected != self.file.digest(manifest):
             raise ModelFileError(f"{self.path} is damaged: its contents do not match the checksum saved with them "

@@ -9,9 +9,11 @@ then: :class:`TensorFile` hands out each tensor's :class:`TensorSpec` (dtype, sh
 bytes), so everything a file claims can be checked against the manifest and the user's
 model first, and :meth:`TensorFile.read` reads one tensor's bytes, on demand, from the
 same open handle (a reader racing an atomic re-save sees the old file or the new one).
-The checksum streams the bytes through a small buffer (:meth:`TensorFile.digest`): its
-cost is time in proportion to the file, not memory. Everything that is wrong, an
-``OSError`` included, is a ``ModelFileError`` naming the file.
+Each tensor is read from the file once and kept: the checksum (:meth:`TensorFile.digest`)
+hashes exactly those buffers, and every later :meth:`TensorFile.read` hands them out, so
+the bytes a load uses are the bytes that were verified -- a tensor changed in the file
+between the two is never seen. The price is the file's tensors in memory once verified.
+Everything that is wrong, an ``OSError`` included, is a ``ModelFileError`` naming the file.
 """
 from __future__ import annotations
 
@@ -34,7 +36,6 @@ __all__ = ["TensorSpec", "TensorFile", "open_tensor_file", "MAX_HEADER_BYTES", "
 MAX_HEADER_BYTES = 16 << 20  # a 1B-parameter model's header is well under 1 MiB
 MAX_TENSORS = 100_000
 MAX_DIMS = 16
-_CHUNK = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,16 @@ class TensorFile:
 
     def __init__(self, path: Path, fd: int, metadata: dict[str, str], specs: dict[str, TensorSpec]):
         self.path, self._fd, self.metadata, self.specs = path, fd, metadata, specs
+        self._held: dict[str, torch.Tensor] = {}   # each tensor as read, once: what is hashed and used
 
     def read(self, name: str) -> torch.Tensor:
-        """The tensor ``name``, its bytes read now."""
+        """The tensor ``name``: read from the file the first time, the same buffer after."""
+        held = self._held.get(name)
+        if held is None:
+            held = self._held[name] = self._read_once(name)
+        return held
+
+    def _read_once(self, name: str) -> torch.Tensor:
         spec = self.specs[name]
         out = torch.empty(spec.shape, dtype=spec.dtype, device="cpu")  # whatever default device is set
         view, done = raw_bytes(out), 0
@@ -71,26 +79,19 @@ class TensorFile:
         return out
 
     def digest(self, manifest: str | None) -> str:
-        """:func:`~.container.digest` of the file's tensors, streamed from the file."""
+        """:func:`~.container.digest` of the file's tensors: each read once (:meth:`read`)
+        and its held buffer hashed -- the bytes later reads hand out."""
         h = hashlib.sha256()
         if manifest is not None:
             h.update(manifest.encode() + b"\0")
-        buffer = bytearray(min(_CHUNK, max((s.nbytes for s in self.specs.values()), default=0)) or 1)
-        try:
-            for name in sorted(self.specs):
-                spec = self.specs[name]
-                h.update(digest_entry(name, spec.dtype, spec.shape))
-                for start in range(0, spec.nbytes, len(buffer)):
-                    size = min(len(buffer), spec.nbytes - start)
-                    got = os.preadv(self._fd, [memoryview(buffer)[:size]], spec.offset + start)
-                    if got != size:
-                        raise ModelFileError(f"{self.path}: ends inside the tensor {name!r}")
-                    h.update(memoryview(buffer)[:size])
-        except OSError as e:
-            raise ModelFileError(f"{self.path}: cannot be read ({e})") from e
+        for name in sorted(self.specs):
+            spec = self.specs[name]
+            h.update(digest_entry(name, spec.dtype, spec.shape))
+            h.update(raw_bytes(self.read(name)))
         return h.hexdigest()
 
     def close(self) -> None:
+        self._held = {}
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
