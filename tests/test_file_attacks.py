@@ -347,3 +347,77 @@ def test_bytes_changed_after_the_checksum_are_never_used(tmp_path, monkeypatch):
     loaded = tncompile.load(path, model=mlp((64, 256, 256, 8))).eval()
     with torch.no_grad():
         assert torch.equal(loaded(x), expected)
+
+
+# ----------------------------------------------------------------- one parser (issue 65 item 3)
+def _raw_file(path, header: bytes, data: bytes = b"\0" * 8):
+    import struct
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+_ENTRY = b'{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'
+CRAFTED_HEADERS = {
+    "utf-8 byte-order mark": b"\xef\xbb\xbf{\"a\":" + _ENTRY + b"}",
+    "utf-16": ('{"a":' + _ENTRY.decode() + "}").encode("utf-16"),
+    "utf-32": ('{"a":' + _ENTRY.decode() + "}").encode("utf-32"),
+    "name given twice": b'{"a":' + _ENTRY + b',"a":' + _ENTRY + b"}",
+    "metadata a list": b'{"__metadata__":[],"a":' + _ENTRY + b"}",
+    "metadata zero": b'{"__metadata__":0,"a":' + _ENTRY + b"}",
+    "zero-size dims past 2**64": b'{"z":{"dtype":"F32","shape":[0,99999999999999999999999],"data_offsets":[0,0]},'
+                                 b'"a":' + _ENTRY + b"}",
+    "lone surrogate name": b'{"\\ud800":' + _ENTRY + b"}",
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED_HEADERS))
+def test_headers_the_safetensors_library_refuses_are_refused(case, tmp_path):
+    from tncompile.serialization.tensor_file import open_tensor_file
+    path = _raw_file(tmp_path / "x.safetensors", CRAFTED_HEADERS[case])
+    with pytest.raises(ModelFileError):
+        open_tensor_file(path)
+
+
+def test_escaped_names_count_toward_the_tensor_bound_before_python_parses(tmp_path):
+    """``"data\\u005foffsets"`` is ``"data_offsets"``: a count of raw bytes missed 250,000
+    such entries (a 14.7 MB file took 4.5 s and 214 MB before load refused it)."""
+    import resource
+    import time
+    from tncompile.serialization.tensor_file import MAX_TENSORS, open_tensor_file
+    n = MAX_TENSORS + 50_000
+    entries = b",".join(b'"t%d":{"dtype":"F32","shape":[0],"data\\u005foffsets":[0,0]}' % i for i in range(n))
+    path = _raw_file(tmp_path / "many.safetensors", b"{" + entries + b"}", b"")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    with pytest.raises(ModelFileError, match="more than 100,000 tensors"):
+        open_tensor_file(path)
+    assert time.perf_counter() - start < 3.0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 150_000   # KiB
+
+
+def test_whatever_the_library_refuses_tncompile_refuses_fuzzed(tmp_path):
+    """Random byte edits of a real file's header: where the safetensors library refuses the
+    bytes, tncompile's reader does too (two readers that disagree are how parser attacks start)."""
+    import random
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from tncompile.serialization.tensor_file import open_tensor_file
+    save_file({"a": torch.zeros(2), "b": torch.ones(3, 2)}, str(tmp_path / "good.safetensors"), metadata={"k": "v"})
+    good = (tmp_path / "good.safetensors").read_bytes()
+    length = int.from_bytes(good[:8], "little")
+    rng = random.Random(0)
+    refused_by_library = 0
+    for i in range(300):
+        header = bytearray(good[8:8 + length])
+        for _ in range(rng.randint(1, 3)):
+            header[rng.randrange(len(header))] = rng.choice(b'{}[]",:0123456789aeuF\\\xef\xbb\xbf\xff ')
+        path = tmp_path / f"f{i}.safetensors"
+        path.write_bytes(len(header).to_bytes(8, "little") + bytes(header) + good[8 + length:])
+        try:
+            with safe_open(str(path), "pt") as f:
+                list(f.keys())
+        except Exception:  # noqa: BLE001 -- whatever the library raises
+            refused_by_library += 1
+            with pytest.raises(ModelFileError):
+                open_tensor_file(path).close()
+    assert refused_by_library > 100

@@ -1,10 +1,15 @@
 """Reading a safetensors file that may be hostile: bounded before it costs anything.
 
 :func:`open_tensor_file` opens the path once (a FIFO, a device or anything but a regular
-file is refused without blocking), reads the 8-byte length and the JSON header -- at most
-:data:`MAX_HEADER_BYTES`, at most :data:`MAX_TENSORS` entries, counted before the JSON is
-parsed -- and checks every entry as safetensors does (a known dtype, a shape whose bytes
-are its data's, the data back to back and covering the file exactly). No tensor is read
+file is refused without blocking) and reads the 8-byte length -- at most
+:data:`MAX_HEADER_BYTES` of header. The header is then parsed by the ``safetensors``
+library itself, the reference parser, on the same open file (``/proc/self/fd``): a file it
+refuses (a byte-order mark, UTF-16, a ``__metadata__`` that is no map, numbers past its
+integers, invalid Unicode) tncompile refuses too, and its count of entries is bounded
+(:data:`MAX_TENSORS`) before Python parses anything. tncompile's own reading of the same
+bytes must then agree with it entry for entry (names, dtypes, shapes; a name given twice
+is refused outright), and every entry is checked as safetensors does (a known dtype, a
+shape whose bytes are its data's, the data back to back and covering the file exactly). No tensor is read
 then: :class:`TensorFile` hands out each tensor's :class:`TensorSpec` (dtype, shape,
 bytes), so everything a file claims can be checked against the manifest and the user's
 model first, and :meth:`TensorFile.read` reads one tensor's bytes, on demand, from the
@@ -27,6 +32,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from ..errors import ModelFileError
 from .container import SAFETENSORS_DTYPES, digest_entry, raw_bytes
@@ -129,9 +135,9 @@ def open_tensor_file(path: Path, refuse: Callable[[bytes], str | None] | None = 
         raw = os.pread(fd, length, 8)
         if len(raw) != length:
             raise ModelFileError(f"{path}: shorter than its own header (truncated while read)")
-        if raw.count(b'"data_offsets"') > MAX_TENSORS:  # counted before the JSON is parsed
-            raise ModelFileError(f"{path}: more than {MAX_TENSORS:,} tensors")
+        reference = _reference_entries(path, fd)   # the safetensors library's reading, bounded in count
         metadata, specs = _parse_header(path, raw, 8 + length, size)
+        _agree(path, specs, reference)
         return TensorFile(path, fd, metadata, specs)
     except ModelFileError:
         os.close(fd)
@@ -139,6 +145,43 @@ def open_tensor_file(path: Path, refuse: Callable[[bytes], str | None] | None = 
     except OSError as e:
         os.close(fd)
         raise ModelFileError(f"{path}: cannot be read ({e.strerror or e})") from e
+
+
+def _reference_entries(path: Path, fd: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``name -> (dtype code, shape)`` as the ``safetensors`` library parses the open file
+    (through ``/proc/self/fd``: the very file checked, not whatever the path names now); a
+    file it refuses is a ``ModelFileError``, and so is one of more than :data:`MAX_TENSORS`
+    entries (counted here, before Python parses the header)."""
+    same_file = f"/proc/self/fd/{fd}"
+    try:
+        with safe_open(same_file if os.path.exists(same_file) else str(path), framework="pt") as f:
+            names = list(f.keys())
+            if len(names) > MAX_TENSORS:
+                raise ModelFileError(f"{path}: more than {MAX_TENSORS:,} tensors")
+            out = {}
+            for name in names:
+                view = f.get_slice(name)
+                out[name] = (view.get_dtype(), tuple(view.get_shape()))
+            return out
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ModelFileError(f"{path}: not a safetensors file the safetensors library reads ({str(e)[:200]})") from e
+
+
+def _agree(path: Path, specs: dict[str, "TensorSpec"], reference: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """tncompile's reading of the header is the library's, entry for entry."""
+    codes = {dtype: code for code, dtype in SAFETENSORS_DTYPES.items()}
+    ours = {name: (codes[spec.dtype], spec.shape) for name, spec in specs.items()}
+    if ours != reference:
+        differ = sorted(set(ours) ^ set(reference)) or sorted(n for n in ours if ours[n] != reference[n])
+        raise ModelFileError(f"{path}: its header reads differently to the safetensors library and to tncompile "
+                             f"(first at {differ[0]!r:.80}): a crafted file")
+
+
+def _unique_keys(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"the name {next(k for k in keys if keys.count(k) > 1)!r:.80} is given twice")
+    return dict(pairs)
 
 
 def _bad_length(path: Path, size: int, length: int) -> str:
@@ -153,12 +196,13 @@ def _bad_length(path: Path, size: int, length: int) -> str:
 
 def _parse_header(path: Path, raw: bytes, data_start: int, size: int) -> tuple[dict[str, str], dict[str, TensorSpec]]:
     try:
-        header = json.loads(raw)
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
-        raise ModelFileError(f"{path}: its header is not JSON ({type(e).__name__})") from e
+        raise ModelFileError(f"{path}: its header is not JSON ({type(e).__name__}: {str(e)[:120]})") from e
     if not isinstance(header, dict):
         raise ModelFileError(f"{path}: its header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    metadata = header.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise ModelFileError(f"{path}: its metadata must map names to strings")
     specs, spans = {}, []
