@@ -338,15 +338,17 @@ def test_a_folder_cannot_untie_a_head_from_its_embedding(gpt2_folder, tmp_path, 
 
 
 def test_a_config_asking_for_300_layers_is_refused_before_tracing_them(bert_folder, tmp_path):
-    """num_hidden_layers=300 while the table has 2: refused by the parameter count before any
-    layer is traced, in a few seconds, by both loaders."""
+    """num_hidden_layers=300 while the weights were saved with 2: refused before any layer is
+    traced, in a few seconds, by both loaders -- tncompile.load before anything is built (the
+    config fields recorded beside the weights, issue 65 item 8), from_pretrained once
+    transformers has built the model on meta."""
     folder, _ = bert_folder
     edited = _copy(folder, tmp_path / "deep")
     _edit_config(edited, lambda data: data.update(num_hidden_layers=300))
     for load in (lambda: transformers.BertForSequenceClassification.from_pretrained(edited),
                  lambda: tncompile.load(edited, model=transformers.BertForSequenceClassification)):
         start = time.time()
-        with pytest.raises(ModelFileError, match="parameters"):
+        with pytest.raises(ModelFileError, match="num_hidden_layers=300 in config.json, 2 in the model saved"):
             load()
         assert time.time() - start < 15
 
@@ -371,8 +373,8 @@ def test_every_damaged_folder_is_a_model_file_error(bert_folder, tmp_path, damag
         _edit_config(edited, lambda data: data.update(quantization_config={"quant_method": "tncompile", "x": 1}))
     with pytest.raises(ModelFileError):
         tncompile.load(edited, model=transformers.BertForSequenceClassification)
-    if damage == "not-a-manifest":  # (transformers reads a weights file's header itself before any backend)
-        with pytest.raises(ModelFileError):
+    if damage in ("not-a-manifest", "config-nested-deep"):  # (transformers reads a weights file's header itself
+        with pytest.raises(ModelFileError):                  # before any backend; a config through tncompile's hook)
             transformers.BertForSequenceClassification.from_pretrained(edited)
 
 
@@ -477,3 +479,24 @@ def test_reloading_adapters_without_drawing_from_the_random_stream(bert_folder, 
     assert torch.equal(torch.get_rng_state(), before)
     ids = torch.randint(0, 120, (2, 16))
     torch.testing.assert_close(_logits(reloaded, ids), _logits(lora, ids), rtol=0, atol=0)
+
+
+def test_config_json_is_bound_to_the_weights_beside_it(bert_folder, tmp_path):
+    """Issue 65 item 8: num_hidden_layers=20000 used to build every layer on meta before the
+    parameter count refused it (28 s, +1.27 GB). The fields that decide the structure are
+    recorded beside the weights, under the checksum, and a config that disagrees is refused
+    before anything is built; edits of other fields still load."""
+    folder, _ = bert_folder
+    edited = _copy(folder, tmp_path / "huge")
+    _edit_config(edited, lambda data: data.update(num_hidden_layers=20000))
+    start = time.time()
+    with pytest.raises(ModelFileError, match="num_hidden_layers=20000 in config.json"):
+        tncompile.load(edited, model=transformers.BertForSequenceClassification)
+    assert time.time() - start < 5
+    benign = _copy(folder, tmp_path / "benign")
+    _edit_config(benign, lambda data: data.update(use_cache=False, a_newer_transformers_field=7,
+                                                  pad_token_id=3))
+    tncompile.load(benign, model=transformers.BertForSequenceClassification)
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        recorded = json.loads(f.metadata()["tncompile_structure"])
+    assert recorded["num_hidden_layers"] == 2 and "pad_token_id" not in recorded

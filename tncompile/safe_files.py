@@ -34,8 +34,9 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
-def read_bounded(path: str | os.PathLike, limit: int) -> bytes:
-    """The bytes of the regular file at ``path``, at most ``limit`` of them.
+def read_bounded(path: str | os.PathLike, limit: int, *, follow_links: bool = False) -> bytes:
+    """The bytes of the regular file at ``path``, at most ``limit`` of them (a final link
+    followed only with ``follow_links``: a Hugging Face cache links its files to blobs).
 
     Raises
     ------
@@ -44,7 +45,7 @@ def read_bounded(path: str | os.PathLike, limit: int) -> bytes:
         bytes -- the message says which.
     """
     path = Path(path)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | _NOFOLLOW | _CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow_links else _NOFOLLOW) | _CLOEXEC)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

@@ -16,9 +16,21 @@ Called (by :mod:`.plugins`) right after transformers imports its config module,
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
-__all__ = ["DTYPE_MARKER", "DTYPE_KEY", "marked", "restored", "install"]
+from ..errors import ModelFileError
+from ..safe_files import read_bounded
+
+__all__ = ["DTYPE_MARKER", "DTYPE_KEY", "marked", "restored", "install", "check_nesting", "MAX_NESTING"]
+
+#: a config.json nested deeper than this is refused before it is decoded (real configs nest a
+#: handful of levels; Python's JSON decoder and transformers' config code recurse per level)
+MAX_NESTING = 100
+#: configs larger than this are left to transformers (its own reader, unbounded as before)
+_SCANNED_BYTES = 64 << 20
+_STRINGS = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 DTYPE_MARKER = "compressed by tncompile: pip install tncompile, then import tncompile"
 DTYPE_KEY = "tncompile_dtype"
@@ -40,6 +52,22 @@ def restored(config: Any) -> Any:
     return config
 
 
+def check_nesting(text: bytes, where: str) -> None:
+    """Refuse JSON ``text`` whose arrays and objects nest deeper than :data:`MAX_NESTING`
+    (a ``ModelFileError``, before any decoder recurses into it)."""
+    depth = deepest = 0
+    for byte in _STRINGS.sub(b'""', text).translate(None, _NOT_BRACKETS):
+        if byte in (0x5B, 0x7B):      # [ {
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > MAX_NESTING:
+                    raise ModelFileError(f"{where}: nested deeper than {MAX_NESTING} levels (no model's config is): "
+                                         "a crafted file")
+        elif byte in (0x5D, 0x7D):    # ] }
+            depth -= 1
+
+
 def install() -> None:
     """Have transformers' config reader put the real dtype back (:func:`restored`), once."""
     from transformers.configuration_utils import PreTrainedConfig  # here: called inside transformers' import
@@ -48,6 +76,12 @@ def install() -> None:
         return
 
     def dict_from_json_file(cls, json_file):
+        try:
+            text = read_bounded(json_file, _SCANNED_BYTES, follow_links=True)
+        except OSError:
+            text = None   # transformers' own reader says what is wrong with it
+        if text is not None:
+            check_nesting(text, str(json_file))
         return restored(read(cls, json_file))
     dict_from_json_file._tncompile = True
     PreTrainedConfig._dict_from_json_file = classmethod(dict_from_json_file)

@@ -75,6 +75,40 @@ def canonical(manifest: dict) -> str:
     return json.dumps(manifest, sort_keys=True, separators=(",", ":"))
 
 
+#: ``model.safetensors``' metadata entry recording the config fields that decide the model's
+#: structure and size (:func:`structure_text`), covered by the checksum with the manifest
+STRUCTURE_KEY = "tncompile_structure"
+MAX_STRUCTURE_BYTES = 64 << 10
+
+
+def structure_fields(config: dict) -> dict[str, int]:
+    """The config's top-level integer fields but token ids: layer counts, widths, heads,
+    vocabulary and position sizes -- what decides the model's structure and size."""
+    return {k: v for k, v in config.items() if isinstance(k, str) and type(v) is int
+            and not k.endswith(("token_id", "token_ids"))}
+
+
+def structure_text(config: dict) -> str:
+    return json.dumps(structure_fields(config), sort_keys=True, separators=(",", ":"))
+
+
+def sealed(manifest: dict, structure: str | None) -> str:
+    """What the checksum covers besides the tensors: the manifest and the recorded structure."""
+    return canonical(manifest) if structure is None else canonical(manifest) + "\n" + structure
+
+
+def check_structure(config: dict, recorded: dict[str, int] | None, where: str) -> None:
+    """``config`` (the folder's config as its class resolves it, defaults included) builds the
+    model the weights were saved from: every recorded field it has holds its recorded value
+    (checked before anything is built; other fields -- ``use_cache``, token ids, a newer
+    transformers' additions -- may differ)."""
+    for key, value in (recorded or {}).items():
+        if key in config and config[key] != value:
+            raise ModelMismatchError(f"{where}: {key}={config[key]!r:.40} in config.json, {value} in the model saved "
+                                     "beside it: config.json was edited or belongs to another model; restore it "
+                                     "(nothing was built)")
+
+
 def is_model_folder(path: Path) -> bool:
     """Whether ``path`` is a folder a compressed model's ``save_pretrained`` wrote."""
     if path.is_dir() and (path / OLD_FILE).is_file():
@@ -112,10 +146,13 @@ def save_folder(model: nn.Module, directory: str | os.PathLike, *, is_main_proce
     folder.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     manifest = manifest_of(model, tensors)
-    metadata = {"format": "pt", "tncompile_sha256": digest(tensors, canonical(manifest))}
+    config = getattr(model, "config", None)
+    structure = structure_text(config.to_dict()) if hasattr(config, "to_dict") else None
+    metadata = {"format": "pt", "tncompile_sha256": digest(tensors, sealed(manifest, structure))}
+    if structure is not None:
+        metadata[STRUCTURE_KEY] = structure
     header, body = encode_container(tensors, metadata)
     write_atomically(folder / WEIGHTS, header, body)
-    config = getattr(model, "config", None)
     if config is not None and hasattr(config, "save_pretrained"):
         marked = config.__class__.from_dict(config.to_dict())
         marked.quantization_config = {"quant_method": QUANT_METHOD, **manifest}
@@ -211,10 +248,27 @@ def read_weights(weights: Path, manifest: dict, folder: Path) -> SavedModel:
         if not isinstance(expected, str):
             raise ModelFileError(f"{folder}: {WEIGHTS} is not one a compressed model's save_pretrained wrote (no "
                                  "tncompile checksum): save_pretrained the model again")
-        return SavedModel(folder, manifest, file, (expected, canonical(manifest)))
+        text = file.metadata.get(STRUCTURE_KEY)
+        saved = SavedModel(folder, manifest, file, (expected, sealed(manifest, text)))
+        saved.structure = None if text is None else _recorded_structure(text, folder)
+        return saved
     except BaseException:
         file.close()
         raise
+
+
+def _recorded_structure(text: str, folder: Path) -> dict[str, int]:
+    where = f"{folder / WEIGHTS}: {STRUCTURE_KEY}"
+    if len(text) > MAX_STRUCTURE_BYTES:
+        raise ModelFileError(f"{where}: larger than {MAX_STRUCTURE_BYTES:,} bytes")
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise ModelFileError(f"{where}: not JSON") from e
+    if not isinstance(data, dict) or len(data) > 4096 or not all(
+            isinstance(k, str) and len(k) <= 256 and type(v) is int and -2**63 <= v < 2**63 for k, v in data.items()):
+        raise ModelFileError(f"{where}: must map config field names to integers")
+    return data
 
 
 def load_folder(folder: Path, model: Any, *, passes=None, example_inputs=None) -> nn.Module:
@@ -257,6 +311,10 @@ def model_from_config(folder: Path, cls: type, saved: SavedModel) -> nn.Module:
                                  f"({[a for a in ATTENTION if a]}); a file may not choose other code to run")
     try:
         config = config_class.from_dict(data)
+    except (TypeError, ValueError, KeyError, AttributeError, RuntimeError, OverflowError, RecursionError) as e:
+        raise ModelFileError(f"{where}: does not build a {cls.__name__} config ({type(e).__name__}: {e})") from e
+    check_structure(config.to_dict(), saved.structure, where)   # before anything is built
+    try:
         with torch.device("meta"):
             shape_only = cls(config)
     except (TypeError, ValueError, KeyError, AttributeError, RuntimeError, OverflowError) as e:

@@ -44,7 +44,7 @@ from ..errors import ModelFileError
 from ..runtime import TNModule
 from ..serialization.caller_state import caller_state_kept
 from ..serialization.model_file import EXAMPLE, checked_state, load_checked_state, rebuild_saved
-from .hf_folder import QUANT_METHOD, WEIGHTS, check_folder_manifest, read_weights
+from .hf_folder import QUANT_METHOD, WEIGHTS, check_folder_manifest, check_structure, read_weights
 
 __all__ = ["TNCompileConfig", "TNCompileQuantizer", "COMPILE_FIELDS"]
 
@@ -123,6 +123,7 @@ class TNCompileQuantizer(HfQuantizer):
                                  f"{[f.name for f in files]}")
         saved = read_weights(files[0], self.quantization_config.manifest, files[0].parent)
         try:
+            check_structure(model.config.to_dict(), saved.structure, str(files[0].parent / "config.json"))
             if saved.example_inputs is None:
                 raise ModelFileError(f"{files[0].parent}: the folder holds no example inputs to trace the model with; "
                                      f"load it with tncompile.load(folder, model={saved.model_class}, "

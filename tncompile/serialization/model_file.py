@@ -184,6 +184,8 @@ class SavedModel:
 
     def __init__(self, path: Path, manifest: dict, file: TensorFile, seal: tuple[Any, str]):
         self.path, self.file, self._seal = path, file, seal
+        #: a folder's recorded config fields (``hf_folder.structure_fields``); ``None`` for a model file
+        self.structure: dict[str, int] | None = None
         where = str(path)
         specs = file.specs
         self.mode = choice(manifest["mode"], MODES, f"{where}: mode")
