@@ -225,3 +225,29 @@ def test_save_pretrained_replaces_planted_links_instead_of_writing_through_them(
     again = transformers.AutoModelForCausalLM.from_pretrained(folder)
     with torch.no_grad():
         torch.testing.assert_close(again(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_model_files_replace_planted_links(tmp_path):
+    """``tncompile.save`` and ``save_pretrained``'s ``model.safetensors``: a link planted at
+    the target is replaced by the new file, its target untouched."""
+    transformers = pytest.importorskip("transformers")
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tncompile.compile(mlp((64, 256, 256, 10)), 0.3)
+    (tmp_path / "m.tnc").symlink_to(victim)
+    tncompile.save(model, tmp_path / "m.tnc")
+    assert victim.read_text() == "precious" and not (tmp_path / "m.tnc").is_symlink()
+    cfg = transformers.BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=32)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 120, (2, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bert = tncompile.compile(transformers.BertModel(cfg), 0.5, example_inputs={"input_ids": ids}, mode="swap")
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "model.safetensors").symlink_to(victim)
+    bert.save_pretrained(folder)
+    assert victim.read_text() == "precious" and not (folder / "model.safetensors").is_symlink()
