@@ -20,7 +20,8 @@ Where PyTorch has no fast op for what a TT/TTM layer needs:
   (``tensor_checks.h``: their argument checks).
 
 The build needs a C++ compiler and ninja (what ``torch.utils.cpp_extension``
-needs); it takes ~15-60 s (2 cores) once per machine, environment (torch
+needs); it takes about 40 s of wall time and 80 s of CPU on an idle 2-core host (longer on a
+busy one) once per machine, environment (torch
 installation, Python ABI) and source version (cached under ``TORCH_EXTENSIONS_DIR``,
 default ``~/.cache/torch_extensions``, named by a hash of all of them:
 :func:`build_name`), announced by one line on stderr before it starts. Without
@@ -93,7 +94,7 @@ def _built(name: str) -> bool:
 
 
 BUILD_NOTICE_SECONDS = 2.0  # loading a finished build takes well under this
-STALE_LOCK_SECONDS = 600.0  # a build takes ~15-60 s: a lock this old was left by a killed build
+STALE_LOCK_SECONDS = 600.0  # a build takes ~40 s on an idle 2-core host: a lock this old was left by a killed build
 
 
 def clear_stale_lock(name: str, max_age_s: float = STALE_LOCK_SECONDS) -> bool:
@@ -129,8 +130,8 @@ def _build():
     def announce():  # one line, so that a first run does not sit silent for half a minute
         if not announced.is_set():
             announced.set()
-            log.warning("tncompile: building the native CPU kernels (once per machine, environment and version, "
-                        "~15-60 s)...")
+            log.warning("tncompile: building the native CPU kernels (once per machine, environment and version; "
+                        "about 40 s on an idle 2-core host, longer on a busy one)...")
 
     if not _built(name):
         announce()
