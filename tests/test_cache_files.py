@@ -22,7 +22,6 @@ from tncompile import tuning
 from tncompile.planning import speed_model
 from tncompile.runtime import TTLinear
 from tncompile.runtime.ways import measured
-from tncompile.runtime.ways.linear import LinearWay
 from tncompile.safe_files import UnsafeFolderError, private_folder, read_bounded, write_replacing
 from tncompile.testing import mlp
 

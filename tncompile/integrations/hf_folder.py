@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -181,23 +180,12 @@ def _written_by(config: Any, name: str) -> bytes:
 def _config_data(folder: Path) -> dict:
     path = folder / "config.json"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        raw = read_bounded(path, MAX_CONFIG_BYTES, follow_links=True)
     except FileNotFoundError:
         raise ModelFileError(f"{folder} is a directory without a config.json: give the file tncompile.save wrote, "
                              "or a folder a compressed model's save_pretrained wrote") from None
     except OSError as e:
-        raise ModelFileError(f"{path}: cannot be opened ({e.strerror or e})") from e
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ModelFileError(f"{path}: not a regular file")
-        if info.st_size > MAX_CONFIG_BYTES:
-            raise ModelFileError(f"{path}: larger than {MAX_CONFIG_BYTES:,} bytes")
-        raw = os.read(fd, MAX_CONFIG_BYTES + 1)
-    except OSError as e:
         raise ModelFileError(f"{path}: cannot be read ({e.strerror or e})") from e
-    finally:
-        os.close(fd)
     try:
         data = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
