@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "tncompile"
 
 # lowest first: a module may import its own layer and the layers before it
 LAYERS = [
-    ("base", ("tncompile.errors", "tncompile.tuning", "tncompile.formats")),
+    ("base", ("tncompile.errors", "tncompile.tuning", "tncompile.formats", "tncompile.files")),
     ("runtime", ("tncompile.runtime",)),
     ("planning", ("tncompile.planning",)),
     ("ir", ("tncompile.ir",)),
@@ -287,8 +287,10 @@ def test_serialization_reads_in_one_sitting():
     brought it to ~840, hence under 900; what bounds a hostile file before it costs -- the
     reader of the safetensors bytes (``tensor_file``: safetensors' own parser can be neither
     bounded before it parses nor read lazily through one open handle) and the caller-state
-    guard -- is counted apart, under 200, and so is a checkpoint's training state with
-    ``resume`` (``checkpoint``, moved from ``train/`` by issue 54), under 200."""
+    guard -- is counted apart, under 200 (under 240 since issue 65: the header is read by the
+    safetensors library first and tncompile's reading must agree with it, entry for entry),
+    and so is a checkpoint's training state with ``resume`` (``checkpoint``, moved from
+    ``train/`` by issue 54), under 200."""
     bounds = {"tensor_file.py", "caller_state.py"}
     apart = bounds | {"checkpoint.py"}
     files = list((PACKAGE / "serialization").glob("*.py"))
@@ -296,5 +298,5 @@ def test_serialization_reads_in_one_sitting():
     guard = sum(code_lines(p) for p in files if p.name in bounds)
     training = code_lines(PACKAGE / "serialization" / "checkpoint.py")
     assert 300 < total < 900, f"serialization/ is {total} lines of code"  # 300: the count itself works
-    assert 100 < guard < 200, f"the bounded reader and the state guard are {guard} lines of code"
+    assert 100 < guard < 240, f"the bounded reader and the state guard are {guard} lines of code"
     assert 50 < training < 200, f"the training state and resume are {training} lines of code"

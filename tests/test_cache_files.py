@@ -1,6 +1,6 @@
 """Issue 65 items 1 and 2: caches and folders tncompile writes are inputs too.
 
-Every file tncompile writes beside the user's own goes through ``tncompile.safe_files``:
+Every file tncompile writes beside the user's own goes through ``tncompile.files``:
 atomically, never through a planted link; cache folders are the user's alone; cache reads
 take regular files of bounded size only (a FIFO never blocks). A way read from a cache file
 or a checkpoint is a hint, taken only where it is a candidate here, and a checkpoint's ways
@@ -22,7 +22,7 @@ from tncompile import tuning
 from tncompile.planning import speed_model
 from tncompile.runtime import TTLinear
 from tncompile.runtime.ways import measured
-from tncompile.safe_files import UnsafeFolderError, private_folder, read_bounded, write_replacing
+from tncompile.files import UnsafeFolderError, private_folder, read_bounded, write_replacing
 from tncompile.testing import mlp
 
 

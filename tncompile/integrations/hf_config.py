@@ -20,7 +20,7 @@ import re
 from typing import Any
 
 from ..errors import ModelFileError
-from ..safe_files import read_bounded
+from ..files import read_bounded
 
 __all__ = ["DTYPE_MARKER", "DTYPE_KEY", "marked", "restored", "install", "check_nesting", "MAX_NESTING"]
 

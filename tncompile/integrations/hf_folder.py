@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelFileError, ModelMismatchError
-from ..safe_files import read_bounded, write_replacing
+from ..files import read_bounded, write_replacing
 from ..ir.program import count_params
 from .hf_config import marked as dtype_marked, restored as dtype_restored
 from ..swap.swapped import register_folder_writer

@@ -47,7 +47,7 @@ from typing import Callable
 import torch
 
 from .. import tuning
-from ..safe_files import UnsafeFolderError, open_lock_file, private_folder, read_bounded, write_replacing
+from ..files import UnsafeFolderError, open_lock_file, private_folder, read_bounded, write_replacing
 from ..formats.indices import BATCH, planner_problem
 from ..formats.layout import TTLayout, TTMLayout
 from ..runtime.kernels.executor import is_merge_first

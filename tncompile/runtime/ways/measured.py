@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from ... import tuning
-from ...safe_files import private_folder, read_bounded, write_replacing
+from ...files import private_folder, read_bounded, write_replacing
 from ..kernels.plans import bucket_of
 from ..kernels.tracing import exporting
 from .network import recorded_elsewhere
