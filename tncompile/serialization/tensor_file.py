@@ -135,7 +135,12 @@ def open_tensor_file(path: Path, refuse: Callable[[bytes], str | None] | None = 
         raw = os.pread(fd, length, 8)
         if len(raw) != length:
             raise ModelFileError(f"{path}: shorter than its own header (truncated while read)")
-        reference = _reference_entries(path, fd)   # the safetensors library's reading, bounded in count
+        try:
+            reference = _reference_entries(path, fd)   # the safetensors library's reading, bounded in count
+        except _LibraryRefused:
+            if length <= _EXPLAINED_BYTES:   # tncompile's own checks say what is wrong, where they see it too
+                _parse_header(path, raw, 8 + length, size)
+            raise
         metadata, specs = _parse_header(path, raw, 8 + length, size)
         _agree(path, specs, reference)
         return TensorFile(path, fd, metadata, specs)
@@ -145,6 +150,15 @@ def open_tensor_file(path: Path, refuse: Callable[[bytes], str | None] | None = 
     except OSError as e:
         os.close(fd)
         raise ModelFileError(f"{path}: cannot be read ({e.strerror or e})") from e
+
+
+class _LibraryRefused(ModelFileError):
+    """The safetensors library does not read the file (its count of entries aside)."""
+
+
+#: a header the library refuses is also read by tncompile's own checks, for a message that
+#: names the fix (a truncated copy, a gap), where it is at most this long
+_EXPLAINED_BYTES = 1 << 20
 
 
 def _reference_entries(path: Path, fd: int) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -163,8 +177,10 @@ def _reference_entries(path: Path, fd: int) -> dict[str, tuple[str, tuple[int, .
                 view = f.get_slice(name)
                 out[name] = (view.get_dtype(), tuple(view.get_shape()))
             return out
+    except ModelFileError:
+        raise
     except (SafetensorError, OSError, ValueError) as e:
-        raise ModelFileError(f"{path}: not a safetensors file the safetensors library reads ({str(e)[:200]})") from e
+        raise _LibraryRefused(f"{path}: not a safetensors file the safetensors library reads ({str(e)[:200]})") from e
 
 
 def _agree(path: Path, specs: dict[str, "TensorSpec"], reference: dict[str, tuple[str, tuple[int, ...]]]) -> None:
