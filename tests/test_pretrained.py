@@ -522,9 +522,9 @@ def test_compress_pretrained_keeps_the_class_and_recovers(pretrained):
 
 def test_a_sampled_table_fit_stops_where_held_out_rows_stop_improving():
     """Issue 64 item 4: a table too large to fit whole is fit on its used rows and a sample of
-    the rest. Fitting that sample ever closer overfits it (MiniLM's table ended at 0.10 exact
-    error after 100 iterations, 0.06 at 30); the fit judges every few iterations on other
-    rows, stops once they stop improving, and ends no worse than running all iterations."""
+    the rest. Fitting that sample ever closer overfits it; the fit judges every few iterations
+    on other rows, stops once they stop improving, and ends no worse than running all
+    iterations."""
     g = torch.Generator().manual_seed(3)
     layout = TTMLayout.for_shape(6000, 32, 4).with_ranks(12)
     # a table with structure a network can learn, plus noise it cannot

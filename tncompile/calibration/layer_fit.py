@@ -212,9 +212,8 @@ def fit_table_cores(table: torch.Tensor, layout: TTMLayout, counts: torch.Tensor
     share scaled up), each row built from the two half tables of the network
     (``O(rows x D x r)`` per step, never the whole table). Every
     :data:`TABLE_CHUNK` iterations the error is estimated again with ``held_out_rows``
-    other unused rows in place of the sample; the fit stops when that rises (the sample is overfit:
-    at 100 iterations MiniLM's 30,522-row table ends at twice the exact error
-    it had at 30) and keeps the cores it was lowest at. The reported errors are
+    other unused rows in place of the sample; the fit stops when that rises (fitting the
+    sample ever closer only overfits it) and keeps the cores it was lowest at. The reported errors are
     exact, over every row.
 
     Parameters
