@@ -99,21 +99,25 @@ class CompressedModelAPI:
         return super().load_state_dict(state_dict, strict, assign)
 
 
-def _aliases(model: nn.Module) -> dict[str, list[str]]:
-    """``state name -> the other names of its tensor`` for every tensor two names share (a
-    head tied to its embedding; checkpoints such as safetensors' keep one of them)."""
+def _names_by_tensor(model: nn.Module) -> dict[int, list[str]]:
+    """``id(tensor) -> its state names``: a tied tensor has several (a head tied to its
+    embedding), of which a checkpoint such as safetensors' keeps one."""
     names: dict[int, list[str]] = {}
     for n, t in model.state_dict(keep_vars=True).items():
         names.setdefault(id(t), []).append(n)
-    return {n: [o for o in group if o != n] for group in names.values() if len(group) > 1 for n in group}
+    return names
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """``state name -> the other names of its tensor`` for every tensor two names share."""
+    return {n: [o for o in group if o != n] for group in _names_by_tensor(model).values() if len(group) > 1
+            for n in group}
 
 
 def saved_ranks(model: nn.Module, state_dict: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     """``layer -> ranks`` of each compressed layer whose gates in ``state_dict`` differ in
     length from its own (the ranks a rank-adaptive run had cut it to, or had before a cut)."""
-    names: dict[int, list[str]] = {}
-    for n, t in model.state_dict(keep_vars=True).items():
-        names.setdefault(id(t), []).append(n)   # a tied tensor has several names; a state may hold any one
+    names = _names_by_tensor(model)   # a state may hold a tied tensor under any of its names
 
     def saved(t: torch.Tensor) -> Any:
         return next((state_dict[n] for n in names.get(id(t), ()) if n in state_dict), None)
