@@ -38,13 +38,16 @@ from tqdm.auto import tqdm
 
 import tncompile
 from tncompile.runtime.kernels.cpu_allocator import retain_freed_memory
-from tncompile.testing import six_encoder, small_encoder
+from tncompile.testing import HostLoad, six_encoder, small_encoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paths import DATA_ENV, data_dir, out_dir  # noqa: E402
 
 PAPER_RATIO = 1 / 44.9   # the official CoMERA code's starting ranks give a 44.9x smaller model
 SEQ = 128
+EVALS = 6              # held-out evaluations per run: each sixth of the steps
+MIN_SEEDS = 3          # the fewest seeds a run-to-run band (and so a claim) comes from
+CONVERGED_GAIN = 0.02  # converged: a model gains at most 2 points over the last third of its steps
 
 
 # ------------------------------------------------------------------ data
@@ -93,12 +96,19 @@ def generated_task(n: int, seed: int, noise: float = 0.15):
     return ids, labels
 
 
-def batches(ids, labels, batch_size: int, seed: int):
-    """Endless shuffled batches padded (with id 0) to their longest sequence."""
+def batches(ids, labels, batch_size: int, seed: int, pool: int = 32):
+    """Endless shuffled batches padded (with id 0) to their longest sequence, grouped by
+    length: each run of ``pool`` batches' worth of shuffled rows is sorted by length and
+    cut into batches, whose order is shuffled again, so a batch pads little (what HF's
+    ``group_by_length`` does) while every row is still seen once per epoch."""
     g = torch.Generator().manual_seed(seed)
     while True:
-        for idx in torch.randperm(len(ids), generator=g).split(batch_size):
-            yield collate([ids[i] for i in idx], [labels[i] for i in idx])
+        order = torch.randperm(len(ids), generator=g).tolist()
+        for start in range(0, len(order), pool * batch_size):
+            chunk = sorted(order[start: start + pool * batch_size], key=lambda i: len(ids[i]))
+            cut = [chunk[i: i + batch_size] for i in range(0, len(chunk), batch_size)]
+            for k in torch.randperm(len(cut), generator=g).tolist():
+                yield collate([ids[i] for i in cut[k]], [labels[i] for i in cut[k]])
 
 
 def collate(seqs, labels):
@@ -140,64 +150,154 @@ def step_times(models: dict, batch: int, rounds: int) -> dict[str, list[float]]:
     return times
 
 
-def train_side_by_side(models: dict, train, held_out, batch: int, lr: float, cpu_seconds: float,
-                       max_steps: int, evals: int = 6) -> tuple[list[dict], tncompile.RankController, dict]:
-    """Train ``dense`` and ``compressed`` on the same batches; the compressed one
-    rank-adaptively (early stage a third of the steps, then the late stage cutting toward
-    half its ratio). The steps fit ``cpu_seconds`` of CPU time: the first ten measure
-    what a step of both costs here. Held-out accuracy ``evals`` times."""
-    dense, compressed = models["dense"], models["compressed"]
-    opts = {"dense": torch.optim.AdamW(dense.parameters(), lr=lr),
-            "compressed": torch.optim.AdamW(tncompile.param_groups(compressed, lr=lr, gate_lr=10 * lr))}
-    stream = batches(*train, batch, seed=0)
-    rows = [{"step": 0, **{k: accuracy(m, *held_out) for k, m in models.items()}, "compressed_ratio": compressed.ratio}]
-    ctl, steps, step, start, marks = None, max_steps, 0, cpu_seconds_used(), set()
-    bar = tqdm(total=max_steps, desc="train dense + compressed", unit="step")
-    while step < steps:
+def small_models(d_model: int, classes: int, ratio: float, seed: int):
+    """The small encoder at ``d_model`` (2 layers, BERT's vocabulary, no dropout) and its
+    compressed copy, both from the weights ``seed`` draws."""
+    torch.manual_seed(seed)
+    dense = small_encoder(vocab_size=30522, d_model=d_model, n_layers=2, n_heads=4, d_ff=4 * d_model,
+                          max_len=64, num_classes=classes, dropout=0.0)
+    with warnings.catch_warnings():  # at this size the networks are not faster on a CPU: said in step 3, once
+        warnings.simplefilter("ignore", tncompile.SlowerThanDenseWarning)
+        compressed = tncompile.compile(copy.deepcopy(dense), target_ratio=ratio)
+    return dense, compressed
+
+
+def step_cpu_seconds(d_model: int, classes: int, ratio: float, train, batch: int, lr: float) -> float:
+    """CPU seconds one training step of both models costs at ``d_model`` here (4 steps timed
+    after 4 warm-up steps, which measure the compressed layers' ways, on throwaway models)."""
+    models = dict(zip(("dense", "compressed"), small_models(d_model, classes, ratio, seed=10_000)))
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=lr) for k, m in models.items()}
+    stream = batches(*train, batch, seed=10_000)
+    for i in range(8):
+        if i == 4:
+            start = cpu_seconds_used(children=False)
         x, y = next(stream)
         for k, m in models.items():
             loss = F.cross_entropy(m(x), y)
-            if k == "compressed" and ctl is not None:
+            opts[k].zero_grad(set_to_none=True)
+            loss.backward()
+            opts[k].step()
+    return (cpu_seconds_used(children=False) - start) / 4
+
+
+def choose_d_model(d_model: int, budget: float, steps: int, seeds: int, cost) -> tuple[int, float]:
+    """The widest of ``d_model``, ``d_model / 2``, ... (down to 8) whose ``seeds`` runs of
+    ``steps`` steps fit ``budget`` CPU seconds by ``cost(d_model)`` (seconds per step), and
+    its estimated total: a budget that binds shrinks the model, never the steps, so the
+    comparison stays at the regime it was sized for. Where even width 16 does not fit, 16
+    (narrower, the layers are too small to compress)."""
+    while True:
+        total = 1.15 * cost(d_model) * steps * seeds  # evaluations and rank cuts on top of the steps
+        if total <= budget or d_model <= 16:
+            return d_model, total
+        d_model //= 2
+
+
+def train_seed(seed: int, d_model: int, classes: int, train, held_out, args, bar) -> dict:
+    """Train the dense and the compressed small encoder of ``seed`` on the same batches for
+    ``args.steps`` steps, the compressed one rank-adaptively (early stage a third of the
+    steps, then the late stage cutting its ranks toward half its ratio). Held-out accuracy
+    at step 0 and at each sixth of the steps."""
+    dense, compressed = small_models(d_model, classes, args.ratio, seed)
+    models = {"dense": dense, "compressed": compressed}
+    lr = args.lr
+    opts = {"dense": torch.optim.AdamW(dense.parameters(), lr=lr),
+            "compressed": torch.optim.AdamW(tncompile.param_groups(compressed, lr=lr, gate_lr=10 * lr))}
+    steps = args.steps
+    ctl = tncompile.RankController(compressed, opts["compressed"], target_ratio=compressed.ratio / 2,
+                                   early_steps=steps // 3, late_steps=steps - steps // 3,
+                                   truncate_every=max(5, steps // 12))
+    ranks_before, compiled_ratio = ctl.ranks(), compressed.ratio
+    marks = {round(steps * k / EVALS) for k in range(1, EVALS + 1)}
+    rows = [{"step": 0, **{k: accuracy(m, *held_out) for k, m in models.items()}, "compressed_ratio": compiled_ratio}]
+    stream = batches(*train, args.batch_size, seed=seed)
+    for step in range(1, steps + 1):
+        x, y = next(stream)
+        for k, m in models.items():
+            loss = F.cross_entropy(m(x), y)
+            if k == "compressed":
                 loss = loss + ctl.penalty(loss)
             opts[k].zero_grad(set_to_none=True)
             loss.backward()
             opts[k].step()
-        step += 1
-        if ctl is not None:
-            ctl.step()
-        elif step == 10:  # what a step costs here sizes the run
-            per_step = (cpu_seconds_used() - start) / step
-            steps = max(60, min(max_steps, int(cpu_seconds / per_step)))
-            marks = {round(steps * (k + 1) / evals) for k in range(evals)}
-            bar.total = steps
-            ctl = tncompile.RankController(compressed, opts["compressed"], target_ratio=compressed.ratio / 2,
-                                           early_steps=(steps - step) // 3, late_steps=steps - step - (steps - step) // 3,
-                                           truncate_every=max(5, (steps - step) // 12))
-            ranks_before = ctl.ranks()
+        ctl.step()
         bar.update(1)
         if step in marks:
             rows.append({"step": step, **{k: accuracy(m, *held_out) for k, m in models.items()},
                          "compressed_ratio": compressed.ratio})
-            bar.set_postfix({k: f"{v:.3f}" for k, v in rows[-1].items() if k in models})
-    bar.close()
-    return rows, ctl, ranks_before
+            bar.set_postfix({"seed": seed, **{k: f"{v:.3f}" for k, v in rows[-1].items() if k in models}})
+    return {"seed": seed, "rows": rows, "dense": dense, "compressed": compressed, "compiled_ratio": compiled_ratio,
+            "ranks_before": ranks_before, "ranks_after": ctl.ranks()}
 
 
-def cpu_seconds_used() -> float:
-    """CPU seconds this process and the children it waited for (the native kernels' one-time
-    build) have used since it started: what the demo's budget counts."""
-    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+def t_quantile(df: int) -> float:
+    """The two-sided 95% quantile of Student's t with ``df`` degrees of freedom."""
+    table = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)
+    if df <= len(table):
+        return table[df - 1]
+    z = 1.959964
+    return (z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+            + (3 * z ** 7 + 19 * z ** 5 + 17 * z ** 3 - 15 * z) / (384 * df ** 3))  # Cornish-Fisher
 
 
-def noise_band(accuracy_: float, n: int) -> float:
-    """Half-width of the 95% interval of an accuracy measured on ``n`` held-out rows."""
-    return 1.96 * (accuracy_ * (1 - accuracy_) / n) ** 0.5
+def seed_band(values: list[float]) -> tuple[float, float | None]:
+    """Mean of per-seed ``values`` and the half-width of its 95% interval over the seeds
+    (``None`` below two seeds)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, None
+    return mean, t_quantile(len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
 
 
-def plot(rows: list[dict], task: str, n: int, path: Path) -> bool:
-    """Held-out accuracy of both models (95% bands shaded) and, on the right axis, the
-    compressed model's ratio as rank adaptation cuts it."""
+def comparison_verdict(dense: list[float], compressed: list[float], gains: dict[str, float]) -> tuple[str | None, str]:
+    """What the final held-out accuracies of ``dense`` and ``compressed`` (one per seed,
+    same seeds) support, and the sentence saying it.
+
+    The claim is ``"within"`` or ``"beyond"`` the run-to-run band of the paired differences
+    only with at least ``MIN_SEEDS`` seeds and where both models reached the converged
+    regime (``gains``: each model's seed-mean accuracy gain over the last third of the
+    steps, at most ``CONVERGED_GAIN``); otherwise ``None``, and the sentence says why.
+    """
+    diffs = [c - d for c, d in zip(compressed, dense)]
+    mean, half = seed_band(diffs)
+    still_learning = {k: g for k, g in gains.items() if g > CONVERGED_GAIN}
+    if len(diffs) < MIN_SEEDS:
+        return None, (f"the difference is {100 * mean:+.1f} points; {len(diffs)} seed(s) give no run-to-run band, "
+                      f"so no claim is made (run --seeds {MIN_SEEDS} or more)")
+    if still_learning:
+        names = ", ".join(f"{k} gained {100 * g:+.1f} points" for k, g in still_learning.items())
+        return None, (f"the difference is {100 * mean:+.1f} ± {100 * half:.1f} points over {len(diffs)} seeds, but "
+                      f"training had not converged ({names} over the last third of the steps; the converged "
+                      f"regime is at most {100 * CONVERGED_GAIN:.0f}): no claim is made (raise --steps)")
+    claim = "within" if abs(mean) <= half else "beyond"
+    return claim, (f"the difference, {100 * mean:+.1f} ± {100 * half:.1f} points (95% over {len(diffs)} seeds, "
+                   f"paired), is {claim} the run-to-run noise")
+
+
+def cpu_seconds_used(children: bool = True) -> float:
+    """CPU seconds this process has used since it started and, with ``children``, the
+    children it waited for (the native kernels' one-time build)."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + (kids.ru_utime + kids.ru_stime if children else 0.0)
+
+
+def mean_rows(runs: list[dict]) -> list[dict]:
+    """The seeds' held-out accuracy rows averaged step by step, with each model's 95%
+    half-width over the seeds (``None`` for one seed)."""
+    rows = []
+    for at in zip(*(run["rows"] for run in runs)):
+        row = {"step": at[0]["step"]}
+        for key in ("dense", "compressed", "compressed_ratio"):
+            row[key], half = seed_band([r[key] for r in at])
+            if key != "compressed_ratio":
+                row[f"{key}_band"] = half
+        rows.append(row)
+    return rows
+
+
+def plot(rows: list[dict], task: str, seeds: int, path: Path) -> bool:
+    """Held-out accuracy of both models, the mean over the seeds with its 95% band shaded,
+    and, on the right axis, the compressed model's ratio as rank adaptation cuts it."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -209,9 +309,11 @@ def plot(rows: list[dict], task: str, n: int, path: Path) -> bool:
     for key, marker in (("dense", "o"), ("compressed", "s")):
         acc = [r[key] for r in rows]
         ax.plot(steps, acc, marker=marker, label=key)
-        ax.fill_between(steps, [a - noise_band(a, n) for a in acc], [a + noise_band(a, n) for a in acc], alpha=0.15)
+        if seeds > 1:
+            half = [r[f"{key}_band"] for r in rows]
+            ax.fill_between(steps, [a - h for a, h in zip(acc, half)], [a + h for a, h in zip(acc, half)], alpha=0.15)
     ax.set_xlabel("training step")
-    ax.set_ylabel("held-out accuracy (95% band)")
+    ax.set_ylabel(f"held-out accuracy (mean of {seeds} seeds" + (", 95% band)" if seeds > 1 else ")"))
     ax.set_title(task, fontsize=9)
     ax.grid(alpha=0.3)
     right = ax.twinx()
@@ -242,19 +344,23 @@ def main() -> None:
                     help=f"SST-2 folder (train.tsv, dev.tsv; ../bert-base-uncased/vocab.txt beside it), or 'none' "
                          f"for a generated task; default ${DATA_ENV}/sst2 or ../shared/data/sst2 when present")
     ap.add_argument("--cpu-budget", type=float, default=150.0,
-                    help="CPU seconds the whole demo may take (the training steps are sized to it)")
-    ap.add_argument("--max-steps", type=int, default=600, help="at most this many training steps")
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=2e-3)
+                    help="CPU seconds the demo may take, the native kernels' one-time build aside; where the "
+                         "training would not fit, the small model is made narrower (never trained for fewer steps)")
+    ap.add_argument("--steps", type=int, default=300,
+                    help="training steps per seed (SST-2 reaches its plateau by then at the defaults)")
+    ap.add_argument("--seeds", type=int, default=MIN_SEEDS, help="seeds to train both models with (the band's runs)")
+    ap.add_argument("--d-model", type=int, default=32, help="width of the small encoder (before the budget)")
+    ap.add_argument("--batch-size", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=5e-3)
     ap.add_argument("--ratio", type=float, default=0.1, help="target_ratio of the small model")
     ap.add_argument("--measure-batch", type=int, default=4, help="batch of the six-encoder step-time comparison")
     ap.add_argument("--measure-rounds", type=int, default=5)
     ap.add_argument("--out", default=out_dir("demo"))
-    ap.add_argument("--quick", action="store_true", help="a few steps of everything (a smoke run)")
+    ap.add_argument("--quick", action="store_true", help="a few steps of everything (a smoke run: no claim)")
     args = ap.parse_args()
     data = None if args.data in (None, "", "none") else args.data
     if args.quick:
-        args.max_steps, args.measure_batch, args.measure_rounds, args.cpu_budget = 60, 2, 3, 20.0
+        args.steps, args.d_model, args.measure_batch, args.measure_rounds, args.cpu_budget = 30, 16, 2, 3, 40.0
     retain_freed_memory()
     torch.manual_seed(0)
     started = time.perf_counter()
@@ -268,14 +374,18 @@ def main() -> None:
     report = compiled.report()
     print(report, "\n")
 
-    # 2. one whole training step against dense, measured
-    times = step_times({"dense": dense, "compressed": compiled}, args.measure_batch, args.measure_rounds)
+    # 2. one whole training step against dense, measured; the host's load beside it
+    with HostLoad() as load:
+        times = step_times({"dense": dense, "compressed": compiled}, args.measure_batch, args.measure_rounds)
     ratios = sorted(d / c for d, c in zip(times["dense"], times["compressed"]))
     dense_s, compressed_s = statistics.median(times["dense"]), statistics.median(times["compressed"])
     print(f"2. one whole training step (forward, backward, AdamW) at {args.measure_batch} x {SEQ} tokens, "
           f"{torch.get_num_threads()} threads, {args.measure_rounds} interleaved rounds:")
     print(f"   dense {dense_s:.3f}s   compressed {compressed_s:.3f}s   -> {dense_s / compressed_s:.2f}x faster "
           f"(median; {ratios[0]:.2f}-{ratios[-1]:.2f}x over the rounds)")
+    if load.busy:
+        print(f"   WARNING: the host was busy while these steps were timed ({load.describe()}): the times "
+              "and their ratio are unreliable; rerun on a quiet host")
     if report.speed is not None:
         print(f"   the report's {report.speed.speedup:.2f}x is an estimate for the compressed layers alone (their "
               "forward and backward, from this host's measured GEMM speed and bandwidth); the step measured here is "
@@ -283,68 +393,82 @@ def main() -> None:
               "they were (and the host's load and cache sizes, which no estimate knows)\n")
     del dense, compiled
 
-    # 3. train a small model both ways, same init, same batches; the compressed one cuts its ranks
-    train, held_out, task, classes = task_data(data, args.max_steps * args.batch_size, args.quick)
-    small = small_encoder(vocab_size=30522, d_model=128, n_layers=2, n_heads=4, d_ff=512, max_len=64,
-                          num_classes=classes)
-    with warnings.catch_warnings():  # at this size the networks are not faster on a CPU: said below, once
-        warnings.simplefilter("ignore", tncompile.SlowerThanDenseWarning)
-        small_compressed = tncompile.compile(copy.deepcopy(small), target_ratio=args.ratio)
-    compiled_ratio = small_compressed.ratio
-    budget = 0.9 * args.cpu_budget - cpu_seconds_used()  # a tenth left for the evaluations and the save
-    print(f"3. {task}: a 2-layer encoder, dense ({sum(p.numel() for p in small.parameters()):,} parameters) and "
-          f"compressed to {compiled_ratio:.3f} of them, trained on the same batches of {args.batch_size}; the "
-          "compressed one rank-adaptively (early stage, then a late stage cutting ranks toward half its size). "
-          "(A model this small is for accuracy, not speed: its networks are too small to beat dense GEMMs on a "
-          "CPU; step 2 is where the speed is.)")
-    rows, ctl, ranks_before = train_side_by_side({"dense": small, "compressed": small_compressed}, train, held_out,
-                                                 args.batch_size, args.lr, max(budget, 1.0), args.max_steps)
-    n = len(held_out[0])
-    print(f"\n   trained {rows[-1]['step']} steps (sized to the {args.cpu_budget:.0f} s CPU budget on this host)\n"
+    # 3. train a small model both ways over several seeds; the compressed one cuts its ranks
+    train, held_out, task, classes = task_data(data, args.steps * args.batch_size, args.quick)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small costs less CPU on one thread than on two
+    budget = 0.9 * args.cpu_budget - cpu_seconds_used(children=False)  # a tenth left for the save
+    d_model, estimate = choose_d_model(args.d_model, budget, args.steps, args.seeds,
+                                       lambda d: step_cpu_seconds(d, classes, args.ratio, train, args.batch_size,
+                                                                  args.lr))
+    if d_model < args.d_model:
+        print(f"   (the CPU budget binds: the small model is {d_model} wide instead of {args.d_model}, so that "
+              f"{args.seeds} seeds x {args.steps} steps fit; the steps are never cut)")
+    print(f"3. {task}: a 2-layer encoder of width {d_model}, dense and compressed (target_ratio {args.ratio}), "
+          f"trained from the same weights on the same batches of {args.batch_size} for {args.steps} steps, "
+          f"over {args.seeds} seeds; the compressed one rank-adaptively (early stage, then a late stage cutting "
+          f"ranks toward half its size). (A model this small is for accuracy, not speed: its networks are too "
+          "small to beat dense GEMMs on a CPU; step 2 is where the speed is.)")
+    bar = tqdm(total=args.steps * args.seeds, desc=f"train dense + compressed, {args.seeds} seeds", unit="step")
+    runs = [train_seed(seed, d_model, classes, train, held_out, args, bar) for seed in range(args.seeds)]
+    bar.close()
+    torch.set_num_threads(threads)
+    rows, n = mean_rows(runs), len(held_out[0])
+    print(f"\n   trained {args.steps} steps per seed, {args.seeds} seeds; held-out accuracy ({n} rows), mean over "
+          "the seeds (± 95% band over them)\n"
           "   | step | dense | compressed | compressed ratio |\n   |---|---|---|---|")
+
+    def cell(r, key):
+        return f"{r[key]:.3f}" + (f" ± {r[key + '_band']:.3f}" if r[key + "_band"] is not None else "")
     for r in rows:
-        print(f"   | {r['step']} | {r['dense']:.3f} | {r['compressed']:.3f} | {r['compressed_ratio']:.4f} |")
-    dense_acc, comp_acc = rows[-1]["dense"], rows[-1]["compressed"]
-    band = (noise_band(dense_acc, n) ** 2 + noise_band(comp_acc, n) ** 2) ** 0.5
-    verdict = ("within the noise of one run on this held-out set" if abs(dense_acc - comp_acc) <= band
-               else "beyond the noise of one run on this held-out set")
-    print(f"   held-out accuracy: dense {dense_acc:.3f} ± {noise_band(dense_acc, n):.3f}, compressed "
-          f"{comp_acc:.3f} ± {noise_band(comp_acc, n):.3f} (95%, {n} rows): the difference, "
-          f"{100 * (comp_acc - dense_acc):+.1f} points, is {verdict}")
-    after = ctl.ranks()
-    name = max(after, key=lambda k: sum(ranks_before[k]) - sum(after[k]))
-    print(f"   rank adaptation: ratio {compiled_ratio:.4f} -> {small_compressed.ratio:.4f}, "
-          f"{sum(sum(r) for r in ranks_before.values())} -> {sum(sum(r) for r in after.values())} ranks in all; "
-          f"{name}: {ranks_before[name]} -> {after[name]} (cut out of the cores, not masked)")
+        print(f"   | {r['step']} | {cell(r, 'dense')} | {cell(r, 'compressed')} | {r['compressed_ratio']:.4f} |")
+    two_thirds = next(r for r in rows if r["step"] >= round(args.steps * 2 / 3))
+    gains = {k: rows[-1][k] - two_thirds[k] for k in ("dense", "compressed")}
+    print(f"   over the last third of the steps dense gained {100 * gains['dense']:+.1f} and compressed "
+          f"{100 * gains['compressed']:+.1f} points (converged regime: at most {100 * CONVERGED_GAIN:.0f})")
+    claim, sentence = comparison_verdict([run["rows"][-1]["dense"] for run in runs],
+                                         [run["rows"][-1]["compressed"] for run in runs], gains)
+    print(f"   held-out accuracy: dense {rows[-1]['dense']:.3f}, compressed {rows[-1]['compressed']:.3f}: {sentence}")
+    last = runs[-1]
+    before, after = last["ranks_before"], last["ranks_after"]
+    name = max(after, key=lambda k: sum(before[k]) - sum(after[k]))
+    print(f"   rank adaptation (seed {last['seed']}): ratio {last['compiled_ratio']:.4f} -> "
+          f"{last['compressed'].ratio:.4f}, {sum(sum(r) for r in before.values())} -> "
+          f"{sum(sum(r) for r in after.values())} ranks in all; {name}: {before[name]} -> {after[name]} "
+          "(cut out of the cores, not masked)")
 
     # 4. save the cut model, load it onto a fresh dense one
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    small_compressed = last["compressed"]
     tncompile.save(small_compressed, out / "compressed.tnc")
-    fresh = small_encoder(vocab_size=30522, d_model=128, n_layers=2, n_heads=4, d_ff=512, max_len=64,
-                          num_classes=classes)
+    fresh = small_encoder(vocab_size=30522, d_model=d_model, n_layers=2, n_heads=4, d_ff=4 * d_model, max_len=64,
+                          num_classes=classes, dropout=0.0)
     loaded = tncompile.load(out / "compressed.tnc", model=fresh)
     x, _ = collate(held_out[0][:16], held_out[1][:16])
     small_compressed.eval(), loaded.eval()
     with torch.no_grad():
         same = torch.equal(loaded(x), small_compressed(x))
-    dense_bytes = sum(p.numel() * p.element_size() for p in small.parameters())
+    dense_bytes = sum(p.numel() * p.element_size() for p in last["dense"].parameters())
     print(f"\n4. saved to {out / 'compressed.tnc'} ({(out / 'compressed.tnc').stat().st_size / 1e6:.2f} MB; the dense "
           f"model's weights are {dense_bytes / 1e6:.1f} MB) and loaded onto a fresh model: "
           f"{'the same outputs' if same else 'DIFFERENT outputs'}")
-    drew = plot(rows, task, n, out / "demo.png")
-    cpu = cpu_seconds_used()
+    drew = plot(rows, task, args.seeds, out / "demo.png")
+    cpu, built = cpu_seconds_used(children=False), resource.getrusage(resource.RUSAGE_CHILDREN)
+    build_cpu = built.ru_utime + built.ru_stime
     (out / "demo.json").write_text(json.dumps({
-        "task": task, "ratio": compiled_ratio, "ratio_after_adaptation": small_compressed.ratio, "accuracy": rows,
-        "held_out_rows": n, "six_encoder_ratio": PAPER_RATIO, "step_seconds": times,
-        "measure_batch": args.measure_batch, "threads": torch.get_num_threads(), "loaded_same_outputs": same,
-        "seconds": round(time.perf_counter() - started, 1), "cpu_seconds": round(cpu, 1)}, indent=1))
+        "task": task, "d_model": d_model, "steps": args.steps, "seeds": args.seeds, "batch_size": args.batch_size,
+        "ratio": last["compiled_ratio"], "ratio_after_adaptation": small_compressed.ratio, "accuracy": rows,
+        "accuracy_by_seed": [run["rows"] for run in runs], "gain_over_last_third": gains, "claim": claim,
+        "held_out_rows": n, "six_encoder_ratio": PAPER_RATIO, "step_seconds": times, "host_load": load.as_dict(),
+        "measure_batch": args.measure_batch, "threads": threads, "loaded_same_outputs": same,
+        "estimated_training_cpu_seconds": round(estimate, 1),
+        "seconds": round(time.perf_counter() - started, 1), "cpu_seconds": round(cpu, 1),
+        "native_build_cpu_seconds": round(build_cpu, 1)}, indent=1))
     print(f"   held-out accuracy plotted to {out / 'demo.png'}" if drew else "   (pip install matplotlib for the plot)")
-    built = resource.getrusage(resource.RUSAGE_CHILDREN)
-    print(f"   the whole demo took {time.perf_counter() - started:.0f} s, {cpu:.0f} s of CPU time on "
-          f"{torch.get_num_threads()} threads (imports included"
-          + (f"; {built.ru_utime + built.ru_stime:.0f} s of it building the native kernels, once per machine"
-             if built.ru_utime + built.ru_stime > 1 else "") + ")\n")
+    print(f"   the whole demo took {time.perf_counter() - started:.0f} s, {cpu:.0f} s of CPU time (imports included"
+          + (f"; building the native kernels, once per machine, took {build_cpu:.0f} s more"
+             if build_cpu > 1 else "") + ")\n")
     print("5. next: rank-adaptive training (CoMERA's early and late stages) on SST-2 -- "
           "python examples/sst2.py --data ../shared/data/sst2 --quick; your own model: README's Use section")
 
