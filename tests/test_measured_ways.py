@@ -142,7 +142,7 @@ def test_the_disk_cache_serves_a_later_process(tmp_path):
         measured.forget()                                   # a new process: memory empty
         again = _layer(1)
         again(torch.randn(64, 96))
-        assert measured.stats() == {"measured": 0, "hits": 1} and again.ran_as is way
+        assert measured.stats() == {"measured": 0, "hits": 1, "seconds": 0.0} and again.ran_as is way
 
 
 @pytest.mark.parametrize("content", [
@@ -269,3 +269,53 @@ def test_the_triton_pair_is_never_a_candidate_off_a_gpu():
     from tncompile.runtime.ways import backends
     assert backends.get("triton") is not None and backends.get("triton").measured_on == ("cuda",)
     assert backends.candidate(torch.randn(4, 4), "thin_pair") is None
+
+
+def _scripted(times: dict[str, list[float]]):
+    """``time_way`` returning each way's scripted run times in turn, and the calls made."""
+    calls: list[str] = []
+    left = {way: list(ts) for way, ts in times.items()}
+
+    def time_way(way: str) -> float:
+        calls.append(way)
+        return left[way].pop(0)
+    return time_way, calls
+
+
+def test_a_clear_winner_costs_two_runs_a_candidate_not_four():
+    time_way, calls = _scripted({"a": [0.02, 0.010, 0.010, 0.010], "b": [0.05, 0.040, 0.04, 0.04],
+                                 "c": [0.03, 0.025, 0.02, 0.02]})
+    assert measured.race(time_way, ("a", "b", "c")) == "a"
+    assert calls == ["a", "b", "c", "a", "b", "c"]          # warm-up, one round; b and c out, a alone left
+
+
+def test_a_close_race_is_repeated_and_the_fastest_single_run_wins():
+    time_way, calls = _scripted({"a": [0.02, 0.012, 0.0115, 0.0104], "b": [0.02, 0.010, 0.0110, 0.0090]})
+    assert measured.race(time_way, ("a", "b")) == "b"       # 9.0 ms in round three
+    assert calls.count("a") == calls.count("b") == 1 + tuning.MEASURE_REPEATS
+
+
+def test_a_tie_ends_the_race():
+    time_way, calls = _scripted({"a": [0.02, 0.0102, 0.01, 0.01], "b": [0.02, 0.0100, 0.01, 0.01]})
+    assert measured.race(time_way, ("a", "b")) == "b" and calls == ["a", "b", "a", "b"]   # 2% apart: stop
+
+
+def test_a_way_far_behind_at_warm_up_drops_out_and_a_long_one_is_timed_once():
+    time_way, calls = _scripted({"fast": [0.01, 0.009, 0.009, 0.009], "hopeless": [0.5]})
+    assert measured.race(time_way, ("fast", "hopeless")) == "fast" and calls.count("hopeless") == 1
+    time_way, calls = _scripted({"long": [0.40], "longer": [0.45]})    # both over MEASURE_LONG_S
+    assert measured.race(time_way, ("long", "longer")) == "long" and calls == ["long", "longer"]
+    time_way, calls = _scripted({"short": [0.2, 0.30, 0.3, 0.3], "long": [0.28]})
+    assert measured.race(time_way, ("short", "long")) == "long" and calls.count("long") == 1
+
+
+def test_long_measuring_is_named_once_on_stderr(monkeypatch, caplog):
+    layer = _layer()
+    monkeypatch.setattr(linear_ways, "_timer", lambda *args: {w.value: 0.001 for w in LinearWay}.__getitem__)
+    with tuning.override(MEASURE_NOTICE_S=0.0), caplog.at_level("WARNING", logger="tncompile.ways"):
+        measured._NOTICED.clear()
+        choose(layer, torch.randn(64, 96))
+        choose(layer, torch.randn(300, 96))                 # another bucket: measured, not named again
+    lines = [r.getMessage() for r in caplog.records if "timing each compressed layer's ways" in r.getMessage()]
+    assert len(lines) == 1 and "TNCOMPILE_WAY_CACHE" in lines[0] and "MEASURE_WAYS = False" in lines[0]
+    assert measured.stats()["measured"] == 2 and measured.stats()["seconds"] >= 0.0

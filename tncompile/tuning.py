@@ -190,11 +190,23 @@ RETAIN_FREED_MEMORY = True
 #: Choose among a layer's correct ways by timing them, once per shape, bucket of rows,
 #: dtype and device (runtime/ways/measured.py); off: the cost model's prior alone.
 MEASURE_WAYS = True
-#: Timed runs per candidate (after one warm-up); the fastest run counts.
+#: Timed runs per candidate (after one warm-up); the fastest run counts. A race: after each
+#: round only candidates within ``MEASURE_RACE_SLACK`` of the fastest so far run again.
 MEASURE_REPEATS = 3
-#: A candidate whose warm-up run takes longer than this many seconds is timed once more,
-#: not ``MEASURE_REPEATS`` times.
+#: A candidate slower than the fastest by more than this factor drops out of the race
+#: (after the warm-up, by ``MEASURE_WARMUP_SLACK``: first calls carry one-time costs).
+MEASURE_RACE_SLACK = 1.3
+MEASURE_WARMUP_SLACK = 4.0
+#: The race stops once the ways still in it are within this factor of the fastest: which of
+#: them wins changes that op's time by less than the timing's own noise.
+MEASURE_TIE = 1.05
+#: A candidate whose warm-up run takes longer than this many seconds is timed by that run
+#: alone (a vocabulary-wide head: its time is not noise-sized, and repeating it would cost
+#: the first step many seconds).
 MEASURE_LONG_S = 0.25
+#: When measuring ways has taken this many seconds in a process, one line on stderr says
+#: what the first steps are spending their time on, and how to keep it for later runs.
+MEASURE_NOTICE_S = 2.0
 #: ``compile(batch_sizes=...)`` times a layer's ways ahead only where the timing's tensors
 #: (input and output rows, and their gradients) take at most this many bytes; larger
 #: batches are timed on first use, on the user's own input.
