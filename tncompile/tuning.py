@@ -187,6 +187,10 @@ DEDUP_MIN_IDS = 64
 RETAIN_FREED_MEMORY = True
 
 # ---------------------------------------------------------------- runtime: measured ways
+#: Flush subnormal floats to zero on every intra-op thread while a compressed model's
+#: forward and backward run on the CPU (runtime/kernels/denormals.py): x86 cores compute
+#: subnormals 10-100x slower; the caller's own state is put back after each.
+FLUSH_DENORMALS = True
 #: Choose among a layer's correct ways by timing them, once per shape, bucket of rows,
 #: dtype and device (runtime/ways/measured.py); off: the cost model's prior alone.
 MEASURE_WAYS = True

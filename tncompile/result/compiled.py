@@ -12,6 +12,7 @@ from .model_api import CompressedModelAPI
 from ..runtime.layers.factor_links import link_factor_groups
 from ..runtime.fused.graph_functions import keep_functions_when_pickled
 from ..runtime.layers import TNModule, TTMTiedLinear
+from ..runtime.kernels.denormals import call_flushing
 
 __all__ = ["CompiledModel"]
 
@@ -67,7 +68,7 @@ class CompiledModel(CompressedModelAPI, nn.Module):
             peers.forget()
         args, kwargs = self._program.inputs.bind(args, kwargs)
         try:
-            return self.model(*args, **kwargs)
+            return call_flushing(self.model, self.model, *args, **kwargs)
         except TypeError as e:  # only now look at why: no cost on calls that fit
             _explain_call(self.model, args, kwargs, e)
             raise

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..runtime.kernels.denormals import call_flushing
 from ..ir.program import Program
 from ..frontend.layers import is_compressible, kind_of
 from ..result.model_api import LATER_DUMP_DIR, CompressedModelAPI
@@ -104,7 +105,7 @@ class SwapMixin(CompressedModelAPI):
             peers = self.__dict__.get("_factor_peers")
             if peers is not None:
                 peers.forget()
-        return super().__call__(*args, **kwargs)
+        return call_flushing(self, super().__call__, *args, **kwargs)
 
     @property
     def program(self) -> Program:

@@ -12,6 +12,8 @@ Where PyTorch has no fast op for what a TT/TTM layer needs:
   block of two TT linears, without writing its hidden activation to memory;
 * ``dropout.cpp``: dropout with a counter-based (Philox, ``philox.h``)
   generator, one pass each way and a one-byte mask;
+* ``denormals.cpp``: flush-to-zero set and restored on every intra-op thread
+  (``runtime.kernels.denormals``);
 * ``attention.cpp``: scaled dot-product attention with dropout, forward and
   backward, one head's scores at a time in cache, q/k/v read through their
   strides (no head-transposed copies), the dropout mask drawn again in
@@ -51,7 +53,7 @@ __all__ = ["native_ops", "native_status", "native_kernels", "kernels_for", "watc
 _HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 _SOURCES = [str(Path(__file__).with_name(name))
             for name in ("gathered_product.cpp", "thin_gemm.cpp", "tt_chain.cpp", "feed_forward.cpp",
-                         "dropout.cpp", "attention.cpp")]
+                         "dropout.cpp", "attention.cpp", "denormals.cpp")]
 _lock = threading.Lock()
 _state: dict = {"ops": None, "tried": False, "error": None, "enabled": True, "watch": None}
 log = logging.getLogger("tncompile.native")
