@@ -40,8 +40,10 @@ def _cpu_ticks() -> tuple[int, int, int] | None:
 
 
 def _own_cpu_seconds() -> float:
+    """CPU seconds of this process and of the children it has waited for (a benchmark's
+    own subprocesses are not other load)."""
     t = os.times()
-    return t.user + t.system
+    return t.user + t.system + t.children_user + t.children_system
 
 
 @dataclass
