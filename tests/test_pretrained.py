@@ -541,13 +541,16 @@ def test_a_sampled_table_fit_stops_where_held_out_rows_stop_improving():
     assert judged.fit_error <= unjudged.fit_error * 1.01, (judged.fit_error, unjudged.fit_error)
 
 
-def test_layers_fed_the_same_input_share_one_eigendecomposition(monkeypatch):
-    """Issue 64 item 4: the moment's eigendecomposition (the allocation's whitening and the
-    fit's closed-form start) is computed once per distinct input, not per layer and pass."""
+def test_layers_fed_the_same_input_share_one_factorization(monkeypatch):
+    """Issue 64 item 4: the moment's square root (the allocation's whitening and the fit's
+    closed-form start; a Cholesky factor, no eigendecomposition) is computed once per
+    distinct input, not per layer and pass."""
     from tncompile.calibration import layer_fit
-    calls = []
-    real = torch.linalg.eigh
-    monkeypatch.setattr(layer_fit.torch.linalg, "eigh", lambda m: calls.append(m.shape) or real(m))
+    calls, eighs = [], []
+    real = torch.linalg.cholesky
+    monkeypatch.setattr(layer_fit.torch.linalg, "cholesky", lambda m: calls.append(m.shape) or real(m))
+    real_eigh = torch.linalg.eigh
+    monkeypatch.setattr(layer_fit.torch.linalg, "eigh", lambda m: eighs.append(m.shape) or real_eigh(m))
 
     class QKV(nn.Module):
         def __init__(self):
@@ -561,3 +564,31 @@ def test_layers_fed_the_same_input_share_one_eigendecomposition(monkeypatch):
     data = [torch.randn(64, 64) for _ in range(4)]
     tncompile.compile(QKV(), 0.5, example_inputs=(data[0],), calibration=data)
     assert len(calls) == 2, calls        # one for q, k and v's shared input, one for out's
+    assert eighs == []
+
+
+def test_the_nearest_matrix_at_a_rank_is_the_same_by_any_square_root_of_the_moment():
+    """The closed-form start: the rank-r matrix nearest W in tr(D C D^T) found with the
+    Cholesky factor equals the one found with the symmetric root (eigendecomposition), and
+    no rank-r matrix tried is nearer."""
+    from tncompile.calibration import layer_fit
+    torch.manual_seed(0)
+    w = torch.randn(24, 16, dtype=torch.float64)
+    x = torch.randn(200, 16, dtype=torch.float64) * torch.linspace(0.1, 3.0, 16, dtype=torch.float64)
+    moment = x.t() @ x / 200
+    root = layer_fit.normalized_root(moment)
+    c_r = root @ root.t()
+    vals, vecs = torch.linalg.eigh(c_r)
+    symmetric = (vecs * vals.sqrt()) @ vecs.t()
+    u, s, vh = torch.linalg.svd(w @ symmetric, full_matrices=False)
+    by_eigh = (u[:, :5] * s[:5]) @ vh[:5] @ torch.linalg.inv(symmetric)
+    nearest = layer_fit._best_at_bond(w, root, 5)
+    torch.testing.assert_close(nearest, by_eigh, rtol=1e-8, atol=1e-10)
+
+    def err(m):
+        d = w - m
+        return float(((d @ c_r) * d).sum())
+    for _ in range(20):
+        other = nearest + 1e-2 * torch.randn(24, 5, dtype=torch.float64) @ torch.randn(5, 16, dtype=torch.float64)
+        u, s, vh = torch.linalg.svd(other, full_matrices=False)
+        assert err((u[:, :5] * s[:5]) @ vh[:5]) >= err(nearest) - 1e-9

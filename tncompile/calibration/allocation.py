@@ -21,7 +21,14 @@ import torch
 
 from ..formats.layout import TTLayout, TTMLayout
 
-__all__ = ["ErrorCurve", "candidate_ranks", "error_curve", "allocate_by_sensitivity"]
+__all__ = ["ErrorCurve", "candidate_ranks", "error_curve", "allocate_by_sensitivity", "CURVE_DTYPE"]
+
+#: Precision of the unfoldings' Gram matrices and their eigenvalues. The curve is an
+#: estimate (TT-SVD's bound); float32 moves its errors by ~1e-6 of the layer's energy --
+#: far below the differences allocation weighs -- in half float64's time. The tails are
+#: summed in float64 from the smallest eigenvalue up (no cancellation), and a tail below
+#: the Gram's precision counts as none (an exactly low-rank layer gains nothing past its rank).
+CURVE_DTYPE = torch.float32
 
 
 @dataclass
@@ -53,16 +60,18 @@ def error_curve(target: torch.Tensor, layout: TTLayout | TTMLayout, ranks: list[
     over the unfoldings ``A_k`` at each bond (capped at 1): one set of singular values
     per bond gives the whole curve.
     """
-    tensor = _sites(target.detach().to(torch.float64), layout)
-    norm = tensor.pow(2).sum().clamp_min(torch.finfo(torch.float64).tiny)
+    tensor = _sites(target.detach().to(CURVE_DTYPE), layout)
+    norm = tensor.to(torch.float64).pow(2).sum().clamp_min(torch.finfo(torch.float64).tiny)
     sizes = tensor.shape
     tails = []  # per bond: tails[k][r] = energy beyond the first r singular values
     for k in range(1, len(sizes)):
         unfolding = tensor.reshape(prod(sizes[:k]), -1)
         small = unfolding if unfolding.shape[0] <= unfolding.shape[1] else unfolding.t()
-        energy = torch.linalg.eigvalsh(small @ small.t()).clamp_min(0).flip(0)  # sigma^2, descending
-        tail = energy.sum() - torch.cat([energy.new_zeros(1), energy.cumsum(0)])
-        tails.append(tail.clamp_min(0))
+        energy = torch.linalg.eigvalsh(small @ small.t()).to(torch.float64).clamp_min(0)  # sigma^2, ascending
+        tail = energy.cumsum(0).flip(0)             # energy beyond the first r, summed from the smallest up
+        resolution = torch.finfo(CURVE_DTYPE).eps * small.shape[0] * float(tail[0])
+        tail = torch.where(tail <= resolution, torch.zeros_like(tail), tail)  # below the Gram's precision: none
+        tails.append(torch.cat([tail, tail.new_zeros(1)]))
     errors, params = [], []
     for r in ranks:
         lay = layout.with_ranks(r)

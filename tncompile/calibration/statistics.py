@@ -31,7 +31,7 @@ from .. import tuning
 from ..frontend.layers import is_embedding, is_embedding_bag, is_linear
 from ..ir.calls import call_model
 from ..passes.infra.progress import progress as progress_bar
-from .layer_fit import normalized_eigh
+from .layer_fit import normalized_root
 
 __all__ = ["CalibrationStats", "InputMoment", "collect_statistics"]
 
@@ -47,22 +47,22 @@ class InputMoment:
     rows: int = 0
     held_total: torch.Tensor | None = None
     held_rows: int = 0
-    #: ``(ridge, rows, total's version) -> eigh`` of the normalized moment: layers fed the same
-    #: input (query, key, value) and both calibration passes share one decomposition
-    _eigh: dict = field(default_factory=dict, repr=False, compare=False)
+    #: ``(ridge, rows, total's version) -> Cholesky root`` of the normalized moment: layers fed
+    #: the same input (query, key, value) and both calibration passes share one factorization
+    _root: dict = field(default_factory=dict, repr=False, compare=False)
 
     def second_moment(self) -> torch.Tensor:
         """``C = X^T X / rows``, shape ``(in, in)``, float64."""
         return self.total / max(self.rows, 1)
 
-    def normalized_eigh(self, ridge: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(eigenvalues, eigenvectors)`` of ``C`` normalized to mean eigenvalue 1 plus
-        ``ridge * I`` (:func:`~.layer_fit.normalized_eigh`), computed once per state of the sums."""
+    def normalized_root(self, ridge: float) -> torch.Tensor:
+        """``L`` with ``L L^T`` = ``C`` normalized to mean eigenvalue 1 plus ``ridge * I``
+        (:func:`~.layer_fit.normalized_root`), computed once per state of the sums."""
         key = (float(ridge), self.rows, self.total._version)
-        if key not in self._eigh:
-            self._eigh.clear()
-            self._eigh[key] = normalized_eigh(self.second_moment(), ridge)
-        return self._eigh[key]
+        if key not in self._root:
+            self._root.clear()
+            self._root[key] = normalized_root(self.second_moment(), ridge)
+        return self._root[key]
 
     def held_out_moment(self) -> torch.Tensor | None:
         """``C`` of the held-out rows, or ``None`` when none were held out."""

@@ -100,7 +100,7 @@ def _fit_to_calibration(program: Program, name: str, pending: PendingLayer, laye
             return
         weight = linear_weight_of(pending.dense)
         result = fit_linear_cores(weight, layer.layout, moment, start=list(layer.cores),
-                                  eigh=stats.moments[id(pending.dense.weight)].normalized_eigh(RIDGE))
+                                  root=stats.moments[id(pending.dense.weight)].normalized_root(RIDGE))
         held = stats.held_out_moment_of(pending.dense.weight)
         summary = program.calibration_summary.setdefault(name, {})
         summary.update(rows=stats.rows_of(pending.dense.weight), features=int(weight.shape[1]))

@@ -61,7 +61,7 @@ def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dic
             else:  # layers fed the same inputs (query, key, value) share the whitening
                 key = id(moment)
                 if key not in roots:
-                    roots[key] = moment_root(moment.second_moment(), RIDGE, moment.normalized_eigh(RIDGE))
+                    roots[key] = moment_root(moment.second_moment(), RIDGE, moment.normalized_root(RIDGE))
                 target = weight.detach().to(torch.float64) @ roots[key].to(weight.device)
         floor = min((floors or {}).get(name, 1), caps[name])
         curves[name] = error_curve(target, mod.layout, candidate_ranks(caps[name], floor))
