@@ -192,12 +192,17 @@ def fit_linear_cores(weight: torch.Tensor, layout: TTLayout, moment: torch.Tenso
 
 
 def _best_at_bond(w: torch.Tensor, root: torch.Tensor, rank: int) -> torch.Tensor:
-    """The rank-``rank`` matrix nearest ``w`` in ``tr(D C D^T)``: truncated SVD of ``W L``,
-    mapped back by ``L^{-1}`` (``L L^T = C``, ``L`` invertible: ``C`` has the ridge; ``X -> X L``
+    """The rank-``rank`` matrix nearest ``w`` in ``tr(D C D^T)``: ``W L`` projected on its
+    leading ``rank`` singular vectors (truncated SVD), mapped back by ``L^{-1}`` (``L L^T = C``, ``L`` invertible: ``C`` has the ridge; ``X -> X L``
     maps the rank-``rank`` matrices onto themselves, so the nearest is found where the
     metric is Frobenius)."""
-    u, sv, vh = torch.linalg.svd(w @ root, full_matrices=False)
-    nearest = (u[:, :rank] * sv[:rank]) @ vh[:rank]
+    m = w @ root
+    if m.shape[0] >= m.shape[1]:    # the leading singular subspace from the smaller Gram: a third of an SVD's time
+        v = torch.linalg.eigh(m.t() @ m).eigenvectors[:, -rank:]
+        nearest = (m @ v) @ v.t()
+    else:
+        u = torch.linalg.eigh(m @ m.t()).eigenvectors[:, -rank:]
+        nearest = u @ (u.t() @ m)
     return torch.linalg.solve_triangular(root, nearest, upper=False, left=False)
 
 
