@@ -42,6 +42,9 @@ LINEAR_ITERATIONS = 100
 TABLE_ITERATIONS = 100
 #: L-BFGS stops early once an iteration lowers the relative error by less than this.
 TOLERANCE = 1e-6
+#: Precision of a linear fit's products (``A^T C A``: ``in^2 x r`` multiply-adds per step,
+#: most of a wide layer's fit); the cores, their sums and L-BFGS stay float64.
+LINEAR_FIT_DTYPE = torch.float32
 #: Curvature pairs L-BFGS keeps. Its two-loop recursion makes two passes over every core
 #: per pair and iteration -- on a vocabulary's cores (millions of values) more than the
 #: objective itself; 10 fit MiniLM's table as closely as 20 (0.071 against 0.074) in 80%
@@ -176,19 +179,24 @@ def fit_linear_cores(weight: torch.Tensor, layout: TTLayout, moment: torch.Tenso
     base = (w.t() * cw[:in_f]).sum()                            # tr(W C W^T)
     n_in = len(layout.in_modes)
 
-    def objective(cores):
-        a, b = tt_factors(cores, n_in)
-        b = b[:, :out_f]
-        quad = ((a.t() @ c @ a) * (b @ b.t())).sum()
-        cross = ((a.t() @ cw) * b).sum()
-        return (quad - 2 * cross + base) / base
+    def error_in(dtype: torch.dtype):
+        c_d, cw_d = c.to(dtype), cw.to(dtype)
+
+        def error(cores):
+            a, b = tt_factors([k.to(dtype) for k in cores], n_in)
+            b = b[:, :out_f]
+            quad = ((a.t() @ c_d @ a) * (b @ b.t())).sum(dtype=torch.float64)
+            cross = ((a.t() @ cw_d) * b).sum(dtype=torch.float64)
+            return (quad - 2 * cross + base) / base
+        return error
+    objective, exact = error_in(LINEAR_FIT_DTYPE), error_in(torch.float64)
     plain = [c.detach().to(torch.float64) for c in start] if start is not None else tt_from_linear_weight(w, layout)
     # the bond between input and output cores at its best in this metric (closed form), then TT-SVD of that
     root = root if root is not None else normalized_root(moment, ridge)
     whitened = tt_from_linear_weight(_best_at_bond(w, root.to(w.device), layout.ranks[n_in - 1]), layout)
     with torch.no_grad():
-        start = whitened if float(objective(whitened)) < float(objective(plain)) else plain
-    return _fit(start, objective, iterations, baseline=plain)
+        start = whitened if float(exact(whitened)) < float(exact(plain)) else plain
+    return _fit(start, objective, iterations, report=exact, baseline=plain)
 
 
 def _best_at_bond(w: torch.Tensor, root: torch.Tensor, rank: int) -> torch.Tensor:
