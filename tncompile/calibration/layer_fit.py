@@ -45,6 +45,10 @@ TOLERANCE = 1e-6
 #: Precision of a linear fit's products (``A^T C A``: ``in^2 x r`` multiply-adds per step,
 #: most of a wide layer's fit); the cores, their sums and L-BFGS stay float64.
 LINEAR_FIT_DTYPE = torch.float32
+#: Precision of a linear's closed-form start (``W L``, its Gram's eigenvectors, the
+#: triangular solve and the TT-SVD): a start, chosen against the plain TT-SVD by the float64
+#: error and then fit, so its rounding is fit away.
+START_DTYPE = torch.float32
 #: Curvature pairs L-BFGS keeps. Its two-loop recursion makes two passes over every core
 #: per pair and iteration -- on a vocabulary's cores (millions of values) more than the
 #: objective itself; 10 fit MiniLM's table as closely as 20 (0.071 against 0.074) in 80%
@@ -74,12 +78,13 @@ class FitResult:
 
 def output_error(weight: torch.Tensor, cores: list[torch.Tensor], layout: TTLayout, moment: torch.Tensor) -> float:
     """``tr(dW C dW^T) / tr(W C W^T)``: the network's relative output error on inputs of
-    second moment ``C`` (``dW = TT(cores) - weight``), float64."""
+    second moment ``C`` (``dW = TT(cores) - weight``; its products in float32, summed in float64)."""
     w = weight.detach().to(torch.float64)
-    c = moment.to(device=w.device, dtype=torch.float64)
-    delta = tt_to_dense([k.detach().to(torch.float64) for k in cores], layout) - w
-    base = ((w @ c) * w).sum().clamp_min(torch.finfo(torch.float64).tiny)
-    return float(((delta @ c) * delta).sum() / base)
+    c = moment.to(device=w.device, dtype=torch.float32)
+    delta = (tt_to_dense([k.detach().to(torch.float64) for k in cores], layout) - w).float()
+    w32 = w.float()   # products in float32 (a report: 1e-7 of the energy is far below any error shown), sums float64
+    base = ((w32 @ c) * w32).sum(dtype=torch.float64).clamp_min(torch.finfo(torch.float64).tiny)
+    return float(((delta @ c) * delta).sum(dtype=torch.float64) / base)
 
 
 def normalized_root(moment: torch.Tensor, ridge: float = RIDGE) -> torch.Tensor:
@@ -193,7 +198,9 @@ def fit_linear_cores(weight: torch.Tensor, layout: TTLayout, moment: torch.Tenso
     plain = [c.detach().to(torch.float64) for c in start] if start is not None else tt_from_linear_weight(w, layout)
     # the bond between input and output cores at its best in this metric (closed form), then TT-SVD of that
     root = root if root is not None else normalized_root(moment, ridge)
-    whitened = tt_from_linear_weight(_best_at_bond(w, root.to(w.device), layout.ranks[n_in - 1]), layout)
+    # a start, polished by the fit after: its products and SVDs in START_DTYPE
+    nearest = _best_at_bond(w.to(START_DTYPE), root.to(device=w.device, dtype=START_DTYPE), layout.ranks[n_in - 1])
+    whitened = [k.to(torch.float64) for k in tt_from_linear_weight(nearest, layout)]
     with torch.no_grad():
         start = whitened if float(exact(whitened)) < float(exact(plain)) else plain
     return _fit(start, objective, iterations, report=exact, baseline=plain)

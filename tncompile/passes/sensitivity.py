@@ -5,7 +5,7 @@ import warnings
 
 import torch
 
-from ..calibration.allocation import allocate_by_sensitivity, candidate_ranks, error_curve
+from ..calibration.allocation import CURVE_DTYPE, allocate_by_sensitivity, candidate_ranks, error_curve
 from ..calibration.layer_fit import RIDGE, moment_root, weighted_table
 from ..ir.program import Program
 from .infra.progress import progress
@@ -62,7 +62,7 @@ def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dic
                 key = id(moment)
                 if key not in roots:
                     roots[key] = moment_root(moment.second_moment(), RIDGE, moment.normalized_root(RIDGE))
-                target = weight.detach().to(torch.float64) @ roots[key].to(weight.device)
+                target = weight.detach().to(CURVE_DTYPE) @ roots[key].to(weight.device, CURVE_DTYPE)
         floor = min((floors or {}).get(name, 1), caps[name])
         curves[name] = error_curve(target, mod.layout, candidate_ranks(caps[name], floor))
     measured = {n: w for n, w in weights.items() if w is not None}
