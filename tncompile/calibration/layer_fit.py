@@ -51,8 +51,7 @@ LINEAR_FIT_DTYPE = torch.float32
 START_DTYPE = torch.float32
 #: Curvature pairs L-BFGS keeps. Its two-loop recursion makes two passes over every core
 #: per pair and iteration -- on a vocabulary's cores (millions of values) more than the
-#: objective itself; 10 fit MiniLM's table as closely as 20 (0.071 against 0.074) in 80%
-#: of the time.
+#: objective itself; 10 fit MiniLM's word table as closely as 20 in 80% of the time.
 HISTORY = 10
 #: Unused rows of a table the fit samples to stand for all of them.
 UNUSED_SAMPLE = 1024
