@@ -167,6 +167,32 @@ def test_table_fit_weights_rows_by_use():
     assert used_err(fitted) < 0.5 * used_err(svd)
 
 
+def test_a_table_fit_gathers_no_half_table_copies(monkeypatch):
+    """Issue 64 item 4: each step of a table fit multiplies the gathered half-table slices
+    in one product (the native kernel on CPU) -- no ``index_select`` copy of either half
+    table, whose rows x rank x columns traffic was most of a vocabulary's fit."""
+    from tncompile.calibration import layer_fit
+    calls = {"product": 0, "copies": 0}
+    real_apply, real_select = layer_fit.GatheredProduct.apply, torch.Tensor.index_select
+
+    def product(*args):
+        calls["product"] += 1
+        return real_apply(*args)
+
+    def select(self, dim, index):
+        if self.dim() == 3:  # a half table (M, N, r) / (M, r, N)
+            calls["copies"] += 1
+        return real_select(self, dim, index)
+    monkeypatch.setattr(layer_fit.GatheredProduct, "apply", product)
+    monkeypatch.setattr(torch.Tensor, "index_select", select)
+    g = torch.Generator().manual_seed(2)
+    table = torch.randn(120, 12, generator=g, dtype=torch.float64)
+    counts = torch.zeros(120, dtype=torch.long)
+    counts[:15] = 100
+    result = fit_table_cores(table, TTMLayout.for_shape(120, 12, 2).with_ranks(3), counts, uniform_share=0.05)
+    assert calls["product"] > 0 and calls["copies"] == 0 and result.fit_error < result.svd_error
+
+
 class Chain(nn.Module):
     """``out = b(a(x))``; ``side`` runs but only feeds ``loss``, which sensitivity ignores."""
 
