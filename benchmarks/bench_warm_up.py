@@ -26,33 +26,12 @@ from common import machine, parser, write_json
 ROOT = Path(__file__).resolve().parents[1]
 
 CHILD = r"""
-import json, sys, time, warnings
+import json, sys
 sys.path.insert(0, sys.argv[1])
-import torch, torch.nn.functional as F
-import tncompile
 from tncompile import tuning
-from transformers import LlamaConfig, LlamaForCausalLM
-settings = json.loads(sys.argv[2]); steps = int(sys.argv[3])
-cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=4, vocab_size=8000, max_position_embeddings=256)
-torch.manual_seed(0)
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    model = tncompile.compile(LlamaForCausalLM(cfg), target_ratio=0.25, init="random",
-                              example_inputs={"input_ids": torch.zeros(2, 256, dtype=torch.long)})
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-g = torch.Generator().manual_seed(0)
-times = []
-with tuning.override(**settings):
-    for _ in range(steps):
-        x = torch.randint(0, 8000, (16, 257), generator=g)
-        start = time.perf_counter()
-        logits = model(input_ids=x[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, 8000), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
+from tncompile.testing.warm_up import study_llama_step_times
+with tuning.override(**json.loads(sys.argv[2])):
+    times = study_llama_step_times(int(sys.argv[3]))
 print(json.dumps(times))
 """
 

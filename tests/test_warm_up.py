@@ -6,40 +6,13 @@ loop on the pretraining study's Llama (256 wide, 4 layers, 8k vocabulary, 16 x 2
 from __future__ import annotations
 
 import statistics
-import time
-import warnings
 
 import pytest
-import torch
-import torch.nn.functional as F
 
-import tncompile
 from tncompile.runtime.ways import measured
+from tncompile.testing.warm_up import study_llama_step_times
 
-transformers = pytest.importorskip("transformers")
-
-
-def _step_times(steps: int = 10) -> list[float]:
-    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
-                                   num_key_value_heads=4, vocab_size=8000, max_position_embeddings=256)
-    torch.manual_seed(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = tncompile.compile(transformers.LlamaForCausalLM(cfg), target_ratio=0.25, init="random",
-                                  example_inputs={"input_ids": torch.zeros(2, 256, dtype=torch.long)})
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    g = torch.Generator().manual_seed(0)
-    times = []
-    for _ in range(steps):
-        x = torch.randint(0, 8000, (16, 257), generator=g)
-        start = time.perf_counter()
-        logits = model(input_ids=x[:, :-1]).logits
-        loss = F.cross_entropy(logits.reshape(-1, 8000), x[:, 1:].reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
-    return times
+pytest.importorskip("transformers")
 
 
 def test_warm_up_costs_at_most_three_settled_steps():
@@ -48,7 +21,7 @@ def test_warm_up_costs_at_most_three_settled_steps():
     extras = []
     for _ in range(3):
         measured.forget()
-        times = _step_times()
+        times = study_llama_step_times(10)
         settled = statistics.median(times[5:])
         extra = sum(t - settled for t in times[:5])
         extras.append(extra / settled)
