@@ -53,8 +53,8 @@ def candidate_ranks(cap: int, floor: int = 1) -> list[int]:
 def error_curve(target: torch.Tensor, layout: TTLayout | TTMLayout, ranks: list[int]) -> ErrorCurve:
     """Estimated relative error of ``target``'s TT network at each of ``ranks``.
 
-    ``target``: a linear's whitened weight ``(out, in)``
-    (:func:`~.layer_fit.moment_root`) or a table's use-weighted rows ``(V, D)``
+    ``target``: a linear's whitened weight ``W L`` ``(out, in)``
+    (:func:`~.layer_fit.normalized_root`) or a table's use-weighted rows ``(V, D)``
     (:func:`~.layer_fit.weighted_table`), so the Frobenius error is the output error.
     The estimate is TT-SVD's error bound, ``sum_k sum_{i > r_k} sigma_i(A_k)^2 / ||A||^2``
     over the unfoldings ``A_k`` at each bond (capped at 1): one set of singular values

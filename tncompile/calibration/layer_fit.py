@@ -30,7 +30,7 @@ from ..formats.layout import TTLayout, TTMLayout
 from ..runtime.kernels.traced_lookup import half_tables, split_ids
 from ..runtime.ways.lookup import GatheredProduct
 
-__all__ = ["FitResult", "fit_linear_cores", "fit_table_cores", "moment_root", "weighted_table",
+__all__ = ["FitResult", "fit_linear_cores", "fit_table_cores", "normalized_root", "weighted_table",
            "row_weights", "RIDGE", "UNIFORM_SHARE", "LINEAR_ITERATIONS", "TABLE_ITERATIONS"]
 
 #: Ridge added to the normalized input second moment (mean eigenvalue 1).
@@ -292,14 +292,6 @@ def fit_table_cores(table: torch.Tensor, layout: TTMLayout, counts: torch.Tensor
         return (w[:, None] * diff * diff).sum() / base
     start = [c.detach().to(TABLE_FIT_DTYPE) for c in (start if start is not None else ttm_from_embedding_weight(e, layout))]
     return _fit(start, sampled, iterations, report=exact, judge=judged)
-
-
-def moment_root(moment: torch.Tensor, ridge: float = RIDGE, root: torch.Tensor | None = None) -> torch.Tensor:
-    """A square root ``S`` of ``C_r`` (``S S^T = C_r``; float64, ``in x in``): the plain
-    Frobenius error of ``W S`` is ``W``'s output error, so TT-SVD of the whitened weight
-    ``W S`` tracks the error a calibrated fit reaches at each rank (the allocation's
-    sensitivity). ``root``: :func:`normalized_root` of ``moment``, where the caller has it."""
-    return root if root is not None else normalized_root(moment, ridge)
 
 
 def weighted_table(table: torch.Tensor, counts: torch.Tensor, uniform_share: float = UNIFORM_SHARE) -> torch.Tensor:

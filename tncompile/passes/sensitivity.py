@@ -3,10 +3,8 @@ from __future__ import annotations
 
 import warnings
 
-import torch
-
 from ..calibration.allocation import CURVE_DTYPE, allocate_by_sensitivity, candidate_ranks, error_curve
-from ..calibration.layer_fit import RIDGE, moment_root, weighted_table
+from ..calibration.layer_fit import RIDGE, weighted_table
 from ..ir.program import Program
 from .infra.progress import progress
 from ..runtime.layers.module_kinds import linear_weight_of
@@ -40,7 +38,6 @@ def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dic
         return None
     stats = program.context.calibration
     budget -= sum(owners[n].layout.with_ranks(r).num_params() for n, r in fixed.items())
-    roots: dict[int, torch.Tensor] = {}
     curves, weights = {}, {}
     free = [n for n in owners if n not in fixed]
     for name in progress(free, "sensitivity (rank allocation)"):
@@ -58,11 +55,9 @@ def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dic
             moment = stats.moments.get(id(mod.dense.weight))
             if moment is None or moment.rows == 0:
                 target = weight
-            else:  # layers fed the same inputs (query, key, value) share the whitening
-                key = id(moment)
-                if key not in roots:
-                    roots[key] = moment_root(moment.second_moment(), RIDGE, moment.normalized_root(RIDGE))
-                target = weight.detach().to(CURVE_DTYPE) @ roots[key].to(weight.device, CURVE_DTYPE)
+            else:  # layers fed the same inputs (query, key, value) share the moment's cached root
+                root = moment.normalized_root(RIDGE)
+                target = weight.detach().to(CURVE_DTYPE) @ root.to(weight.device, CURVE_DTYPE)
         floor = min((floors or {}).get(name, 1), caps[name])
         curves[name] = error_curve(target, mod.layout, candidate_ranks(caps[name], floor))
     measured = {n: w for n, w in weights.items() if w is not None}
