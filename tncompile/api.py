@@ -86,7 +86,9 @@ def compile(
     rank_pattern : dict, optional
         ``{name suffix or "re:<regex>": rank}`` fixed ranks for some layers.
     init : {"svd", "random"}
-        TT-SVD of the dense weights, or a fresh variance-matched init.
+        TT-SVD of the dense weights, or a fresh draw (from ``seed``) whose matrix has
+        exactly the mean square of the dense weight as the model initialized it (an HF
+        model's ``initializer_range``; PyTorch's default for a zero or meta weight).
     batch_sizes : sequence of int, optional
         Batch sizes to plan contractions for ahead of time.
     passes : Pipeline or list of pass names / Pass objects, optional

@@ -121,11 +121,51 @@ def core_std(layout: TTLayout | TTMLayout, variance: float) -> float:
     return ((variance / prod(layout.ranks)) ** (1.0 / len(layout.core_shapes()))) ** 0.5
 
 
+def matched_variance(weight: torch.Tensor, default: float) -> float:
+    """The entry variance a random draw gives the network that replaces ``weight``: the
+    dense weight's own mean square -- what the model's init gave it (a HuggingFace model's
+    ``initializer_range``, a custom init), so the compressed model starts where the dense
+    one does -- or ``default`` (the dense layer's default init) where the weight holds no
+    values (the meta device, a fake tensor) or none that are finite and nonzero (a zero-initialized
+    layer's network would get no gradient)."""
+    if weight.numel() == 0 or not _has_values(weight):
+        return default
+    with torch.no_grad():
+        mean_square = float(weight.detach().to(torch.float64).pow(2).mean())
+    return mean_square if 0.0 < mean_square < float("inf") else default
+
+
 def random_cores(layout: TTLayout | TTMLayout, variance: float,
                  generator: torch.Generator | None = None) -> list[torch.Tensor]:
-    """Gaussian cores whose product has entries of variance ``variance`` (:func:`core_std`)."""
+    """Gaussian cores (:func:`core_std`) whose product has entries of mean square exactly
+    ``variance``."""
     std = core_std(layout, variance)
-    return [torch.randn(s, generator=generator, dtype=torch.float64) * std for s in layout.core_shapes()]
+    cores = [torch.randn(s, generator=generator, dtype=torch.float64) * std for s in layout.core_shapes()]
+    # one draw's realized variance scatters widely (its entries share cores: a 5-core draw's is
+    # often half or twice the target), so scale the draw to have exactly ``variance``
+    realized = mean_square(cores) if _has_values(cores[0]) else 0.0   # drawn on meta: shapes only
+    if variance > 0 and realized > 0:
+        factor = (variance / realized) ** (0.5 / len(cores))
+        cores = [c * factor for c in cores]
+    return cores
+
+
+def _has_values(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds numbers (not a meta or fake tensor: those have shapes only)."""
+    from torch._subclasses.fake_tensor import is_fake
+    return not (t.is_meta or is_fake(t))
+
+
+def mean_square(cores: list[torch.Tensor]) -> float:
+    """Mean square entry of the tensor a chain of cores ``(r_{k-1}, ..., r_k)`` stands for
+    (its squared Frobenius norm by contracting each core with itself, never the tensor)."""
+    gram = torch.ones(1, 1, dtype=torch.float64)
+    entries = 1
+    for core in cores:
+        flat = core.reshape(core.shape[0], -1, core.shape[-1]).to(torch.float64)
+        gram = torch.einsum("ab,asc,bsd->cd", gram, flat, flat)
+        entries *= flat.shape[1]
+    return float(gram.sum()) / entries
 
 
 def _chain(cores: list[torch.Tensor]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from ...formats.factorization import random_cores, ttm_from_embedding_weight
+from ...formats.factorization import matched_variance, random_cores, ttm_from_embedding_weight
 from ...formats.layout import TTMLayout
 from ..ways.network import checks_on_host
 from .tn_module import check_init as _check_init, resolve_layout as _resolve_layout
@@ -85,7 +85,7 @@ class TTMEmbeddingBag(TTMEmbedding):
         layout = _resolve_layout(layout, lambda: TTMLayout.for_shape(*weight.shape, num_cores), rank, weight.shape)
         mod = cls(layout, bag.mode, bag.include_last_offset, bag.padding_idx, device=weight.device,
                   dtype=weight.dtype)
-        cores = ttm_from_embedding_weight(weight, layout) if init == "svd" else random_cores(layout, 1.0, generator)
+        cores = ttm_from_embedding_weight(weight, layout) if init == "svd" else random_cores(layout, matched_variance(weight, 1.0), generator)
         mod.set_cores([c.to(weight.dtype) for c in cores])
         return mod
 

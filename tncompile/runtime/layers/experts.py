@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from torch import Tensor, nn
 
-from ...formats.factorization import random_cores, tt_from_linear_weight, tt_to_dense
+from ...formats.factorization import matched_variance, random_cores, tt_from_linear_weight, tt_to_dense
 from ...formats.layout import TTLayout
 from ..kernels.grouped import grouped_mm
 from ..ways import experts as experts_way
@@ -123,7 +123,8 @@ class TTExperts(TNModule):
         per_expert = []
         for e in range(dense.num_experts):
             per_expert.append(tt_from_linear_weight(dense.expert_weight(e), layout) if init == "svd"
-                              else random_cores(layout, 1.0 / (3 * dense.in_features), generator))
+                              else random_cores(layout, matched_variance(dense.expert_weight(e),
+                                                                         1.0 / (3 * dense.in_features)), generator))
         mod.set_cores([torch.stack(cs).to(weight.dtype) for cs in zip(*per_expert)])
         return mod
 

@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ...formats.factorization import random_cores, tt_factors, tt_from_linear_weight, tt_to_dense
+from ...formats.factorization import matched_variance, random_cores, tt_factors, tt_from_linear_weight, tt_to_dense
 from ...formats.layout import TTLayout
 from ..ways import linear as linear_way
 from .derived import kept
@@ -65,7 +65,8 @@ class TTLinear(TNModule):
 
         ``init="svd"`` fits the cores to the weight by TT-SVD (exact at full
         rank); ``init="random"`` draws cores whose product has the variance of
-        ``nn.Linear``'s default init (``1 / (3 in_features)``).
+        the layer's weight as the model initialized it (:func:`matched_variance`;
+        ``nn.Linear``'s default ``1 / (3 in_features)`` on the meta device).
         """
         check_init(init)
         weight = linear_weight_of(linear)
@@ -75,7 +76,7 @@ class TTLinear(TNModule):
         bias = getattr(linear, "bias", None)
         mod = cls(layout, bias=bias is not None, device=weight.device, dtype=weight.dtype)
         cores = (tt_from_linear_weight(weight, layout) if init == "svd"
-                 else random_cores(layout, 1.0 / (3 * in_f), generator))
+                 else random_cores(layout, matched_variance(weight, 1.0 / (3 * in_f)), generator))
         mod.set_cores([c.to(weight.dtype) for c in cores])
         if bias is not None:
             with torch.no_grad():

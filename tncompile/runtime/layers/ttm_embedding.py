@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ...formats.factorization import random_cores, ttm_from_embedding_weight, ttm_to_dense
+from ...formats.factorization import matched_variance, random_cores, ttm_from_embedding_weight, ttm_to_dense
 from ...formats.layout import TTMLayout
 from ..kernels.plans import LookupPlan, get_planner
 from ..kernels.traced_lookup import half_tables
@@ -60,7 +60,8 @@ class TTMEmbedding(TNModule):
         """Build from an ``nn.Embedding``.
 
         ``init="svd"`` fits the cores by TT-SVD; ``init="random"`` matches the
-        variance of ``nn.Embedding``'s default ``N(0, 1)`` init.
+        variance of the table as the model initialized it (:func:`matched_variance`;
+        ``nn.Embedding``'s default ``N(0, 1)`` on the meta device).
         ``max_norm`` and ``sparse=True`` are not supported (``ValueError``).
         """
         check_init(init)
@@ -74,7 +75,7 @@ class TTMEmbedding(TNModule):
         V, D = weight.shape
         layout = resolve_layout(layout, lambda: TTMLayout.for_shape(V, D, num_cores), rank, weight.shape)
         mod = cls(layout, padding_idx=embedding.padding_idx, device=weight.device, dtype=weight.dtype)
-        cores = ttm_from_embedding_weight(weight, layout) if init == "svd" else random_cores(layout, 1.0, generator)
+        cores = ttm_from_embedding_weight(weight, layout) if init == "svd" else random_cores(layout, matched_variance(weight, 1.0), generator)
         mod.set_cores([c.to(weight.dtype) for c in cores])
         return mod
 
