@@ -101,3 +101,58 @@ def corpus_tokenizer(train_files: Sequence[str | os.PathLike], vocab_size: int =
         write_replacing(folder / f"bpe-{key}.merges.txt", "".join(f"{a} {b}\n" for a, b in merges))
         write_replacing(folder / f"bpe-{key}.vocab.json", json.dumps(vocab, ensure_ascii=False))
     return ByteLevelBPETokenizer(vocab, merges)
+
+
+#: a cached encoded split holds at most this many tokens (uint16 each)
+MAX_CACHED_TOKENS = 64 << 20
+#: source files in the corpus's shards start with this line
+FILE_MARK = "# <<< file: "
+
+
+def _pieces(text: str) -> list[str]:
+    """``text`` cut before each file-mark line: each source file of a shard, encoded apart."""
+    parts = text.split("\n" + FILE_MARK)
+    return [p for p in [parts[0] + "\n" * (len(parts) > 1)]
+            + [FILE_MARK + p + "\n" for p in parts[1:-1]] + [FILE_MARK + p for p in parts[1:][-1:]] if p]
+
+
+def encoded_split(tokenizer, path: str | os.PathLike, tokenizer_key: str, vocab_size: int,
+                  cache_dir: str | os.PathLike | None = None):
+    """The token ids of the text file ``path`` (an ``int64`` tensor ``(tokens,)``), encoded with
+    ``tokenizer`` in parallel (``encode_batch`` over the file's pieces) and cached.
+
+    The cache entry is data: little-endian ``uint16`` ids, named by a digest of the file's
+    bytes and ``tokenizer_key`` (the tokenizer's own cache key). It is read bounded and
+    every id is checked to be below ``vocab_size``; an entry that fails is dropped with a
+    warning and encoded again."""
+    import numpy as np
+    import torch
+    from tncompile.files import private_folder, read_bounded, write_replacing
+    if vocab_size > 1 << 16:
+        raise ValueError(f"encoded_split stores uint16 ids: vocab_size {vocab_size} is above 65536")
+    folder = private_folder(cache_dir if cache_dir is not None else default_cache_dir())
+    digest = hashlib.sha256(tokenizer_key.encode() + b"\0")
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    entry = folder / f"ids-{digest.hexdigest()[:32]}.u16"
+    if entry.exists() or entry.is_symlink():
+        try:
+            raw = read_bounded(entry, 2 * MAX_CACHED_TOKENS)
+            if len(raw) % 2:
+                raise ValueError("its length is not a whole number of uint16 ids")
+            ids = torch.from_numpy(np.frombuffer(raw, dtype="<u2").astype(np.int64))
+            if ids.numel() == 0 or int(ids.max()) >= vocab_size:
+                raise ValueError(f"it is empty or holds an id at or above the vocabulary size {vocab_size}")
+            return ids
+        except (OSError, ValueError) as e:
+            warnings.warn(f"pretrain_corpus: the cached encoding {entry.name} in {folder} is refused ({e}); "
+                          "encoding again", UserWarning, stacklevel=2)
+    with open(path, encoding="utf-8") as f:
+        pieces = _pieces(f.read())
+    ids = np.fromiter((i for enc in tokenizer.encode_batch(pieces) for i in enc.ids), dtype=np.int64)
+    if ids.size > MAX_CACHED_TOKENS:
+        raise ValueError(f"{path}: {ids.size:,} tokens, more than a cached split holds ({MAX_CACHED_TOKENS:,})")
+    write_replacing(entry, ids.astype("<u2").tobytes())
+    return torch.from_numpy(ids)
+

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 pytest.importorskip("tokenizers")
@@ -72,3 +73,48 @@ def test_an_unsound_cache_entry_is_refused_and_trained_again(tmp_path, corpus, d
     sample = "def function_5(x, y):\n"
     assert again.encode(sample).ids == good.encode(sample).ids
     assert not vocab_file.is_symlink()                                   # replaced, not written through
+
+
+def test_a_split_is_encoded_file_by_file_once_then_read_from_the_cache(tmp_path, corpus, monkeypatch):
+    cache = tmp_path / "cache"
+    text = "".join(f"# <<< file: Lib/m{i}.py >>>\n" + "\n".join(TEXT.splitlines()[: 10 + i]) + "\n" for i in range(5))
+    split = tmp_path / "valid.txt"
+    split.write_text(text)
+    assert "".join(pretrain_corpus._pieces(text)) == text and len(pretrain_corpus._pieces(text)) == 5
+    tok = pretrain_corpus.corpus_tokenizer(corpus, vocab_size=300, cache_dir=cache)
+    key = pretrain_corpus.corpus_key(corpus, 300)
+    ids = pretrain_corpus.encoded_split(tok, split, key, 300, cache_dir=cache)
+    assert ids.dtype == torch.int64 and tok.decode(ids.tolist()) == text
+    monkeypatch.setattr(type(tok), "encode_batch", lambda *a, **k: pytest.fail("encoded a cached split again"))
+    assert torch.equal(pretrain_corpus.encoded_split(tok, split, key, 300, cache_dir=cache), ids)
+    assert len(list(cache.glob("ids-*.u16"))) == 1
+    split.write_text(text + "x = 1\n")                                   # other bytes: their own entry
+    monkeypatch.undo()
+    pretrain_corpus.encoded_split(tok, split, key, 300, cache_dir=cache)
+    assert len(list(cache.glob("ids-*.u16"))) == 2
+
+
+@pytest.mark.parametrize("damage", ["odd length", "id too large", "empty", "link"])
+def test_an_unsound_cached_split_is_refused_and_encoded_again(tmp_path, corpus, damage):
+    cache = tmp_path / "cache"
+    split = tmp_path / "test.txt"
+    split.write_text(TEXT[:2000])
+    tok = pretrain_corpus.corpus_tokenizer(corpus, vocab_size=300, cache_dir=cache)
+    key = pretrain_corpus.corpus_key(corpus, 300)
+    good = pretrain_corpus.encoded_split(tok, split, key, 300, cache_dir=cache)
+    entry = next(cache.glob("ids-*.u16"))
+    if damage == "odd length":
+        entry.write_bytes(entry.read_bytes() + b"\0")
+    elif damage == "id too large":
+        entry.write_bytes(entry.read_bytes()[:-2] + (299 + 1).to_bytes(2, "little"))
+    elif damage == "empty":
+        entry.write_bytes(b"")
+    else:
+        target = tmp_path / "elsewhere.u16"
+        target.write_bytes(entry.read_bytes())
+        entry.unlink()
+        os.symlink(target, entry)
+    with pytest.warns(UserWarning, match="refused"):
+        again = pretrain_corpus.encoded_split(tok, split, key, 300, cache_dir=cache)
+    assert torch.equal(again, good)
+    assert not entry.is_symlink()

@@ -1,0 +1,179 @@
+"""The pretraining study's models and their training set-ups (issue 66).
+
+One model a user would build -- a Llama-style causal LM from a ``transformers`` config --
+and the variants the study compares, each a :class:`Run` (model, optimizer, rank
+controller or ``None``):
+
+* ``dense``: AdamW over every parameter;
+* ``tt<r>`` (``tt0.25``, ``tt0.1``): ``tncompile.compile(init="random", seed=seed)`` at
+  ``1.5 r`` of dense's parameters, then tncompile's default rank-adaptive schedule
+  (``RankController(schedule="budget")``, early and late stages a third of the run each)
+  down to ``r``; AdamW over ``tncompile.param_groups``;
+* ``lowrank<r>``: tncompile's 2-core form (``linear_cores=1``: each linear ``W = A B``; the
+  embedding a 2-core TTM) compiled at ``r`` with the same variance-matched init as dense's
+  layers, no rank adaptation;
+* ``galore``: the dense model with GaLore's AdamW at the paper's settings (rank a quarter
+  of the width, update gap 200, scale 0.25) on the decoder layers' matrices.
+
+Every variant of a seed draws its initialization from that seed (TT's cores included).
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+#: AdamW's settings for every variant (GaLore's AdamW takes the same)
+BETAS = (0.9, 0.95)
+WEIGHT_DECAY = 0.0
+#: TT variants are compiled at this multiple of their target, then cut to it in training
+TT_HEADROOM = 1.5
+GALORE_GAP, GALORE_SCALE = 200, 0.25
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The Llama-style model: ``hidden`` wide, ``layers`` deep, SwiGLU FFN ``ffn``, ``heads``
+    attention heads, a tied ``vocab`` x ``hidden`` embedding, context ``seq`` tokens."""
+    hidden: int = 256
+    layers: int = 4
+    ffn: int = 688
+    heads: int = 4
+    vocab: int = 8192
+    seq: int = 256
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def llama(shape: ModelShape, seed: int, device: str = "cpu") -> nn.Module:
+    """A fresh ``LlamaForCausalLM`` of ``shape``, its weights drawn from ``seed``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    config = LlamaConfig(hidden_size=shape.hidden, intermediate_size=shape.ffn, num_hidden_layers=shape.layers,
+                         num_attention_heads=shape.heads, num_key_value_heads=shape.heads, vocab_size=shape.vocab,
+                         max_position_embeddings=shape.seq, tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(device)
+
+
+def variant_kind(variant: str) -> tuple[str, float | None]:
+    """``("dense" | "tt" | "lowrank" | "galore", ratio or None)``; ``ValueError`` naming the
+    accepted spellings otherwise."""
+    for kind in ("tt", "lowrank"):
+        if variant.startswith(kind):
+            try:
+                ratio = float(variant[len(kind):])
+            except ValueError:
+                ratio = -1.0
+            if not 0 < ratio < 1:
+                raise ValueError(f"variant {variant!r}: write {kind}<ratio> with a ratio in (0, 1), e.g. {kind}0.25")
+            return kind, ratio
+    if variant in ("dense", "galore"):
+        return variant, None
+    raise ValueError(f"unknown variant {variant!r}: dense, galore, tt<ratio> or lowrank<ratio>")
+
+
+@dataclass
+class Run:
+    """What one training run updates: the model, its optimizer (every group's ``"base_lr"``
+    is what the schedule scales) and the rank controller (TT only)."""
+    variant: str
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    controller: Any = None
+
+    @property
+    def compressed(self) -> bool:
+        from tncompile.result.model_api import is_compressed
+        return is_compressed(self.model)
+
+    def params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def set_lr(self, factor: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = group["base_lr"] * factor
+
+
+def example_inputs(shape: ModelShape, device: str) -> dict[str, torch.Tensor]:
+    return {"input_ids": torch.zeros(2, shape.seq, dtype=torch.long, device=device)}   # batch stays dynamic
+
+
+def compile_variant(variant: str, shape: ModelShape, seed: int, device: str = "cpu") -> nn.Module:
+    """The compressed model a ``tt`` or ``lowrank`` variant starts from (seeded init)."""
+    import tncompile
+    kind, ratio = variant_kind(variant)
+    options = {"tt": dict(target_ratio=min(1.0, TT_HEADROOM * ratio)),
+               "lowrank": dict(target_ratio=ratio, linear_cores=1, embedding_cores=2)}[kind]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the report's notes on the embedding's lookup speed
+        return tncompile.compile(llama(shape, seed, device), init="random", seed=seed,
+                                 example_inputs=example_inputs(shape, device), **options)
+
+
+def optimizer_for(variant: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    """The variant's optimizer over ``model`` at peak learning rate ``lr``."""
+    import tncompile
+    kind, _ = variant_kind(variant)
+    if kind == "galore":
+        hidden = model.config.hidden_size
+        opt = galore_adamw(model, lr, rank=max(1, hidden // 4))
+    elif kind in ("tt", "lowrank"):
+        opt = torch.optim.AdamW(tncompile.param_groups(model, lr=lr, weight_decay=WEIGHT_DECAY), lr=lr,
+                                betas=BETAS, weight_decay=WEIGHT_DECAY)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    for group in opt.param_groups:
+        group["base_lr"] = group["lr"]
+    return opt
+
+
+def controller_for(variant: str, model: nn.Module, optimizer: torch.optim.Optimizer, steps: int):
+    """TT's rank controller (tncompile's default budget schedule: early and late stages a
+    third of ``steps`` each, cuts every ``steps / 20``); ``None`` for the other variants."""
+    import tncompile
+    kind, ratio = variant_kind(variant)
+    if kind != "tt":
+        return None
+    return tncompile.RankController(model, optimizer, target_ratio=ratio, early_steps=steps // 3,
+                                    late_steps=steps // 3, truncate_every=max(10, round(steps / 20)))
+
+
+def build(variant: str, shape: ModelShape, lr: float, seed: int, steps: int, device: str = "cpu") -> Run:
+    """A fresh run of ``variant``: model drawn from ``seed``, optimizer at ``lr``, controller
+    scheduled over ``steps``."""
+    kind, _ = variant_kind(variant)
+    model = compile_variant(variant, shape, seed, device) if kind in ("tt", "lowrank") else llama(shape, seed, device)
+    optimizer = optimizer_for(variant, model, lr)
+    return Run(variant, model, optimizer, controller_for(variant, model, optimizer, steps))
+
+
+def galore_adamw(model: nn.Module, lr: float, rank: int) -> torch.optim.Optimizer:
+    """GaLore's AdamW (``galore-torch``) projecting the decoder layers' matrices at ``rank``
+    (update gap 200, scale 0.25), the rest (embedding, norms) plain AdamW."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import galore_optimizer
+    opt = galore_optimizer(model, lr=lr, rank=rank, select=lambda n, p: p.dim() == 2 and ".layers." in n)
+    for group in opt.param_groups:
+        group["betas"], group["weight_decay"] = BETAS, WEIGHT_DECAY
+        if "rank" in group:
+            group["update_proj_gap"], group["scale"] = GALORE_GAP, GALORE_SCALE
+    return opt
+
+
+def lr_factor(step: int, steps: int, warmup: float = 0.1, floor: float = 0.1) -> float:
+    """The schedule every variant shares: linear warm-up over ``warmup`` of the run, then
+    cosine decay to ``floor`` of the peak at the last step. ``step`` counts from 0."""
+    warm = max(1, round(warmup * steps))
+    if step < warm:
+        return (step + 1) / warm
+    progress = min(1.0, (step - warm) / max(1, steps - warm))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
