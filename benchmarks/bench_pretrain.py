@@ -5,6 +5,7 @@ its own tuned learning rate (issue 66).
     python benchmarks/bench_pretrain.py --phases time        # the timing pass: run it on a quiet machine
     python benchmarks/bench_pretrain.py --phases report      # table, PNG and JSON from the finished rows
     python benchmarks/bench_pretrain.py --device cuda        # the same study on a GPU (minutes)
+    python benchmarks/bench_pretrain.py --objective mlm      # the seeds' case: a masked LM, dense vs TT at 1/4.23
 
 **Corpus.** ``../shared/data/python-code/``: the CPython standard library split by file
 into train (two shards), valid and test. A byte-level BPE (vocabulary 8,192) is trained on
@@ -17,7 +18,8 @@ SwiGLU FFN 688, 4 heads, tied embedding; 5.26M parameters. 16 x 256 tokens a ste
 **Variants** (:mod:`pretrain_models`): ``dense``; ``tt0.25`` and ``tt0.1`` (compiled at 1.5x
 the target with ``init="random"``, cut to it by tncompile's default rank-adaptive budget
 schedule); ``lowrank0.25`` (tncompile's 2-core form, no adaptation); ``galore`` (GaLore's
-AdamW: rank = width / 4, update gap 200, scale 0.25). AdamW betas (0.9, 0.95), no weight
+AdamW: rank = width / 4, update gap 200, scale 0.25); ``tt0.25-measured`` (``tt0.25`` with
+``linear_cores="measured"``: each linear's 2-, 4- or 6-core network chosen by timing). AdamW betas (0.9, 0.95), no weight
 decay, gradient clipping at 1.0, warm-up over 10% of the steps then cosine to 10% of the
 peak: the same for every variant.
 
@@ -41,6 +43,14 @@ peak: the same for every variant.
    at equal wall time), the count baselines (:mod:`count_baselines`), ``pretrain.json``
    and ``pretrain.png`` in ``benchmarks/results/``.
 
+**The seeds' case** (``--objective mlm``): CoMERA pre-trains CodeBERT, a RoBERTa masked LM,
+at 4.23x compression. A ``RobertaForMaskedLM`` of the same width (hidden 256, 4 layers,
+GELU FFN 1024, tied decoder; the tokenizer reserves ``<pad>`` and ``<mask>``), 15% of the
+tokens masked afresh each step (80/10/10), dense against ``tt0.2364`` (1/4.23 of dense's
+parameters) by the same protocol, 2 seeds each; scored by masked-token accuracy and
+perplexity on the whole test split (its masks fixed by one seed for every model). Rows in
+``runs/pretrain-mlm``; ``pretrain_mlm.json`` and ``pretrain_mlm.png``.
+
 **Resuming.** Every run checkpoints into ``--run-dir`` (default ``runs/pretrain``) every
 ``--checkpoint-minutes`` and continues from there when the command runs again; a finished
 row is a file there and is never rerun. Quality at equal tokens does not depend on the
@@ -63,21 +73,23 @@ import torch
 
 from common import RESULTS, machine, parser
 from pretrain_loop import RunSpec, epoch_steps, train_run
-from pretrain_models import ModelShape, TT_HEADROOM, variant_kind
+from pretrain_models import MLM_SPECIAL_TOKENS, ModelShape, TT_HEADROOM, variant_kind
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "python-code"
-VARIANTS = ("dense", "tt0.25", "tt0.1", "lowrank0.25", "galore")
+VARIANTS = ("dense", "tt0.25", "tt0.1", "lowrank0.25", "galore", "tt0.25-measured")
 LR_GRID = (1.5e-3, 3e-3, 6e-3)
 GRID_EXTENSIONS = 2
 SWEEP_FRACTION = 8
 SEEDS = {"dense": 3, "tt0.25": 3}
 DEFAULT_SEEDS = 2
+MLM_VARIANTS = ("dense", f"tt{1 / 4.23:.4f}")
+MLM_FFN = 1024
 PROTOCOL_VERSION = 1
 MAX_ROW_BYTES = 8 << 20
 
 
-def seeds_of(variant: str) -> int:
-    return SEEDS.get(variant, DEFAULT_SEEDS)
+def seeds_of(variant: str, objective: str = "clm") -> int:
+    return SEEDS.get(variant, DEFAULT_SEEDS) if objective == "clm" else DEFAULT_SEEDS
 
 
 @dataclass
@@ -94,6 +106,7 @@ class Study:
     eval_points: int = 8
     lr_grid: tuple[float, ...] = LR_GRID
     sweep_fraction: int = SWEEP_FRACTION
+    objective: str = "clm"
     log: Any = print
     rows: dict[str, dict] = field(default_factory=dict)
 
@@ -103,7 +116,8 @@ class Study:
         return {"version": PROTOCOL_VERSION, "shape": self.shape.as_dict(), "batch": self.batch,
                 "epochs": self.epochs, "full_steps": self.full_steps, "sweep_steps": self.sweep_steps,
                 "corpus": self.corpus_id, "tokens": {k: int(v.numel()) for k, v in self.corpus.items()},
-                "tt_headroom": TT_HEADROOM, "eval_points": self.eval_points}
+                "tt_headroom": TT_HEADROOM, "eval_points": self.eval_points} | (
+            {"objective": self.objective} if self.objective != "clm" else {})
 
     @property
     def full_steps(self) -> int:
@@ -156,7 +170,8 @@ class Study:
                             progress=bar.update)
         write_replacing(self.row_path(spec.key), json.dumps({"protocol": self.protocol, "row": row}))
         self.rows[spec.key] = row
-        self.log(f"{spec.key}: valid ppl {_ppl(row['valid_loss']):.2f}, test ppl {_ppl(row['test_loss']):.2f}, "
+        accuracy = f", test masked accuracy {row['test_accuracy']:.4f}" if "test_accuracy" in row else ""
+        self.log(f"{spec.key}: valid ppl {_ppl(row['valid_loss']):.2f}, test ppl {_ppl(row['test_loss']):.2f}{accuracy}, "
                  f"{row['params_end']:,} parameters" + (" (diverged)" if row["diverged"] else ""))
         return row
 
@@ -165,7 +180,7 @@ class Study:
         full = phase == "full"
         return RunSpec(key=f"{phase}-{variant}-lr{lr:.2e}-s{seed}", variant=variant, lr=lr, seed=seed,
                        steps=self.full_steps if full else self.sweep_steps, batch=self.batch, shape=self.shape,
-                       eval_points=self.eval_points, curve_valid=full)
+                       eval_points=self.eval_points, curve_valid=full, objective=self.objective)
 
     def sweep(self, variant: str) -> float:
         """The best peak learning rate of ``variant`` (lowest valid loss over the grid, the
@@ -191,9 +206,9 @@ class Study:
 
     def full(self, variants: list[str], best_lr: dict[str, float]) -> None:
         """The full runs, seed by seed (every variant's seed 0 first)."""
-        for seed in range(max(seeds_of(v) for v in variants)):
+        for seed in range(max(seeds_of(v, self.objective) for v in variants)):
             for variant in variants:
-                if seed < seeds_of(variant):
+                if seed < seeds_of(variant, self.objective):
                     self.run(self.spec("full", variant, best_lr[variant], seed))
 
     def full_rows(self, variant: str) -> list[dict]:
@@ -209,16 +224,16 @@ def _ppl(loss: float) -> float:
 
 
 # ----------------------------------------------------------------- corpus
-def load_corpus(data: Path, vocab: int) -> tuple[dict[str, torch.Tensor], str]:
+def load_corpus(data: Path, vocab: int, special_tokens: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], str]:
     """``({"train", "valid", "test"}: int64 ids, corpus id)``, the tokenizer trained on the
-    train shards alone."""
+    train shards alone (``special_tokens`` reserve the first ids)."""
     from pretrain_corpus import corpus_key, corpus_tokenizer, encoded_split
     train_files = sorted(data.glob("train-*.txt"))
     if not train_files or not (data / "valid.txt").exists() or not (data / "test.txt").exists():
         raise FileNotFoundError(f"{data}: expected train-*.txt, valid.txt and test.txt (the python-code corpus); "
                                 "pass --data")
-    tokenizer = corpus_tokenizer(train_files, vocab)
-    key = corpus_key(train_files, vocab)
+    tokenizer = corpus_tokenizer(train_files, vocab, special_tokens=special_tokens)
+    key = corpus_key(train_files, vocab, special_tokens)
     splits = {"train": torch.cat([encoded_split(tokenizer, f, key, vocab) for f in train_files]),
               "valid": encoded_split(tokenizer, data / "valid.txt", key, vocab),
               "test": encoded_split(tokenizer, data / "test.txt", key, vocab)}
@@ -248,23 +263,23 @@ def count_baselines(study: Study) -> dict[str, float]:
 
 # ----------------------------------------------------------------- timing
 def time_variant(variant: str, shape: ModelShape, batch: int, checkpoint: Path | None, steps: int,
-                 device: str) -> dict[str, Any]:
+                 device: str, objective: str = "clm") -> dict[str, Any]:
     """One variant's training step in this process: median seconds of 10 steps after 3
     warm-ups, FLOPs per token of forward + backward, peak RSS. ``checkpoint``: time the
     model a finished run left (TT's end ranks)."""
     import resource
     from torch.utils.flop_counter import FlopCounterMode
     from pretrain_checkpoint import load_run
-    from pretrain_loop import _step
+    from pretrain_loop import _step, train_batch
     from pretrain_models import build
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if checkpoint is not None:
-        run, _ = load_run(checkpoint, variant, shape, 1e-3, steps, device)
+        run, _ = load_run(checkpoint, variant, shape, 1e-3, steps, device, objective)
     else:
-        run = build(variant, shape, 1e-3, 0, steps, device)
+        run = build(variant, shape, 1e-3, 0, steps, device, objective)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, shape.vocab, (batch, shape.seq + 1), generator=g).to(device)
-    x, y = ids[:, :-1], ids[:, 1:]
+    stream = torch.randint(2, shape.vocab, (batch * (shape.seq + 1) * 2,), generator=g)
+    x, y = train_batch(stream, 0, batch, shape.seq, 0, device, objective, shape.vocab)
 
     def one() -> float:
         began = time.perf_counter()
@@ -285,7 +300,8 @@ def time_variant(variant: str, shape: ModelShape, batch: int, checkpoint: Path |
         step_s += (projection_s - step_s) / 200
     with FlopCounterMode(display=False) as counter:
         logits = run.model(input_ids=x).logits
-        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                          ignore_index=-100).backward()
     run.optimizer.zero_grad(set_to_none=True)
     return {"variant": variant, "form": "end" if checkpoint is not None else "start", "params": run.params(),
             "step_s": step_s, "step_s_spread": [min(times), max(times)], "projection_step_s": projection_s,
@@ -302,13 +318,14 @@ def timing_pass(study: Study, variants: list[str], threads: int | None) -> list[
     for variant in variants:
         jobs.append((variant, None))
         finished = [key for key in study.rows if key.startswith(f"full-{variant}-lr") and key.endswith("-s0")]
-        if variant_kind(variant)[0] == "tt" and finished:
+        if variant_kind(variant)[0] == "tt" and finished:   # TT's end ranks, from a finished run
             jobs.append((variant, study.checkpoint_path(finished[0])))
     results = []
     for variant, checkpoint in jobs:
         command = [sys.executable, __file__, "--time-one", variant, "--device", study.device,
                    "--run-dir", str(study.run_dir), "--shape", json.dumps(study.shape.as_dict()),
-                   "--batch", str(study.batch), "--steps-for-time", str(study.full_steps)]
+                   "--batch", str(study.batch), "--steps-for-time", str(study.full_steps),
+                   "--objective", study.objective]
         if checkpoint is not None:
             command += ["--checkpoint", str(checkpoint)]
         if threads:
@@ -384,6 +401,10 @@ def summarize(study: Study, variants: list[str], best_lr: dict[str, float], timi
                "tokens": runs[0]["tokens"], "test_ppl": statistics.mean(test), "test_ppl_min": min(test),
                "test_ppl_max": max(test), "test_ppl_seeds": test,
                "valid_ppl": statistics.mean(_ppl(r["valid_loss"]) for r in runs)}
+        if all("test_accuracy" in r for r in runs):
+            accuracy = [r["test_accuracy"] for r in runs]
+            row |= {"test_accuracy": statistics.mean(accuracy), "test_accuracy_min": min(accuracy),
+                    "test_accuracy_max": max(accuracy), "test_accuracy_seeds": accuracy}
         timing = [t for t in timings if t["variant"] == variant]
         if timing:
             start = min(timing, key=lambda t: -t["params"])
@@ -400,9 +421,13 @@ def summarize(study: Study, variants: list[str], best_lr: dict[str, float], timi
         if variant == "dense":
             dense_ppl = row["test_ppl"]
         rows.append(row)
+    dense_accuracy = next((r.get("test_accuracy") for r in rows if r["variant"] == "dense"), None)
     for row in rows:
         row["test_ppl_vs_dense"] = row["test_ppl"] / dense_ppl if dense_ppl else None
-    lines = [f"test perplexity, whole test split ({study.corpus['test'].numel():,} tokens), after "
+        if dense_accuracy is not None and "test_accuracy" in row:
+            row["test_accuracy_points_vs_dense"] = 100 * (row["test_accuracy"] - dense_accuracy)
+    scored = "masked tokens of the " if study.objective == "mlm" else ""
+    lines = [f"test perplexity, {scored}whole test split ({study.corpus['test'].numel():,} tokens), after "
              f"{study.full_steps} steps = {rows[0]['tokens'] / 1e6 if rows else 0:.2f}M tokens"
              + (f"; equal wall time = {equal_wall:.0f} s (timing pass)" if equal_wall else ""),
              f"{'variant':<12} {'lr':>8} {'seeds':>5} {'params':>14} {'test ppl':>20} {'x dense':>8} "
@@ -413,6 +438,12 @@ def summarize(study: Study, variants: list[str], best_lr: dict[str, float], timi
                      f"{row['params_start'] / 1e6:>5.2f}->{row['params_end'] / 1e6:<5.2f}M {spread:>20} "
                      f"{row['test_ppl_vs_dense'] or 0:>8.3f} {row.get('valid_ppl_at_equal_wall', math.nan):>17.2f} "
                      f"{row.get('step_s', math.nan):>7.3f} {row.get('flops_per_token', math.nan) / 1e6:>10.1f}")
+    for row in rows:
+        if "test_accuracy" in row:
+            lines.append(f"{row['variant']}: masked-token accuracy on test {100 * row['test_accuracy']:.2f}% "
+                         f"[{100 * row['test_accuracy_min']:.2f}, {100 * row['test_accuracy_max']:.2f}]"
+                         + (f", {row['test_accuracy_points_vs_dense']:+.2f} points against dense"
+                            if "test_accuracy_points_vs_dense" in row else ""))
     if counts:
         lines.append(f"count baselines, test perplexity: trigram {counts['trigram']:.2f} (valid "
                      f"{counts['trigram_valid']:.2f}), bigram {counts['bigram']:.2f}, unigram {counts['unigram']:.2f}")
@@ -447,7 +478,8 @@ def plot(study: Study, variants: list[str], timings: list[dict], counts: dict[st
     axes[0].set_xlabel("training tokens (millions)")
     axes[1].set_xlabel(f"training seconds at the timing pass's step times ({study.device})")
     axes[0].legend()
-    fig.suptitle("Llama-style code model on the CPython stdlib: dense, TT, low-rank, GaLore (each at its best lr)")
+    model = "RoBERTa-style masked LM" if study.objective == "mlm" else "Llama-style causal LM"
+    fig.suptitle(f"{model} on the CPython stdlib, each variant at its best learning rate")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -456,13 +488,15 @@ def plot(study: Study, variants: list[str], timings: list[dict], counts: dict[st
 def main() -> None:
     p = parser(__doc__)
     p.add_argument("--phases", default="sweep,full,report", help="comma list of sweep, full, time, report")
-    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--objective", default="clm", choices=("clm", "mlm"),
+                   help="clm: the Llama study; mlm: the masked-LM case (its own variants, folder and files)")
+    p.add_argument("--variants", default=None, help=f"default {','.join(VARIANTS)} (mlm: {','.join(MLM_VARIANTS)})")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--run-dir", default="runs/pretrain")
+    p.add_argument("--run-dir", default=None, help="default runs/pretrain (mlm: runs/pretrain-mlm)")
     p.add_argument("--data", default=str(DATA))
     p.add_argument("--checkpoint-minutes", type=float, default=5.0)
     p.add_argument("--results", default=str(RESULTS), help="folder of pretrain.json and pretrain.png")
@@ -473,42 +507,44 @@ def main() -> None:
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    shape = ModelShape(**json.loads(args.shape)) if args.shape else ModelShape(vocab=args.vocab)
+    mlm = args.objective == "mlm"
+    shape = ModelShape(**json.loads(args.shape)) if args.shape else ModelShape(vocab=args.vocab,
+                                                                               ffn=MLM_FFN if mlm else 688)
     if args.time_one:   # one timing job, in its own process
         checkpoint = Path(args.checkpoint) if args.checkpoint else None
         print(json.dumps(time_variant(args.time_one, shape, args.batch, checkpoint, args.steps_for_time,
-                                      args.device)))
+                                      args.device, args.objective)))
         return
-    variants = [v for v in args.variants.split(",") if v]
+    variants = [v for v in (args.variants or ",".join(MLM_VARIANTS if mlm else VARIANTS)).split(",") if v]
+    run_dir = Path(args.run_dir or ("runs/pretrain-mlm" if mlm else "runs/pretrain"))
     for v in variants:
         variant_kind(v)
     phases = set(args.phases.split(","))
     unknown = phases - {"sweep", "full", "time", "report"}
     if unknown:
         raise SystemExit(f"--phases: unknown {sorted(unknown)}; choose among sweep, full, time, report")
-    corpus, corpus_id = load_corpus(Path(args.data), args.vocab)
-    study = Study(corpus, shape, args.batch, args.epochs, Path(args.run_dir), args.device, corpus_id,
-                  checkpoint_s=60 * args.checkpoint_minutes)
+    corpus, corpus_id = load_corpus(Path(args.data), args.vocab, MLM_SPECIAL_TOKENS if mlm else ())
+    study = Study(corpus, shape, args.batch, args.epochs, run_dir, args.device, corpus_id,
+                  checkpoint_s=60 * args.checkpoint_minutes, objective=args.objective)
     print(f"corpus: {corpus['train'].numel():,} train, {corpus['valid'].numel():,} valid, "
           f"{corpus['test'].numel():,} test tokens; {study.full_steps} steps a full run, {study.sweep_steps} a "
           f"sweep run; rows in {study.run_dir}", flush=True)
     best_lr = {}
-    if phases & {"sweep", "full", "report", "time"}:
-        for variant in variants:
-            if "sweep" in phases or "full" in phases:
-                best_lr[variant] = study.sweep(variant)
-            else:
-                table = {float(k): v for k, v in study_sweep_rows(study, variant).items()}
-                if table:
-                    best_lr[variant] = min(table, key=table.get)
-            if variant in best_lr:
-                print(f"{variant}: best peak lr {best_lr[variant]:.2e}", flush=True)
+    for variant in variants:   # the sweep runs in the sweep and full phases; the others read its rows
+        if phases & {"sweep", "full"}:
+            best_lr[variant] = study.sweep(variant)
+        else:
+            table = {float(k): v for k, v in study_sweep_rows(study, variant).items()}
+            if table:
+                best_lr[variant] = min(table, key=table.get)
+        if variant in best_lr:
+            print(f"{variant}: best peak lr {best_lr[variant]:.2e}", flush=True)
     if "full" in phases:
         study.full(variants, best_lr)
     timing_file = study.run_dir / "timing.json"
     if "time" in phases:
         for variant in variants:
-            for seed in range(seeds_of(variant)):
+            for seed in range(seeds_of(variant, study.objective)):
                 if variant in best_lr:
                     study.finished(study.spec("full", variant, best_lr[variant], seed).key)
         timings = timing_pass(study, variants, args.threads)
@@ -535,7 +571,7 @@ def study_sweep_rows(study: Study, variant: str) -> dict[str, float]:
 def report(study: Study, variants: list[str], best_lr: dict[str, float], timing_file: Path, args) -> None:
     from tncompile.files import read_bounded
     for variant in variants:
-        for seed in range(seeds_of(variant)):
+        for seed in range(seeds_of(variant, study.objective)):
             if variant in best_lr:
                 study.finished(study.spec("full", variant, best_lr[variant], seed).key)
     timings, timing_machine = [], None
@@ -543,7 +579,7 @@ def report(study: Study, variants: list[str], best_lr: dict[str, float], timing_
         data = json.loads(read_bounded(timing_file, MAX_ROW_BYTES))
         if data.get("protocol") == study.protocol:
             timings, timing_machine = data["timings"], data["machine"]
-    counts = count_baselines(study)
+    counts = count_baselines(study) if study.objective == "clm" else {}
     rows, table = summarize(study, variants, best_lr, timings, counts)
     print(table)
     sweeps = {v: {k: _ppl(loss) for k, loss in study_sweep_rows(study, v).items()} for v in variants}
@@ -551,15 +587,16 @@ def report(study: Study, variants: list[str], best_lr: dict[str, float], timing_
           json.dumps({v: {k: round(x, 2) for k, x in t.items()} for v, t in sweeps.items()}))
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    plot(study, variants, timings, counts, results / "pretrain.png")
-    path = results / "pretrain.json"
+    stem = "pretrain_mlm" if study.objective == "mlm" else "pretrain"
+    plot(study, variants, timings, counts, results / f"{stem}.png")
+    path = results / f"{stem}.json"
     path.write_text(json.dumps({
         "machine": machine(args.device), "timing_machine": timing_machine, "protocol": study.protocol,
         "command": "python benchmarks/bench_pretrain.py " + " ".join(sys.argv[1:]),
         "count_baselines_test_ppl": counts, "sweep_valid_ppl": sweeps, "best_lr": best_lr,
         "summary": rows, "table": table, "timings": timings,
         "runs": [study.rows[k] for k in sorted(study.rows) if k.startswith("full-")]}, indent=1))
-    print("wrote", path, "and", results / "pretrain.png")
+    print("wrote", path, "and", results / f"{stem}.png")
 
 
 if __name__ == "__main__":

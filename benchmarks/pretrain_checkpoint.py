@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from pretrain_models import ModelShape, Run, build, controller_for, llama, optimizer_for, variant_kind
+from pretrain_models import ModelShape, Run, build, controller_for, model_for, optimizer_for, variant_kind
 
 #: a plain checkpoint may hold at most this many bytes beyond 4 x the model's
 PLAIN_FLOOR_BYTES = 64 << 20
@@ -66,26 +66,26 @@ def save_run(run: Run, path: Path, extra: dict[str, Any]) -> None:
 
 
 def load_run(path: Path, variant: str, shape: ModelShape, lr: float, steps: int,
-             device: str = "cpu") -> tuple[Run, dict[str, Any]]:
+             device: str = "cpu", objective: str = "clm") -> tuple[Run, dict[str, Any]]:
     """``(run, extra)`` continued from the checkpoint at ``path``: the model, optimizer and
     controller ``build(variant, ...)`` would make, holding the saved state."""
     kind, _ = variant_kind(variant)
     if kind in ("tt", "lowrank"):
         import tncompile
-        model = tncompile.load(path, model=lambda: llama(shape, 0, device), map_location=device)
+        model = tncompile.load(path, model=lambda: model_for(objective, shape, 0, device), map_location=device)
         optimizer = optimizer_for(variant, model, lr)
         controller = controller_for(variant, model, optimizer, steps)
         extra = tncompile.resume(model, optimizer, controller)
         return Run(variant, model, optimizer, controller), extra
-    return _load_plain(path, variant, shape, lr, steps, device)
+    return _load_plain(path, variant, shape, lr, steps, device, objective)
 
 
 def _load_plain(path: Path, variant: str, shape: ModelShape, lr: float, steps: int,
-                device: str) -> tuple[Run, dict[str, Any]]:
+                device: str, objective: str) -> tuple[Run, dict[str, Any]]:
     from safetensors import SafetensorError
     from safetensors.torch import load
     from tncompile.files import read_bounded
-    run = build(variant, shape, lr, seed=0, steps=steps, device=device)
+    run = build(variant, shape, lr, seed=0, steps=steps, device=device, objective=objective)
     model_bytes = sum(t.numel() * t.element_size() for t in run.model.state_dict().values())
     try:
         raw = read_bounded(path, 4 * model_bytes + PLAIN_FLOOR_BYTES)

@@ -30,11 +30,13 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tncompile" / "pretrain")
 
 
-def corpus_key(train_files: Sequence[str | os.PathLike], vocab_size: int) -> str:
-    """A digest of the train files' bytes (in order), ``vocab_size`` and the ``tokenizers``
-    version: a cache entry serves exactly the tokenizer these would train."""
+def corpus_key(train_files: Sequence[str | os.PathLike], vocab_size: int, special_tokens: Sequence[str] = ()) -> str:
+    """A digest of the train files' bytes (in order), ``vocab_size``, the special tokens and
+    the ``tokenizers`` version: a cache entry serves exactly the tokenizer these would train."""
     import tokenizers
-    digest = hashlib.sha256(f"bpe|{vocab_size}|{tokenizers.__version__}".encode())
+    specials = "|".join(f"{len(t)}:{t}" for t in special_tokens)
+    digest = hashlib.sha256(f"bpe|{vocab_size}|{tokenizers.__version__}".encode() + (f"|{specials}".encode()
+                                                                                      if special_tokens else b""))
     for path in train_files:
         with open(path, "rb") as f:
             for block in iter(lambda: f.read(1 << 20), b""):
@@ -43,20 +45,27 @@ def corpus_key(train_files: Sequence[str | os.PathLike], vocab_size: int) -> str
     return digest.hexdigest()[:32]
 
 
-def train_bpe(train_files: Sequence[str | os.PathLike], vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Vocabulary and merges of a byte-level BPE trained on ``train_files`` alone."""
+def train_bpe(train_files: Sequence[str | os.PathLike], vocab_size: int,
+              special_tokens: Sequence[str] = ()) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Vocabulary and merges of a byte-level BPE trained on ``train_files`` alone; the special
+    tokens (e.g. a masked LM's ``<pad>`` and ``<mask>``) take ids ``0, 1, ...``, which no text
+    encodes to."""
     from tokenizers import ByteLevelBPETokenizer
     tok = ByteLevelBPETokenizer()
-    tok.train([str(p) for p in train_files], vocab_size=vocab_size, min_frequency=2, show_progress=False)
+    tok.train([str(p) for p in train_files], vocab_size=vocab_size, min_frequency=2, show_progress=False,
+              special_tokens=list(special_tokens))
     model = json.loads(tok.to_str())["model"]
     merges = [tuple(m.split(" ", 1)) if isinstance(m, str) else tuple(m) for m in model["merges"]]
     return dict(model["vocab"]), merges
 
 
-def _checked(vocab: object, merges: object, vocab_size: int) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def _checked(vocab: object, merges: object, vocab_size: int,
+             special_tokens: Sequence[str] = ()) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """The entry's vocabulary and merges, or ``ValueError`` naming what is wrong."""
     if not isinstance(vocab, dict) or not 0 < len(vocab) <= vocab_size:
         raise ValueError(f"the vocabulary is not an object of 1 to {vocab_size} entries")
+    if any(vocab.get(t) != i for i, t in enumerate(special_tokens)):
+        raise ValueError(f"the special tokens {list(special_tokens)} are not at ids 0, 1, ...")
     ids = set()
     for token, i in vocab.items():
         if not isinstance(token, str) or type(i) is not int or not 0 <= i < vocab_size or i in ids:
@@ -73,31 +82,31 @@ def _checked(vocab: object, merges: object, vocab_size: int) -> tuple[dict[str, 
     return vocab, pairs
 
 
-def _read_entry(folder: Path, key: str, vocab_size: int):
+def _read_entry(folder: Path, key: str, vocab_size: int, special_tokens: Sequence[str] = ()):
     from tncompile.files import read_bounded
     vocab = json.loads(read_bounded(folder / f"bpe-{key}.vocab.json", MAX_CACHE_BYTES).decode("utf-8"))
     merges = read_bounded(folder / f"bpe-{key}.merges.txt", MAX_CACHE_BYTES).decode("utf-8").split("\n")
-    return _checked(vocab, [m for m in merges if m], vocab_size)
+    return _checked(vocab, [m for m in merges if m], vocab_size, special_tokens)
 
 
 def corpus_tokenizer(train_files: Sequence[str | os.PathLike], vocab_size: int = 8192,
-                     cache_dir: str | os.PathLike | None = None):
+                     cache_dir: str | os.PathLike | None = None, special_tokens: Sequence[str] = ()):
     """The byte-level BPE tokenizer of ``train_files`` (``tokenizers.ByteLevelBPETokenizer``),
-    from the cache when an entry for these files and ``vocab_size`` is there and sound,
-    else trained (seconds) and cached."""
+    from the cache when an entry for these files, ``vocab_size`` and ``special_tokens`` is
+    there and sound, else trained (seconds) and cached."""
     from tokenizers import ByteLevelBPETokenizer
     from tncompile.files import private_folder, write_replacing
     folder = private_folder(cache_dir if cache_dir is not None else default_cache_dir())
-    key = corpus_key(train_files, vocab_size)
+    key = corpus_key(train_files, vocab_size, special_tokens)
     vocab = merges = None
     if (folder / f"bpe-{key}.vocab.json").exists() or (folder / f"bpe-{key}.vocab.json").is_symlink():
         try:
-            vocab, merges = _read_entry(folder, key, vocab_size)
+            vocab, merges = _read_entry(folder, key, vocab_size, special_tokens)
         except (OSError, ValueError, UnicodeDecodeError) as e:   # json.JSONDecodeError is a ValueError
             warnings.warn(f"pretrain_corpus: the cached tokenizer {key} in {folder} is refused ({e}); "
                           "training it again", UserWarning, stacklevel=2)
     if vocab is None:
-        vocab, merges = train_bpe(train_files, vocab_size)
+        vocab, merges = train_bpe(train_files, vocab_size, special_tokens)
         write_replacing(folder / f"bpe-{key}.merges.txt", "".join(f"{a} {b}\n" for a, b in merges))
         write_replacing(folder / f"bpe-{key}.vocab.json", json.dumps(vocab, ensure_ascii=False))
     return ByteLevelBPETokenizer(vocab, merges)

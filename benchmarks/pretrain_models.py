@@ -1,6 +1,7 @@
 """The pretraining study's models and their training set-ups (issue 66).
 
-One model a user would build -- a Llama-style causal LM from a ``transformers`` config --
+The models a user would build from a ``transformers`` config -- a Llama-style causal LM
+(``objective="clm"``), or a RoBERTa-style masked LM (``"mlm"``, CodeBERT's objective) --
 and the variants the study compares, each a :class:`Run` (model, optimizer, rank
 controller or ``None``):
 
@@ -13,7 +14,9 @@ controller or ``None``):
   embedding a 2-core TTM) compiled at ``r`` with the same variance-matched init as dense's
   layers, no rank adaptation;
 * ``galore``: the dense model with GaLore's AdamW at the paper's settings (rank a quarter
-  of the width, update gap 200, scale 0.25) on the decoder layers' matrices.
+  of the width, update gap 200, scale 0.25) on the decoder layers' matrices;
+* ``tt<r>-measured``: ``tt<r>`` with ``linear_cores="measured"``: each linear's 2-, 4- or
+  6-core network chosen by timing it on the device within its parameter share.
 
 Every variant of a seed draws its initialization from that seed (TT's cores included).
 """
@@ -33,6 +36,10 @@ WEIGHT_DECAY = 0.0
 #: TT variants are compiled at this multiple of their target, then cut to it in training
 TT_HEADROOM = 1.5
 GALORE_GAP, GALORE_SCALE = 200, 0.25
+OBJECTIVES = ("clm", "mlm")
+#: the masked LM's tokenizer reserves ids 0 and 1 (no text encodes to them)
+MLM_SPECIAL_TOKENS = ("<pad>", "<mask>")
+PAD_ID, MASK_ID = 0, 1
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,29 @@ class ModelShape:
         return asdict(self)
 
 
+def model_for(objective: str, shape: ModelShape, seed: int, device: str = "cpu") -> nn.Module:
+    """The dense model of ``objective``, drawn from ``seed``."""
+    if objective == "clm":
+        return llama(shape, seed, device)
+    if objective == "mlm":
+        return roberta(shape, seed, device)
+    raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+
+
+def roberta(shape: ModelShape, seed: int, device: str = "cpu") -> nn.Module:
+    """A fresh ``RobertaForMaskedLM`` of ``shape`` (GELU FFN ``shape.ffn``, its decoder tied to
+    the word embedding, no dropout: one epoch of data, as the causal model), from ``seed``."""
+    from transformers import RobertaConfig, RobertaForMaskedLM
+    config = RobertaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
+                           num_attention_heads=shape.heads, intermediate_size=shape.ffn,
+                           max_position_embeddings=shape.seq + 2, pad_token_id=PAD_ID, type_vocab_size=1,
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, tie_word_embeddings=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = RobertaForMaskedLM(config)
+    return model.to(device)
+
+
 def llama(shape: ModelShape, seed: int, device: str = "cpu") -> nn.Module:
     """A fresh ``LlamaForCausalLM`` of ``shape``, its weights drawn from ``seed``."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -62,9 +92,14 @@ def llama(shape: ModelShape, seed: int, device: str = "cpu") -> nn.Module:
     return model.to(device)
 
 
+MEASURED_SUFFIX = "-measured"
+
+
 def variant_kind(variant: str) -> tuple[str, float | None]:
     """``("dense" | "tt" | "lowrank" | "galore", ratio or None)``; ``ValueError`` naming the
     accepted spellings otherwise."""
+    if variant.startswith("tt") and variant.endswith(MEASURED_SUFFIX):
+        variant = variant[: -len(MEASURED_SUFFIX)]
     for kind in ("tt", "lowrank"):
         if variant.startswith(kind):
             try:
@@ -76,7 +111,8 @@ def variant_kind(variant: str) -> tuple[str, float | None]:
             return kind, ratio
     if variant in ("dense", "galore"):
         return variant, None
-    raise ValueError(f"unknown variant {variant!r}: dense, galore, tt<ratio> or lowrank<ratio>")
+    raise ValueError(f"unknown variant {variant!r}: dense, galore, tt<ratio>, tt<ratio>{MEASURED_SUFFIX} or "
+                     "lowrank<ratio>")
 
 
 @dataclass
@@ -105,15 +141,18 @@ def example_inputs(shape: ModelShape, device: str) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.zeros(2, shape.seq, dtype=torch.long, device=device)}   # batch stays dynamic
 
 
-def compile_variant(variant: str, shape: ModelShape, seed: int, device: str = "cpu") -> nn.Module:
+def compile_variant(variant: str, shape: ModelShape, seed: int, device: str = "cpu",
+                    objective: str = "clm") -> nn.Module:
     """The compressed model a ``tt`` or ``lowrank`` variant starts from (seeded init)."""
     import tncompile
     kind, ratio = variant_kind(variant)
     options = {"tt": dict(target_ratio=min(1.0, TT_HEADROOM * ratio)),
                "lowrank": dict(target_ratio=ratio, linear_cores=1, embedding_cores=2)}[kind]
+    if variant.endswith(MEASURED_SUFFIX):
+        options["linear_cores"] = "measured"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # the report's notes on the embedding's lookup speed
-        return tncompile.compile(llama(shape, seed, device), init="random", seed=seed,
+        return tncompile.compile(model_for(objective, shape, seed, device), init="random", seed=seed,
                                  example_inputs=example_inputs(shape, device), **options)
 
 
@@ -145,11 +184,13 @@ def controller_for(variant: str, model: nn.Module, optimizer: torch.optim.Optimi
                                     late_steps=steps // 3, truncate_every=max(10, round(steps / 20)))
 
 
-def build(variant: str, shape: ModelShape, lr: float, seed: int, steps: int, device: str = "cpu") -> Run:
+def build(variant: str, shape: ModelShape, lr: float, seed: int, steps: int, device: str = "cpu",
+          objective: str = "clm") -> Run:
     """A fresh run of ``variant``: model drawn from ``seed``, optimizer at ``lr``, controller
     scheduled over ``steps``."""
     kind, _ = variant_kind(variant)
-    model = compile_variant(variant, shape, seed, device) if kind in ("tt", "lowrank") else llama(shape, seed, device)
+    model = (compile_variant(variant, shape, seed, device, objective) if kind in ("tt", "lowrank")
+             else model_for(objective, shape, seed, device))
     optimizer = optimizer_for(variant, model, lr)
     return Run(variant, model, optimizer, controller_for(variant, model, optimizer, steps))
 

@@ -208,3 +208,32 @@ def test_the_command_runs_the_whole_protocol_on_a_tiny_corpus(tmp_path):
     assert set(report["count_baselines_test_ppl"]) >= {"trigram", "bigram", "unigram"}
     assert (tmp_path / "results" / "pretrain.png").stat().st_size > 10_000
     assert "dense against the count trigram on test" in out.stdout
+
+
+def test_masking_follows_berts_rule_and_the_seed():
+    from pretrain_loop import IGNORE, mask_tokens
+    from pretrain_models import MASK_ID
+    rows = torch.randint(2, 500, (64, 256), generator=torch.Generator().manual_seed(0))
+    inputs, labels = mask_tokens(rows, torch.Generator().manual_seed(1), 500)
+    chosen = labels != IGNORE
+    assert 0.13 < chosen.float().mean() < 0.17
+    assert torch.equal(labels[chosen], rows[chosen]) and torch.equal(inputs[~chosen], rows[~chosen])
+    masked = (inputs[chosen] == MASK_ID).float().mean()
+    kept = (inputs[chosen] == rows[chosen]).float().mean()
+    assert 0.77 < masked < 0.83 and 0.08 < kept < 0.13          # 10% kept, plus random draws equal by chance
+    again, _ = mask_tokens(rows, torch.Generator().manual_seed(1), 500)
+    assert torch.equal(again, inputs)
+
+
+@pytest.mark.parametrize("variant", ["dense", "tt0.2364"])
+def test_a_masked_lm_run_learns_and_resumes_exactly(tmp_path, corpus, variant):
+    masked = RunSpec(key=f"m-{variant}", variant=variant, lr=3e-3, seed=0, steps=16, batch=4,
+                     shape=ModelShape(hidden=64, layers=1, ffn=256, heads=2, vocab=128, seq=16), eval_points=2,
+                     objective="mlm")
+    whole = train_run(masked, corpus, tmp_path / "whole.ckpt")
+    assert train_run(masked, corpus, tmp_path / "cut.ckpt", stop_after=5) is None
+    resumed = train_run(masked, corpus, tmp_path / "cut.ckpt")
+    for key in ("valid_loss", "test_loss", "valid_accuracy", "test_accuracy", "params_end"):
+        assert resumed[key] == whole[key], key
+    assert 0.0 <= whole["test_accuracy"] <= 1.0 and math.isfinite(whole["test_loss"])
+    assert type(build(variant, masked.shape, 1e-3, 0, 10, objective="mlm").model).__name__ == "RobertaForMaskedLM"

@@ -18,7 +18,7 @@ from .ir.decisions import CompileDecisions
 from .ir.program import CompileContext, Program, count_params
 from .frontend.layers import is_compressible
 from .frontend.tracing import split_example_inputs, trace
-from .options import CompileOptions, check_target_ratio
+from .options import MEASURED_CORES, CompileOptions, check_target_ratio
 from .passes import CollapseLayers, Pass, Pipeline, default_pipeline
 from .swap.swapped import MIXIN_NAMES, attach, swappable_layers, unswappable_layers
 from .swap.expert_params import expert_weights
@@ -47,6 +47,18 @@ def pipeline_of(passes: Pipeline | Sequence[Pass | str] | None) -> Pipeline:
     return Pipeline(passes)
 
 
+def pipeline_for(passes: Pipeline | Sequence[Pass | str] | None, options: CompileOptions) -> Pipeline:
+    """:func:`pipeline_of`, with ``choose_cores`` after ``assign_ranks`` where the options
+    ask for measured cores (``linear_cores="measured"``) and the passes do not run it."""
+    pipeline = pipeline_of(passes)
+    if options.linear_cores == MEASURED_CORES and "choose_cores" not in pipeline.names:
+        if "assign_ranks" not in pipeline.names:
+            raise ValueError("linear_cores='measured' chooses each layer's cores after assign_ranks, which the "
+                             "passes= given do not run; add 'assign_ranks' and 'choose_cores' (or give an integer)")
+        pipeline.insert_after("assign_ranks", "choose_cores")
+    return pipeline
+
+
 def compile(
     model: nn.Module,
     target_ratio: float = 0.05,
@@ -62,7 +74,7 @@ def compile(
     calibration: Iterable | None = None,
     *,
     allocation: str = "auto",
-    linear_cores: int = 3,
+    linear_cores: int | str = 3,
     embedding_cores: int = 4,
     seed: int | None = 0,
     prefer: str = "speed",
@@ -111,8 +123,13 @@ def compile(
         where each parameter lowers the estimated output error most (needs
         ``calibration``); ``"uniform"`` gives every layer the same rank;
         ``"auto"``: sensitivity with calibration, else uniform.
-    linear_cores, embedding_cores : int
+    linear_cores, embedding_cores : int, or "measured" for linear_cores
         Cores per side of a TT linear (default 3) and cores of a TTM embedding (4).
+        ``linear_cores="measured"``: each linear gets 1, 2 or 3 cores a side (a 2-, 4- or
+        6-core network), whichever trains fastest on the model's device within the
+        parameters its rank gave it, by timing (with ``calibration``: the best held-out
+        fit among the nearly fastest); the report shows each choice (the
+        ``choose_cores`` pass).
     seed : int or None
         Seed of ``init="random"``.
     prefer : {"speed", "size"}
@@ -149,7 +166,7 @@ def compile(
                              batch_sizes=batch_sizes, linear_cores=linear_cores,
                              embedding_cores=embedding_cores, seed=seed, prefer=prefer, allocation=allocation)
     _check_calibration(calibration, options)
-    pipeline = pipeline_of(passes)
+    pipeline = pipeline_for(passes, options)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be True or False, got {type(inplace).__name__} {inplace!r} "
                         "(True swaps the compressed layers into the model you pass)")

@@ -61,6 +61,13 @@ def check_batch_sizes(batch_sizes: Any, argument: str = "batch_sizes") -> list[i
     return sorted(set(out))
 
 
+#: ``compile(linear_cores="measured")``: each linear's cores (1, 2 or 3 a side) chosen by
+#: timing its network on the device (the ``choose_cores`` pass)
+MEASURED_CORES = "measured"
+#: the cores a side every linear starts from (and keeps, unless measured otherwise)
+DEFAULT_LINEAR_CORES = 3
+
+
 @dataclass
 class CompileOptions:
     """What ``tncompile.compile`` was asked to do; see its docstring."""
@@ -71,11 +78,16 @@ class CompileOptions:
     rank_pattern: dict[str, int] | None = None
     init: str = "svd"
     batch_sizes: Sequence[int] | None = None
-    linear_cores: int = 3
+    linear_cores: int | str = 3
     embedding_cores: int = 4
     seed: int | None = 0
     prefer: str = "speed"
     allocation: str = "auto"
+
+    @property
+    def cores_per_side(self) -> int:
+        """The cores a side ``tensorize`` gives each linear (``choose_cores`` may change them)."""
+        return DEFAULT_LINEAR_CORES if self.linear_cores == MEASURED_CORES else self.linear_cores
 
     def __post_init__(self) -> None:
         if self.allocation not in ALLOCATIONS:
@@ -89,7 +101,11 @@ class CompileOptions:
         if self.init not in ("svd", "random"):
             raise ValueError(f"init must be 'svd' or 'random', got {self.init!r}")
         for name in ("linear_cores", "embedding_cores"):
-            check_int(getattr(self, name), f"{name} (cores per network, each a mode >= 2)", 1, MAX_CORES)
+            if name == "linear_cores" and self.linear_cores == MEASURED_CORES:
+                continue
+            check_int(getattr(self, name), f"{name} (cores per network, each a mode >= 2"
+                      + (", or 'measured': each layer's chosen by timing" if name == "linear_cores" else "") + ")",
+                      1, MAX_CORES)
         if self.rank_pattern is not None:
             if not isinstance(self.rank_pattern, dict):
                 raise TypeError(f"rank_pattern must be a dict {{module-name suffix or 're:<regex>': rank}}, "

@@ -211,6 +211,11 @@ MEASURE_LONG_S = 0.25
 #: When measuring ways has taken this many seconds in a process, one line on stderr says
 #: what the first steps are spending their time on, and how to keep it for later runs.
 MEASURE_NOTICE_S = 2.0
+#: ``compile(linear_cores="measured")``: timed forward + backward runs per candidate layout
+#: (after one warm-up; the median counts), and how much slower than the fastest a candidate
+#: may be and still win on a better held-out fit (with calibration data)
+CORE_CHOICE_REPEATS = 5
+CORE_CHOICE_TIME_SLACK = 1.1
 #: ``compile(batch_sizes=...)`` times a layer's ways ahead only where the timing's tensors
 #: (input and output rows, and their gradients) take at most this many bytes; larger
 #: batches are timed on first use, on the user's own input.

@@ -200,6 +200,9 @@ class Program:
         ``{"speed": DeviceSpeed, "rows": {layer: rows}}``: what ``assign_ranks`` timed
         each TT linear's training step with (the report's estimated times); empty
         before it runs and in a loaded model.
+    core_choices : dict
+        ``layer -> {"rows", "chosen", "candidates"}``: what ``choose_cores`` measured for
+        each linear (``compile(linear_cores="measured")``); empty otherwise.
     pipeline : list of str
         The names of the passes ``compile`` ran (what ``tncompile.load`` runs again).
     example_inputs : tuple or None
@@ -225,6 +228,7 @@ class Program:
         self.context = CompileContext()
         self.calibration_summary: dict[str, dict[str, float]] = {}
         self.speed_estimates: dict = {}
+        self.core_choices: dict[str, dict] = {}   # choose_cores: layer -> its candidates, timed
         self.speed_capped: dict[str, tuple[int, int]] = {}  # prefer="speed": layer -> (rank cap, budget's rank)
         self.pipeline: list[str] = []
         self.example_inputs: tuple | None = None

@@ -6,7 +6,8 @@ its pipeline without the user passing it again.
 """
 from __future__ import annotations
 
-from . import (assign_ranks, canonicalize, collapse_layers, decompose, follow_device, fuse_attention,  # noqa: F401
+from . import (assign_ranks, canonicalize, choose_cores, collapse_layers, decompose, follow_device,  # noqa: F401
+               fuse_attention,
                fuse_feed_forward, fuse_siblings, lower_dropout, measure_ways, plan_contractions, replan,
                tensorize, truncate_ranks)
 from .infra.base import Pipeline, registered_passes

@@ -147,10 +147,10 @@ class Tensorize(Pass):
             make = TTMLayout.for_shape
         elif is_linear(mod):
             cols, rows = linear_weight_of(mod).shape  # rows=in, cols=out
-            cores = opts.linear_cores
+            cores = opts.cores_per_side
             make = TTLayout.for_shape
         elif is_experts(mod):  # one network per expert, of one layout
-            rows, cols, cores = mod.in_features, mod.out_features, opts.linear_cores
+            rows, cols, cores = mod.in_features, mod.out_features, opts.cores_per_side
 
             def make(r, c, k, experts=mod.num_experts):
                 return TTLayout.for_shape(r, c, k, experts=experts)

@@ -30,7 +30,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..api import is_plain_input, pipeline_of, rebuild
+from ..api import is_plain_input, pipeline_for, rebuild
 from ..result.materialize import materialize
 from ..result.model_api import EXAMPLE_PREFIX, is_compressed
 from ..errors import ModelFileError, ModelMismatchError, PassError, TraceError, check_materialized, is_int
@@ -356,7 +356,7 @@ def rebuild_saved(saved: SavedModel, dense: nn.Module, passes: Pipeline | Sequen
     if params != saved.original_params:
         raise ModelMismatchError(f"{where}: the model given has {params:,} parameters, the one saved had "
                                  f"{saved.original_params:,}: build it with the same configuration")
-    pipeline = _pipeline(saved.pipeline, passes, where)
+    pipeline = _pipeline(saved.pipeline, passes, where, saved.options)
     example = example_inputs
     if example is None and saved.example_refused:
         raise ModelFileError(saved.example_refused)
@@ -468,13 +468,15 @@ def _pipeline_names(data: Any, where: str) -> list[str]:
     return data
 
 
-def _pipeline(names_: list[str], given: Pipeline | Sequence[Pass | str] | None, where: str) -> Pipeline:
+def _pipeline(names_: list[str], given: Pipeline | Sequence[Pass | str] | None, where: str,
+              options: CompileOptions) -> Pipeline:
     """The caller's pipeline (what they gave ``compile``), which the file's pass names must match;
     without one, the default pipeline, of which the file may leave passes out (a model compiled
     with ``passes=[...]`` of tncompile's own, loaded by ``from_pretrained``) but never add or
-    move one."""
+    move one. The file's ``linear_cores="measured"`` adds ``choose_cores`` as ``compile`` does
+    (it does nothing on load: the layouts are the file's)."""
     try:
-        pipeline = pipeline_of(given)
+        pipeline = pipeline_for(given, options)
     except (TypeError, ValueError) as e:
         raise type(e)(f"tncompile.load(passes=...): {e}") from e
     saved = [normalize_name(n) for n in names_]
