@@ -6,6 +6,7 @@ its own tuned learning rate (issue 66).
     python benchmarks/bench_pretrain.py --phases report      # table, PNG and JSON from the finished rows
     python benchmarks/bench_pretrain.py --device cuda        # the same study on a GPU (minutes)
     python benchmarks/bench_pretrain.py --objective mlm      # the seeds' case: a masked LM, dense vs TT at 1/4.23
+    python benchmarks/bench_pretrain.py --phases ablation    # what TT's quality depends on (after the sweep)
 
 **Corpus.** ``../shared/data/python-code/``: the CPython standard library split by file
 into train (two shards), valid and test. A byte-level BPE (vocabulary 8,192) is trained on
@@ -42,6 +43,12 @@ peak: the same for every variant.
 4. *Report*: the table (test perplexity at equal tokens over the seeds; valid perplexity
    at equal wall time), the count baselines (:mod:`count_baselines`), ``pretrain.json``
    and ``pretrain.png`` in ``benchmarks/results/``.
+
+**Ablations** (``--phases ablation``, after ``tt0.25``'s and ``tt0.1``'s sweeps): each at its
+base variant's best learning rate, seed 0, the sweep's horizon, against that sweep's row:
+``+torchinit`` (cores at PyTorch's default scales, as ``init="random"`` drew them before
+this study: a std-1 embedding table against dense's 0.02) and ``+direct`` (compiled at the
+target, no rank adaptation).
 
 **The seeds' case** (``--objective mlm``): CoMERA pre-trains CodeBERT, a RoBERTa masked LM,
 at 4.23x compression. A ``RobertaForMaskedLM`` of the same width (hidden 256, 4 layers,
@@ -83,6 +90,7 @@ SWEEP_FRACTION = 8
 SEEDS = {"dense": 3, "tt0.25": 3}
 DEFAULT_SEEDS = 2
 MLM_VARIANTS = ("dense", f"tt{1 / 4.23:.4f}")
+ABLATED = ("tt0.25", "tt0.1")
 MLM_FFN = 1024
 PROTOCOL_VERSION = 1
 MAX_ROW_BYTES = 8 << 20
@@ -177,7 +185,7 @@ class Study:
 
     # --------------------------------------------------------------- phases
     def spec(self, phase: str, variant: str, lr: float, seed: int) -> RunSpec:
-        full = phase == "full"
+        full = phase == "full"   # sweep and ablation rows: the sweep's horizon, valid at the end only
         return RunSpec(key=f"{phase}-{variant}-lr{lr:.2e}-s{seed}", variant=variant, lr=lr, seed=seed,
                        steps=self.full_steps if full else self.sweep_steps, batch=self.batch, shape=self.shape,
                        eval_points=self.eval_points, curve_valid=full, objective=self.objective)
@@ -210,6 +218,24 @@ class Study:
             for variant in variants:
                 if seed < seeds_of(variant, self.objective):
                     self.run(self.spec("full", variant, best_lr[variant], seed))
+
+    def ablations(self, bases: tuple[str, ...] = ABLATED) -> list[dict]:
+        """Each ablation of ``bases`` at its base's best swept learning rate (seed 0, the
+        sweep's horizon) beside the base's own sweep row; bases not swept yet are left out."""
+        from pretrain_models import ABLATIONS
+        out = []
+        for base in bases:
+            table = study_sweep_rows(self, base)
+            if not table:
+                self.log(f"ablation: {base} has no finished sweep yet; run its sweep first")
+                continue
+            lr = float(min(table, key=table.get))
+            entry = {"base": base, "lr": lr, "valid_ppl": {base: _ppl(table[f"{lr:.2e}"])}}
+            for suffix in ABLATIONS:
+                row = self.run(self.spec("ablation", base + suffix, lr, 0))
+                entry["valid_ppl"][base + suffix] = _ppl(row["valid_loss"])
+            out.append(entry)
+        return out
 
     def full_rows(self, variant: str) -> list[dict]:
         return [row for key, row in sorted(self.rows.items()) if key.startswith(f"full-{variant}-lr")]
@@ -487,7 +513,8 @@ def plot(study: Study, variants: list[str], timings: list[dict], counts: dict[st
 
 def main() -> None:
     p = parser(__doc__)
-    p.add_argument("--phases", default="sweep,full,report", help="comma list of sweep, full, time, report")
+    p.add_argument("--phases", default="sweep,full,report",
+                   help="comma list of sweep, full, time, report, ablation")
     p.add_argument("--objective", default="clm", choices=("clm", "mlm"),
                    help="clm: the Llama study; mlm: the masked-LM case (its own variants, folder and files)")
     p.add_argument("--variants", default=None, help=f"default {','.join(VARIANTS)} (mlm: {','.join(MLM_VARIANTS)})")
@@ -520,9 +547,9 @@ def main() -> None:
     for v in variants:
         variant_kind(v)
     phases = set(args.phases.split(","))
-    unknown = phases - {"sweep", "full", "time", "report"}
+    unknown = phases - {"sweep", "full", "time", "report", "ablation"}
     if unknown:
-        raise SystemExit(f"--phases: unknown {sorted(unknown)}; choose among sweep, full, time, report")
+        raise SystemExit(f"--phases: unknown {sorted(unknown)}; choose among sweep, full, time, report, ablation")
     corpus, corpus_id = load_corpus(Path(args.data), args.vocab, MLM_SPECIAL_TOKENS if mlm else ())
     study = Study(corpus, shape, args.batch, args.epochs, run_dir, args.device, corpus_id,
                   checkpoint_s=60 * args.checkpoint_minutes, objective=args.objective)
@@ -541,6 +568,10 @@ def main() -> None:
             print(f"{variant}: best peak lr {best_lr[variant]:.2e}", flush=True)
     if "full" in phases:
         study.full(variants, best_lr)
+    if "ablation" in phases:
+        for entry in study.ablations():
+            print(f"ablation at {entry['base']}'s best lr {entry['lr']:.2e} (valid ppl after {study.sweep_steps} "
+                  "steps): " + ", ".join(f"{k} {v:.2f}" for k, v in entry["valid_ppl"].items()), flush=True)
     timing_file = study.run_dir / "timing.json"
     if "time" in phases:
         for variant in variants:
@@ -568,6 +599,22 @@ def study_sweep_rows(study: Study, variant: str) -> dict[str, float]:
     return study.sweep_table(variant)
 
 
+def _finished_ablations(study: Study) -> list[dict]:
+    """The ablations whose rows are all finished (read from the run folder, never trained here)."""
+    from pretrain_models import ABLATIONS
+    out = []
+    for base in ABLATED:
+        table = study_sweep_rows(study, base)
+        if not table:
+            continue
+        lr = float(min(table, key=table.get))
+        rows = {base + s: study.finished(study.spec("ablation", base + s, lr, 0).key) for s in ABLATIONS}
+        if all(r is not None for r in rows.values()):
+            out.append({"base": base, "lr": lr, "valid_ppl": {base: _ppl(table[f"{lr:.2e}"])} | {
+                k: _ppl(r["valid_loss"]) for k, r in rows.items()}})
+    return out
+
+
 def report(study: Study, variants: list[str], best_lr: dict[str, float], timing_file: Path, args) -> None:
     from tncompile.files import read_bounded
     for variant in variants:
@@ -583,6 +630,10 @@ def report(study: Study, variants: list[str], best_lr: dict[str, float], timing_
     rows, table = summarize(study, variants, best_lr, timings, counts)
     print(table)
     sweeps = {v: {k: _ppl(loss) for k, loss in study_sweep_rows(study, v).items()} for v in variants}
+    ablations = _finished_ablations(study)
+    for entry in ablations:
+        print(f"ablation at {entry['base']}'s best lr {entry['lr']:.2e}: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in entry["valid_ppl"].items()))
     print("sweep (valid perplexity after", study.sweep_steps, "steps):",
           json.dumps({v: {k: round(x, 2) for k, x in t.items()} for v, t in sweeps.items()}))
     results = Path(args.results)
@@ -593,7 +644,7 @@ def report(study: Study, variants: list[str], best_lr: dict[str, float], timing_
     path.write_text(json.dumps({
         "machine": machine(args.device), "timing_machine": timing_machine, "protocol": study.protocol,
         "command": "python benchmarks/bench_pretrain.py " + " ".join(sys.argv[1:]),
-        "count_baselines_test_ppl": counts, "sweep_valid_ppl": sweeps, "best_lr": best_lr,
+        "count_baselines_test_ppl": counts, "sweep_valid_ppl": sweeps, "best_lr": best_lr, "ablations": ablations,
         "summary": rows, "table": table, "timings": timings,
         "runs": [study.rows[k] for k in sorted(study.rows) if k.startswith("full-")]}, indent=1))
     print("wrote", path, "and", results / f"{stem}.png")

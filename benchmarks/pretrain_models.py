@@ -18,6 +18,13 @@ controller or ``None``):
 * ``tt<r>-measured``: ``tt<r>`` with ``linear_cores="measured"``: each linear's 2-, 4- or
   6-core network chosen by timing it on the device within its parameter share.
 
+Ablations of ``tt<r>`` (what TT's quality from scratch depends on):
+
+* ``tt<r>+torchinit``: the cores drawn at PyTorch's default scales (a linear ``1/(3 in)``,
+  an embedding ``1``) instead of the dense model's own (its ``initializer_range``): what
+  ``init="random"`` did before issue 66;
+* ``tt<r>+direct``: compiled at ``r`` itself, no rank adaptation.
+
 Every variant of a seed draws its initialization from that seed (TT's cores included).
 """
 from __future__ import annotations
@@ -93,13 +100,16 @@ def llama(shape: ModelShape, seed: int, device: str = "cpu") -> nn.Module:
 
 
 MEASURED_SUFFIX = "-measured"
+ABLATIONS = ("+torchinit", "+direct")
 
 
 def variant_kind(variant: str) -> tuple[str, float | None]:
     """``("dense" | "tt" | "lowrank" | "galore", ratio or None)``; ``ValueError`` naming the
     accepted spellings otherwise."""
-    if variant.startswith("tt") and variant.endswith(MEASURED_SUFFIX):
-        variant = variant[: -len(MEASURED_SUFFIX)]
+    for suffix in (MEASURED_SUFFIX, *ABLATIONS):
+        if variant.startswith("tt") and variant.endswith(suffix):
+            variant = variant[: -len(suffix)]
+            break
     for kind in ("tt", "lowrank"):
         if variant.startswith(kind):
             try:
@@ -146,14 +156,23 @@ def compile_variant(variant: str, shape: ModelShape, seed: int, device: str = "c
     """The compressed model a ``tt`` or ``lowrank`` variant starts from (seeded init)."""
     import tncompile
     kind, ratio = variant_kind(variant)
-    options = {"tt": dict(target_ratio=min(1.0, TT_HEADROOM * ratio)),
+    headroom = 1.0 if variant.endswith("+direct") else TT_HEADROOM
+    options = {"tt": dict(target_ratio=min(1.0, headroom * ratio)),
                "lowrank": dict(target_ratio=ratio, linear_cores=1, embedding_cores=2)}[kind]
     if variant.endswith(MEASURED_SUFFIX):
         options["linear_cores"] = "measured"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # the report's notes on the embedding's lookup speed
-        return tncompile.compile(model_for(objective, shape, seed, device), init="random", seed=seed,
-                                 example_inputs=example_inputs(shape, device), **options)
+        model = tncompile.compile(model_for(objective, shape, seed, device), init="random", seed=seed,
+                                  example_inputs=example_inputs(shape, device), **options)
+    if variant.endswith("+torchinit"):
+        from tncompile.runtime.layers.tn_module import TNModule
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for module in model.modules():
+                if isinstance(module, TNModule):
+                    module.reset_parameters()   # its init_variance(): PyTorch's default for the dense layer
+    return model
 
 
 def optimizer_for(variant: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
@@ -178,7 +197,7 @@ def controller_for(variant: str, model: nn.Module, optimizer: torch.optim.Optimi
     third of ``steps`` each, cuts every ``steps / 20``); ``None`` for the other variants."""
     import tncompile
     kind, ratio = variant_kind(variant)
-    if kind != "tt":
+    if kind != "tt" or variant.endswith("+direct"):
         return None
     return tncompile.RankController(model, optimizer, target_ratio=ratio, early_steps=steps // 3,
                                     late_steps=steps // 3, truncate_every=max(10, round(steps / 20)))

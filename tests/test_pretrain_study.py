@@ -237,3 +237,32 @@ def test_a_masked_lm_run_learns_and_resumes_exactly(tmp_path, corpus, variant):
         assert resumed[key] == whole[key], key
     assert 0.0 <= whole["test_accuracy"] <= 1.0 and math.isfinite(whole["test_loss"])
     assert type(build(variant, masked.shape, 1e-3, 0, 10, objective="mlm").model).__name__ == "RobertaForMaskedLM"
+
+
+def test_ablations_run_at_their_bases_best_rate_over_the_sweeps_horizon(tmp_path, corpus, monkeypatch):
+    asked = []
+
+    def fake_train(spec, *a, **k):
+        asked.append((spec.key, spec.variant, spec.lr, spec.seed, spec.steps))
+        loss = abs(math.log(spec.lr / 3e-3)) + (1.0 if "+" in spec.variant else 0.5)
+        return {"key": spec.key, "valid_loss": loss, "test_loss": loss, "curve": [], "diverged": False,
+                "params_end": 1}
+    monkeypatch.setattr(bench_pretrain, "train_run", fake_train)
+    study = make_study(tmp_path, corpus)
+    study.sweep("tt0.25")
+    entries = study.ablations(bases=("tt0.25", "tt0.1"))          # tt0.1 has no sweep: left out
+    assert [e["base"] for e in entries] == ["tt0.25"] and entries[0]["lr"] == pytest.approx(3e-3)
+    ablated = [a for a in asked if a[0].startswith("ablation-")]
+    assert {a[1] for a in ablated} == {"tt0.25+torchinit", "tt0.25+direct"}
+    assert all(a[2] == pytest.approx(3e-3) and a[3] == 0 and a[4] == study.sweep_steps for a in ablated)
+    assert set(entries[0]["valid_ppl"]) == {"tt0.25", "tt0.25+torchinit", "tt0.25+direct"}
+
+
+def test_the_ablated_variants_are_what_they_name():
+    x = torch.randint(0, SHAPE.vocab, (4, SHAPE.seq))
+    base, torch_init, direct = (build(v, SHAPE, 1e-3, 0, 10) for v in ("tt0.25", "tt0.25+torchinit", "tt0.25+direct"))
+    with torch.no_grad():
+        losses = [r.model(input_ids=x, labels=x).loss.item() for r in (base, torch_init, direct)]
+    assert losses[1] > 2 * losses[0] and abs(losses[2] - losses[0]) < 0.1   # a std-1 tied table: huge logits
+    assert direct.controller is None and base.controller is not None
+    assert direct.params() <= 0.25 * build("dense", SHAPE, 1e-3, 0, 10).params() < base.params()
