@@ -16,7 +16,7 @@ shape, 32,000 words, at 0.02), each job runs in a fresh process:
   the process's peak, the loss;
 * ``dense-parts`` (1B configurations): the dense step from its parts, each timed for real --
   one decoder layer, and the embedding, final norm and head -- with AdamW: layers x one
-  layer + the rest;
+  layer + the rest; the compressed step against it in wall and in CPU time (``speedup``);
 * ``dense`` (1B only, unless ``--no-dense``): the dense model built for real with AdamW, under
   an address-space limit of this machine's available memory: its step time and peak memory,
   or the allocation that failed.
@@ -104,11 +104,14 @@ def _steps(model, batch: int, seq: int, steps: int, vocab: int, profile: bool) -
     first_peak = _status_kb("VmHWM") / 1024
     base = _status_kb("VmRSS")
     _reset_peak()
+    cpu_times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - start)
-    result = {"step_s": statistics.median(times) if steps else first, "first_step_s": first,
+        cpu_times.append(time.process_time() - cpu)
+    result = {"step_s": statistics.median(times) if steps else first,
+              "step_cpu_s": statistics.median(cpu_times) if steps else None, "first_step_s": first,
               "first_step_peak_mb": first_peak, "rss_before_steps_mb": base / 1024,
               "step_peak_mb": (_status_kb("VmHWM") - base) / 1024, "loss": losses}
     if profile:
@@ -152,17 +155,19 @@ def _dense_by_parts(name: str, args) -> dict:
         loss.backward()
         opt_rest.step()
 
-    times = {}
+    times, cpu_times = {}, {}
     for label, fn in (("layer", layer_step), ("embedding_norm_head", rest_step)):
         fn()
-        runs = []
+        runs, cpu_runs = [], []
         for _ in range(max(args.steps, 1)):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             fn()
             runs.append(time.perf_counter() - start)
-        times[label] = statistics.median(runs)
+            cpu_runs.append(time.process_time() - cpu)
+        times[label], cpu_times[label] = statistics.median(runs), statistics.median(cpu_runs)
     return {"layer_s": times["layer"], "layers": layers, "embedding_norm_head_s": times["embedding_norm_head"],
-            "step_s": layers * times["layer"] + times["embedding_norm_head"]}
+            "step_s": layers * times["layer"] + times["embedding_norm_head"],
+            "step_cpu_s": layers * cpu_times["layer"] + cpu_times["embedding_norm_head"]}
 
 
 def _job(kind: str, name: str, args, queue) -> None:
@@ -256,6 +261,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true")
     args = p.parse_args()
     results = {}
+    from tncompile.testing import HostLoad
+    load = HostLoad().__enter__()
     for name in args.configs.split(","):
         jobs = results[name] = {}
         jobs["compile"] = _run("compile", name, args)
@@ -268,12 +275,22 @@ def main() -> None:
                 print(jobs["train"]["profile"])
             jobs["dense-parts"] = _run("dense-parts", name, args)
             print(name, "dense by parts", jobs["dense-parts"], flush=True)
+            train, parts = jobs["train"], jobs["dense-parts"]
+            if train.get("ok") and parts.get("ok"):   # both measured in this run, one after the other
+                jobs["speedup"] = {"wall": parts["step_s"] / train["step_s"],
+                                   "cpu": parts["step_cpu_s"] / train["step_cpu_s"]}
+                print(f"{name}: the compressed step against dense's by parts, measured side by side: "
+                      f"{jobs['speedup']['wall']:.1f}x in wall time, {jobs['speedup']['cpu']:.1f}x in CPU time",
+                      flush=True)
             if not args.no_dense and name == "1b":
                 jobs["dense"] = _run("dense", name, args)
                 print(name, "dense", {k: v for k, v in jobs["dense"].items() if k != "trace"}, flush=True)
+    load.__exit__(None, None, None)
     table = _table(results)
     print(table)
-    path = write_json("scale.json", {"machine": machine(), "batch": args.batch, "seq": args.seq, "steps": args.steps,
+    if load.busy:
+        print(f"WARNING: the host was busy while measuring ({load.describe()}): the times are not reliable")
+    path = write_json("scale.json", {"machine": machine(), "host_load": load.as_dict(), "batch": args.batch, "seq": args.seq, "steps": args.steps,
                                 "configs": {k: {kk: vv for kk, vv in v.items() if kk != "ratio"} | {"ratio": v["ratio"]}
                                             for k, v in CONFIGS.items()},
                                 "results": results, "table": table})
