@@ -535,8 +535,9 @@ def test_bf16_autocast_batches_in_the_dtypes_each_layer_would(whole, monkeypatch
             return ((t.float() - truth).norm() / truth.norm()).item()
         # the batch merges its cores in fp32 and casts the factors once (issue 55), then bf16
         # products of another association (x (A B), (x A) B, against the per-layer plan):
-        # as far from float32 as the layers' own bf16 products
-        assert err(got) <= 1.5 * err(want) + 2e-3, f"{name}: {err(got):.3g} from float32 against {err(want):.3g}"
+        # as far from float32 as the layers' own bf16 products, give or take one bf16 rounding
+        # (2**-8 relative: a 6-entry gate gradient's error is a few roundings' luck)
+        assert err(got) <= 1.5 * err(want) + 2 ** -8, f"{name}: {err(got):.3g} from float32 against {err(want):.3g}"
     close(grouped[0], plain[0], exact[0], "output")
     for name in plain[1]:
         assert grouped[1][name].dtype == torch.float32

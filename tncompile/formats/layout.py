@@ -75,6 +75,18 @@ class _Base:
         """A copy with ``ranks`` broadcast to every bond and clipped to the bounds."""
         return replace(self, ranks=normalize_ranks(ranks, self.rank_bounds()))
 
+    def largest_rank_within(self, params: float) -> int:
+        """The largest uniform rank (up to the largest bond's bound) whose network has at most
+        ``params`` parameters; 1 when even rank 1 has more (bisection: size grows with rank)."""
+        lo, hi = 1, max(self.rank_bounds())
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.with_ranks(mid).num_params() <= params:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     @property
     def copies(self) -> int:
         """Networks of this layout the layer holds (its experts; 1 for a plain layer)."""

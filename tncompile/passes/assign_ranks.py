@@ -269,15 +269,7 @@ class AssignRanks(Pass):
 
     def _cap(self, lay) -> int:
         """Largest rank whose network keeps at most ``max_layer_ratio`` of the dense weight."""
-        limit = self.max_layer_ratio * lay.dense_params
-        lo, hi = 1, max(lay.rank_bounds())
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if lay.with_ranks(mid).num_params() <= limit:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return lay.largest_rank_within(self.max_layer_ratio * lay.dense_params)
 
 
 def _shape(lay) -> tuple:

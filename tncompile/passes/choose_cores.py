@@ -23,9 +23,12 @@ import time
 import torch
 
 from .. import tuning
+from ..calibration.layer_fit import RIDGE, fit_linear_cores, output_error
+from ..formats.factorization import tt_from_linear_weight
 from ..formats.layout import TTLayout
 from ..ir.program import Program
 from ..runtime.layers import TTLinear
+from ..runtime.layers.module_kinds import linear_weight_of
 from .infra.base import Pass, register_pass
 from .infra.pending import PendingLayer
 from .infra.progress import progress
@@ -103,24 +106,9 @@ def candidate_layouts(assigned: TTLayout, budget: int) -> list[TTLayout]:
             base = TTLayout.for_shape(assigned.in_features, assigned.out_features, cores, experts=assigned.experts)
         except ValueError:
             continue
-        rank = _largest_rank(base, budget)
-        if rank is not None:
-            out.append(base.with_ranks(rank))
+        if base.with_ranks(1).num_params() <= budget:
+            out.append(base.with_ranks(base.largest_rank_within(budget)))
     return sorted(out, key=lambda lay: len(lay.core_shapes()))
-
-
-def _largest_rank(layout: TTLayout, budget: int) -> int | None:
-    """The largest uniform rank (bisection up to the layout's largest bond) within ``budget``."""
-    if layout.with_ranks(1).num_params() > budget:
-        return None
-    lo, hi = 1, max(layout.rank_bounds())
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if layout.with_ranks(mid).num_params() <= budget:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def step_ms(layout: TTLayout, rows: int, device: torch.device, dtype: torch.dtype, bias: bool = False) -> float:
@@ -147,9 +135,6 @@ def step_ms(layout: TTLayout, rows: int, device: torch.device, dtype: torch.dtyp
 def _held_out_error(stats, pending: PendingLayer, layout: TTLayout) -> float | None:
     """The calibrated fit's relative output error on held-out calibration rows (``None``
     without a held-out part)."""
-    from ..calibration.layer_fit import RIDGE, fit_linear_cores, output_error
-    from ..formats.factorization import tt_from_linear_weight
-    from ..runtime.layers.module_kinds import linear_weight_of
     moment = stats.moment_of(pending.dense.weight)
     held = stats.held_out_moment_of(pending.dense.weight)
     if moment is None or held is None:
