@@ -137,6 +137,8 @@ def test_embedding_max_norm_or_sparse_left_dense_with_reason(kw, reason):
     assert isinstance(c.model.emb, nn.Embedding)
     assert reason in c.program.notes["emb"]
     assert reason in str(c.report())
+    if "sparse" in kw:   # what to change is named
+        assert "build it with sparse=False" in c.program.notes["emb"] and "not SparseAdam" in c.program.notes["emb"]
 
 
 def test_wrong_call_structure_after_export():

@@ -142,7 +142,9 @@ class Tensorize(Pass):
             if mod.max_norm is not None:
                 return None, "max_norm is set (TTM rows cannot be renormalized in place)"
             if mod.sparse:
-                return None, "sparse=True gradients are not supported"
+                return None, ("sparse=True gradients: a compressed table has none (its gradient is its cores', "
+                              "dense and small); build it with sparse=False, and train it with an optimizer that "
+                              "takes dense gradients (Adagrad, Adam, SGD; not SparseAdam), to compress it")
             rows, cols, cores = mod.num_embeddings, mod.embedding_dim, opts.embedding_cores
             make = TTMLayout.for_shape
         elif is_linear(mod):
