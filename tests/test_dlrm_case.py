@@ -103,3 +103,14 @@ def test_the_compressed_dlrm_learns_saves_and_loads(model, tmp_path):
     inputs = batch_inputs(data.take(torch.arange(8)), weights=True)
     with torch.no_grad():
         assert torch.allclose(loaded(*inputs), compiled(*inputs), atol=1e-6)
+
+
+def test_an_argument_the_example_leaves_out_is_traced_as_its_none_default(model):
+    """``if per_sample_weights is not None:`` -- traced on a proxy it would always index the
+    weights; traced with the example's structure, the model runs without them."""
+    data = synthetic(16, 3, 1000)
+    compiled = tncompile.compile(model, target_ratio=0.1, example_inputs=batch_inputs(data))
+    out = compiled(*batch_inputs(data))
+    assert out.shape == (16,) and torch.isfinite(out).all()
+    with pytest.raises(AssertionError, match="per_sample_weights has been specialized to have value None"):
+        compiled(*batch_inputs(data, weights=True))

@@ -124,8 +124,36 @@ def trace(model: nn.Module, example_inputs: Any = None, run_real: bool = True) -
     follow_training_mode(gm, model, model.training)
     _drop_annotations(gm)
     if example is not None:
-        _propagate_shapes(gm, model, *example, run_real=run_real)
+        try:
+            _propagate_shapes(gm, model, *example, run_real=run_real)
+        except ValueError:
+            omitted = _omitted_none_arguments(model, *example)
+            if not omitted:
+                raise
+            # ``if weights is not None:`` was traced on a proxy: the graph always uses the
+            # argument the example leaves out. Trace again with it fixed to None (fx then
+            # refuses a value for it, by name).
+            with attention_parts(model):
+                graph = LeafTracer().trace(model, concrete_args=omitted)
+                gm = fx.GraphModule(model, graph, class_name=name)
+            gm.training = model.training
+            follow_training_mode(gm, model, model.training)
+            _drop_annotations(gm)
+            _propagate_shapes(gm, model, *example, run_real=run_real)
     return gm, InputSpec("fx", described=_describe(example))
+
+
+def _omitted_none_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, None]:
+    """``{name: None}`` for each argument of ``model.forward`` that the example leaves out and
+    that defaults to ``None``."""
+    try:
+        signature = inspect.signature(model.forward)
+        bound = signature.bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return {}
+    return {name: None for name, p in signature.parameters.items()
+            if name not in bound.arguments and p.default is None
+            and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
 
 def _drop_annotations(gm: fx.GraphModule) -> None:
