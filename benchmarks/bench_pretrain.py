@@ -219,23 +219,32 @@ class Study:
                 if seed < seeds_of(variant, self.objective):
                     self.run(self.spec("full", variant, best_lr[variant], seed))
 
-    def ablations(self, bases: tuple[str, ...] = ABLATED) -> list[dict]:
+    def ablations(self, bases: tuple[str, ...] = ABLATED, train: bool = True) -> list[dict]:
         """Each ablation of ``bases`` at its base's best swept learning rate (seed 0, the
-        sweep's horizon) beside the base's own sweep row; bases not swept yet are left out."""
+        sweep's horizon) beside the base's own sweep row; bases not swept yet are left out.
+        ``train=False``: only ablations whose rows are all finished (read, never trained)."""
         from pretrain_models import ABLATIONS
         out = []
         for base in bases:
             table = study_sweep_rows(self, base)
             if not table:
-                self.log(f"ablation: {base} has no finished sweep yet; run its sweep first")
+                if train:
+                    self.log(f"ablation: {base} has no finished sweep yet; run its sweep first")
                 continue
             lr = float(min(table, key=table.get))
-            entry = {"base": base, "lr": lr, "valid_ppl": {base: _ppl(table[f"{lr:.2e}"])}}
-            for suffix in ABLATIONS:
-                row = self.run(self.spec("ablation", base + suffix, lr, 0))
-                entry["valid_ppl"][base + suffix] = _ppl(row["valid_loss"])
-            out.append(entry)
+            specs = {base + s: self.spec("ablation", base + s, lr, 0) for s in ABLATIONS}
+            rows = {k: self.run(spec) if train else self.finished(spec.key) for k, spec in specs.items()}
+            if all(r is not None for r in rows.values()):
+                out.append({"base": base, "lr": lr, "valid_ppl": {base: _ppl(table[f"{lr:.2e}"])} | {
+                    k: _ppl(r["valid_loss"]) for k, r in rows.items()}})
         return out
+
+    def read_full_rows(self, variants: list[str], best_lr: dict[str, float]) -> None:
+        """Read every finished full row of ``variants`` at their best rates into :attr:`rows`."""
+        for variant in variants:
+            if variant in best_lr:
+                for seed in range(seeds_of(variant, self.objective)):
+                    self.finished(self.spec("full", variant, best_lr[variant], seed).key)
 
     def full_rows(self, variant: str) -> list[dict]:
         return [row for key, row in sorted(self.rows.items()) if key.startswith(f"full-{variant}-lr")]
@@ -574,10 +583,7 @@ def main() -> None:
                   "steps): " + ", ".join(f"{k} {v:.2f}" for k, v in entry["valid_ppl"].items()), flush=True)
     timing_file = study.run_dir / "timing.json"
     if "time" in phases:
-        for variant in variants:
-            for seed in range(seeds_of(variant, study.objective)):
-                if variant in best_lr:
-                    study.finished(study.spec("full", variant, best_lr[variant], seed).key)
+        study.read_full_rows(variants, best_lr)
         timings = timing_pass(study, variants, args.threads)
         from tncompile.files import write_replacing
         write_replacing(timing_file, json.dumps({"protocol": study.protocol, "machine": machine(args.device),
@@ -599,28 +605,9 @@ def study_sweep_rows(study: Study, variant: str) -> dict[str, float]:
     return study.sweep_table(variant)
 
 
-def _finished_ablations(study: Study) -> list[dict]:
-    """The ablations whose rows are all finished (read from the run folder, never trained here)."""
-    from pretrain_models import ABLATIONS
-    out = []
-    for base in ABLATED:
-        table = study_sweep_rows(study, base)
-        if not table:
-            continue
-        lr = float(min(table, key=table.get))
-        rows = {base + s: study.finished(study.spec("ablation", base + s, lr, 0).key) for s in ABLATIONS}
-        if all(r is not None for r in rows.values()):
-            out.append({"base": base, "lr": lr, "valid_ppl": {base: _ppl(table[f"{lr:.2e}"])} | {
-                k: _ppl(r["valid_loss"]) for k, r in rows.items()}})
-    return out
-
-
 def report(study: Study, variants: list[str], best_lr: dict[str, float], timing_file: Path, args) -> None:
     from tncompile.files import read_bounded
-    for variant in variants:
-        for seed in range(seeds_of(variant, study.objective)):
-            if variant in best_lr:
-                study.finished(study.spec("full", variant, best_lr[variant], seed).key)
+    study.read_full_rows(variants, best_lr)
     timings, timing_machine = [], None
     if timing_file.exists():
         data = json.loads(read_bounded(timing_file, MAX_ROW_BYTES))
@@ -630,7 +617,7 @@ def report(study: Study, variants: list[str], best_lr: dict[str, float], timing_
     rows, table = summarize(study, variants, best_lr, timings, counts)
     print(table)
     sweeps = {v: {k: _ppl(loss) for k, loss in study_sweep_rows(study, v).items()} for v in variants}
-    ablations = _finished_ablations(study)
+    ablations = study.ablations(train=False)
     for entry in ablations:
         print(f"ablation at {entry['base']}'s best lr {entry['lr']:.2e}: "
               + ", ".join(f"{k} {v:.2f}" for k, v in entry["valid_ppl"].items()))

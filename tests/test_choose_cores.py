@@ -42,7 +42,7 @@ def layers(compiled) -> dict[str, TTLinear]:
 def test_each_layer_gets_the_fastest_layout_within_its_share(monkeypatch, cores):
     compiled = compiled_with(monkeypatch, cores)
     choices = compiled.program.core_choices
-    assert set(choices) == {"up", "down"} or {k.rpartition(".")[2] for k in choices} == {"up", "down"}
+    assert {k.rpartition(".")[2] for k in choices} == {"up", "down"}
     for name, layer in layers(compiled).items():
         assert len(layer.layout.core_shapes()) == cores
         choice = next(c for k, c in choices.items() if k.endswith(name))

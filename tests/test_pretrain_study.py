@@ -256,6 +256,11 @@ def test_ablations_run_at_their_bases_best_rate_over_the_sweeps_horizon(tmp_path
     assert {a[1] for a in ablated} == {"tt0.25+torchinit", "tt0.25+direct"}
     assert all(a[2] == pytest.approx(3e-3) and a[3] == 0 and a[4] == study.sweep_steps for a in ablated)
     assert set(entries[0]["valid_ppl"]) == {"tt0.25", "tt0.25+torchinit", "tt0.25+direct"}
+    trained = len(asked)
+    assert make_study(tmp_path, corpus).ablations(bases=("tt0.25", "tt0.1"), train=False) == entries
+    assert len(asked) == trained                                   # the report only reads them
+    (tmp_path / "run" / "rows" / "ablation-tt0.25+direct-lr3.00e-03-s0.json").unlink()
+    assert make_study(tmp_path, corpus).ablations(train=False) == [] and len(asked) == trained
 
 
 def test_the_ablated_variants_are_what_they_name():

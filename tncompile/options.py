@@ -100,12 +100,10 @@ class CompileOptions:
                              "network at most as costly as its dense layer, 'size' lets ranks grow past that")
         if self.init not in ("svd", "random"):
             raise ValueError(f"init must be 'svd' or 'random', got {self.init!r}")
-        for name in ("linear_cores", "embedding_cores"):
-            if name == "linear_cores" and self.linear_cores == MEASURED_CORES:
-                continue
-            check_int(getattr(self, name), f"{name} (cores per network, each a mode >= 2"
-                      + (", or 'measured': each layer's chosen by timing" if name == "linear_cores" else "") + ")",
-                      1, MAX_CORES)
+        if self.linear_cores != MEASURED_CORES:
+            check_int(self.linear_cores, "linear_cores (cores per network, each a mode >= 2, or 'measured': each "
+                      "layer's chosen by timing)", 1, MAX_CORES)
+        check_int(self.embedding_cores, "embedding_cores (cores per network, each a mode >= 2)", 1, MAX_CORES)
         if self.rank_pattern is not None:
             if not isinstance(self.rank_pattern, dict):
                 raise TypeError(f"rank_pattern must be a dict {{module-name suffix or 're:<regex>': rank}}, "

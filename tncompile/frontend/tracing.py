@@ -109,9 +109,7 @@ def trace(model: nn.Module, example_inputs: Any = None, run_real: bool = True) -
     example = split_example_inputs(example_inputs)
     name = type(model).__name__
     try:
-        with attention_parts(model):  # nn.MultiheadAttention's projections as modules, while tracing
-            graph = LeafTracer().trace(model)
-            gm = fx.GraphModule(model, graph, class_name=name)
+        gm = _fx_graph(model)
     except Exception as fx_err:  # fx raises many kinds
         if example is None:
             raise TraceError(
@@ -120,9 +118,6 @@ def trace(model: nn.Module, example_inputs: Any = None, run_real: bool = True) -
                 f"inputs, e.g. {{'input_ids': ids}}) so tncompile can use torch.export instead."
             ) from fx_err
         return _trace_export(model, *example, fx_err)
-    gm.training = model.training
-    follow_training_mode(gm, model, model.training)
-    _drop_annotations(gm)
     if example is not None:
         try:
             _propagate_shapes(gm, model, *example, run_real=run_real)
@@ -133,14 +128,20 @@ def trace(model: nn.Module, example_inputs: Any = None, run_real: bool = True) -
             # ``if weights is not None:`` was traced on a proxy: the graph always uses the
             # argument the example leaves out. Trace again with it fixed to None (fx then
             # refuses a value for it, by name).
-            with attention_parts(model):
-                graph = LeafTracer().trace(model, concrete_args=omitted)
-                gm = fx.GraphModule(model, graph, class_name=name)
-            gm.training = model.training
-            follow_training_mode(gm, model, model.training)
-            _drop_annotations(gm)
+            gm = _fx_graph(model, concrete_args=omitted)
             _propagate_shapes(gm, model, *example, run_real=run_real)
     return gm, InputSpec("fx", described=_describe(example))
+
+
+def _fx_graph(model: nn.Module, concrete_args: dict[str, Any] | None = None) -> fx.GraphModule:
+    """``model`` traced by torch.fx (``concrete_args`` fixed), in its training mode."""
+    with attention_parts(model):  # nn.MultiheadAttention's projections as modules, while tracing
+        graph = LeafTracer().trace(model, concrete_args=concrete_args)
+        gm = fx.GraphModule(model, graph, class_name=type(model).__name__)
+    gm.training = model.training
+    follow_training_mode(gm, model, model.training)
+    _drop_annotations(gm)
+    return gm
 
 
 def _omitted_none_arguments(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, None]:

@@ -85,9 +85,6 @@ class ChooseCores(Pass):
             choices[name] = {"rows": n_rows, "chosen": chosen["cores"],
                              "candidates": [{k: v for k, v in c.items() if k != "layout"} for c in candidates]}
             program.notes[name] = "; ".join(filter(None, [program.notes.get(name, ""), _describe(choices[name])]))
-        for _, mod in program.modules():   # a tied head follows its embedding (never a linear network here)
-            if isinstance(mod, PendingLayer) and mod.tied_to in layers:
-                mod.layout = layers[mod.tied_to].layout
         program.core_choices = choices
         return program
 
