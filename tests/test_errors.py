@@ -131,14 +131,40 @@ class WithEmbeddings(nn.Module):
         return self.lin(self.emb(ids))
 
 
-@pytest.mark.parametrize("kw,reason", [({"max_norm": 1.0}, "max_norm"), ({"sparse": True}, "sparse=True")])
-def test_embedding_max_norm_or_sparse_left_dense_with_reason(kw, reason):
-    c = tncompile.compile(WithEmbeddings(**kw), target_ratio=0.95)
+def test_embedding_max_norm_left_dense_with_reason():
+    c = tncompile.compile(WithEmbeddings(max_norm=1.0), target_ratio=0.95)
     assert isinstance(c.model.emb, nn.Embedding)
-    assert reason in c.program.notes["emb"]
-    assert reason in str(c.report())
-    if "sparse" in kw:   # what to change is named
-        assert "build it with sparse=False" in c.program.notes["emb"] and "not SparseAdam" in c.program.notes["emb"]
+    assert "max_norm" in c.program.notes["emb"] and "max_norm" in str(c.report())
+
+
+@pytest.mark.parametrize("bag", [False, True])
+def test_a_sparse_gradient_table_is_compressed_with_dense_core_gradients_and_a_note(bag):
+    """A recommender's ``sparse=True`` table compiles unedited: the compressed table's gradient
+    is its cores' (dense, small); the note names the optimizers that fit it."""
+    from tncompile.runtime.layers.embedding_bag import TTMEmbeddingBag
+    from tncompile.runtime.layers.ttm_embedding import TTMEmbedding
+
+    class Tables(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = (nn.EmbeddingBag(4096, 16, mode="sum", sparse=True) if bag
+                        else nn.Embedding(4096, 16, sparse=True))
+            self.lin = nn.Linear(16, 4)
+
+        def forward(self, ids):
+            return self.lin(self.emb(ids, torch.arange(ids.numel())) if bag else self.emb(ids))
+
+    model = Tables()
+    ids = torch.randint(0, 4096, (8,))
+    c = tncompile.compile(model, target_ratio=0.1, example_inputs=(ids,))
+    assert isinstance(c.model.emb, TTMEmbeddingBag if bag else TTMEmbedding)
+    note = c.program.notes["emb"]
+    assert "sparse=True" in note and "SparseAdam" in note and "sparse=True" in str(c.report())
+    c(ids).sum().backward()
+    grads = [p.grad for p in c.model.emb.parameters()]
+    assert grads and all(g is not None and not g.is_sparse for g in grads)
+    torch.optim.Adagrad(c.parameters(), lr=0.1).step()     # the optimizers a DLRM user takes fit it
+    assert model.emb.sparse and model.emb.weight.grad is None   # the user's model is untouched
 
 
 def test_wrong_call_structure_after_export():

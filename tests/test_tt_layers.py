@@ -140,8 +140,6 @@ def test_embedding_errors():
         emb(torch.tensor([1.0]))
     with pytest.raises(ValueError, match="max_norm"):
         TTMEmbedding.from_embedding(nn.Embedding(50, 8, max_norm=1.0))
-    with pytest.raises(ValueError, match="sparse"):
-        TTMEmbedding.from_embedding(nn.Embedding(50, 8, sparse=True))
     with pytest.raises(ValueError, match="expected last dim"):
         TTLinear(TTLayout.for_shape(8, 8, 2, ranks=2))(torch.randn(3, 9))
 

@@ -28,8 +28,10 @@ class Tensorize(Pass):
     A layer stays dense, with the reason in ``program.notes``, when it is
     excluded, too small to gain (fewer than ``min_params`` weights, or a side
     that cannot be split into the configured number of modes), uses an
-    unsupported feature (``max_norm``, ``sparse=True``), or shares its weight
-    in a way other than an output head tied to an embedding.
+    unsupported feature (``max_norm``), or shares its weight in a way other than
+    an output head tied to an embedding. A table built with ``sparse=True`` is
+    compressed like any other (a recommender's model compiles unedited): its
+    gradient is its cores', dense and small, which the note in the report says.
 
     Parameters
     ----------
@@ -114,6 +116,9 @@ class Tensorize(Pass):
                 program.notes.setdefault(n, f"weight tied with {others}; kept dense because not "
                                             f"every module of the tie can be tensorized")
 
+        for name in layouts:
+            if getattr(modules[name], "sparse", False):
+                program.notes[name] = SPARSE_TABLE_NOTE
         gm = program.graph_module
         for name, layout in layouts.items():
             gm.set_submodule(name, PendingLayer(modules[name], layout))
@@ -141,10 +146,6 @@ class Tensorize(Pass):
         if is_embedding(mod) or is_embedding_bag(mod):
             if mod.max_norm is not None:
                 return None, "max_norm is set (TTM rows cannot be renormalized in place)"
-            if mod.sparse:
-                return None, ("sparse=True gradients: a compressed table has none (its gradient is its cores', "
-                              "dense and small); build it with sparse=False, and train it with an optimizer that "
-                              "takes dense gradients (Adagrad, Adam, SGD; not SparseAdam), to compress it")
             rows, cols, cores = mod.num_embeddings, mod.embedding_dim, opts.embedding_cores
             make = TTMLayout.for_shape
         elif is_linear(mod):
@@ -171,6 +172,11 @@ class Tensorize(Pass):
             return None, (f"too small to gain: even rank 1 keeps more than "
                           f"{self.max_layer_ratio:.0%} of the dense weight")
         return layout, None
+
+
+SPARSE_TABLE_NOTE = ("built with sparse=True: compressed, its gradient is its cores' (dense and small), so an "
+                     "optimizer that takes only sparse gradients (SparseAdam) does not fit it; SGD, Adagrad or "
+                     "Adam do")
 
 
 def _lookup_options(emb: nn.Embedding) -> tuple:

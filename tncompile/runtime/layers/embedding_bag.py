@@ -73,14 +73,13 @@ class TTMEmbeddingBag(TTMEmbedding):
                            num_cores: int = 4, init: str = "svd", layout: TTMLayout | None = None,
                            generator: torch.Generator | None = None) -> "TTMEmbeddingBag":
         """Build from an ``nn.EmbeddingBag`` (TT-SVD of its table, or a fresh
-        ``N(0, 1)``-variance init). ``max_norm`` and ``sparse=True`` are not
-        supported (``ValueError``)."""
+        ``N(0, 1)``-variance init). ``max_norm`` is not supported
+        (``ValueError``); a ``sparse=True`` bag is compressed with dense gradients on its
+        cores (small), which SGD, Adagrad or Adam take and SparseAdam does not."""
         _check_init(init)
         if bag.max_norm is not None:
             raise ValueError("TTMEmbeddingBag does not support max_norm (it renormalizes rows in place); "
                              "leave this embedding bag dense")
-        if bag.sparse:
-            raise ValueError("TTMEmbeddingBag does not support sparse=True gradients; leave it dense")
         weight = bag.weight
         layout = _resolve_layout(layout, lambda: TTMLayout.for_shape(*weight.shape, num_cores), rank, weight.shape)
         mod = cls(layout, bag.mode, bag.include_last_offset, bag.padding_idx, device=weight.device,

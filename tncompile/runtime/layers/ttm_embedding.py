@@ -62,15 +62,14 @@ class TTMEmbedding(TNModule):
         ``init="svd"`` fits the cores by TT-SVD; ``init="random"`` matches the
         variance of the table as the model initialized it (:func:`matched_variance`;
         ``nn.Embedding``'s default ``N(0, 1)`` on the meta device).
-        ``max_norm`` and ``sparse=True`` are not supported (``ValueError``).
+        ``max_norm`` is not supported (``ValueError``); a ``sparse=True`` table is
+        compressed with dense gradients on its cores (small), which SGD, Adagrad or
+        Adam take and SparseAdam does not.
         """
         check_init(init)
         if embedding.max_norm is not None:
             raise ValueError("TTMEmbedding does not support max_norm (it renormalizes rows in "
                              "place); leave this embedding dense")
-        if embedding.sparse:
-            raise ValueError("TTMEmbedding does not support sparse=True gradients; leave this "
-                             "embedding dense")
         weight = embedding.weight
         V, D = weight.shape
         layout = resolve_layout(layout, lambda: TTMLayout.for_shape(V, D, num_cores), rank, weight.shape)
