@@ -45,15 +45,22 @@ def bucket(value: str, field: int, buckets: int) -> int:
     return int.from_bytes(digest, "little") % buckets
 
 
-def read_criteo(path: str | Path, buckets: int, limit: int | None = None) -> CriteoRows:
+def read_criteo(path: str | Path, buckets: int, limit: int | None = None, distinct: bool = False) -> CriteoRows:
     """The rows of a Criteo ``train.txt``-format file (see the module's docstring); a row
     without 40 tab-separated fields, a label other than 0/1, or a non-integer count is a
-    ``ValueError`` naming its line."""
+    ``ValueError`` naming its line. ``distinct``: a line that repeats an earlier one is
+    left out (``../shared/data/criteo/train_head10800.txt`` is its first 900 lines twelve
+    times over: split as it is, every test row would be a training row)."""
     dense, sparse, labels = [], [], []
+    seen: set[str] = set()
     with open(path, encoding="ascii") as f:
         for number, line in enumerate(f, 1):
             if limit is not None and number > limit:
                 break
+            if distinct:
+                if line in seen:
+                    continue
+                seen.add(line)
             fields = line.rstrip("\n").split("\t")
             if len(fields) != 1 + DENSE_FIELDS + SPARSE_FIELDS or fields[0] not in ("0", "1"):
                 raise ValueError(f"{path}:{number}: not a Criteo row (label 0/1, 13 integers, 26 categories)")
@@ -79,7 +86,8 @@ def mlp(sizes: list[int], last_activation: bool = True) -> nn.Sequential:
 class DLRM(nn.Module):
     """DLRM (Naumov et al., 2019): ``bottom`` MLP sizes from the dense features to ``dim``,
     ``len(table_rows)`` bag tables of ``dim`` columns (``mode`` sum, ``sparse`` gradients as
-    asked), dot interactions, ``top`` MLP sizes after the interactions, to one logit.
+    asked, drawn as the reference implementation draws them), dot interactions, ``top`` MLP
+    sizes after the interactions, to one logit.
 
     ``forward(dense (n, d), indices, offsets, per_sample_weights=None)``, the reference
     implementation's interface: ``indices[k]`` and ``offsets[k]`` are table ``k``'s flat ids
@@ -91,6 +99,9 @@ class DLRM(nn.Module):
         super().__init__()
         self.bottom = mlp([dense_features, *bottom, dim])
         self.tables = nn.ModuleList(nn.EmbeddingBag(rows, dim, mode="sum", sparse=sparse) for rows in table_rows)
+        for table in self.tables:   # the reference implementation's init: U(-1/sqrt(rows), 1/sqrt(rows))
+            bound = 1 / math.sqrt(table.num_embeddings)
+            nn.init.uniform_(table.weight, -bound, bound)
         vectors = 1 + len(table_rows)
         rows, cols = torch.triu_indices(vectors, vectors, offset=1)
         self.register_buffer("pair_rows", rows, persistent=False)
