@@ -19,7 +19,7 @@ from .. import tuning
 __all__ = ["factorize", "balanced_factors"]
 
 
-@lru_cache(maxsize=None)
+@lru_cache(maxsize=1 << 16)   # bounded: a million-row table tries ~10^5 products, each with its sub-calls
 def balanced_factors(n: int, d: int, min_factor: int = 2) -> tuple[int, ...] | None:
     """Exact factorization of ``n`` into ``d`` factors ``>= min_factor`` with minimal sum.
 
@@ -78,6 +78,11 @@ def factorize(n: int, d: int, max_padding: float | None = None) -> tuple[int, ..
     hi = int(math.floor(n * (1.0 + max_padding)))
     best: tuple[float, int, tuple[int, ...]] | None = None
     for N in range(lo, hi + 1):
+        # d modes of product N sum to at least d * N ** (1/d) (AM-GM), and past n that bound
+        # only grows with N: once it reaches the best score, no larger N can win
+        if best is not None and N != n and (d * N ** (1.0 / d) * N / n * (1.0 + tuning.PAD_PENALTY)
+                                            >= best[0] - 1e-12):
+            break
         f = balanced_factors(N, d)
         if f is None:
             continue
