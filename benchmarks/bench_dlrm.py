@@ -52,7 +52,8 @@ of ``torch.cuda.max_memory_allocated``) -- and the median time of a whole traini
 (forward, loss, backward, optimizer; at the TT variants' start ranks also the rank
 controller's penalty and step, with no cut during the measurement). The TT variants are
 measured at their start ranks (1.5x the target, the first part of training) and at the
-target (after the last cut, without the controller). Two rounds; each figure is
+target (after the last cut, without the controller). The last round also profiles 3 more
+steps (``torch.profiler``: the top operators by their own CPU time). Two rounds; each figure is
 the lower of its two.
 
 Rows are files in ``--run-dir`` (default ``runs/dlrm``): a finished row is never rerun.
@@ -416,7 +417,7 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
 
 
 def measure_one(case: Case, variant: str, ranks: str, batch: int, lr: float, warmup: int = 3,
-                reps: int = 15) -> dict[str, Any]:
+                reps: int = 15, profile: bool = False) -> dict[str, Any]:
     """One variant at one batch, in this (fresh) process: peak memory from the start of
     training and the median step (see the module's docstring)."""
     rss_imports_kb = _status_kb("VmRSS")
@@ -434,6 +435,7 @@ def measure_one(case: Case, variant: str, ranks: str, batch: int, lr: float, war
         times.append(time.perf_counter() - start)
     peak_kb = _status_kb("VmHWM")
     overhead_kb = rss_start_kb - held / 1024
+    profiled = profile_steps(case, trainee, batches, steps=3) if profile else None
     return {"variant": variant, "ranks": ranks if compressed(variant) else "", "batch": batch,
             "params": sum(p.numel() for p in trainee.model.parameters()),
             "step_ms": 1000 * statistics.median(times[warmup:]), "peak_rss_mb": peak_kb / 1024,
@@ -441,9 +443,23 @@ def measure_one(case: Case, variant: str, ranks: str, batch: int, lr: float, war
             "held_at_end_mb": state_bytes(trainee.model, trainee.optimizer) / 2**20,
             "rss_after_imports_mb": rss_imports_kb / 1024, "build_peak_rss_mb": build_peak_kb / 1024,
             "compile_s": trainee.compile_s, "threads": torch.get_num_threads(),
+            **({"profile": profiled} if profiled is not None else {}),
             **({"other_layers": [{"name": r.name, "format": r.format, "params": r.params, "note": r.note}
                                  for r in trainee.model.report().rows if not r.name.startswith("tables.")]}
                if compressed(variant) else {})}
+
+
+def profile_steps(case: Case, trainee: Trainee, batches: list[CriteoRows], steps: int,
+                  top: int = 12) -> list[dict[str, Any]]:
+    """The ``top`` operators by their own CPU time over ``steps`` more training steps
+    (``torch.profiler``), per step: what a step's time goes to."""
+    from torch.profiler import profile
+    with profile() as prof:
+        for i in range(steps):
+            train_step(case, trainee, batches[i % len(batches)], 0.0)
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [{"op": e.key, "self_ms_per_step": e.self_cpu_time_total / 1000 / steps,
+             "calls_per_step": e.count / steps} for e in rows]
 
 
 def measure(case_args: list[str], lrs: dict[str, float], batches: list[int], rounds: int = 2,
@@ -453,10 +469,10 @@ def measure(case_args: list[str], lrs: dict[str, float], batches: list[int], rou
     jobs = [(v, r, b) for b in batches for v in CRITEO_VARIANTS for r in (("start", "end") if compressed(v) else ("",))]
     found: dict[tuple, list[dict]] = {}
     from tqdm import tqdm
-    for _ in range(rounds):
+    for round_ in range(rounds):
         for variant, ranks, batch in tqdm(jobs, desc="measure", leave=False):
             cmd = [sys.executable, __file__, "--measure-one", variant, "--ranks", ranks or "start", "--batch",
-                   str(batch), "--lr", repr(lrs[variant]), *case_args]
+                   str(batch), "--lr", repr(lrs[variant]), *case_args, *(["--profile"] if round_ == rounds - 1 else [])]
             out = subprocess.run(cmd, capture_output=True, text=True, check=False)
             if out.returncode != 0:
                 raise RuntimeError(f"measuring {variant} at batch {batch} failed:\n{out.stderr[-3000:]}")
@@ -464,7 +480,7 @@ def measure(case_args: list[str], lrs: dict[str, float], batches: list[int], rou
     result = []
     for key, runs in found.items():
         best = min(runs, key=lambda r: r["step_ms"])
-        result.append(best | {"step_ms_rounds": [r["step_ms"] for r in runs],
+        result.append(best | {"step_ms_rounds": [r["step_ms"] for r in runs], "profile": runs[-1].get("profile"),
                               "train_mb": min(r["train_mb"] for r in runs),
                               "peak_rss_mb": min(r["peak_rss_mb"] for r in runs)})
         log(f"{key}: {best['step_ms']:.1f} ms a step, training memory {result[-1]['train_mb']:.0f} MB "
@@ -556,12 +572,13 @@ def main() -> None:
     p.add_argument("--ranks", default="start", help=_hidden())
     p.add_argument("--batch", type=int, default=128, help=_hidden())
     p.add_argument("--lr", type=float, default=0.03, help=_hidden())
+    p.add_argument("--profile", action="store_true", help=_hidden())
     args = p.parse_args()
     data = Path(args.data)
     case_args = ["--data", str(data), "--buckets", str(args.buckets), "--ratio", repr(args.ratio)]
     if args.measure_one:
         case = criteo_case(data, args.buckets, args.ratio)
-        print(json.dumps(measure_one(case, args.measure_one, args.ranks, args.batch, args.lr)))
+        print(json.dumps(measure_one(case, args.measure_one, args.ranks, args.batch, args.lr, profile=args.profile)))
         return
     phases = set(args.phases.split(","))
     if phases - {"quality", "measure", "report"}:

@@ -239,10 +239,13 @@ def test_the_sweep_widens_past_a_winning_edge(tiny_case, tmp_path, monkeypatch):
 def test_memory_and_step_time_are_measured_from_the_start_of_training(tiny_case):
     import bench_dlrm
     dense = bench_dlrm.measure_one(tiny_case, "dense-adagrad", "", batch=32, lr=0.03, warmup=1, reps=2)
-    tt = bench_dlrm.measure_one(tiny_case, "tt", "end", batch=32, lr=0.03, warmup=1, reps=2)
+    tt = bench_dlrm.measure_one(tiny_case, "tt", "end", batch=32, lr=0.03, warmup=1, reps=2, profile=True)
     assert dense["step_ms"] > 0 and tt["step_ms"] > 0
     table_bytes = 26 * 4096 * 16 * 4
     assert dense["held_at_start_mb"] * 2**20 >= 2 * table_bytes         # the tables and Adagrad's sums
     assert tt["held_at_start_mb"] * 2**20 < 0.2 * table_bytes
     assert dense["peak_rss_mb"] >= dense["train_mb"] > 0 and tt["train_mb"] > 0
     assert tt["params"] <= 0.05 * dense["params"] * 1.001
+    ops = {row["op"]: row for row in tt["profile"]}             # what the step's time goes to
+    assert "profile" not in dense and len(ops) >= 5 and all(r["self_ms_per_step"] >= 0 for r in ops.values())
+    assert any(op.startswith(("aten::", "tncompile::", "Optimizer")) for op in ops)

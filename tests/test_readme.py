@@ -23,7 +23,8 @@ from tncompile.planning import REFERENCE
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOC_PAGES = ["compile.md", "hf.md", "export.md", "pretrained.md", "passes.md", "planning.md", "training.md", "distributed.md", "train-step.md",
-             "layers-and-cli.md", "saving.md", "security.md", "guarantees.md", "status.md", "development.md", "evidence.md", "pretraining.md"]
+             "layers-and-cli.md", "saving.md", "security.md", "guarantees.md", "status.md", "development.md", "evidence.md", "pretraining.md",
+             "recommender.md"]
 
 
 def all_snippets() -> list[tuple[str, str, str | None]]:
