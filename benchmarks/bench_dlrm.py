@@ -77,7 +77,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, parser  # noqa: E402
+from common import RESULTS, machine, parser, read_row  # noqa: E402
 from dlrm_model import DLRM, CriteoRows, batch_inputs, read_criteo  # noqa: E402
 from recsys_metrics import base_rate_log_loss, log_loss, rmse, roc_auc  # noqa: E402
 
@@ -286,17 +286,9 @@ class Rows:
         if key in self.cache:
             return self.cache[key]
         path = self.path(key)
-        if not (path.exists() or path.is_symlink()):
+        row = read_row(path, self.protocol, MAX_ROW_BYTES)
+        if row is None:
             return None
-        from tncompile.files import read_bounded
-        try:
-            data = json.loads(read_bounded(path, MAX_ROW_BYTES))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: not a readable row ({e}); delete it to run the row again") from e
-        if not isinstance(data, dict) or data.get("protocol") != self.protocol:
-            raise ValueError(f"{path} was measured under another protocol; give this run its own --run-dir "
-                             "or delete the folder's rows to start over")
-        row = data.get("row")
         if not (isinstance(row, dict) and isinstance(row.get("valid"), dict) and isinstance(row.get("test"), dict)):
             raise ValueError(f"{path}: not a finished row; delete it to run the row again")
         self.cache[key] = row

@@ -78,7 +78,7 @@ from typing import Any
 
 import torch
 
-from common import RESULTS, machine, parser
+from common import RESULTS, machine, parser, read_row
 from pretrain_loop import RunSpec, epoch_steps, train_run
 from pretrain_models import MLM_SPECIAL_TOKENS, ModelShape, TT_HEADROOM, variant_kind
 
@@ -147,17 +147,9 @@ class Study:
         if key in self.rows:
             return self.rows[key]
         path = self.row_path(key)
-        if not (path.exists() or path.is_symlink()):
+        row = read_row(path, self.protocol, MAX_ROW_BYTES, differs="model, batch, corpus or horizon")
+        if row is None:
             return None
-        from tncompile.files import read_bounded
-        try:
-            data = json.loads(read_bounded(path, MAX_ROW_BYTES))
-        except (OSError, ValueError) as e:
-            raise ValueError(f"{path}: not a readable row of this study ({e}); delete it to run the row again") from e
-        if not isinstance(data, dict) or data.get("protocol") != self.protocol:
-            raise ValueError(f"{path} was measured under another protocol (model, batch, corpus or horizon); "
-                             "give this study its own --run-dir, or delete the folder's rows to start over")
-        row = data.get("row")
         if not (isinstance(row, dict) and row.get("key") == key and _finite_or_inf(row.get("valid_loss"))
                 and _finite_or_inf(row.get("test_loss")) and isinstance(row.get("curve"), list)):
             raise ValueError(f"{path}: not a finished row {key!r}; delete it to run the row again")

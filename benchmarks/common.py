@@ -145,6 +145,26 @@ def write_json(name: str, payload: dict) -> Path:
     return path
 
 
+def read_row(path: Path, protocol: dict, max_bytes: int, differs: str = "") -> object | None:
+    """The ``"row"`` of a study's finished-row file at ``path`` (``None`` when there is no
+    file), read bounded and unfollowed: a ``ValueError`` names an unreadable file or one
+    written under another ``protocol`` (``differs``: what such a protocol varies in). The
+    caller checks the row's own fields."""
+    if not (path.exists() or path.is_symlink()):
+        return None
+    from tncompile.files import read_bounded
+    try:
+        data = json.loads(read_bounded(path, max_bytes))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a readable row ({e}); delete it to run the row again") from e
+    if not isinstance(data, dict) or data.get("protocol") != protocol:
+        raise ValueError(f"{path} was measured under another protocol{f' ({differs})' if differs else ''}; give "
+                         "this study its own --run-dir, or delete the folder's rows to start over")
+    if data.get("row") is None:
+        raise ValueError(f"{path}: not a finished row; delete it to run the row again")
+    return data["row"]
+
+
 def cut_every_layer(model: torch.nn.Module, seed: int = 0) -> list[tuple[int, ...]]:
     """Cut each TT linear's bonds to a seeded random 60-100% of their ranks (each layer
     its own); returns the ranks left."""
