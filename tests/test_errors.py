@@ -167,6 +167,34 @@ def test_a_sparse_gradient_table_is_compressed_with_dense_core_gradients_and_a_n
     assert model.emb.sparse and model.emb.weight.grad is None   # the user's model is untouched
 
 
+def test_the_speed_estimate_of_a_sparse_table_has_no_table_sized_gradient():
+    """The report weighs a compressed table against its dense form as the user trains it:
+    with ``sparse=True`` that step touches the looked-up rows only, not the whole table."""
+    from tncompile.planning import DeviceSpeed, lookup_step_seconds
+    from tncompile.planning.speed_model import REFERENCE
+    from tncompile.formats import TTMLayout
+    layout = TTMLayout.for_shape(1_000_000, 16, 4, ranks=16)
+    speed = REFERENCE if isinstance(REFERENCE, DeviceSpeed) else DeviceSpeed.from_dict(REFERENCE)
+    network, dense = lookup_step_seconds(layout, 128, speed)
+    same_network, sparse_dense = lookup_step_seconds(layout, 128, speed, sparse=True)
+    assert same_network == network and sparse_dense < dense / 20
+    table_bytes = 2 * 1_000_000 * 16 * 4
+    assert dense - sparse_dense == pytest.approx((table_bytes - 2 * 128 * 16 * 4) / speed.copy_bytes_per_s)
+    class Bags(nn.Module):
+        def __init__(self, sparse):
+            super().__init__()
+            self.bag = nn.EmbeddingBag(100_000, 16, mode="sum", sparse=sparse)
+
+        def forward(self, ids, offsets):
+            return self.bag(ids, offsets)
+    rows = []
+    for sparse in (True, False):
+        c = tncompile.compile(Bags(sparse), target_ratio=0.1,
+                              example_inputs=(torch.randint(0, 100_000, (64,)), torch.arange(0, 64, 2)))
+        rows.append(next(r for r in c.report().rows if r.format == "TTM"))
+    assert rows[0].time_dense < rows[1].time_dense / 10 and rows[0].time_now == pytest.approx(rows[1].time_now)
+
+
 def test_wrong_call_structure_after_export():
     m = ShapeBranch()
     c = tncompile.compile(m, mode="graph", target_ratio=0.5, example_inputs=(torch.randn(3, 64),))

@@ -97,7 +97,9 @@ class AssignRanks(Pass):
         ids = self._traced_rows(program, owners, lookups=True)
         speed = device_speed(_model_device(program)) if rows or ids else None
         sharing = _layout_sharing(owners)
-        program.speed_estimates = {"speed": speed, "rows": dict(rows), "ids": ids} if speed else {}
+        sparse = sorted(n for n in ids if getattr(getattr(owners[n], "dense", None), "sparse", False))
+        program.speed_estimates = ({"speed": speed, "rows": dict(rows), "ids": ids, "sparse_tables": sparse}
+                                   if speed else {})
         size = {n: (lambda r, lay=m.layout: lay.with_ranks(r).num_params()) for n, m in owners.items()}
         absorbed: list[str] = []
         if opts.prefer == "speed":

@@ -118,11 +118,14 @@ class DeviceSpeed:
                 + element_bytes * traffic / self.copy_bytes_per_s)
 
     def embedding_step_seconds(self, ids: int, num_embeddings: int, embedding_dim: int,
-                               element_bytes: int = 4) -> float:
+                               element_bytes: int = 4, sparse: bool = False) -> float:
         """Estimated seconds of ``nn.Embedding``'s training step over ``ids`` ids: a
         dense call's fixed cost, the rows gathered and their gradient read, and the
-        table-sized gradient zeroed and written (``embedding_dense_backward``)."""
-        traffic = 3 * ids * embedding_dim + 2 * num_embeddings * embedding_dim
+        table-sized gradient zeroed and written (``embedding_dense_backward``); with
+        ``sparse`` (``sparse=True``: the gradient is the looked-up rows alone) those rows'
+        gradient written and added into the table instead of a table-sized one."""
+        table = (2 * ids if sparse else 2 * num_embeddings) * embedding_dim
+        traffic = 3 * ids * embedding_dim + table
         return self.dense_call_seconds + element_bytes * traffic / self.copy_bytes_per_s
 
     def as_dict(self) -> dict:
@@ -213,12 +216,14 @@ def lookup_kernels(cores: int) -> int:
     return 6 if cores == 1 else 9 * cores + 5
 
 
-def lookup_step_seconds(layout: TTMLayout, ids: int, speed: DeviceSpeed) -> tuple[float, float]:
+def lookup_step_seconds(layout: TTMLayout, ids: int, speed: DeviceSpeed,
+                        sparse: bool = False) -> tuple[float, float]:
     """Estimated seconds of one training step over ``ids`` ids on ``speed``'s device:
-    ``(TTM network, nn.Embedding)``, the network split as :func:`plan_lookup` plans it."""
+    ``(TTM network, nn.Embedding)``, the network split as :func:`plan_lookup` plans it;
+    ``sparse``: the dense table was built with ``sparse=True``."""
     plan = plan_lookup(layout, ids)
     return (speed.lookup_step_seconds(plan, len(layout.row_modes), layout.embedding_dim),
-            speed.embedding_step_seconds(ids, layout.num_embeddings, layout.embedding_dim))
+            speed.embedding_step_seconds(ids, layout.num_embeddings, layout.embedding_dim, sparse=sparse))
 
 
 #: A 2-core x86 CPU of this project's development machines (torch 2.13, 2 threads, copy

@@ -205,7 +205,7 @@ def _step_times_per_row(program, name: str, layout, sharing: dict) -> tuple[floa
     if fmt == "TT":
         network, dense = layer_step_seconds(layout, rows, est["speed"], sharing=sharing.get(merge_family(layout), 1))
     else:
-        network, dense = lookup_step_seconds(layout, rows, est["speed"])
+        network, dense = lookup_step_seconds(layout, rows, est["speed"], sparse=name in est.get("sparse_tables", ()))
     return dense / rows, network / rows
 
 
