@@ -125,3 +125,25 @@ def test_gates_and_lookup_trace_as_one_op_each():
     assert seen.count("tncompile.gate_cores.default") == 1
     assert seen.count("tncompile.ttm_lookup.default") == 1
     assert not any(t in ("<built-in function mul>", "aten.mul.Tensor") for t in seen)
+
+
+@pytest.mark.parametrize("dtype,block", [(torch.float32, 2), (torch.float32, 4), (torch.bfloat16, 2),
+                                         (torch.float64, 2), (torch.float32, 3), (torch.float32, 1)])
+def test_a_narrow_blocks_swap_moves_bytes_exactly_as_the_permute(dtype, block):
+    """The half tables' merge moves a column mode's few elements as one wide element (bytes
+    only): equal bit for bit to the permute, for every width, and the permute itself where
+    autograd, a subclass or an unsupported width needs it."""
+    from tncompile.runtime.kernels.traced_lookup import _swap_middle
+    x = torch.randn(6 * 5 * 7 * block, dtype=torch.float64).to(dtype)
+    x[::5] = float("nan")                                    # any bit pattern moves as it is
+    expected = x.reshape(6, 5, 7, block).permute(0, 2, 1, 3)
+    out = _swap_middle(x, 6, 5, 7, block)
+    assert out.shape == (6, 7, 5, block) and out.is_contiguous()
+    assert torch.equal(out.view(-1).view(torch.uint8),
+                       expected.contiguous().view(-1).view(torch.uint8))
+    leaf = x.double().nan_to_num().requires_grad_()
+    weights = torch.randn(6, 7, 5, block, dtype=torch.float64)
+    (_swap_middle(leaf, 6, 5, 7, block) * weights).sum().backward()   # the gradient moves back exactly
+    assert torch.equal(leaf.grad, weights.permute(0, 2, 1, 3).reshape(-1))
+    small = torch.randn(2 * 3 * 4 * block, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: _swap_middle(t, 2, 3, 4, block), (small,))
