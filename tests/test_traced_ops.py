@@ -128,22 +128,57 @@ def test_gates_and_lookup_trace_as_one_op_each():
 
 
 @pytest.mark.parametrize("dtype,block", [(torch.float32, 2), (torch.float32, 4), (torch.bfloat16, 2),
-                                         (torch.float64, 2), (torch.float32, 3), (torch.float32, 1)])
+                                         (torch.float64, 2), (torch.float16, 8), (torch.float64, 1)])
 def test_a_narrow_blocks_swap_moves_bytes_exactly_as_the_permute(dtype, block):
     """The half tables' merge moves a column mode's few elements as one wide element (bytes
-    only): equal bit for bit to the permute, for every width, and the permute itself where
-    autograd, a subclass or an unsupported width needs it."""
-    from tncompile.runtime.kernels.traced_lookup import _swap_middle
+    only): equal bit for bit to the permute for every width it takes, NaN patterns included,
+    and its gradient is the same move back."""
+    from tncompile.runtime.kernels.traced_lookup import _BlockSwap
     x = torch.randn(6 * 5 * 7 * block, dtype=torch.float64).to(dtype)
     x[::5] = float("nan")                                    # any bit pattern moves as it is
     expected = x.reshape(6, 5, 7, block).permute(0, 2, 1, 3)
-    out = _swap_middle(x, 6, 5, 7, block)
+    out = _BlockSwap.apply(x, 6, 5, 7, block)
     assert out.shape == (6, 7, 5, block) and out.is_contiguous()
     assert torch.equal(out.view(-1).view(torch.uint8),
                        expected.contiguous().view(-1).view(torch.uint8))
-    leaf = x.double().nan_to_num().requires_grad_()
-    weights = torch.randn(6, 7, 5, block, dtype=torch.float64)
-    (_swap_middle(leaf, 6, 5, 7, block) * weights).sum().backward()   # the gradient moves back exactly
+    leaf = torch.randn(6 * 5 * 7 * block, dtype=torch.float64).to(dtype).requires_grad_()
+    weights = torch.randn(6, 7, 5, block, dtype=torch.float64).to(dtype)
+    (_BlockSwap.apply(leaf, 6, 5, 7, block) * weights).sum().backward()   # the gradient moves back exactly
     assert torch.equal(leaf.grad, weights.permute(0, 2, 1, 3).reshape(-1))
-    small = torch.randn(2 * 3 * 4 * block, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: _swap_middle(t, 2, 3, 4, block), (small,))
+    if dtype == torch.float64:
+        small = torch.randn(2 * 3 * 4 * block, dtype=torch.float64, requires_grad=True)
+        assert torch.autograd.gradcheck(lambda t: _BlockSwap.apply(t, 2, 3, 4, block), (small,))
+
+
+@pytest.mark.parametrize("block", [2, 3])
+def test_the_block_swap_runs_only_where_the_native_cpu_kernels_apply(block):
+    """The byte move is a CPU speed-up (measured there): with the native kernels off (the
+    CUDA path's ops), under autograd's float64 checks of other widths and for widths it
+    cannot move as one element, :func:`_swap_middle` is the plain permute, same values."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from tncompile.runtime.kernels.traced_lookup import _swap_middle
+    from tncompile.runtime.native import native_kernels, native_ops
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def moved_as_wide_elements(enabled: bool) -> bool:
+        x = torch.randn(5 * 7 * block, 6, requires_grad=True).t()       # strided, as a gradient may come
+        with native_kernels(enabled), Ops() as ops:
+            out = _swap_middle(x, (2, 3), 5, 7, block)
+        expected = x.reshape(2, 3, 5, 7, block).transpose(2, 3)
+        assert out.shape == (2, 3, 7, 5, block) and out.is_contiguous() and torch.equal(out, expected)
+        gradcheck_x = x.detach().double().requires_grad_()
+        with native_kernels(enabled):
+            assert torch.autograd.gradcheck(lambda t: _swap_middle(t, (2, 3), 5, 7, block), (gradcheck_x,))
+        return "aten.view.dtype" in ops.seen
+    assert not moved_as_wide_elements(False)
+    if block == 2 and native_ops() is not None:
+        assert moved_as_wide_elements(True)
+    assert not (block == 3 and moved_as_wide_elements(True))

@@ -49,18 +49,23 @@ def _merge_left(left: Tensor, core: Tensor) -> Tensor:
 _BLOCK_DTYPES = {2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}
 
 
-def _swap_middle(x: Tensor, outer: int, first: int, second: int, block: int) -> Tensor:
-    """``x`` read as ``(outer, first, second, block)``, returned contiguous as ``(outer,
-    second, first, block)``. A block of 2-16 bytes (a TTM's column mode of 2 or 4) moves as
-    one element of that width -- bytes only, so exact, its gradient moved back the same way
-    -- where ``x`` is a plain contiguous CPU or CUDA tensor: PyTorch's strided copy is
-    several times slower with an inner dimension that narrow. Elsewhere (tensor subclasses
-    such as a trace's fake tensors, odd alignment or widths) the permute."""
+def _swap_middle(x: Tensor, outer: tuple[int, ...], first: int, second: int, block: int) -> Tensor:
+    """``x`` read as ``(*outer, first, second, block)``, returned contiguous as
+    ``(*outer, second, first, block)``. A block of 2-16 bytes (a TTM's column mode of
+    2 or 4) moves as one element of that width -- bytes only, so exact, its gradient moved
+    back the same way -- where ``x`` is a plain tensor the native CPU kernels apply to
+    (:func:`~tncompile.runtime.native.kernels_for`): PyTorch's CPU strided copy is several
+    times slower with an inner dimension that narrow. Elsewhere one permuted copy (``x`` may
+    be strided): under ``torch.compile`` (inductor fuses it), on GPUs (not measured there),
+    for tensor subclasses, odd alignment or widths."""
+    rows = math.prod(outer)
     width = block * x.element_size()
-    if (width in _BLOCK_DTYPES and type(x) is Tensor and x.device.type in ("cpu", "cuda") and x.is_contiguous()
-            and x.data_ptr() % width == 0):
-        return _BlockSwap.apply(x, outer, first, second, block)
-    return x.reshape(outer, first, second, block).transpose(1, 2).contiguous()
+    if (not torch.compiler.is_compiling() and type(x) is Tensor and width in _BLOCK_DTYPES
+            and kernels_for(x) is not None):
+        x = x.contiguous()
+        if x.data_ptr() % width == 0:
+            return _BlockSwap.apply(x, rows, first, second, block).reshape(*outer, second, first, block)
+    return x.reshape(*outer, first, second, block).transpose(-3, -2).contiguous()
 
 
 def _move_blocks(x: Tensor, outer: int, first: int, second: int, block: int) -> Tensor:
@@ -91,7 +96,7 @@ def _merge_right(core: Tensor, right: Tensor) -> Tensor:
     a, m, n, b = core.shape
     _, M, N = right.shape
     prod = core.reshape(a * m * n, b) @ right.reshape(b, M * N)
-    return _swap_middle(prod, a * m, n, M, N).reshape(a, m * M, n * N)
+    return _swap_middle(prod, (a, m), n, M, N).reshape(a, m * M, n * N)
 
 
 def half_tables(cores: list[Tensor], split: int) -> tuple[Tensor, Tensor]:
@@ -131,7 +136,7 @@ def _half_tables_backward(cores: list[Tensor], split: int, g_left: Tensor,
     for k in range(split, last):                                 # right_k = merge(cores[k], right_{k+1})
         nxt, c = rights[k + 1], cores[k]
         (a, m, n, b), (_, M, N) = c.shape, nxt.shape
-        g_prod = _swap_middle(g.contiguous(), a * m, M, n, N).reshape(a * m * n, M * N)
+        g_prod = _swap_middle(g, (a, m), M, n, N).reshape(a * m * n, M * N)
         grads[k] = (g_prod @ nxt.reshape(b, M * N).t()).reshape(a, m, n, b)
         g = (c.reshape(a * m * n, b).t() @ g_prod).reshape(b, M, N)
     grads[-1] = g.unsqueeze(-1)
