@@ -3,10 +3,8 @@
     python benchmarks/bench_compile_time.py [--repeats 2]
 
 A 2-layer BERT (hidden 64, 4 heads, vocab 1000; ``transformers``), dense and
-compiled by tncompile at ratio 0.3 -- as it traces by default (rank gates and
-TTM lookups one custom op each, contractions step by step) and with each TT
-contraction traced as one op as well (``one-op``,
-``tuning.TRACE_CONTRACTION_AS_ONE_OP``) -- each run through ``torch.compile``
+compiled by tncompile at ratio 0.3 -- as it traces (rank gates and TTM lookups one
+custom op each, contractions step by step) -- each run through ``torch.compile``
 (inductor, the default backend) in a fresh process with the FX-graph and
 autograd caches off, so no graph compiled before is reused. Two cache states:
 ``cold``, an empty inductor cache directory (a first ever ``torch.compile`` on
@@ -39,8 +37,6 @@ model = tf.BertForSequenceClassification(cfg)
 ids = torch.randint(0, 1000, (2, 16))
 if sys.argv[1] != "dense":
     model = tncompile.compile(model, target_ratio=0.3, example_inputs={"input_ids": ids})
-if sys.argv[1] == "tncompile-one-op":
-    tncompile.tuning.TRACE_CONTRACTION_AS_ONE_OP = True
 import statistics
 fast = torch.compile(model)
 start = time.perf_counter()
@@ -60,7 +56,7 @@ f = torch.compile(lambda x: (x.sin() * 2).sum())
 f(torch.randn(8, requires_grad=True)).backward()
 """
 
-VARIANTS = ("dense", "tncompile", "tncompile-one-op")
+VARIANTS = ("dense", "tncompile")
 
 
 def _kernels(cache: str) -> int:
