@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["exporting"]
+from ..native.traced import constant_while_traced, never_traced
+
+__all__ = ["exporting", "constant_while_traced", "never_traced"]
 
 
 def exporting() -> bool:

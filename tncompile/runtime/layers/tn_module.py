@@ -16,6 +16,7 @@ from ...formats.factorization import core_std
 from ...formats.indices import planner_problem
 from ...formats.layout import TTLayout, TTMLayout
 from ..kernels.plans import ContractionPlan, LookupPlan, get_planner
+from ..kernels.tracing import constant_while_traced, never_traced
 from ..ways.network import plan_for, scaled_cores
 from .derived import advance_weights_epoch
 
@@ -151,7 +152,7 @@ class TNModule(nn.Module):
         bucket is planned; a constant of the graph under ``torch.compile``)."""
         return plan_for(self, rows)
 
-    @torch.compiler.assume_constant_result
+    @constant_while_traced
     def _plan_while_tracing(self, bucket: int):
         """The plan of ``bucket``, planned now if new (run eagerly while tracing;
         the cache is not read by traced code, so no guard sees it change)."""
@@ -160,7 +161,7 @@ class TNModule(nn.Module):
             plan = self.plan_bucket(bucket)
         return plan
 
-    @torch.compiler.disable  # planning is host-side search: never traced into a compiled graph
+    @never_traced  # planning is host-side search: never traced into a compiled graph
     def plan_bucket(self, bucket: int) -> ContractionPlan:
         """Plan (and cache) the contraction for a bucket of ``bucket`` rows."""
         plan = get_planner().plan_contraction(self.layout, self.transposed, int(bucket))

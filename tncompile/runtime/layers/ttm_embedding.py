@@ -13,6 +13,7 @@ from torch import nn
 from ...formats.factorization import matched_variance, random_cores, ttm_from_embedding_weight, ttm_to_dense
 from ...formats.layout import TTMLayout
 from ..kernels.plans import LookupPlan, get_planner
+from ..kernels.tracing import never_traced
 from ..kernels.traced_lookup import half_tables
 from ..ways import lookup as lookup_way
 from .derived import kept
@@ -94,7 +95,7 @@ class TTMEmbedding(TNModule):
         """Ids must be integers in ``[0, num_embeddings)`` (:func:`..ways.lookup.check_layer_ids`)."""
         lookup_way.check_layer_ids(self, ids)
 
-    @torch.compiler.disable
+    @never_traced  # as TNModule.plan_bucket
     def plan_bucket(self, bucket: int) -> LookupPlan:  # type: ignore[override]
         plan = get_planner().plan_lookup(self.layout, int(bucket))
         self.plans[int(bucket)] = plan

@@ -25,6 +25,7 @@ product inside (:mod:`tncompile.runtime.kernels.traced_lookup`).
 """
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -33,7 +34,7 @@ from torch import Tensor
 
 from .loader import native_ops
 
-__all__ = ["traced_kernels", "thin_expand", "thin_project", "ffn", "dropout", "attention", "seed", "separate_outputs", "empty_grad"]
+__all__ = ["constant_while_traced", "never_traced", "traced_kernels", "thin_expand", "thin_project", "ffn", "dropout", "attention", "seed", "separate_outputs", "empty_grad"]
 
 _THIS = sys.modules[__name__]  # what traced_kernels hands out: this module
 _ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"), "relu": F.relu}
@@ -51,7 +52,35 @@ def traced_kernels(t: torch.Tensor):
     return _THIS
 
 
-@torch.compiler.assume_constant_result
+def constant_while_traced(fn):
+    """``torch.compiler.assume_constant_result(fn)`` without its import of ``torch._dynamo``
+    (about 1.5-3 s, most of ``import tncompile`` for a user who never calls ``torch.compile``):
+    the same mark Dynamo reads, set the same way (``tests/test_import_cost.py`` checks that
+    torch's decorator sets exactly these attributes, so a torch that changes it fails there)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+def never_traced(fn):
+    """``torch.compiler.disable(fn)``, made on the first call after ``torch._dynamo`` is
+    imported (``disable`` imports it; without it nothing can be tracing, and ``fn`` runs as
+    it is). For host-side work reached under ``torch.compile`` only through a
+    :func:`constant_while_traced` function (which Dynamo runs eagerly), so the call that
+    makes it is an eager one."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+    return call
+
+
+@constant_while_traced
 def _available() -> bool:
     """Whether the kernels are (or can be) built: run eagerly while tracing, its answer a constant."""
     return native_ops() is not None
