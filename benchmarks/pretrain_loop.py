@@ -169,6 +169,8 @@ def train_run(spec: RunSpec, corpus: dict[str, torch.Tensor], checkpoint: Path, 
         state = {"key": spec.key, "step": 0, "wall_s": 0.0, "params_start": run.params(), "curve": [],
                  "loss_sum": 0.0, "loss_count": 0, "diverged": False}
     marks = {round(spec.steps * (i + 1) / spec.eval_points) for i in range(spec.eval_points)}
+    if progress is not None and state["step"]:
+        progress(state["step"])                   # a continued run's bar starts where it is
     last_save = time.monotonic()
     while state["step"] < spec.steps and not state["diverged"]:
         step = state["step"]
