@@ -1,5 +1,6 @@
 """``import tncompile`` and an eager compile-and-train never import ``torch._dynamo``
-(1.5-3 s on these machines) -- only ``torch.compile`` does, when the user calls it."""
+(1.5-3 s on these machines) -- only ``torch.compile`` does, when the user calls it -- nor
+Triton (about 0.5 s), imported the first time a call could use it."""
 import subprocess
 import sys
 
@@ -48,3 +49,23 @@ def test_never_traced_runs_the_function_and_dynamo_does_not_trace_it():
         assert not any("exp" in str(g.graph) for g in explained.graphs)
     traced_in = torch._dynamo.explain(lambda t: (host_side(t * 2) + 1).sin())(x)
     assert any("exp" in str(g.graph) for g in traced_in.graphs)    # the check can fail
+
+
+def test_triton_is_imported_only_when_a_call_could_use_it():
+    code = ("import sys, torch, tncompile\n"
+            "from tncompile import tuning\n"
+            "from tncompile.runtime.ways import backends\n"
+            "assert 'triton' not in sys.modules and 'tncompile.runtime.triton' not in sys.modules\n"
+            "loader_on = backends._LOADERS['triton'][0]\n"
+            "m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))\n"
+            "c = tncompile.compile(m, target_ratio=0.3, prefer='size')\n"
+            "c(torch.randn(8, 256)).sum().backward()\n"
+            "assert 'triton' not in backends.registered(), 'loaded by a CPU call with the switch off'\n"
+            "with tuning.override(TRITON_KERNELS=True):\n"
+            "    backends.active(torch.zeros(1), 'thin_pair')\n"
+            "assert 'triton' in backends.registered() and 'thin_pair' in backends.device_ops()\n"
+            "assert not backends._LOADERS\n"
+            "from tncompile.runtime.triton.backend import MEASURED_ON\n"
+            "assert loader_on == MEASURED_ON, (loader_on, MEASURED_ON)  # loaded where it is measured\n")
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]

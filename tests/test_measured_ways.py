@@ -266,6 +266,7 @@ def test_a_backends_pair_is_one_more_candidate_and_runs_where_it_wins(monkeypatc
 
 def test_the_triton_pair_is_never_a_candidate_off_a_gpu():
     """On the CPU (the interpreter included) the measured choice never times Triton."""
+    from tncompile.runtime.triton import backend  # noqa: F401 - registers it
     from tncompile.runtime.ways import backends
     assert backends.get("triton") is not None and backends.get("triton").measured_on == ("cuda",)
     assert backends.candidate(torch.randn(4, 4), "thin_pair") is None

@@ -19,7 +19,7 @@ on so that one report lists them all. The fake device is ``meta``, not
 ``cuda``: a CPU-only PyTorch aborts in autograd on fake CUDA tensors (it has
 no CUDA device guard). tncompile's code picks its path by "CPU or not", so
 ``meta`` takes exactly the path CUDA takes (``tuning.TRITON_KERNELS`` included: tncompile's
-Triton ops run their fake kernels there, ``runtime.triton.DEVICE_OPS``) -- and the dry run
+Triton ops run their fake kernels there, the backends' ``device_ops``) -- and the dry run
 checks that no tncompile CPU kernel ran. Limits: ``amp="bf16"`` runs tncompile's autocast
 handling, but the casts themselves need a CUDA build of PyTorch to emulate;
 the first (warm-up) run of a stage is not checked, as ``TrainStep`` runs it
@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
 from ..runtime.native import loader as native
-from ..runtime.triton import DEVICE_OPS
+from ..runtime.ways import backends
 from .ddp import DDP_WARMUP_STEPS, is_ddp, unwrap
 from .train_step import TrainStep, checking_on_meta, make_capturable
 
@@ -184,7 +184,7 @@ class _Observer(TorchDispatchMode):
         name = func.__name__.split(".")[0]
         namespace = getattr(func, "namespace", "aten")
         tensors = [a for a in _flat(args, kwargs) if isinstance(a, torch.Tensor)]
-        if namespace == "tncompile" and name not in DEVICE_OPS:  # a native kernel that reached the dispatcher
+        if namespace == "tncompile" and name not in backends.device_ops():  # a native kernel reached the dispatcher
             self._record("cpu kernel", func)
         if any(not isinstance(t, FakeTensor) for t in tensors):
             self._record("host tensor", func)  # a real tensor from outside the step: baked in or copied

@@ -8,9 +8,13 @@ from ..ways.backends import Backend, register
 from .batched_factors import TritonFactors, merges_on_triton
 from .lookup_function import TritonLookup
 from .merge_factors import supports
+from .device_ops import DEVICE_OPS
 from .thin_pair import runs_triton, thin_pair_train
 
-__all__ = ["TRITON", "register_triton"]
+__all__ = ["TRITON", "register_triton", "MEASURED_ON"]
+
+#: where its thin pair is a candidate of the measured choice (a GPU; never the interpreter)
+MEASURED_ON = ("cuda",)
 
 
 def _pair_in_autocast(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
@@ -30,7 +34,7 @@ TRITON = Backend("triton", lambda like: runs_triton(like), {
     "lookup_supports": supports,
     "merge": lambda batches, tensors: TritonFactors.apply(batches, *tensors),
     "merge_supports": merges_on_triton,
-}, measured_on=("cuda",))   # its thin pair a candidate of the measured choice on a GPU (never the interpreter)
+}, measured_on=MEASURED_ON, device_ops=DEVICE_OPS)   # its thin pair a candidate of the measured choice on a GPU (never the interpreter)
 
 
 def register_triton() -> None:
