@@ -9,15 +9,29 @@ import torch
 from tncompile.runtime.native import constant_while_traced, never_traced
 
 
-def test_eager_use_never_imports_dynamo():
+def test_eager_use_imports_neither_dynamo_nor_triton():
+    """In a fresh process: ``import tncompile``, a compile and training steps (a new bucket
+    planned on the way) import neither; Triton loads once its switch is on, and its loader
+    fires where the backend is measured."""
     code = ("import sys, torch, tncompile\n"
-            "assert 'torch._dynamo' not in sys.modules, 'import tncompile'\n"
+            "from tncompile import tuning\n"
+            "from tncompile.runtime.ways import backends\n"
+            "heavy = ('torch._dynamo', 'triton', 'tncompile.runtime.triton')\n"
+            "assert not [m for m in heavy if m in sys.modules], 'import tncompile'\n"
+            "loader_on = backends._LOADERS['triton'][0]\n"
             "m = torch.nn.Sequential(torch.nn.Embedding(512, 64), torch.nn.Linear(64, 256), torch.nn.ReLU(),\n"
             "                        torch.nn.Linear(256, 64))\n"
             "c = tncompile.compile(m, target_ratio=0.3, prefer='size')\n"
             "c(torch.randint(0, 512, (4, 8))).sum().backward()\n"
             "c(torch.randint(0, 512, (40, 8))).sum().backward()   # a new bucket: planned now\n"
-            "assert 'torch._dynamo' not in sys.modules, 'compile and train'\n")
+            "assert not [m for m in heavy if m in sys.modules], 'compile and train'\n"
+            "assert 'triton' not in backends.registered(), 'loaded by a CPU call with the switch off'\n"
+            "with tuning.override(TRITON_KERNELS=True):\n"
+            "    backends.active(torch.zeros(1), 'thin_pair')\n"
+            "assert 'triton' in backends.registered() and 'thin_pair' in backends.device_ops()\n"
+            "assert not backends._LOADERS\n"
+            "from tncompile.runtime.triton.backend import MEASURED_ON\n"
+            "assert loader_on == MEASURED_ON, (loader_on, MEASURED_ON)\n")
     done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
 
@@ -49,23 +63,3 @@ def test_never_traced_runs_the_function_and_dynamo_does_not_trace_it():
         assert not any("exp" in str(g.graph) for g in explained.graphs)
     traced_in = torch._dynamo.explain(lambda t: (host_side(t * 2) + 1).sin())(x)
     assert any("exp" in str(g.graph) for g in traced_in.graphs)    # the check can fail
-
-
-def test_triton_is_imported_only_when_a_call_could_use_it():
-    code = ("import sys, torch, tncompile\n"
-            "from tncompile import tuning\n"
-            "from tncompile.runtime.ways import backends\n"
-            "assert 'triton' not in sys.modules and 'tncompile.runtime.triton' not in sys.modules\n"
-            "loader_on = backends._LOADERS['triton'][0]\n"
-            "m = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))\n"
-            "c = tncompile.compile(m, target_ratio=0.3, prefer='size')\n"
-            "c(torch.randn(8, 256)).sum().backward()\n"
-            "assert 'triton' not in backends.registered(), 'loaded by a CPU call with the switch off'\n"
-            "with tuning.override(TRITON_KERNELS=True):\n"
-            "    backends.active(torch.zeros(1), 'thin_pair')\n"
-            "assert 'triton' in backends.registered() and 'thin_pair' in backends.device_ops()\n"
-            "assert not backends._LOADERS\n"
-            "from tncompile.runtime.triton.backend import MEASURED_ON\n"
-            "assert loader_on == MEASURED_ON, (loader_on, MEASURED_ON)  # loaded where it is measured\n")
-    done = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
