@@ -192,3 +192,28 @@ def test_train_eval_and_load_state_dict_move_the_epoch():
     epoch = weights_epoch()
     layer.load_state_dict(layer.state_dict())
     assert weights_epoch() > epoch
+
+
+def test_new_parameters_at_the_freed_addresses_reach_the_outputs(monkeypatch):
+    """A layer's network replaced by new parameters of the same shapes (a PEFT merge that
+    keeps a layer's ranks does it): their shapes and version counters equal the old ones',
+    and the allocator may hand them the freed addresses -- forced here, as it happened in
+    CI. The kept forms must still be made again."""
+    from tncompile.formats import TTLayout
+    from tncompile.runtime.layers import derived
+    monkeypatch.setattr(derived, "storage_address", lambda t: 0)
+    torch.manual_seed(0)
+    layer = TTLinear(TTLayout.for_shape(64, 64, 2, ranks=4))
+    layer.set_cores([torch.randn_like(c) for c in layer.cores])
+    layer.eval()
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        before = layer(x)
+    cores = [torch.randn_like(c) for c in layer.cores]
+    layer._init_params(layer.layout, x.device, x.dtype)
+    layer.set_cores(cores)
+    with torch.no_grad():
+        got = layer(x)
+    fresh = layer(x).detach()                          # with autograd: contracted afresh
+    assert (got - before).abs().max() > 1e-3, "the new cores did not change the outputs"
+    torch.testing.assert_close(got, fresh, rtol=1e-5, atol=1e-5)

@@ -70,7 +70,9 @@ class TNModule(nn.Module):
 
     def _init_params(self, layout, device, dtype) -> None:
         """Zero cores and unit gates for ``layout`` (with a leading dim of
-        ``layout.copies`` when the layer stacks networks: ``stacked``)."""
+        ``layout.copies`` when the layer stacks networks: ``stacked``). New parameters
+        start every kept form afresh: they may land at the freed ones' addresses with the
+        same shapes and version counters (a PEFT merge that keeps a layer's ranks did)."""
         if layout.ranks is None:
             raise ValueError(f"{type(self).__name__} needs a layout with ranks; "
                              "call layout.with_ranks(r) first")
@@ -79,6 +81,7 @@ class TNModule(nn.Module):
         lead = (layout.copies,) * self.stacked
         self.cores = nn.ParameterList(nn.Parameter(torch.zeros(*lead, *s, **kw)) for s in layout.core_shapes())
         self.gates = nn.ParameterList(nn.Parameter(torch.ones(*lead, r, **kw)) for r in layout.ranks)
+        advance_weights_epoch()
 
     def init_variance(self) -> float:
         """The variance of an entry of the matrix under the dense layer's default init."""
