@@ -273,12 +273,15 @@ def merge_and_unload(peft_model: torch.nn.Module, calibration: Iterable[Any] | N
     for m in wrapped:
         m.merge_exactly = exact
     try:
-        peft_model.merge_adapter()
+        # PEFT's own merge_and_unload, not merge_adapter() then unload(): since PEFT 0.22
+        # unload() hands back the original copies of modules_to_save (a classifier head
+        # trained beside the adapters), merge_and_unload() the trained ones
+        model = peft_model.merge_and_unload()
     finally:
         for m in wrapped:
             m.calibration_moment, m.merge_exactly = None, True
     results = [r for m in wrapped for r in m.merge_results]
-    return peft_model.unload(), results
+    return model, results
 
 
 def _collect_moments(model: torch.nn.Module, layers: list[TTLoraLinear], batches: Iterable[Any]) -> None:
