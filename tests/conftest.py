@@ -112,3 +112,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+_TIMES = os.environ.get("TNCOMPILE_TEST_TIMES")
+
+
+def pytest_runtest_logreport(report):
+    """With ``TNCOMPILE_TEST_TIMES=<file>``, each test's setup, call and teardown seconds
+    are appended to the file as they finish (``--durations`` prints only at the end, and a
+    run stopped early prints nothing): how docs/development.md finds the slow tests."""
+    if _TIMES:
+        with open(_TIMES, "a", encoding="utf-8") as out:
+            out.write(f"{report.duration:.3f}\t{report.when}\t{report.nodeid}\n")
