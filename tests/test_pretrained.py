@@ -289,7 +289,7 @@ def test_calibrated_compile_beats_svd_on_unseen_inputs(pretrained, mode):
     summary = fitted.program.calibration_summary
     assert set(summary) == {"emb", "fc1", "fc2"}
     assert all(s["fit_error"] < s["svd_error"] for s in summary.values())
-    assert fitted.program.context.calibration is None          # covariances dropped after compiling
+    assert not hasattr(fitted.program, "context")          # covariances dropped after compiling
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 

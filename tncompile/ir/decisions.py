@@ -5,7 +5,7 @@ and runs the recorded pipeline, but the choices the first compile made from the 
 the device's speed and calibration data -- which layers became networks, their modes,
 their ranks (after any cuts), which heads share an embedding's network, which layers rank
 adaptation collapsed -- come from the file's layer table instead. ``tensorize``,
-``assign_ranks`` and ``decompose`` read them from ``program.context.decisions``; the tensors are
+``assign_ranks`` and ``decompose`` read them from the compile's context (``ctx.decisions``); the tensors are
 loaded afterwards.
 """
 from __future__ import annotations

@@ -138,9 +138,9 @@ class PassRecord:
 @dataclass
 class CompileContext:
     """What one compile hands its passes and no program keeps: given to
-    :meth:`~tncompile.passes.Pipeline.run` and reachable as ``program.context`` while that
-    pipeline runs; an empty context before and after (the statistics are large, the
-    decisions belong to one load).
+    :meth:`~tncompile.passes.Pipeline.run`, which hands it to each pass
+    (``Pass.run(program, ctx)``, as torch.fx's and tinygrad's rewrites get their context);
+    the program never holds it (the statistics are large, the decisions belong to one load).
 
     Attributes
     ----------
@@ -189,9 +189,6 @@ class Program:
     listeners : list of callables
         Called with the program after every pipeline run on it (swap mode puts the
         program's current layers back into the user's model).
-    context : CompileContext
-        What the running compile handed its passes (calibration statistics, a load's
-        decisions); empty outside a compile's pipeline.
     calibration_summary : dict
         ``layer -> {"estimated_error", "svd_error", "fit_error"}``: relative output
         errors on the calibration inputs (rank allocation's estimate at the chosen
@@ -225,7 +222,6 @@ class Program:
         self.swap_layers: dict[str, str] | None = None
         self.swap_skipped: dict[str, str] = {}
         self.listeners: list = []
-        self.context = CompileContext()
         self.calibration_summary: dict[str, dict[str, float]] = {}
         self.speed_estimates: dict = {}
         self.core_choices: dict[str, dict] = {}   # choose_cores: layer -> its candidates, timed

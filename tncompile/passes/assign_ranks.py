@@ -8,7 +8,7 @@ import torch
 
 from .. import tuning
 from ..formats.layout import TTLayout, TTMLayout
-from ..ir.program import Program
+from ..ir.program import CompileContext, Program
 from ..planning import DeviceSpeed, device_speed, fixed_order_macs, layer_step_seconds, merge_family
 from ..runtime.layers.experts import experts_rows
 from .infra.base import Pass, register_pass
@@ -72,8 +72,8 @@ class AssignRanks(Pass):
         if unsized:
             raise RuntimeError(f"assign_ranks left layers without ranks: {unsized[:3]}")
 
-    def run(self, program: Program) -> Program:
-        if program.context.decisions is not None:  # tncompile.load: the saved layouts carry their ranks
+    def run(self, program: Program, ctx: CompileContext) -> Program:
+        if ctx.decisions is not None:  # tncompile.load: the saved layouts carry their ranks
             return program
         opts = program.options
         owners: dict[str, PendingLayer] = {}
@@ -124,7 +124,7 @@ class AssignRanks(Pass):
                 f"more layers (target_modules) or use more cores per layer.")
         lo = _uniform_rank(owners, fixed, caps, size, base, budget)
         floors = {n: max(1, math.ceil(r * tuning.SENSITIVITY_RANK_FLOOR)) for n, r in uniform(lo).items()}
-        ranks = by_sensitivity(program, owners, fixed, caps, budget - base, floors)
+        ranks = by_sensitivity(program, ctx.calibration, owners, fixed, caps, budget - base, floors)
         if ranks is None:
             ranks = uniform(lo)
         used = total(ranks)

@@ -26,7 +26,7 @@ from .. import tuning
 from ..calibration.layer_fit import RIDGE, fit_linear_cores, output_error
 from ..formats.factorization import tt_from_linear_weight
 from ..formats.layout import TTLayout
-from ..ir.program import Program
+from ..ir.program import CompileContext, Program
 from ..runtime.layers import TTLinear
 from ..runtime.layers.module_kinds import linear_weight_of
 from .infra.base import Pass, register_pass
@@ -55,12 +55,12 @@ class ChooseCores(Pass):
         if missing:
             raise ValueError(f"layers {missing[:3]} have no ranks; run assign_ranks before choose_cores")
 
-    def run(self, program: Program) -> Program:
-        if program.context.decisions is not None:   # tncompile.load: the file's layouts stand
+    def run(self, program: Program, ctx: CompileContext) -> Program:
+        if ctx.decisions is not None:   # tncompile.load: the file's layouts stand
             return program
         layers = _linears(program)
         rows = program.speed_estimates.get("rows", {})
-        stats = program.context.calibration
+        stats = ctx.calibration
         choices: dict[str, dict] = {}
         measured = _MEASURED   # layers of one shape and budget are timed once a process
         for name, pending in progress(list(layers.items()), "choosing each linear's cores"):

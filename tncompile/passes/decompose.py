@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..calibration.layer_fit import RIDGE, fit_linear_cores, fit_table_cores, output_error
-from ..ir.program import Program
+from ..ir.program import CompileContext, Program
 from .infra.progress import progress
 from ..runtime.layers.module_kinds import linear_weight_of
 from ..runtime.layers.experts import TTExperts
@@ -38,17 +38,17 @@ class Decompose(Pass):
         if _pending(program):
             raise RuntimeError(f"decompose left pending layers: {list(_pending(program))[:3]}")
 
-    def run(self, program: Program) -> Program:
+    def run(self, program: Program, ctx: CompileContext) -> Program:
         opts = program.options
         gm = program.graph_module
         pending = _pending(program)
-        replay = program.context.decisions is not None  # tncompile.load: the cores are loaded next, not fit here
+        replay = ctx.decisions is not None  # tncompile.load: the cores are loaded next, not fit here
         init = "random" if replay else opts.init
         seed = 0 if replay else opts.seed
         gen = torch.Generator().manual_seed(seed) if seed is not None else None
         built: dict[str, torch.nn.Module] = {}
         owners = [(n, m) for n, m in pending.items() if m.tied_to is None]
-        stats = None if replay else program.context.calibration
+        stats = None if replay else ctx.calibration
         for name, mod in progress(owners, "decomposition (TT-SVD)" if stats is None else "decomposition + calibrated fit"):
             if mod.kind == "embedding_bag":
                 new = TTMEmbeddingBag.from_embedding_bag(mod.dense, rank=None, layout=mod.layout,

@@ -19,7 +19,7 @@ import torch
 from torch import fx, nn
 
 from .. import tuning
-from ..ir.program import Program
+from ..ir.program import CompileContext, Program
 from ..runtime.fused.feed_forward import feed_forward_way_for, tt_feed_forward
 from ..runtime.fused.siblings import siblings_way_for, tt_siblings
 from ..runtime.layers import TTLinear
@@ -105,9 +105,9 @@ class MeasureWays(Pass):
 
     name = "measure_ways"
 
-    def run(self, program: Program) -> Program:
+    def run(self, program: Program, ctx: CompileContext) -> Program:
         batch_sizes = list(program.options.batch_sizes or [])
-        if not batch_sizes or not tuning.MEASURE_WAYS or program.context.decisions is not None:
+        if not batch_sizes or not tuning.MEASURE_WAYS or ctx.decisions is not None:
             return program   # nothing named, measuring off, or a file being loaded: first use measures
         before = measured.stats()["measured"]
         work, skipped = _work(program, batch_sizes)

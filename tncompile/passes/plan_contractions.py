@@ -5,7 +5,7 @@ from math import prod
 
 from torch import fx
 
-from ..ir.program import Program
+from ..ir.program import CompileContext, Program
 from .infra.progress import progress
 from ..formats.layout import TTLayout
 from ..runtime.layers.experts import experts_rows
@@ -67,8 +67,8 @@ class PlanContractions(Pass):
 
     name = "plan_contractions"
 
-    def run(self, program: Program) -> Program:
-        if program.context.decisions is not None:
+    def run(self, program: Program, ctx: CompileContext) -> Program:
+        if ctx.decisions is not None:
             # tncompile.load: a file's layouts and batch sizes would size the search; every
             # bucket is planned on first use instead (as a bucket nobody named is), so
             # loading costs no planning

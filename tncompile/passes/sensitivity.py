@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 from ..calibration.allocation import CURVE_DTYPE, allocate_by_sensitivity, candidate_ranks, error_curve
 from ..calibration.layer_fit import RIDGE, weighted_table
@@ -10,17 +11,22 @@ from .infra.progress import progress
 from ..runtime.layers.module_kinds import linear_weight_of
 from .infra.pending import PendingLayer
 
+if TYPE_CHECKING:  # statistics imports the passes' progress bar: a circle at import time
+    from ..calibration.statistics import CalibrationStats
+
 __all__ = ["by_sensitivity", "uses_sensitivity"]
 
 
-def uses_sensitivity(program: Program) -> bool:
-    """Whether ``assign_ranks`` allocates by sensitivity: calibration statistics are
-    there and ``compile(allocation=...)`` is ``"sensitivity"`` or ``"auto"``."""
+def uses_sensitivity(program: Program, stats: CalibrationStats | None) -> bool:
+    """Whether ``assign_ranks`` allocates by sensitivity: calibration statistics ``stats``
+    are there (the compile's context) and ``compile(allocation=...)`` is ``"sensitivity"``
+    or ``"auto"``."""
     allocation = program.options.allocation
-    return program.context.calibration is not None and allocation in ("auto", "sensitivity")
+    return stats is not None and allocation in ("auto", "sensitivity")
 
 
-def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dict[str, int],
+def by_sensitivity(program: Program, stats: CalibrationStats | None, owners: dict[str, PendingLayer],
+                   fixed: dict[str, int],
                    caps: dict[str, int], budget: float, floors: dict[str, int] | None = None
                    ) -> dict[str, int] | None:
     """Ranks for ``owners`` from their estimated output error per parameter (each
@@ -30,13 +36,12 @@ def by_sensitivity(program: Program, owners: dict[str, PendingLayer], fixed: dic
     (no calibration, allocation ``"uniform"``, mixture-of-experts layers, or a
     budget below every layer's smallest candidate). Records each layer's estimate
     in ``program.calibration_summary``."""
-    if not uses_sensitivity(program):
+    if not uses_sensitivity(program, stats):
         return None
     if any(m.kind == "experts" for m in owners.values()):
         warnings.warn("rank allocation by sensitivity does not cover mixture-of-experts layers; "
                       "ranks are uniform", stacklevel=2)
         return None
-    stats = program.context.calibration
     budget -= sum(owners[n].layout.with_ranks(r).num_params() for n, r in fixed.items())
     curves, weights = {}, {}
     free = [n for n in owners if n not in fixed]

@@ -7,7 +7,8 @@ from torch import nn
 
 from .. import tuning
 from ..formats.layout import TTLayout, TTMLayout
-from ..ir.program import Program
+from ..ir.decisions import CompileDecisions
+from ..ir.program import CompileContext, Program
 from ..errors import ModelMismatchError
 from ..frontend.layers import is_compressible, is_embedding, is_embedding_bag, is_experts, is_linear, kind_of
 from ..runtime.layers.module_kinds import linear_weight_of
@@ -58,7 +59,7 @@ class Tensorize(Pass):
     def max_layer_ratio(self) -> float:
         return tuning.MAX_RANK1_RATIO if self._max_layer_ratio is None else self._max_layer_ratio
 
-    def run(self, program: Program) -> Program:
+    def run(self, program: Program, ctx: CompileContext) -> Program:
         opts = program.options
         modules: dict[str, nn.Module] = {}
         for node, mod in program.modules():
@@ -75,8 +76,8 @@ class Tensorize(Pass):
                     name, "not a layer of the model's own module tree (swap mode keeps it dense; "
                     "mode='graph' compresses it)")
                 del modules[name]
-        if program.context.decisions is not None:
-            return self._replay(program, modules)
+        if ctx.decisions is not None:
+            return self._replay(program, ctx.decisions, modules)
         selected, excluded = select_modules(modules, opts.target_modules, opts.exclude_modules)
         for name in modules:
             if name in excluded:
@@ -126,11 +127,11 @@ class Tensorize(Pass):
             gm.set_submodule(head, PendingLayer(modules[head], layouts[emb], tied_to=emb))
         return program
 
-    def _replay(self, program: Program, modules: dict[str, nn.Module]) -> Program:
+    def _replay(self, program: Program, decisions: CompileDecisions, modules: dict[str, nn.Module]) -> Program:
         """``tncompile.load``: the saved layer table's layers and layouts, each checked against
         the user's model (a missing layer, another kind, shape or tie is a
         :class:`~tncompile.errors.ModelMismatchError`); every other layer stays dense."""
-        decided = program.context.decisions.layers
+        decided = decisions.layers
         for name, decision in decided.items():
             check_decision(name, decision, modules, decided)
         check_ties(modules, decided)

@@ -8,6 +8,7 @@ each of its rewrite rules matched) and, with a dump directory, writes the IR.
 """
 from __future__ import annotations
 
+import inspect
 import os
 from collections import Counter
 from pathlib import Path
@@ -34,7 +35,10 @@ class Pass:
 
     Subclasses set ``name`` and implement :meth:`run`, which may rewrite
     ``program.graph_module`` in place with ordinary fx tools (and return
-    ``None`` or the program) or return a new program.
+    ``None`` or the program) or return a new program. ``run(self, program, ctx)``
+    also gets the running compile's :class:`~tncompile.ir.CompileContext` (calibration
+    statistics, a load's decisions, the dump directory), as torch.fx's and tinygrad's
+    rewrites get theirs; ``run(self, program)`` is called without it.
 
     Optional checks, as in torch.fx's ``PassBase``: :meth:`requires` raises
     when the program is not what the pass needs (e.g. an earlier pass did not
@@ -51,7 +55,7 @@ class Pass:
     def ensures(self, program: Program) -> None:
         """Raise if the pass did not leave ``program`` as it promises."""
 
-    def run(self, program: Program) -> Program | None:  # pragma: no cover - abstract
+    def run(self, program: Program, ctx: CompileContext) -> Program | None:  # pragma: no cover - abstract
         raise NotImplementedError(f"{type(self).__name__}.run")
 
     @property
@@ -66,14 +70,27 @@ class Pass:
 
 
 class FunctionPass(Pass):
-    """A pass made from a function ``program -> program | None``."""
+    """A pass made from a function ``program -> program | None`` (or
+    ``(program, ctx) -> program | None``: it gets the compile's context too)."""
 
-    def __init__(self, fn: Callable[[Program], Program | None], name: str | None = None):
+    def __init__(self, fn: Callable[..., Program | None], name: str | None = None):
         self.fn = fn
         self.name = name or fn.__name__
 
-    def run(self, program: Program) -> Program | None:
-        return self.fn(program)
+    def run(self, program: Program, ctx: CompileContext) -> Program | None:
+        return self.fn(program, ctx) if takes_context(self.fn) else self.fn(program)
+
+
+def takes_context(run: Callable) -> bool:
+    """Whether a pass's ``run`` (bound) or a pass function takes the compile's context: a
+    second positional parameter. ``run(program)`` -- the form DESIGN.md gives users --
+    is called without it."""
+    try:
+        params = list(inspect.signature(run).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: the documented one-argument form
+        return False
+    required = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    return len(required) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params)
 
 
 _REGISTRY: dict[str, Callable[[], Pass]] = {}
@@ -198,19 +215,13 @@ class Pipeline:
         pass that raised.
 
         ``context`` (a compile's calibration statistics, a load's decisions, its dump
-        directory) is ``program.context`` while the passes run, and gone after.
+        directory; an empty one when ``None``) is handed to every pass whose ``run`` takes
+        it (``run(program, ctx)``); the program never holds it.
         """
-        if context is None:
-            return self._run(program, dump_dir, progress)
-        program.context = context
-        result = program
-        try:
-            result = self._run(program, dump_dir if dump_dir is not None else context.dump_dir, progress)
-            return result
-        finally:
-            program.context = result.context = CompileContext()
+        ctx = context if context is not None else CompileContext()
+        return self._run(program, dump_dir if dump_dir is not None else ctx.dump_dir, progress, ctx)
 
-    def _run(self, program: Program, dump_dir, progress: bool) -> Program:
+    def _run(self, program: Program, dump_dir, progress: bool, ctx: CompileContext) -> Program:
         out = Path(dump_dir) if dump_dir is not None else None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
@@ -222,7 +233,7 @@ class Pipeline:
             start = perf_counter()
             _name_the_stage(passes, p.name, program.history[earlier:], start - began)
             p.matches.clear()
-            program = _run_checked(p, program)
+            program = _run_checked(p, program, ctx)
             program.history.append(PassRecord(p.name, perf_counter() - start, program.num_params(),
                                               program.ratio, dict(p.matches)))
             if out is not None:
@@ -241,11 +252,12 @@ def _name_the_stage(bar, running: str, history: list[PassRecord], elapsed: float
     bar.set_postfix_str(f"{running}{share}", refresh=False)
 
 
-def _run_checked(p: Pass, program: Program) -> Program:
-    """``p.requires``, ``p.run``, lint, ``p.ensures``; errors name the pass."""
+def _run_checked(p: Pass, program: Program, ctx: CompileContext) -> Program:
+    """``p.requires``, ``p.run`` (with ``ctx`` where it takes it), lint, ``p.ensures``;
+    errors name the pass."""
     try:
         p.requires(program)
-        result = p.run(program)
+        result = p.run(program, ctx) if takes_context(p.run) else p.run(program)
         if result is not None:
             if not isinstance(result, Program):
                 raise PassError(p.name, TypeError(
