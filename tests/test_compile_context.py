@@ -103,3 +103,19 @@ def test_a_calibrated_compile_keeps_no_statistics():
     assert not hasattr(compiled.program, "context") and compiled.program.calibration_summary
     held = [v for v in vars(compiled.program).values() if type(v).__name__ == "CalibrationStats"]
     assert not held
+
+
+def test_swap_modes_binding_lives_on_the_swapped_model_not_the_program():
+    """Issue 68 item 4: the swap-only state left ``Program``. Which layers a swap-mode compile
+    may compress is a compile input (the context); which paths the model swaps is the
+    swapped model's own, and its dense copy drops it."""
+    from tncompile.swap.kinds import SWAPPED_PATHS, swapped_paths
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        swapped = tncompile.compile(mlp((64, 128, 64, 8)), target_ratio=0.5, mode="swap",
+                                    example_inputs=(torch.randn(4, 64),))
+    assert not any(hasattr(swapped.program, name) for name in ("swap_layers", "swap_skipped", "context"))
+    paths = swapped_paths(swapped)
+    assert set(swapped.tensorized_modules()) <= set(paths) and set(paths.values()) == {"linear"}
+    dense = swapped.to_dense()
+    assert SWAPPED_PATHS not in dense.__dict__ and SWAPPED_PATHS in swapped.__dict__

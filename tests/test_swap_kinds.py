@@ -12,7 +12,7 @@ from torch import nn
 import tncompile
 from tncompile.runtime import TTLinear, TTMTiedLinear
 from tncompile.swap import KINDS, attach
-from tncompile.swap.kinds import kind_for_put, kind_for_restore, restore_all
+from tncompile.swap.kinds import kind_for_put, kind_for_restore, restore_all, swapped_paths
 
 
 class _TiedLM(nn.Module):
@@ -53,7 +53,7 @@ def test_to_dense_restores_every_kind_in_one_loop_and_ties_the_head():
         swapped = tncompile.compile(model, target_ratio=0.4, mode="swap", embedding_cores=2,
                                     example_inputs=(ids,))
     kinds = {path: kind_for_restore(kind, swapped.get_submodule(path)).name
-             for path, kind in swapped.program.swap_layers.items()
+             for path, kind in swapped_paths(swapped).items()
              if kind_for_restore(kind, swapped.get_submodule(path)) is not None}
     assert "tied head" in kinds.values() and "layer" in kinds.values()
     dense = swapped.to_dense()

@@ -215,11 +215,11 @@ def _build(work: nn.Module, original_params: int, options: CompileOptions, pipel
     program = Program(gm, inputs, original_params, options)
     program.pipeline = pipeline.names
     program.example_inputs = recordable_inputs(example_inputs)
-    if mode == "swap":
-        program.swap_layers = layers
-        program.swap_skipped = unswappable_layers(work)
-    program = _run_pipeline(pipeline, program, CompileContext(stats, decisions, dump_dir))
-    compiled = attach(work, program) if mode == "swap" else CompiledModel(program)
+    swap = mode == "swap"
+    context = CompileContext(stats, decisions, dump_dir, swap_layers=layers if swap else None,
+                             swap_skipped=unswappable_layers(work) if swap else {})
+    program = _run_pipeline(pipeline, program, context)
+    compiled = attach(work, program, layers) if swap else CompiledModel(program)
     compiled.__dict__[LATER_DUMP_DIR] = dump_dir  # rank adaptation's passes dump here too
     return compiled
 

@@ -153,11 +153,20 @@ class CompileContext:
     dump_dir : str, os.PathLike or None
         ``compile(dump_dir=...)``: where the pipeline writes the IR after every pass. The
         compiled model keeps it for the passes rank adaptation runs later.
+    swap_layers : dict or None
+        Swap mode (``compile(mode="swap")``): ``path -> kind`` of the compressible layers
+        of the user's own module tree, the only ones ``tensorize`` may compress (their
+        networks go back into that tree; the swapped model keeps the map); ``None`` in
+        graph mode.
+    swap_skipped : dict
+        Swap mode: ``path -> why`` for compressible layers of the user's tree it keeps dense.
     """
 
     calibration: Any = None
     decisions: Any = None
     dump_dir: str | os.PathLike | None = None
+    swap_layers: dict[str, str] | None = None
+    swap_skipped: dict[str, str] = field(default_factory=dict)
 
 
 class Program:
@@ -180,12 +189,6 @@ class Program:
         Passes run so far, in order (at compile time and during training).
     compiled_ratio : float or None
         The ratio when compilation finished (rank adaptation shrinks from there).
-    swap_layers : dict or None
-        Swap mode (``compile(mode="swap")``): ``path -> kind`` of the compressible layers
-        of the user's own module tree, the only ones this program may tensorize (its
-        layers go back into that tree); ``None`` in graph mode.
-    swap_skipped : dict
-        Swap mode: ``path -> why`` for compressible layers of the user's tree it keeps dense.
     listeners : list of callables
         Called with the program after every pipeline run on it (swap mode puts the
         program's current layers back into the user's model).
@@ -219,8 +222,6 @@ class Program:
         self.notes: dict[str, str] = {}
         self.history: list[PassRecord] = []
         self.compiled_ratio: float | None = None
-        self.swap_layers: dict[str, str] | None = None
-        self.swap_skipped: dict[str, str] = {}
         self.listeners: list = []
         self.calibration_summary: dict[str, dict[str, float]] = {}
         self.speed_estimates: dict = {}

@@ -68,9 +68,9 @@ class Tensorize(Pass):
         if not modules and not any(getattr(m, "is_pending", False) for _, m in program.modules()):
             raise ValueError("the model has no nn.Linear, nn.Embedding or HF Conv1D layer in its "
                              "traced graph: there is nothing to compress")
-        swappable = program.swap_layers
+        swappable = ctx.swap_layers
         if swappable is not None:  # swap mode: only layers of the user's own tree can go back into it
-            skipped = program.swap_skipped
+            skipped = ctx.swap_skipped
             for name in [n for n in modules if n not in swappable]:
                 program.notes[name] = skipped.get(
                     name, "not a layer of the model's own module tree (swap mode keeps it dense; "

@@ -20,7 +20,17 @@ from ..runtime.layers.module_kinds import replaces_forward
 from .expert_params import put_experts, restore_dense_experts
 from .subclass import is_stand_in, network_of, put_stand_in, restore_subclass
 
-__all__ = ["SwapKind", "KINDS", "put_all", "restore_all", "kind_for_put", "kind_for_restore"]
+__all__ = ["SwapKind", "KINDS", "put_all", "restore_all", "kind_for_put", "kind_for_restore", "swapped_paths",
+           "SWAPPED_PATHS"]
+
+#: where a swapped model keeps ``path -> kind`` of the layers it swaps (the swap binding's map)
+SWAPPED_PATHS = "_tncompile_swap_layers"
+
+
+def swapped_paths(model: nn.Module) -> dict[str, str]:
+    """``path -> kind`` of the compressible layers of a swap-mode ``model``'s own tree, the
+    ones its program could compress and put back (see :func:`put_all`)."""
+    return model.__dict__[SWAPPED_PATHS]
 
 
 @dataclass(frozen=True)
@@ -29,7 +39,7 @@ class SwapKind:
 
     ``puts(kind, current)``: whether this kind puts the program's layer in place of
     ``current`` (the model's module at the path; ``kind``: the path's entry in
-    ``program.swap_layers``). ``put(model, path, current, network)`` puts it.
+    :func:`swapped_paths`). ``put(model, path, current, network)`` puts it.
     ``restores(kind, module)``: whether this kind restores ``module`` (a dense copy's
     module at the path). ``restore(dense, path, kind, module, rebuilt)`` puts the dense
     layer back; ``rebuilt`` maps each network's ``id`` to its dense module (a tied head
@@ -120,7 +130,7 @@ def kind_for_restore(kind: str, module: nn.Module | None) -> SwapKind | None:
 def put_all(model: nn.Module, program: Program) -> None:
     """Set every swapped path of ``model`` to the program's module at that path, each by its
     kind; then link the layers that merge their factors together."""
-    for path, kind in program.swap_layers.items():
+    for path, kind in swapped_paths(model).items():
         network = module_at(program.graph_module, path)
         current = module_at(model, path)
         if network is None or current is network or network_of(current) is network \

@@ -42,7 +42,7 @@ from ..ir.program import Program
 from ..frontend.layers import is_compressible, kind_of
 from ..result.model_api import LATER_DUMP_DIR, CompressedModelAPI
 from ..runtime.layers.module_kinds import replaces_forward
-from .kinds import put_all, restore_all
+from .kinds import SWAPPED_PATHS, put_all, restore_all, swapped_paths
 from .lowering import lower_into, register_for, restore_lowerings
 
 __all__ = ["SwapMixin", "attach", "swappable_layers", "unswappable_layers", "replaces_forward", "is_swapped",
@@ -122,7 +122,8 @@ class SwapMixin(CompressedModelAPI):
         dense.__dict__.pop("_tncompile_program", None)
         dense.__dict__.pop(LATER_DUMP_DIR, None)
         dense.__dict__.pop("_factor_peers", None)
-        restore_all(dense, self.program.swap_layers)  # each kind puts itself back (swap/kinds.py)
+        dense.__dict__.pop(SWAPPED_PATHS, None)
+        restore_all(dense, swapped_paths(self))  # each kind puts itself back (swap/kinds.py)
         restore_lowerings(dense)
         return dense
 
@@ -170,13 +171,15 @@ class Resync:
         put_all(self.model, program)
 
 
-def attach(model: nn.Module, program: Program) -> nn.Module:
+def attach(model: nn.Module, program: Program, layers: dict[str, str]) -> nn.Module:
     """Swap mode's result: ``model``, its class made the swap-mode subclass of its own, holding
     the program's layers (each put by its kind: :mod:`.kinds`) and graph mode's lowerings
     (:mod:`.lowering`), and kept holding the program's current layers after every later
-    pipeline run (:class:`Resync`)."""
+    pipeline run (:class:`Resync`). ``layers``: ``path -> kind`` of the layers of the
+    model's own tree its program could compress (what ``compile`` traced)."""
     model.__class__ = subclass_of(type(model))
     model.__dict__["_tncompile_program"] = program  # the swap binding lives on the swapped model
+    model.__dict__[SWAPPED_PATHS] = dict(layers)
     put_all(model, program)
     lower_into(model, program)
     program.listeners.append(Resync(model))
