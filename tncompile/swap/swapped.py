@@ -119,10 +119,8 @@ class SwapMixin(CompressedModelAPI):
         ``from_pretrained`` (PEFT's ``merge_and_unload``)."""
         dense = copy.deepcopy(self)
         dense.__class__ = user_class(self)
-        dense.__dict__.pop("_tncompile_program", None)
-        dense.__dict__.pop(LATER_DUMP_DIR, None)
-        dense.__dict__.pop("_factor_peers", None)
-        dense.__dict__.pop(SWAPPED_PATHS, None)
+        for key in ("_tncompile_program", LATER_DUMP_DIR, "_factor_peers", SWAPPED_PATHS):  # the binding
+            dense.__dict__.pop(key, None)
         restore_all(dense, swapped_paths(self))  # each kind puts itself back (swap/kinds.py)
         restore_lowerings(dense)
         return dense

@@ -83,8 +83,8 @@ class FunctionPass(Pass):
 
 def takes_context(run: Callable) -> bool:
     """Whether a pass's ``run`` (bound) or a pass function takes the compile's context: a
-    second positional parameter. ``run(program)`` -- the form DESIGN.md gives users --
-    is called without it."""
+    second required positional parameter (or ``*args``). ``run(program)`` -- the form
+    DESIGN.md gives users -- is called without it, as is ``f(program, verbose=False)``."""
     try:
         params = list(inspect.signature(run).parameters.values())
     except (TypeError, ValueError):  # a builtin or C callable: the documented one-argument form
