@@ -421,3 +421,25 @@ def test_whatever_the_library_refuses_tncompile_refuses_fuzzed(tmp_path):
             with pytest.raises(ModelFileError):
                 open_tensor_file(path).close()
     assert refused_by_library > 100
+
+
+def test_every_file_tncompile_writes_replaces_a_planted_link_instead_of_writing_through(tmp_path):
+    """IR dumps and a training history's JSON and PNG: a link planted where the file goes is
+    replaced by the file; the link's target is left as it was."""
+    from tncompile.train.history import History
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    (dumps / "00-trace.txt").symlink_to(target)
+    tncompile.compile(mlp(), target_ratio=0.5, dump_dir=dumps)
+    history = History()
+    history.record(0, 1.0, 1.0, 1.0, 10.0, "early")
+    history.record(1, 0.5, 0.5, 0.5, 10.0, "late")
+    for name, write in (("h.json", history.save_json), ("h.png", history.plot)):
+        (tmp_path / name).symlink_to(target)
+        write(tmp_path / name)
+        assert not (tmp_path / name).is_symlink() and (tmp_path / name).stat().st_size > 0
+    assert not (dumps / "00-trace.txt").is_symlink() and "tncompile program" in (dumps / "00-trace.txt").read_text()
+    assert target.read_text() == "keep me"
+    assert History.from_dict(json.loads((tmp_path / "h.json").read_text())).loss == [1.0, 0.5]

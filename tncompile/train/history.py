@@ -73,16 +73,22 @@ class History:
         return cls(**{k: list(v) for k, v in data.items()})
 
     def save_json(self, path: str | os.PathLike) -> None:
-        with open(path, "w") as f:
-            json.dump(self.to_dict(), f)
+        """Write :meth:`to_dict` as JSON to ``path`` (a temporary file renamed over it)."""
+        from ..files import write_replacing
+        write_replacing(path, json.dumps(self.to_dict()), mode=None)
 
     def plot(self, path: str | os.PathLike, title: str | None = None, max_layers: int = 24) -> None:
         """Write :meth:`figure` as a PNG to ``path``."""
         import matplotlib.pyplot as plt
 
+        import io
+
+        from ..files import write_replacing
         fig = self.figure(title, max_layers)
-        fig.savefig(path, dpi=110, bbox_inches="tight")
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=110, bbox_inches="tight")
         plt.close(fig)
+        write_replacing(path, png.getvalue(), mode=None)
 
     def figure(self, title: str | None = None, max_layers: int = 24):
         """A matplotlib figure: per-layer ranks (sum over bonds), model ratio, step time and loss over steps.

@@ -283,8 +283,12 @@ def _run_checked(p: Pass, program: Program, ctx: CompileContext) -> Program:
 
 
 def _write_dump(program: Program, out: Path, stem: str) -> None:
-    (out / f"{stem}.txt").write_text(program.dump("text"))
-    (out / f"{stem}.json").write_text(program.dump("json"))
+    """The program after a pass as ``<stem>.txt``, ``.json`` (and ``.code.py`` once layers
+    are planned), each written whole by a temporary file renamed over it: a link planted at
+    a dump's name is replaced, never written through."""
+    from ...files import write_replacing
+    write_replacing(out / f"{stem}.txt", program.dump("text"), mode=None)
+    write_replacing(out / f"{stem}.json", program.dump("json"), mode=None)
     code = generated_code_dump((str(node.target), mod) for node, mod in program.modules())
     if code:  # once layers are planned: the Python each one runs, per bucket
-        (out / f"{stem}.code.py").write_text(code + "\n")
+        write_replacing(out / f"{stem}.code.py", code + "\n", mode=None)
