@@ -25,7 +25,7 @@ from tncompile.formats.layout import TTLayout
 from tncompile.planning import SearchPlanner, device_speed
 from tncompile.runtime import TTLinear
 
-from common import RESULTS, interleaved_ms, machine, parser, write_json
+from common import RESULTS, interleaved_ms, machine, parser, save_figure, write_json
 
 SHAPES = [(128, 128), (128, 512), (512, 128), (768, 3072)]
 ROWS = [16, 256, 2048]
@@ -100,8 +100,7 @@ def _plot(points: list[dict], path):
     ax.legend()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 

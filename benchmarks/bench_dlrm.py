@@ -77,7 +77,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RESULTS, machine, parser, read_row  # noqa: E402
+from common import RESULTS, machine, parser, read_row, write_result  # noqa: E402
 from dlrm_model import DLRM, CriteoRows, batch_inputs, read_criteo  # noqa: E402
 from recsys_metrics import base_rate_log_loss, log_loss, rmse, roc_auc  # noqa: E402
 
@@ -614,7 +614,7 @@ def main() -> None:
         print_table(report)
         out = Path(args.results)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "dlrm.json").write_text(json.dumps(report, indent=1))
+        write_result(out / "dlrm.json", report)
         print(f"\nwrote {out / 'dlrm.json'}")
 
 

@@ -82,7 +82,7 @@ from tncompile.runtime import TTLinear
 from tncompile.runtime.triton import runs_triton, thin_pair_train
 from tncompile.testing import six_encoder
 
-from common import RESULTS, galore_optimizer, interleaved_ms, machine, parser
+from common import RESULTS, galore_optimizer, interleaved_ms, machine, parser, write_result
 
 PAPER_RATIO = 1 / 44.9
 PATHS = ("eager", "captured", "bf16", "bf16-captured", "compile", "compile-ro", "trainer", "trainer-compile",
@@ -713,7 +713,7 @@ def main() -> None:
 
     def write() -> None:
         report["elapsed_s"] = round(time.monotonic() - start, 1)
-        args.out.write_text(json.dumps(report, indent=1))
+        write_result(args.out, report)
 
     def emit(row: dict) -> None:
         row["at_s"] = round(time.monotonic() - start, 1)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from common import clear_grads, host_speed, interleaved_ms, machine, parser, write_json
+from common import clear_grads, host_speed, interleaved_ms, machine, parser, save_figure, write_json
 from tncompile.formats import TTLayout
 from tncompile.ir import TensorNetwork
 from tncompile.planning import plan_contraction
@@ -234,7 +234,7 @@ def plot(rows: list[dict], path) -> None:
     axes[0].set_ylabel("speed-up over nn.Linear (dotted: FLOP limit)")
     axes[0].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
 
 
 def main() -> None:

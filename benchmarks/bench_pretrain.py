@@ -78,7 +78,7 @@ from typing import Any
 
 import torch
 
-from common import RESULTS, machine, parser, read_row
+from common import RESULTS, machine, parser, read_row, save_figure, write_result
 from pretrain_loop import RunSpec, epoch_steps, train_run
 from pretrain_models import MLM_SPECIAL_TOKENS, ModelShape, TT_HEADROOM, variant_kind
 
@@ -508,8 +508,7 @@ def plot(study: Study, variants: list[str], timings: list[dict], counts: dict[st
     model = "RoBERTa-style masked LM" if study.objective == "mlm" else "Llama-style causal LM"
     fig.suptitle(f"{model} on the CPython stdlib, each variant at its best learning rate")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> None:
@@ -620,12 +619,12 @@ def report(study: Study, variants: list[str], best_lr: dict[str, float], timing_
     stem = "pretrain_mlm" if study.objective == "mlm" else "pretrain"
     plot(study, variants, timings, counts, results / f"{stem}.png")
     path = results / f"{stem}.json"
-    path.write_text(json.dumps({
+    write_result(path, {
         "machine": machine(args.device), "timing_machine": timing_machine, "protocol": study.protocol,
         "command": "python benchmarks/bench_pretrain.py " + " ".join(sys.argv[1:]),
         "count_baselines_test_ppl": counts, "sweep_valid_ppl": sweeps, "best_lr": best_lr, "ablations": ablations,
         "summary": rows, "table": table, "timings": timings,
-        "runs": [study.rows[k] for k in sorted(study.rows) if k.startswith("full-")]}, indent=1))
+        "runs": [study.rows[k] for k in sorted(study.rows) if k.startswith("full-")]})
     print("wrote", path, "and", results / f"{stem}.png")
 
 

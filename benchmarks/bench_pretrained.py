@@ -36,7 +36,7 @@ import tncompile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from common import RESULTS, machine, parser, write_json  # noqa: E402
+from common import RESULTS, machine, parser, save_figure, write_json  # noqa: E402
 from minilm import batches, embed, load_minilm, mean_pool, probe_accuracy, sst2  # noqa: E402
 
 
@@ -91,7 +91,7 @@ def _plot(results: dict, path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
 
 
 def main() -> None:

@@ -139,10 +139,30 @@ def clear_grads(*tensors_or_modules) -> Callable[[], None]:
 
 
 def write_json(name: str, payload: dict) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / name
-    path.write_text(json.dumps(payload, indent=1))
+    """``payload`` as ``benchmarks/results/<name>`` (:func:`write_result`)."""
+    return write_result(RESULTS / name, payload)
+
+
+def write_result(path: str | os.PathLike, payload: dict | str | bytes) -> Path:
+    """``payload`` (a dict as indented JSON) written whole to ``path`` by a temporary file
+    renamed over it (``tncompile.files.write_replacing``): a reader never sees half a
+    result, and a link at ``path`` is replaced, not written through."""
+    from tncompile.files import write_replacing
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_replacing(path, json.dumps(payload, indent=1) if isinstance(payload, dict) else payload, mode=None)
     return path
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 110) -> Path:
+    """A matplotlib figure as a PNG at ``path`` (:func:`write_result`), then closed."""
+    import io
+
+    import matplotlib.pyplot as plt
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=dpi)
+    plt.close(fig)
+    return write_result(path, png.getvalue())
 
 
 def read_row(path: Path, protocol: dict, max_bytes: int, differs: str = "") -> object | None:

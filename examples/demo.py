@@ -323,8 +323,13 @@ def plot(rows: list[dict], task: str, seeds: int, path: Path) -> bool:
     extra = right.get_legend_handles_labels()
     ax.legend(lines[0] + extra[0], lines[1] + extra[1], fontsize=8, loc="lower center")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    import io
+
+    from tncompile.files import write_replacing
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=120)
     plt.close(fig)
+    write_replacing(path, png.getvalue(), mode=None)   # whole or not at all; a link there is replaced
     return True
 
 
@@ -456,7 +461,8 @@ def main() -> None:
     drew = plot(rows, task, args.seeds, out / "demo.png")
     cpu, built = cpu_seconds_used(children=False), resource.getrusage(resource.RUSAGE_CHILDREN)
     build_cpu = built.ru_utime + built.ru_stime
-    (out / "demo.json").write_text(json.dumps({
+    from tncompile.files import write_replacing
+    write_replacing(out / "demo.json", json.dumps({
         "task": task, "d_model": d_model, "steps": args.steps, "seeds": args.seeds, "batch_size": args.batch_size,
         "ratio": last["compiled_ratio"], "ratio_after_adaptation": small_compressed.ratio, "accuracy": rows,
         "accuracy_by_seed": [run["rows"] for run in runs], "gain_over_last_third": gains, "claim": claim,
@@ -464,7 +470,7 @@ def main() -> None:
         "measure_batch": args.measure_batch, "threads": threads, "loaded_same_outputs": same,
         "estimated_training_cpu_seconds": round(estimate, 1),
         "seconds": round(time.perf_counter() - started, 1), "cpu_seconds": round(cpu, 1),
-        "native_build_cpu_seconds": round(build_cpu, 1)}, indent=1))
+        "native_build_cpu_seconds": round(build_cpu, 1)}, indent=1), mode=None)
     print(f"   held-out accuracy plotted to {out / 'demo.png'}" if drew else "   (pip install matplotlib for the plot)")
     print(f"   the whole demo took {time.perf_counter() - started:.0f} s, {cpu:.0f} s of CPU time (imports included"
           + (f"; building the native kernels, once per machine, took {build_cpu:.0f} s more"
