@@ -7,7 +7,8 @@ the current context; :func:`run` is the layer's forward: it runs what the decisi
 and records it (``layer.ran_as``, the last eager call's way), which the report prints
 beside the TT linears' ways (:mod:`.linear`).
 
-In a differentiable eager call the ways that all apply -- the gathered product, the whole
+In a differentiable eager call the ways that all apply -- the gathered product, the half
+rows (while the ids need fewer half-table rows than the two half tables hold), the whole
 merged table (while it holds at most ``tuning.WHOLE_TABLE_SLACK`` times the rows looked
 up) and, on a GPU, the Triton lookup -- are timed once per shape and bucket of distinct
 ids, and the fastest is kept (:mod:`.measured`); elsewhere the prior decides: the
@@ -32,7 +33,7 @@ from .network import keeps_merged_forms
 from .rows import first_cpu_use
 
 __all__ = ["LookupWay", "choose", "choose_split", "choose_split_at", "decide", "run", "run_lookup", "whole_table", "merged_table",
-           "check_layer_ids", "GatheredProduct", "require_int_ids"]
+           "check_layer_ids", "GatheredProduct", "require_int_ids", "half_table_rows", "row_digits"]
 
 
 class LookupWay(str, enum.Enum):
@@ -43,11 +44,12 @@ class LookupWay(str, enum.Enum):
     TRITON_LOOKUP = "triton lookup"        # tncompile's Triton gather from the two half tables
     ONE_TABLE = "one table"                # a single core: the table itself, indexed
     GATHERED_PRODUCT = "gathered product"  # the two half tables, rows gathered and multiplied per id
+    HALF_ROWS = "half rows"                # only the half-table rows the ids need, each from its cores' slices
     WHOLE_TABLE = "whole table"            # the table merged whole (one product, merged_table), then indexed
 
 
 #: the ways timed against each other in a differentiable eager call, where they apply
-MEASURED = (LookupWay.GATHERED_PRODUCT, LookupWay.WHOLE_TABLE, LookupWay.TRITON_LOOKUP)
+MEASURED = (LookupWay.GATHERED_PRODUCT, LookupWay.HALF_ROWS, LookupWay.WHOLE_TABLE, LookupWay.TRITON_LOOKUP)
 measured.register_ways(w.value for w in MEASURED)
 
 
@@ -101,6 +103,8 @@ def _candidates(layer, like: torch.Tensor, rows: int, split: int, prior: LookupW
     if prior is LookupWay.TRITON_LOOKUP:   # switched on: it runs (as the linears' Triton pair)
         return (prior.value,)
     ways = [LookupWay.GATHERED_PRODUCT]
+    if rows < math.prod(layer.layout.row_modes[:split]) + math.prod(layer.layout.row_modes[split:]):
+        ways.append(LookupWay.HALF_ROWS)
     if math.prod(layer.layout.row_modes) <= tuning.WHOLE_TABLE_SLACK * rows:
         ways.append(LookupWay.WHOLE_TABLE)
     supports = backends.candidate(like, "lookup_supports")
@@ -128,9 +132,61 @@ def run_lookup(layer, way: LookupWay, lookup: torch.Tensor, split: int) -> torch
         return layer.scaled_cores()[0].reshape(lay.row_modes[0], lay.col_modes[0]).index_select(0, lookup)
     if way is LookupWay.WHOLE_TABLE:   # differentiable calls only (timed): merged afresh, at its cheapest bond
         return merged_table(layer.scaled_cores(), lay).index_select(0, lookup)
-    left, right = half_tables_of(layer, split)
     i_left, i_right = split_ids(lookup, math.prod(lay.row_modes[split:]))
+    if way is LookupWay.HALF_ROWS:     # differentiable calls only (timed)
+        i_left, at_left = torch.unique(i_left, return_inverse=True)
+        i_right, at_right = torch.unique(i_right, return_inverse=True)
+        left, right = half_table_rows(layer.scaled_cores(), split, i_left, i_right)
+        return GatheredProduct.apply(left, right, at_left, at_right).reshape(lookup.shape[0], lay.padded_cols)
+    left, right = half_tables_of(layer, split)
     return GatheredProduct.apply(left, right, i_left, i_right).reshape(lookup.shape[0], lay.padded_cols)
+
+
+def row_digits(rows: torch.Tensor, modes) -> list[torch.Tensor]:
+    """Each row index of ``rows (A,)`` as its digits over ``modes`` (row-major, as the
+    half tables number their rows): a list of ``len(modes)`` tensors ``(A,)``."""
+    digits = []
+    for m in reversed(modes):
+        digits.append(rows % m)
+        rows = torch.div(rows, m, rounding_mode="floor")
+    return digits[::-1]
+
+
+def half_table_rows(cores: list[torch.Tensor], split: int, i_rows: torch.Tensor, j_rows: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``i_rows (A,)`` of the left half table and ``j_rows (B,)`` of the right one
+    (:func:`~tncompile.runtime.kernels.traced_lookup.half_tables`, split at ``split``) from
+    the gated TTM ``cores (r_k, m_k, n_k, r_{k+1})``, without merging the halves whole:
+    ``(A, N_L, r)`` and ``(B, r, N_R)``. Each row is a chain of its cores' slices, one
+    :class:`GatheredProduct` per bond (the native kernel each way on CPU), so a lookup of
+    few distinct ids costs in proportion to the ids, where merging costs the tables' rows:
+    the 26 hashed Criteo tables of ``benchmarks/bench_dlrm.py`` need 10,960 of their
+    57,850 half-table rows at batch 2048."""
+    modes = [c.shape[1] for c in cores]
+    left = cores[0].squeeze(0)                              # (m0, n0, r1): rows by the first digit
+    index = row_digits(i_rows, modes[:split]) if split > 1 else [i_rows]
+    at = index[0]
+    for k in range(1, split):
+        a, m, n, b = cores[k].shape
+        by_row = cores[k].transpose(0, 1).reshape(m, a, n * b).contiguous()
+        left = GatheredProduct.apply(left.contiguous(), by_row, at, index[k])   # (A, N, n b)
+        left = left.reshape(left.shape[0], -1, b)
+        at = torch.arange(left.shape[0], device=left.device)
+    if split == 1:
+        left = left.index_select(0, at)
+    last = len(cores) - 1
+    right = cores[-1].squeeze(-1).transpose(0, 1).contiguous()   # (m, r, n): rows by the last digit
+    index = row_digits(j_rows, modes[split:]) if last > split else [j_rows]
+    at = index[-1]
+    for k in range(last - 1, split - 1, -1):
+        a, m, n, b = cores[k].shape
+        by_row = cores[k].transpose(0, 1).reshape(m, a * n, b).contiguous()
+        right = GatheredProduct.apply(by_row, right.contiguous(), index[k - split], at)   # (B, a n, N)
+        right = right.reshape(right.shape[0], a, -1)
+        at = torch.arange(right.shape[0], device=right.device)
+    if last == split:
+        right = right.index_select(0, at)
+    return left, right
 
 
 def whole_table(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
