@@ -14,7 +14,7 @@ from torch import Tensor
 from ..kernels.executor import contract
 from ..kernels.grouped import group_bounds, grouped_mm
 from .linear import record
-from .rows import apply_matrix, check_input_dtype, drop_boundary
+from .rows import as_rows, check_input_dtype, drop_boundary, shaped_output
 
 __all__ = ["ExpertsWay", "choose", "run"]
 
@@ -55,11 +55,10 @@ def _per_expert(layer, x: Tensor, offs: Tensor) -> Tensor:
         if end <= start:
             continue
         cores = drop_boundary([c[e] for c in per_expert])
-
-        def contract_rows(h, bias, cores=cores):
-            return contract(layer.plan_for(h.shape[0]), [h, *cores], bias)
-        pieces.append(apply_matrix(layer, x[start:end], None, lay.in_features, lay.in_modes,
-                                   lay.out_features, lay.padded_out, contract_rows))
+        h, _, lead = as_rows(layer, x[start:end], None, lay.in_features, lay.in_modes, lay.out_features,
+                             lay.padded_out)
+        y = contract(layer.plan_for(h.shape[0]), [h, *cores], None)
+        pieces.append(shaped_output(y, lead, lay.out_features, lay.padded_out))
         done = end
     if done < x.shape[0] or not pieces:  # rows past the last expert's block (none in a plain MoE block)
         pieces.append(x.new_zeros(x.shape[0] - done, layer.out_features))

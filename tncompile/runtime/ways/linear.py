@@ -25,7 +25,7 @@ from ..native import native_ops
 from ..kernels.plans import bucket_of
 from ..kernels.tt_chain import chain_available, chain_kernels, tt_chain
 from . import backends, measured
-from .rows import ACTIVATIONS, apply_matrix, check_input_dtype, drop_boundary, factor_macs, through_factors
+from .rows import ACTIVATIONS, as_rows, check_input_dtype, drop_boundary, factor_macs, shaped_output, through_factors
 
 __all__ = ["LinearWay", "choose", "choose_call", "choose_rows", "decide_call", "decide_rows", "run", "run_activated",
            "run_alone", "own_factors",
@@ -195,8 +195,8 @@ def run(layer, x: torch.Tensor) -> torch.Tensor:
         check_input_dtype(layer, x)
         record(layer, way)
         return through_factors(x, factors, layer.bias)
-    return apply_matrix(layer, x, layer.bias, lay.in_features, lay.in_modes, lay.out_features, lay.padded_out,
-                        lambda h, bias: contract_rows(layer, h, bias))
+    h, bias, lead = as_rows(layer, x, layer.bias, lay.in_features, lay.in_modes, lay.out_features, lay.padded_out)
+    return shaped_output(contract_rows(layer, h, bias), lead, lay.out_features, lay.padded_out)
 
 
 def run_activated(layer, x: torch.Tensor, activation: str) -> torch.Tensor:
@@ -208,9 +208,9 @@ def run_activated(layer, x: torch.Tensor, activation: str) -> torch.Tensor:
     lay = layer.layout
     if exporting() or backends.active(x, "thin_pair") is None:
         return ACTIVATIONS[activation](layer(x))
-    return apply_matrix(layer, x, layer.bias, lay.in_features, lay.in_modes, lay.out_features, lay.padded_out,
-                        lambda h, bias: _triton_pair(h.reshape(h.shape[0], -1), layer.merged_factors(), bias,
-                                                     activation))
+    h, bias, lead = as_rows(layer, x, layer.bias, lay.in_features, lay.in_modes, lay.out_features, lay.padded_out)
+    y = _triton_pair(h.reshape(h.shape[0], -1), layer.merged_factors(), bias, activation)
+    return shaped_output(y, lead, lay.out_features, lay.padded_out)
 
 
 def contract_rows(layer, h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -227,12 +227,9 @@ def run_alone(layer, x: torch.Tensor) -> torch.Tensor:
     :func:`decide_rows` says, merging its own factors (no peer's batch is touched, nothing
     is recorded): a block's measurement running its layers one by one (:mod:`.measured`)."""
     lay = layer.layout
-
-    def rows_alone(h: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        way, ops = decide_rows(layer, h, h.shape[0], export_checked=True)
-        return run_rows(layer, way, h, bias, ops, alone=True)
-    return apply_matrix(layer, x, layer.bias, lay.in_features, lay.in_modes, lay.out_features, lay.padded_out,
-                        rows_alone)
+    h, bias, lead = as_rows(layer, x, layer.bias, lay.in_features, lay.in_modes, lay.out_features, lay.padded_out)
+    way, ops = decide_rows(layer, h, h.shape[0], export_checked=True)
+    return shaped_output(run_rows(layer, way, h, bias, ops, alone=True), lead, lay.out_features, lay.padded_out)
 
 
 def run_rows(layer, way: LinearWay, h: torch.Tensor, bias: torch.Tensor | None, ops=None,

@@ -12,7 +12,8 @@ from torch import nn
 from ..kernels.cpu_allocator import _state as _ALLOCATOR_STATE
 from ..kernels.cpu_allocator import ensure_retained
 
-__all__ = ["ACTIVATIONS", "apply_matrix", "check_input_dtype", "drop_boundary", "factor_macs", "first_cpu_use", "through_factors"]
+__all__ = ["ACTIVATIONS", "as_rows", "check_input_dtype", "drop_boundary", "factor_macs", "first_cpu_use", "shaped_output",
+           "through_factors"]
 
 #: the activations a fused block or a thin pair's epilogue takes, as PyTorch computes them
 ACTIVATIONS = {
@@ -45,15 +46,12 @@ def check_input_dtype(module: nn.Module, x: torch.Tensor) -> None:
                     f"cast the input (x.to({dtype})) or the model (compiled.to({x.dtype}))")
 
 
-def apply_matrix(module: nn.Module, x: torch.Tensor, bias, in_dim: int, in_modes: tuple[int, ...],
-                 out_dim: int, padded_out: int, contract_rows) -> torch.Tensor:
-    """``x @ W.T + bias`` for the module's network ``W``: pad the feature dim
-    to the modes' product, contract with ``contract_rows(h, bias)`` (``h``:
-    ``(rows, *in_modes)``, ``bias`` padded; returns ``rows x padded_out``
-    elements), crop the output padding.
-
-    ``x``: ``(..., in_dim)`` -> ``(..., out_dim)``.
-    """
+def as_rows(module: nn.Module, x: torch.Tensor, bias, in_dim: int, in_modes: tuple[int, ...], out_dim: int,
+            padded_out: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Size]:
+    """A call's input as the rows a network contracts: ``x (..., in_dim)`` checked (dtype,
+    last dim), its features padded to the modes' product -> ``(h, bias, lead)``: ``h (rows,
+    *in_modes)``, ``bias`` padded to ``padded_out`` (or ``None``), ``lead = x.shape[:-1]``.
+    The product's ``(rows, padded_out)`` elements go back through :func:`shaped_output`."""
     check_input_dtype(module, x)
     if x.shape[-1] != in_dim:
         raise ValueError(f"{type(module).__name__} expected last dim {in_dim}, got shape {tuple(x.shape)}")
@@ -67,9 +65,14 @@ def apply_matrix(module: nn.Module, x: torch.Tensor, bias, in_dim: int, in_modes
         h = x.reshape(rows, *in_modes)  # one view, not two: each is an autograd node
     if bias is not None and padded_out != out_dim:
         bias = F.pad(bias, (0, padded_out - out_dim))
-    y = contract_rows(h, bias)
+    return h, bias, lead
+
+
+def shaped_output(y: torch.Tensor, lead: torch.Size, out_dim: int, padded_out: int) -> torch.Tensor:
+    """The product ``y`` (``rows x padded_out`` elements) of :func:`as_rows`'s rows as the
+    call's output ``(*lead, out_dim)``, the output padding cropped."""
     if padded_out != out_dim:
-        return y.reshape(rows, padded_out)[:, :out_dim].reshape(*lead, out_dim)
+        return y.reshape(-1, padded_out)[:, :out_dim].reshape(*lead, out_dim)
     return y.reshape(*lead, out_dim)
 
 

@@ -45,7 +45,7 @@ from . import measured
 from .linear import record
 from .lookup import merged_table
 from .network import keeps_merged_forms
-from .rows import apply_matrix, check_input_dtype, drop_boundary
+from .rows import as_rows, check_input_dtype, drop_boundary, shaped_output
 
 __all__ = ["TiedHeadWay", "choose", "run", "best_split", "half_product_macs", "merged_head_cost", "head_halves",
            "half_table_head", "tied_merge_macs"]
@@ -135,10 +135,10 @@ def _run_way(layer, way: TiedHeadWay, x: Tensor, split: int | None) -> Tensor:
     """``x (..., embedding_dim) -> (..., num_embeddings)`` one of the differentiable ways."""
     lay = layer.layout
     if way is TiedHeadWay.PLANNED:
-        def contract_rows(h, bias):
-            return contract(layer.plan_for(h.shape[0]), [h, *drop_boundary(layer.embedding.scaled_cores())], bias)
-        return apply_matrix(layer, x, layer.bias, lay.embedding_dim, lay.col_modes, lay.num_embeddings,
-                            lay.padded_rows, contract_rows)
+        h, bias, lead = as_rows(layer, x, layer.bias, lay.embedding_dim, lay.col_modes, lay.num_embeddings,
+                                lay.padded_rows)
+        y = contract(layer.plan_for(h.shape[0]), [h, *drop_boundary(layer.embedding.scaled_cores())], bias)
+        return shaped_output(y, lead, lay.num_embeddings, lay.padded_rows)
     if way is TiedHeadWay.MERGED_TABLE:  # a vocabulary-wide output: merging once beats contracting per row
         table = merged_table(layer.embedding.scaled_cores(), lay)[: layer.out_features, : lay.embedding_dim]
         return F.linear(x, table, layer.bias)
