@@ -1,10 +1,13 @@
 """``History``: what a rank-adaptive training run did, step by step, and its plot."""
 from __future__ import annotations
 
+import io
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from ..files import write_replacing
 
 __all__ = ["History"]
 
@@ -74,16 +77,12 @@ class History:
 
     def save_json(self, path: str | os.PathLike) -> None:
         """Write :meth:`to_dict` as JSON to ``path`` (a temporary file renamed over it)."""
-        from ..files import write_replacing
         write_replacing(path, json.dumps(self.to_dict()), mode=None)
 
     def plot(self, path: str | os.PathLike, title: str | None = None, max_layers: int = 24) -> None:
         """Write :meth:`figure` as a PNG to ``path``."""
         import matplotlib.pyplot as plt
 
-        import io
-
-        from ..files import write_replacing
         fig = self.figure(title, max_layers)
         png = io.BytesIO()
         fig.savefig(png, format="png", dpi=110, bbox_inches="tight")

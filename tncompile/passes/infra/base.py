@@ -20,6 +20,7 @@ from ...errors import PassError, TNCompileError
 from ...ir.program import CompileContext, PassRecord, Program
 from .progress import progress as progress_bar
 from ...runtime.kernels.executor import generated_code_dump
+from ...files import write_replacing
 
 __all__ = ["Pass", "FunctionPass", "Pipeline", "register_pass", "get_pass", "registered_passes",
            "normalize_name"]
@@ -286,7 +287,6 @@ def _write_dump(program: Program, out: Path, stem: str) -> None:
     """The program after a pass as ``<stem>.txt``, ``.json`` (and ``.code.py`` once layers
     are planned), each written whole by a temporary file renamed over it: a link planted at
     a dump's name is replaced, never written through."""
-    from ...files import write_replacing
     write_replacing(out / f"{stem}.txt", program.dump("text"), mode=None)
     write_replacing(out / f"{stem}.json", program.dump("json"), mode=None)
     code = generated_code_dump((str(node.target), mod) for node, mod in program.modules())
