@@ -249,3 +249,17 @@ def test_memory_and_step_time_are_measured_from_the_start_of_training(tiny_case)
     ops = {row["op"]: row for row in tt["profile"]}             # what the step's time goes to
     assert "profile" not in dense and len(ops) >= 5 and all(r["self_ms_per_step"] >= 0 for r in ops.values())
     assert any(op.startswith(("aten::", "tncompile::", "Optimizer")) for op in ops)
+
+
+def test_the_fused_variant_is_tt_with_fused_adagrad_and_the_same_update(tiny_case):
+    """``tt-fused`` (measured only) is ``tt``'s model with ``Adagrad(fused=True)``: one step
+    from the same seed and batch lands on the same parameters up to rounding."""
+    import bench_dlrm
+    plain = bench_dlrm.build(tiny_case, "tt", 0.03, 0, ranks="end")
+    fused = bench_dlrm.build(tiny_case, "tt-fused", 0.03, 0, ranks="end")
+    assert fused.optimizer.defaults["fused"] and not plain.optimizer.defaults["fused"]
+    batch = tiny_case.train.take(torch.arange(32))
+    for trainee in (plain, fused):
+        bench_dlrm.train_step(tiny_case, trainee, batch, 0.0)
+    for (name, a), (_, b) in zip(plain.model.named_parameters(), fused.model.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
