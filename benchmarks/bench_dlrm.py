@@ -20,7 +20,8 @@ interactions, top MLP 367-512-256-1.
   (``--ratio``, default 1/99 of dense's parameters), then tncompile's default rank-adaptive
   schedule (``RankController``, budget schedule) cuts it to the target; Adagrad;
 * ``tt-tables``: the same with only the tables compressed (the MLPs dense);
-* ``tt-fused`` (size, memory and step time only): ``tt`` with ``Adagrad(fused=True)``, which
+* ``tt-fused`` (size, memory and step time only): ``tt`` with the fused Adagrad
+  (``tncompile.param_groups(..., implementation="fused")``; ``tt`` takes its default, ``"foreach"``), which
   its dense gradients allow and a sparse-gradient table's do not; the same update as
   ``tt``'s up to rounding, so its quality is ``tt``'s.
 
@@ -202,8 +203,8 @@ def build(case: Case, variant: str, lr: float, seed: int, ranks: str = "start",
     compile_s = time.perf_counter() - start
     del dense
     gc.collect()
-    groups = tncompile.param_groups(model, lr=lr)
-    opt = torch.optim.Adam(groups, lr=lr) if kind == "adam" else torch.optim.Adagrad(groups, lr=lr, fused=fused or None)
+    groups = tncompile.param_groups(model, lr=lr, implementation="fused" if fused else "foreach")
+    opt = torch.optim.Adam(groups, lr=lr) if kind == "adam" else torch.optim.Adagrad(groups, lr=lr)
     if ranks == "end":                            # at the target: the cuts are done
         controller = None
     elif schedule_steps is None:                  # measured as it trains, with no cut in the way
