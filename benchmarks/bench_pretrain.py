@@ -47,8 +47,10 @@ peak: the same for every variant.
 **Ablations** (``--phases ablation``, after ``tt0.25``'s and ``tt0.1``'s sweeps): each at its
 base variant's best learning rate, seed 0, the sweep's horizon, against that sweep's row:
 ``+torchinit`` (cores at PyTorch's default scales, as ``init="random"`` drew them before
-this study: a std-1 embedding table against dense's 0.02) and ``+direct`` (compiled at the
-target, no rank adaptation).
+this study: a std-1 embedding table against dense's 0.02), ``+direct`` (compiled at the
+target, no rank adaptation) and ``+dense-embedding`` (as ``+direct`` with the tied table
+dense and the linears at the target of their own parameters: a larger model, to show how
+much of the gap is the table's compression).
 
 **The seeds' case** (``--objective mlm``): CoMERA pre-trains CodeBERT, a RoBERTa masked LM,
 at 4.23x compression. A ``RobertaForMaskedLM`` of the same width (hidden 256, 4 layers,

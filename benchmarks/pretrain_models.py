@@ -23,7 +23,11 @@ Ablations of ``tt<r>`` (what TT's quality from scratch depends on):
 * ``tt<r>+torchinit``: the cores drawn at PyTorch's default scales (a linear ``1/(3 in)``,
   an embedding ``1``) instead of the dense model's own (its ``initializer_range``): what
   ``init="random"`` did before issue 66;
-* ``tt<r>+direct``: compiled at ``r`` itself, no rank adaptation.
+* ``tt<r>+direct``: compiled at ``r`` itself, no rank adaptation;
+* ``tt<r>+dense-embedding``: as ``+direct``, but the tied embedding (and so the head) kept
+  dense and the linears at ``r`` of their own parameters -- a larger model than ``tt<r>``
+  (at 0.25, about 0.55 of dense's parameters in the study's shape): against ``+direct`` it
+  shows how much of TT's gap is the embedding's compression.
 
 Every variant of a seed draws its initialization from that seed (TT's cores included).
 """
@@ -100,7 +104,9 @@ def llama(shape: ModelShape, seed: int, device: str = "cpu") -> nn.Module:
 
 
 MEASURED_SUFFIX = "-measured"
-ABLATIONS = ("+torchinit", "+direct")
+ABLATIONS = ("+torchinit", "+direct", "+dense-embedding")
+#: the modules ``+dense-embedding`` keeps dense (a tied Llama's table and its head)
+EMBEDDING_MODULES = ["embed_tokens", "lm_head"]
 
 
 def variant_kind(variant: str) -> tuple[str, float | None]:
@@ -156,15 +162,21 @@ def compile_variant(variant: str, shape: ModelShape, seed: int, device: str = "c
     """The compressed model a ``tt`` or ``lowrank`` variant starts from (seeded init)."""
     import tncompile
     kind, ratio = variant_kind(variant)
-    headroom = 1.0 if variant.endswith("+direct") else TT_HEADROOM
+    dense_embedding = variant.endswith("+dense-embedding")
+    headroom = 1.0 if variant.endswith(("+direct", "+dense-embedding")) else TT_HEADROOM
     options = {"tt": dict(target_ratio=min(1.0, headroom * ratio)),
                "lowrank": dict(target_ratio=ratio, linear_cores=1, embedding_cores=2)}[kind]
     if variant.endswith(MEASURED_SUFFIX):
         options["linear_cores"] = "measured"
+    dense = model_for(objective, shape, seed, device)
+    if dense_embedding:   # the linears at ``ratio`` of theirs; the table dense: the whole model's ratio
+        table = dense.get_input_embeddings().weight.numel()
+        total = sum(p.numel() for p in dense.parameters())
+        options.update(target_ratio=(table + ratio * (total - table)) / total, exclude_modules=EMBEDDING_MODULES)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")   # the report's notes on the embedding's lookup speed
-        model = tncompile.compile(model_for(objective, shape, seed, device), init="random", seed=seed,
-                                  example_inputs=example_inputs(shape, device), **options)
+        model = tncompile.compile(dense, init="random", seed=seed, example_inputs=example_inputs(shape, device),
+                                  **options)
     if variant.endswith("+torchinit"):
         from tncompile.runtime.layers.tn_module import TNModule
         with torch.random.fork_rng(devices=[]):
@@ -197,7 +209,7 @@ def controller_for(variant: str, model: nn.Module, optimizer: torch.optim.Optimi
     third of ``steps`` each, cuts every ``steps / 20``); ``None`` for the other variants."""
     import tncompile
     kind, ratio = variant_kind(variant)
-    if kind != "tt" or variant.endswith("+direct"):
+    if kind != "tt" or variant.endswith(("+direct", "+dense-embedding")):
         return None
     return tncompile.RankController(model, optimizer, target_ratio=ratio, early_steps=steps // 3,
                                     late_steps=steps // 3, truncate_every=max(10, round(steps / 20)))

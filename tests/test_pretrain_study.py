@@ -253,9 +253,9 @@ def test_ablations_run_at_their_bases_best_rate_over_the_sweeps_horizon(tmp_path
     entries = study.ablations(bases=("tt0.25", "tt0.1"))          # tt0.1 has no sweep: left out
     assert [e["base"] for e in entries] == ["tt0.25"] and entries[0]["lr"] == pytest.approx(3e-3)
     ablated = [a for a in asked if a[0].startswith("ablation-")]
-    assert {a[1] for a in ablated} == {"tt0.25+torchinit", "tt0.25+direct"}
+    assert {a[1] for a in ablated} == {"tt0.25+torchinit", "tt0.25+direct", "tt0.25+dense-embedding"}
     assert all(a[2] == pytest.approx(3e-3) and a[3] == 0 and a[4] == study.sweep_steps for a in ablated)
-    assert set(entries[0]["valid_ppl"]) == {"tt0.25", "tt0.25+torchinit", "tt0.25+direct"}
+    assert set(entries[0]["valid_ppl"]) == {"tt0.25", "tt0.25+torchinit", "tt0.25+direct", "tt0.25+dense-embedding"}
     trained = len(asked)
     assert make_study(tmp_path, corpus).ablations(bases=("tt0.25", "tt0.1"), train=False) == entries
     assert len(asked) == trained                                   # the report only reads them
@@ -270,4 +270,13 @@ def test_the_ablated_variants_are_what_they_name():
         losses = [r.model(input_ids=x, labels=x).loss.item() for r in (base, torch_init, direct)]
     assert losses[1] > 2 * losses[0] and abs(losses[2] - losses[0]) < 0.1   # a std-1 tied table: huge logits
     assert direct.controller is None and base.controller is not None
-    assert direct.params() <= 0.25 * build("dense", SHAPE, 1e-3, 0, 10).params() < base.params()
+    dense = build("dense", SHAPE, 1e-3, 0, 10)
+    assert direct.params() <= 0.25 * dense.params() < base.params()
+    # the table dense (tied to the head), the linears at 0.25 of theirs, no rank adaptation
+    kept = build("tt0.25+dense-embedding", SHAPE, 1e-3, 0, 10)
+    model = kept.model
+    table = model.get_input_embeddings()
+    assert type(table) is torch.nn.Embedding and model.get_output_embeddings().weight is table.weight
+    linears = sum(p.numel() for n, p in dense.model.named_parameters() if "layers." in n and p.dim() == 2)
+    compressed = kept.params() - table.weight.numel() - (dense.params() - table.weight.numel() - linears)
+    assert kept.controller is None and 0 < compressed <= 0.25 * linears
