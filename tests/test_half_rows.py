@@ -114,3 +114,6 @@ def test_the_half_rows_are_a_candidate_only_while_they_need_fewer_rows_than_the_
     few = lookup._candidates(emb, like, held - 1, split, LookupWay.GATHERED_PRODUCT)
     many = lookup._candidates(emb, like, held, split, LookupWay.GATHERED_PRODUCT)
     assert "half rows" in few and "half rows" not in many
+    # on a device the row counts would be a host read inside a capturable step: never a candidate
+    meta = torch.empty(0, device="meta")
+    assert "half rows" not in lookup._candidates(emb, meta, held - 1, split, LookupWay.GATHERED_PRODUCT)

@@ -8,7 +8,7 @@ and records it (``layer.ran_as``, the last eager call's way), which the report p
 beside the TT linears' ways (:mod:`.linear`).
 
 In a differentiable eager call the ways that all apply -- the gathered product, the half
-rows (while the ids need fewer half-table rows than the two half tables hold), the whole
+rows (on the CPU, while the ids need fewer half-table rows than the two half tables hold), the whole
 merged table (while it holds at most ``tuning.WHOLE_TABLE_SLACK`` times the rows looked
 up) and, on a GPU, the Triton lookup -- are timed once per shape and bucket of distinct
 ids, and the fastest is kept (:mod:`.measured`); elsewhere the prior decides: the
@@ -103,7 +103,10 @@ def _candidates(layer, like: torch.Tensor, rows: int, split: int, prior: LookupW
     if prior is LookupWay.TRITON_LOOKUP:   # switched on: it runs (as the linears' Triton pair)
         return (prior.value,)
     ways = [LookupWay.GATHERED_PRODUCT]
-    if rows < math.prod(layer.layout.row_modes[:split]) + math.prod(layer.layout.row_modes[split:]):
+    # on the CPU only: its rows are counted on the host (torch.unique), which a device's
+    # step must not do to stay capturable, as distinct_ids does not there
+    if like.device.type == "cpu" and \
+            rows < math.prod(layer.layout.row_modes[:split]) + math.prod(layer.layout.row_modes[split:]):
         ways.append(LookupWay.HALF_ROWS)
     if math.prod(layer.layout.row_modes) <= tuning.WHOLE_TABLE_SLACK * rows:
         ways.append(LookupWay.WHOLE_TABLE)
