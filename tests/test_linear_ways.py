@@ -97,9 +97,12 @@ def test_the_lookup_chosen_is_the_lookup_run(cores, triton):
         predicted = lookup_ways.choose(emb, ids)
         emb(ids).sum().backward()
     assert emb.ran_as is predicted
-    expected = LookupWay.ONE_TABLE if cores == 1 else \
-        LookupWay.TRITON_LOOKUP if triton and runs_triton(emb.cores[0]) else LookupWay.GATHERED_PRODUCT
-    assert predicted is expected
+    if cores == 1:
+        assert predicted is LookupWay.ONE_TABLE
+    elif triton and runs_triton(emb.cores[0]):
+        assert predicted is LookupWay.TRITON_LOOKUP
+    else:   # 28 ids of a 300-row table: the two ways of such few ids, timed against each other
+        assert predicted in (LookupWay.GATHERED_PRODUCT, LookupWay.HALF_ROWS)
 
 
 def test_an_exported_lookup_is_its_own_way(monkeypatch):

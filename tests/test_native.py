@@ -70,8 +70,15 @@ def test_kernel_rejects_bad_indices_and_shapes(ops):
         ops.gathered_product(left, torch.randn(5, 3, 6), torch.tensor([0]), torch.tensor([0]))
 
 
+@pytest.mark.parametrize("way", ["gathered product", "half rows"])
 @pytest.mark.parametrize("pad", [None, 2])
-def test_ttm_embedding_native_equals_eager_and_dense(ops, monkeypatch, pad):
+def test_ttm_embedding_native_equals_eager_and_dense(ops, monkeypatch, pad, way):
+    """The lookup the way named (timed as the fastest: the choice is a measurement) on the
+    native gathered-product kernel against the same way on PyTorch's ops and the dense table."""
+    from tncompile.runtime.ways import lookup as lookup_ways
+    from tncompile.runtime.ways import measured
+    measured.forget()   # no winner kept from another case
+    monkeypatch.setattr(lookup_ways, "_timer", lambda *a: lambda name: 0.001 if name == way else 0.01)
     dense = nn.Embedding(150, 24, padding_idx=pad).double()
     emb = TTMEmbedding.from_embedding(dense, rank=4, num_cores=3, init="random")
     with torch.no_grad():
@@ -98,13 +105,17 @@ def test_ttm_embedding_native_equals_eager_and_dense(ops, monkeypatch, pad):
 
     monkeypatch.setattr(traced_lookup, "kernels_for", lambda t: Spy())
     native_out, native_grads = run()
-    assert calls == ["gathered_product", "gathered_product_backward"]  # the head is a matrix product
+    assert emb.ran_as.value == way
+    # the head is a matrix product; the half rows chain each half's cores by the kernel too
+    links = 1 if way == "gathered product" else 1 + (3 - 2)   # 3 cores: one bond inside a half
+    assert calls == ["gathered_product"] * links + ["gathered_product_backward"] * links
     monkeypatch.setattr(traced_lookup, "kernels_for", lambda t: None)
     eager_out, eager_grads = run()
     torch.testing.assert_close(native_out, eager_out)
     for a, b in zip(native_grads, eager_grads):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(native_out, emb.weight().detach()[ids])  # padding rows as stored
+    measured.forget()
 
 
 def test_disabled_by_environment_falls_back():
