@@ -155,14 +155,15 @@ def write_result(path: str | os.PathLike, payload: dict | str | bytes) -> Path:
 
 
 def save_figure(fig, path: str | os.PathLike, dpi: int = 110) -> Path:
-    """A matplotlib figure as a PNG at ``path`` (:func:`write_result`), then closed."""
-    import io
-
+    """A matplotlib figure as a PNG at ``path`` (``tncompile.files.write_figure``), then closed."""
     import matplotlib.pyplot as plt
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=dpi)
+
+    from tncompile.files import write_figure
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_figure(fig, path, dpi=dpi)
     plt.close(fig)
-    return write_result(path, png.getvalue())
+    return path
 
 
 def read_row(path: Path, protocol: dict, max_bytes: int, differs: str = "") -> object | None:

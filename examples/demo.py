@@ -323,13 +323,9 @@ def plot(rows: list[dict], task: str, seeds: int, path: Path) -> bool:
     extra = right.get_legend_handles_labels()
     ax.legend(lines[0] + extra[0], lines[1] + extra[1], fontsize=8, loc="lower center")
     fig.tight_layout()
-    import io
-
-    from tncompile.files import write_replacing
-    png = io.BytesIO()
-    fig.savefig(png, format="png", dpi=120)
+    from tncompile.files import write_figure
+    write_figure(fig, path, dpi=120)   # whole or not at all; a link there is replaced
     plt.close(fig)
-    write_replacing(path, png.getvalue(), mode=None)   # whole or not at all; a link there is replaced
     return True
 
 

@@ -9,6 +9,7 @@ through here:
 * :func:`write_replacing` writes a new file beside the target (``O_EXCL``, mode 0600,
   never an existing path), syncs it and renames it over the target: a link planted at the
   target is replaced, never written through, and a crash leaves the old file whole;
+* :func:`write_figure`: a matplotlib figure's PNG, written the same way;
 * :func:`private_folder` makes a cache folder 0700 and refuses one another user owns or
   that others may write to (where anyone could plant or swap what tncompile reads back).
 
@@ -18,12 +19,14 @@ the same rules.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["UnsafeFolderError", "read_bounded", "write_replacing", "private_folder", "open_lock_file"]
+__all__ = ["UnsafeFolderError", "read_bounded", "write_replacing", "write_figure", "private_folder", "open_lock_file"]
 
 
 class UnsafeFolderError(OSError):
@@ -97,6 +100,15 @@ def write_replacing(path: str | os.PathLike, data: bytes | str, mode: int | None
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
 
+
+
+def write_figure(fig, path: str | os.PathLike, dpi: int = 110, **savefig: Any) -> None:
+    """A matplotlib figure as a PNG at ``path``, whole (:func:`write_replacing`, user file
+    mode); ``savefig`` goes to ``fig.savefig`` (e.g. ``bbox_inches="tight"``). The figure
+    stays open: closing it is the caller's."""
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=dpi, **savefig)
+    write_replacing(path, png.getvalue(), mode=None)
 
 def private_folder(path: str | os.PathLike) -> Path:
     """``path`` as a folder only this user can write: made (with its parents) mode 0700 if

@@ -1,13 +1,12 @@
 """``History``: what a rank-adaptive training run did, step by step, and its plot."""
 from __future__ import annotations
 
-import io
 import json
 import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..files import write_replacing
+from ..files import write_figure, write_replacing
 
 __all__ = ["History"]
 
@@ -84,10 +83,8 @@ class History:
         import matplotlib.pyplot as plt
 
         fig = self.figure(title, max_layers)
-        png = io.BytesIO()
-        fig.savefig(png, format="png", dpi=110, bbox_inches="tight")
+        write_figure(fig, path, dpi=110, bbox_inches="tight")
         plt.close(fig)
-        write_replacing(path, png.getvalue(), mode=None)
 
     def figure(self, title: str | None = None, max_layers: int = 24):
         """A matplotlib figure: per-layer ranks (sum over bonds), model ratio, step time and loss over steps.

@@ -162,9 +162,7 @@ def half_table_rows(cores: list[torch.Tensor], split: int, i_rows: torch.Tensor,
     the gated TTM ``cores (r_k, m_k, n_k, r_{k+1})``, without merging the halves whole:
     ``(A, N_L, r)`` and ``(B, r, N_R)``. Each row is a chain of its cores' slices, one
     :class:`GatheredProduct` per bond (the native kernel each way on CPU), so a lookup of
-    few distinct ids costs in proportion to the ids, where merging costs the tables' rows:
-    the 26 hashed Criteo tables of ``benchmarks/bench_dlrm.py`` need 10,960 of their
-    57,850 half-table rows at batch 2048."""
+    few distinct ids costs in proportion to the ids, where merging costs the tables' rows."""
     modes = [c.shape[1] for c in cores]
     left = cores[0].squeeze(0)                              # (m0, n0, r1): rows by the first digit
     index = row_digits(i_rows, modes[:split]) if split > 1 else [i_rows]
